@@ -1,0 +1,48 @@
+"""piper-ir: the intermediate representation shared by every Piper package (no torch)."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from piper_ir.algorithms import critical_path, find_cycle, reachable, topological_order
+from piper_ir.errors import (
+    CaptureError,
+    DeadlockError,
+    DirectiveError,
+    ExecutionError,
+    MemoryPlanError,
+    PiperError,
+    SchedulingError,
+    SerializationError,
+    ValidationError,
+)
+from piper_ir.graph import (
+    COMMUNICATION_KINDS,
+    CodeRef,
+    Edge,
+    EdgeKind,
+    Graph,
+    Node,
+    NodeKind,
+    Segment,
+    SegmentRole,
+    TensorMeta,
+    Value,
+)
+from piper_ir.program import Communicator, Instruction, Program, RankPlan
+from piper_ir.serialize import from_json, to_json
+from piper_ir.summary import graph_summary, program_text
+from piper_ir.tags import ANY, MB, PASS, SEG, Filter, Phase, Tags
+from piper_ir.validate import validate
+
+try:
+    __version__ = version("piper-ir")
+except PackageNotFoundError:  # running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "ANY", "MB", "PASS", "SEG", "COMMUNICATION_KINDS", "CaptureError", "CodeRef", "Communicator",
+    "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph",
+    "Instruction", "MemoryPlanError", "Node", "NodeKind", "Phase", "PiperError", "Program",
+    "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Tags",
+    "TensorMeta", "ValidationError", "Value", "critical_path", "find_cycle", "from_json",
+    "graph_summary", "program_text", "reachable", "to_json", "topological_order", "validate",
+]

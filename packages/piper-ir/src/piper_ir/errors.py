@@ -1,0 +1,85 @@
+"""One error hierarchy for every Piper package.
+
+Each error carries what a user needs to find the culprit: the directive (and where the user
+wrote it), the nodes, the ranks and the step involved. ``str(err)`` renders all of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class PiperError(Exception):
+    """Base of every error Piper raises on purpose."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        directive: str | None = None,
+        nodes: Sequence[str] = (),
+        ranks: Sequence[int] = (),
+        step: int | None = None,
+    ) -> None:
+        self.message = message
+        self.directive = directive
+        self.nodes = tuple(nodes)
+        self.ranks = tuple(ranks)
+        self.step = step
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        parts = [self.message]
+        if self.directive:
+            parts.append(f"directive: {self.directive}")
+        if self.nodes:
+            shown = ", ".join(self.nodes[:8])
+            more = f" (+{len(self.nodes) - 8} more)" if len(self.nodes) > 8 else ""
+            parts.append(f"nodes: {shown}{more}")
+        if self.ranks:
+            parts.append(f"ranks: {', '.join(map(str, self.ranks))}")
+        if self.step is not None:
+            parts.append(f"step: {self.step}")
+        return "\n  ".join(parts)
+
+    def __reduce__(self):  # keep the fields when the error crosses a process boundary
+        return (
+            _rebuild,
+            (type(self), self.message, self.directive, self.nodes, self.ranks, self.step),
+        )
+
+
+def _rebuild(cls, message, directive, nodes, ranks, step):  # noqa: ANN001, ANN202
+    return cls(message, directive=directive, nodes=nodes, ranks=ranks, step=step)
+
+
+class ValidationError(PiperError):
+    """An IR value breaks a structural invariant (dangling edge, cycle, bad placement)."""
+
+
+class SerializationError(PiperError):
+    """A JSON document is not a Piper IR value of a version this code reads."""
+
+
+class CaptureError(PiperError):
+    """The model cannot be captured into a training DAG (e.g. compute outside annotations)."""
+
+
+class DirectiveError(PiperError):
+    """A directive is malformed or cannot be applied to the graph."""
+
+
+class SchedulingError(PiperError):
+    """The scheduler cannot build or verify a per-rank plan."""
+
+
+class DeadlockError(SchedulingError):
+    """The plan would deadlock: mismatched send/receive sequences or a wait cycle."""
+
+
+class MemoryPlanError(PiperError):
+    """Memory planning failed (e.g. the estimate exceeds the per-rank budget)."""
+
+
+class ExecutionError(PiperError):
+    """Running a plan failed on a worker (an exception, a dead worker or a timeout)."""

@@ -1,0 +1,243 @@
+"""The global training DAG: segments, values, nodes and edges.
+
+A ``Graph`` is an immutable value. Passes never edit one in place: they build a new graph
+(``GraphBuilder`` or ``attrs.evolve``). Cross-node invariants are checked by
+``piper_ir.validate.validate``; field validators only check what one field can know alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import StrEnum
+from functools import cached_property
+
+import attrs
+
+from piper_ir.tags import Phase, Tags
+
+
+class NodeKind(StrEnum):
+    COMPUTE = "compute"  # a segment's F / B / BI / BW, or the loss
+    OPTIMIZER = "optimizer"  # the update of one segment's parameters
+    SEND = "send"
+    RECV = "recv"
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+    MATERIALIZE = "materialize"
+    FREE = "free"
+    MARKER = "marker"
+
+
+COMMUNICATION_KINDS = frozenset(
+    {
+        NodeKind.SEND,
+        NodeKind.RECV,
+        NodeKind.ALL_REDUCE,
+        NodeKind.REDUCE_SCATTER,
+        NodeKind.ALL_GATHER,
+        NodeKind.ALL_TO_ALL,
+        NodeKind.BROADCAST,
+    }
+)
+
+
+class EdgeKind(StrEnum):
+    DATA = "data"  # a tensor flows from src to dst
+    TEMPORAL = "temporal"  # ordering only
+
+
+class SegmentRole(StrEnum):
+    STAGE = "stage"  # an annotated region of the model
+    LOSS = "loss"  # the loss function applied to the model output and the targets
+
+
+def _tuple_of_ints(value: Iterable[int] | None) -> tuple[int, ...] | None:
+    return None if value is None else tuple(int(v) for v in value)
+
+
+@attrs.frozen
+class TensorMeta:
+    """Shape and dtype of a value; ``batch_dim`` is the dimension ``Split`` divides."""
+
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    dtype: str
+    batch_dim: int | None = None
+    requires_grad: bool = False
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def nbytes(self) -> int:
+        return self.numel() * _DTYPE_BYTES.get(self.dtype, 4)
+
+    def split(self, parts: int) -> TensorMeta:
+        """The meta of one of ``parts`` equal chunks along the batch dimension."""
+        if self.batch_dim is None:
+            return self
+        shape = list(self.shape)
+        shape[self.batch_dim] //= parts
+        return attrs.evolve(self, shape=tuple(shape))
+
+
+_DTYPE_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+@attrs.frozen
+class Value:
+    """A tensor that flows between segments (or in from the batch)."""
+
+    name: str
+    meta: TensorMeta
+
+
+@attrs.frozen
+class CodeRef:
+    """An opaque, versioned reference to a segment's captured code.
+
+    Only torch-side packages decode it. ``format`` says which decoder applies; ``digest``
+    identifies the code so a saved plan can be matched to the bundle that executes it.
+    """
+
+    format: str
+    version: int
+    digest: str
+
+
+@attrs.frozen
+class Segment:
+    """One annotated region of the model (or the loss), the unit of compute in the DAG."""
+
+    id: str
+    role: SegmentRole
+    tags: Tags
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    params: tuple[tuple[str, TensorMeta], ...] = ()
+    code: CodeRef | None = None
+    source: str | None = None  # where the user wrote the annotation, "file.py:42"
+
+
+@attrs.frozen
+class Node:
+    """One operation of the training step.
+
+    ``devices`` is the device group the node runs on (the SPMD replicas of one region); it is
+    empty until ``Place``. For ``SEND``/``RECV`` nodes ``peers[i]`` is the partner of
+    ``devices[i]``.
+    """
+
+    id: str
+    kind: NodeKind
+    segment: str | None = None
+    phase: Phase | None = None
+    microbatch: int | None = None
+    tags: Tags = Tags()
+    devices: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    stream: str = "compute"
+    value: str | None = None
+    peers: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    origin: str | None = None  # the directive that created or last placed this node
+
+    def __str__(self) -> str:
+        bits = [self.id, self.kind.value]
+        if self.phase:
+            bits.append(self.phase.value)
+        if self.microbatch is not None:
+            bits.append(f"mb={self.microbatch}")
+        if self.value:
+            bits.append(f"value={self.value}")
+        if self.devices:
+            bits.append(f"devices={list(self.devices)}")
+        if self.peers:
+            bits.append(f"peers={list(self.peers)}")
+        bits.append(f"stream={self.stream}")
+        return " ".join(bits)
+
+
+@attrs.frozen
+class Edge:
+    src: str
+    dst: str
+    kind: EdgeKind = EdgeKind.DATA
+    value: str | None = None
+    origin: str | None = None  # the directive that added a temporal edge
+
+    def __str__(self) -> str:
+        label = f"[{self.value}]" if self.value else ""
+        return f"{self.src} -{self.kind.value}{label}-> {self.dst}"
+
+
+@attrs.frozen(eq=True)
+class Graph:
+    """The global training DAG of one step.
+
+    ``inputs`` and ``targets`` name the values that come from the batch; ``microbatches`` is 1
+    until ``Split``.
+    """
+
+    segments: tuple[Segment, ...] = attrs.field(converter=tuple)
+    values: tuple[Value, ...] = attrs.field(converter=tuple)
+    nodes: tuple[Node, ...] = attrs.field(converter=tuple)
+    edges: tuple[Edge, ...] = attrs.field(converter=tuple)
+    inputs: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    targets: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    microbatches: int = 1
+    world_size: int = 0  # number of devices, known after Place
+
+    @cached_property
+    def node_by_id(self) -> dict[str, Node]:
+        return {n.id: n for n in self.nodes}
+
+    @cached_property
+    def segment_by_id(self) -> dict[str, Segment]:
+        return {s.id: s for s in self.segments}
+
+    @cached_property
+    def value_by_name(self) -> dict[str, Value]:
+        return {v.name: v for v in self.values}
+
+    @cached_property
+    def successors(self) -> dict[str, list[Edge]]:
+        out: dict[str, list[Edge]] = {n.id: [] for n in self.nodes}
+        for e in self.edges:
+            out.setdefault(e.src, []).append(e)
+        return out
+
+    @cached_property
+    def predecessors(self) -> dict[str, list[Edge]]:
+        out: dict[str, list[Edge]] = {n.id: [] for n in self.nodes}
+        for e in self.edges:
+            out.setdefault(e.dst, []).append(e)
+        return out
+
+    def node(self, node_id: str) -> Node:
+        return self.node_by_id[node_id]
+
+    def compute_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER)]
+
+    def stage_segments(self) -> list[Segment]:
+        return [s for s in self.segments if s.role is SegmentRole.STAGE]
+
+    def loss_segment(self) -> Segment:
+        for s in self.segments:
+            if s.role is SegmentRole.LOSS:
+                return s
+        raise KeyError("graph has no loss segment")

@@ -1,0 +1,111 @@
+"""The compiled plan: what each rank executes, stream by stream.
+
+A ``Program`` is the only type a runtime needs. Each rank holds one instruction list in a
+valid sequential order; an instruction's ``stream`` says which logical stream it belongs to
+(the per-stream orders are the sub-sequences), ``waits`` names the events recorded by other
+streams that must complete first and ``record`` the event it records. A sequential runtime
+walks the list; a threaded runtime runs each stream on its own worker and honours events.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import attrs
+
+from piper_ir.graph import NodeKind, Segment, TensorMeta, Value
+from piper_ir.tags import Phase
+
+PROGRAM_FORMAT_VERSION = 1
+
+
+@attrs.frozen
+class Instruction:
+    """One step of one rank's plan.
+
+    Compute: ``segment`` + ``phase`` + ``microbatch``. ``SEND``/``RECV``: ``value`` (the
+    activation, or ``grad:<value>`` for its gradient) for ``microbatch``, to/from ``peer`` on
+    ``communicator``, with ``meta`` giving the exact shape and dtype that travel.
+    """
+
+    id: str
+    kind: NodeKind
+    stream: str = "compute"
+    segment: str | None = None
+    phase: Phase | None = None
+    microbatch: int | None = None
+    value: str | None = None
+    peer: int | None = None
+    communicator: str | None = None
+    meta: TensorMeta | None = None
+    waits: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    record: str | None = None
+
+    def short(self) -> str:
+        """A compact label in the style of torch's schedule actions (``1F3``, ``SEND a->1``)."""
+        mb = "" if self.microbatch is None else str(self.microbatch)
+        if self.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER):
+            return f"{self.segment}:{self.phase.value if self.phase else '?'}{mb}"
+        arrow = "->" if self.kind is NodeKind.SEND else "<-"
+        return f"{self.kind.value.upper()} {self.value}#{mb} {arrow}{self.peer}"
+
+
+@attrs.frozen
+class RankPlan:
+    rank: int
+    instructions: tuple[Instruction, ...] = attrs.field(converter=tuple)
+
+    def streams(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for ins in self.instructions:
+            seen.setdefault(ins.stream, None)
+        return tuple(seen)
+
+    def stream_order(self, stream: str) -> list[Instruction]:
+        return [ins for ins in self.instructions if ins.stream == stream]
+
+    def segments(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for ins in self.instructions:
+            if ins.segment is not None and ins.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER):
+                seen.setdefault(ins.segment, None)
+        return tuple(seen)
+
+
+@attrs.frozen
+class Communicator:
+    """A group of ranks that exchange one class of traffic (e.g. ``pp.fwd``)."""
+
+    id: str
+    ranks: tuple[int, ...] = attrs.field(converter=tuple)
+    traffic: str
+
+
+@attrs.frozen(eq=True)
+class Program:
+    """Per-rank plans plus everything a runtime must know to execute them."""
+
+    world_size: int
+    ranks: tuple[RankPlan, ...] = attrs.field(converter=tuple)
+    communicators: tuple[Communicator, ...] = attrs.field(converter=tuple)
+    segments: tuple[Segment, ...] = attrs.field(converter=tuple)
+    values: tuple[Value, ...] = attrs.field(converter=tuple)
+    inputs: tuple[str, ...] = attrs.field(converter=tuple)
+    targets: tuple[str, ...] = attrs.field(converter=tuple)
+    microbatches: int = 1
+    placement: tuple[tuple[str, tuple[int, ...]], ...] = attrs.field(default=(), converter=tuple)
+    """Which devices hold each segment's parameters (segment id -> device group)."""
+
+    @cached_property
+    def segment_by_id(self) -> dict[str, Segment]:
+        return {s.id: s for s in self.segments}
+
+    @cached_property
+    def value_by_name(self) -> dict[str, Value]:
+        return {v.name: v for v in self.values}
+
+    def plan(self, rank: int) -> RankPlan:
+        return self.ranks[rank]
+
+    def devices_of(self, segment: str) -> tuple[int, ...]:
+        return dict(self.placement)[segment]

@@ -1,0 +1,63 @@
+"""Cross-node invariants of a ``Graph``; ``validate`` raises ``ValidationError`` on the first."""
+
+from __future__ import annotations
+
+from piper_ir.algorithms import find_cycle
+from piper_ir.errors import ValidationError
+from piper_ir.graph import EdgeKind, Graph, NodeKind
+
+
+def validate(graph: Graph) -> Graph:
+    """Check that ``graph`` is well formed and return it unchanged.
+
+    - node ids, segment ids and value names are unique;
+    - edges name existing nodes, data edges name existing values;
+    - compute nodes name existing segments; microbatches lie in ``[0, graph.microbatches)``;
+    - placements are consistent: a device group has no repeated device and lies inside
+      ``[0, world_size)``; send/receive peers pair up with devices;
+    - data and temporal edges together have no cycle.
+    """
+    _unique("node id", [n.id for n in graph.nodes])
+    _unique("segment id", [s.id for s in graph.segments])
+    _unique("value name", [v.name for v in graph.values])
+    nodes = graph.node_by_id
+    for e in graph.edges:
+        for end in (e.src, e.dst):
+            if end not in nodes:
+                raise ValidationError(f"edge {e} names unknown node {end!r}", nodes=[end])
+        if e.kind is EdgeKind.DATA and e.value is not None and e.value not in graph.value_by_name:
+            raise ValidationError(f"edge {e} carries unknown value {e.value!r}", nodes=[e.src, e.dst])
+    for n in graph.nodes:
+        if n.segment is not None and n.segment not in graph.segment_by_id:
+            raise ValidationError(f"node {n.id} names unknown segment {n.segment!r}", nodes=[n.id])
+        if n.microbatch is not None and not 0 <= n.microbatch < graph.microbatches:
+            raise ValidationError(
+                f"node {n.id} has microbatch {n.microbatch} outside [0, {graph.microbatches})",
+                nodes=[n.id],
+            )
+        if len(set(n.devices)) != len(n.devices):
+            raise ValidationError(f"node {n.id} names a device twice: {list(n.devices)}", nodes=[n.id])
+        if graph.world_size and any(not 0 <= d < graph.world_size for d in n.devices):
+            raise ValidationError(
+                f"node {n.id} is placed on {list(n.devices)}, outside world size {graph.world_size}",
+                nodes=[n.id],
+            )
+        if n.kind in (NodeKind.SEND, NodeKind.RECV) and len(n.peers) != len(n.devices):
+            raise ValidationError(f"{n.kind.value} node {n.id} has peers {list(n.peers)} for devices {list(n.devices)}", nodes=[n.id])
+    cycle = find_cycle(graph)
+    if cycle is not None:
+        origins = sorted({e.origin for e in graph.edges if e.origin and e.src in cycle and e.dst in cycle})
+        raise ValidationError(
+            "the graph has a cycle: " + " -> ".join(cycle),
+            directive=", ".join(origins) or None,
+            nodes=cycle,
+        )
+    return graph
+
+
+def _unique(what: str, items: list[str]) -> None:
+    seen: set[str] = set()
+    for item in items:
+        if item in seen:
+            raise ValidationError(f"duplicate {what} {item!r}")
+        seen.add(item)
