@@ -1,0 +1,97 @@
+"""``annotate``: mark a region of a model's ``forward`` as a unit Piper can place and order.
+
+Outside ``capture`` an annotation costs nothing: the model runs eagerly as usual. While
+``capture`` traces the model, every operation records the stack of annotation scopes it was
+created in; each scope gets an index per tag name in trace order (the first
+``annotate("PP")`` is ``PP=0``, the next ``PP=1``, ...), unless the user gives one.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import attrs
+
+
+@attrs.frozen
+class Scope:
+    """One entered annotation: a tag name, its index, and where the user wrote it."""
+
+    uid: int  # unique per capture, in trace order
+    tag: str
+    index: int
+    source: str
+
+
+class _TraceState(threading.local):
+    def __init__(self) -> None:
+        self.active = False
+        self.stack: list[Scope] = []
+        self.counters: dict[str, int] = {}
+        self.next_uid = 0
+
+
+_state = _TraceState()
+
+
+def current_scopes() -> tuple[Scope, ...]:
+    """The scopes enclosing the operation being traced (outermost first)."""
+    return tuple(_state.stack)
+
+
+@contextmanager
+def tracing() -> Iterator[None]:
+    """Turn on scope recording for one capture (resets the per-tag counters)."""
+    if _state.active:
+        raise RuntimeError("capture is not re-entrant: a capture is already tracing on this thread")
+    _state.active, _state.stack, _state.counters, _state.next_uid = True, [], {}, 0
+    try:
+        yield
+    finally:
+        _state.active, _state.stack = False, []
+
+
+class annotate:  # noqa: N801 - used like a keyword: ``with annotate("PP"):``
+    """Mark the operations inside a ``with`` block as one region with ``tag``.
+
+    ``index`` fixes the region's index for its tag; by default regions of one tag are
+    numbered in trace order. Regions nest: an operation inside ``annotate("PP")`` and
+    ``annotate("EP")`` carries both tags.
+    """
+
+    __slots__ = ("tag", "index", "_scope")
+
+    def __init__(self, tag: str, index: int | None = None) -> None:
+        if not isinstance(tag, str) or not tag or not tag.replace("_", "").isalnum():
+            raise ValueError(f"annotate: tag must be a non-empty identifier, got {tag!r}")
+        if tag in ("PASS", "MB", "SEG"):
+            raise ValueError(f"annotate: tag {tag!r} is reserved for filters")
+        if index is not None and (not isinstance(index, int) or index < 0):
+            raise ValueError(f"annotate: index must be a non-negative int, got {index!r}")
+        self.tag = tag
+        self.index = index
+        self._scope: Scope | None = None
+
+    def __enter__(self) -> annotate:
+        if not _state.active:
+            return self
+        frame = sys._getframe(1)
+        source = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        if self.index is None:
+            index = _state.counters.get(self.tag, 0)
+            _state.counters[self.tag] = index + 1
+        else:
+            index = self.index
+            _state.counters[self.tag] = max(_state.counters.get(self.tag, 0), index + 1)
+        self._scope = Scope(_state.next_uid, self.tag, index, source)
+        _state.next_uid += 1
+        _state.stack.append(self._scope)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._scope is not None:
+            _state.stack.remove(self._scope)
+            self._scope = None

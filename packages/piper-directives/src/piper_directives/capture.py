@@ -1,0 +1,375 @@
+"""``capture``: trace an annotated model into Piper's single-device training DAG.
+
+The model is traced with ``torch.fx``; every operation remembers the annotation scopes it was
+created in. Maximal runs of operations with the same scopes become *segments*; the traced
+graph is split into one ``GraphModule`` per segment, and the loss function becomes one more
+segment. The result is the IR ``Graph`` of one training step (see docs/ir-conventions.md,
+section 1) plus the torch modules that carry each segment's code.
+
+Requires: every operation of ``forward`` lies inside some ``annotate`` region, and each
+parameter is used by one segment only. Guarantees: the graph validates, segment modules take
+their inputs positionally and return tuples in ``Segment.outputs`` order, and they share
+parameters with ``model`` (nothing is copied).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+import torch.fx
+from torch.fx.passes.split_module import split_module
+
+from piper_directives.annotate import Scope, current_scopes, tracing
+from piper_ir import (
+    CaptureError,
+    CodeRef,
+    Edge,
+    Graph,
+    Node,
+    NodeKind,
+    Phase,
+    Segment,
+    SegmentRole,
+    Tags,
+    TensorMeta,
+    Value,
+    validate,
+)
+
+LOSS = "loss"
+CODE_FORMAT = "torch.fx.GraphModule"
+
+
+@attrs.define
+class CapturedModel:
+    """The training DAG of one step and the torch code of each of its segments."""
+
+    graph: Graph
+    modules: dict[str, torch.nn.Module]
+    batch_size: int
+
+
+class LossModule(torch.nn.Module):
+    """The loss segment: ``loss_fn(*model_outputs, *targets)``."""
+
+    def __init__(self, loss_fn: Callable[..., torch.Tensor], n_outputs: int) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+        self.n_outputs = n_outputs
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(*args[: self.n_outputs], *args[self.n_outputs :])
+
+
+class _ScopeTracer(torch.fx.Tracer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.record_stack_traces = True
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):  # noqa: ANN001, ANN201
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        node.meta["piper_scopes"] = current_scopes()
+        return node
+
+
+_COMPUTE_OPS = ("call_function", "call_method", "call_module")
+
+
+def capture(
+    model: torch.nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    example_targets: Sequence[torch.Tensor],
+    loss_fn: Callable[..., torch.Tensor],
+) -> CapturedModel:
+    """Trace ``model`` and build its single-device training DAG.
+
+    ``example_inputs`` and ``example_targets`` are one full batch (split along dim 0 later);
+    the batch must hold at least 2 samples so the batch dimension of every value can be found.
+    """
+    inputs, targets = tuple(example_inputs), tuple(example_targets)
+    _check_batch(inputs, targets)
+    with tracing():
+        try:
+            traced_graph = _ScopeTracer().trace(model)
+        except CaptureError:
+            raise
+        except Exception as err:  # torch.fx's own errors: keep its message, name the model
+            raise CaptureError(f"torch.fx could not trace {type(model).__name__}: {err}") from err
+    gm = torch.fx.GraphModule(model, traced_graph)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        raise CaptureError(
+            f"{type(model).__name__}.forward takes {len(placeholders)} inputs but "
+            f"{len(inputs)} example inputs were given"
+        )
+    partition_of, segment_scopes = _assign_segments(gm)
+    split = split_module(
+        gm,
+        model,
+        lambda node: partition_of[node.name],
+        keep_original_order=True,
+        keep_original_node_name=True,
+        tuple_return=True,
+    )
+    return _build(model, split, segment_scopes, inputs, targets, loss_fn)
+
+
+def _check_batch(inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> None:
+    if not inputs or not targets:
+        raise CaptureError("capture needs at least one example input and one example target")
+    for kind, tensors in (("input", inputs), ("target", targets)):
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                raise CaptureError(f"example {kind} {i} must be a tensor with a batch dimension (dim 0)")
+    sizes = {t.shape[0] for t in inputs + targets}
+    if len(sizes) != 1:
+        raise CaptureError(f"example inputs and targets disagree on the batch size (dim 0): {sorted(sizes)}")
+    if sizes.pop() < 2:
+        raise CaptureError("capture needs an example batch of at least 2 samples")
+
+
+def _describe(node: torch.fx.Node) -> str:
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    where = ""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines()]
+    torch_dir = os.path.dirname(torch.__file__)
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File ") and torch_dir not in lines[i] and "piper_directives" not in lines[i]:
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+            where = f" at {lines[i]}" + (f": {code}" if code else "")
+            break
+    return f"{node.op} {target!s} (fx node {node.name!r}){where}"
+
+
+def _assign_segments(gm: torch.fx.GraphModule) -> tuple[dict[str, int], list[tuple[Scope, ...]]]:
+    """Map every fx node to a segment index; segments are maximal runs of one scope stack."""
+    partition_of: dict[str, int] = {}
+    segment_scopes: list[tuple[Scope, ...]] = []
+    last_key: tuple[int, ...] | None = None
+    outside = []
+    for node in gm.graph.nodes:
+        if node.op not in _COMPUTE_OPS:
+            continue
+        scopes: tuple[Scope, ...] = node.meta.get("piper_scopes", ())
+        if not scopes:
+            outside.append(node)
+            continue
+        key = tuple(s.uid for s in scopes)
+        if key != last_key:
+            segment_scopes.append(scopes)
+            last_key = key
+        partition_of[node.name] = len(segment_scopes) - 1
+    if outside:
+        raise CaptureError(
+            f"{len(outside)} operation(s) lie outside every annotate(...) region; wrap them in one. "
+            f"First: {_describe(outside[0])}",
+            nodes=[n.name for n in outside],
+        )
+    if not segment_scopes:
+        raise CaptureError("the model has no annotated region: wrap its forward in annotate(...)")
+    # get_attr nodes (parameters, buffers, constants) belong to the segment of their users.
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            users = {partition_of[u.name] for u in node.users if u.name in partition_of}
+            if len(users) > 1 and isinstance(_fetch_attr(gm, node.target), torch.nn.Parameter):
+                raise CaptureError(
+                    f"parameter {node.target!r} is used by several segments "
+                    f"({', '.join(f's{i}' for i in sorted(users))}); tied parameters are not supported"
+                )
+            partition_of[node.name] = min(users) if users else 0
+    return partition_of, segment_scopes
+
+
+def _fetch_attr(module: torch.nn.Module, qualname: str) -> object:
+    obj: object = module
+    for atom in qualname.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs the split module and keeps every top-level node's result."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.results: dict[str, object] = {}
+
+    def run_node(self, n: torch.fx.Node) -> object:
+        out = super().run_node(n)
+        self.results[n.name] = out
+        return out
+
+
+def _run(split: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[str, object]:
+    recorder = _Recorder(split)
+    with torch.enable_grad():
+        recorder.run(*inputs)
+    return recorder.results
+
+
+def _meta(full: torch.Tensor, half: torch.Tensor | None, requires_grad: bool) -> TensorMeta:
+    batch_dim = None
+    if half is not None:
+        for d, (a, b) in enumerate(zip(full.shape, half.shape, strict=False)):
+            if a != b:
+                batch_dim = d
+                break
+    return TensorMeta(
+        shape=tuple(full.shape),
+        dtype=str(full.dtype).removeprefix("torch."),
+        batch_dim=batch_dim,
+        requires_grad=requires_grad and full.is_floating_point(),
+    )
+
+
+def _build(
+    model: torch.nn.Module,
+    split: torch.fx.GraphModule,
+    segment_scopes: list[tuple[Scope, ...]],
+    inputs: tuple[torch.Tensor, ...],
+    targets: tuple[torch.Tensor, ...],
+    loss_fn: Callable[..., torch.Tensor],
+) -> CapturedModel:
+    batch = inputs[0].shape[0]
+    half_inputs = tuple(t[: batch // 2] for t in inputs)
+    try:
+        full = _run(split, inputs)
+        half = _run(split, half_inputs)
+    except Exception as err:
+        raise CaptureError(f"running {type(model).__name__} on the example inputs failed: {err}") from err
+
+    value_of: dict[str, str] = {}  # top-level fx node name -> value name
+    producer: dict[str, str] = {}  # value name -> segment id
+    values: dict[str, Value] = {}
+    segments: list[Segment] = []
+    modules: dict[str, torch.nn.Module] = {}
+    seg_inputs: dict[str, tuple[str, ...]] = {}
+
+    def add_value(node_name: str, name: str, tensor: object, half_tensor: object) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise CaptureError(f"value {node_name!r} is a {type(tensor).__name__}; segments may only exchange tensors")
+        value_of[node_name] = name
+        ht = half_tensor if isinstance(half_tensor, torch.Tensor) else None
+        values[name] = Value(name, _meta(tensor, ht, tensor.requires_grad))
+
+    top_nodes = list(split.graph.nodes)
+    for i, node in enumerate(n for n in top_nodes if n.op == "placeholder"):
+        add_value(node.name, f"input:{i}", full[node.name], half[node.name])
+
+    for node in top_nodes:
+        if node.op == "call_module":
+            index = int(str(node.target).removeprefix("submod_"))
+            seg_id = f"s{index}"
+            sub = getattr(split, str(node.target))
+            out_nodes = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+            outs = []
+            for j, out_node in enumerate(out_nodes):
+                getter = next(
+                    (u for u in node.users if u.op == "call_function" and u.args[1] == j), None
+                )
+                name = f"v:{out_node.name}"
+                outs.append(name)
+                producer[name] = seg_id
+                if getter is not None:
+                    add_value(getter.name, name, full[getter.name], half[getter.name])
+                else:  # an output nobody reads at top level: record it anyway
+                    values[name] = Value(name, _meta(full[node.name][j], half[node.name][j], True))
+            seg_inputs[seg_id] = tuple(value_of[a.name] for a in node.args)
+            scopes = segment_scopes[index]
+            params = tuple(
+                (pname, TensorMeta(tuple(p.shape), str(p.dtype).removeprefix("torch."), None, True))
+                for pname, p in sub.named_parameters()
+            )
+            digest = hashlib.sha256(sub.code.encode()).hexdigest()[:16]
+            segments.append(
+                Segment(
+                    id=seg_id,
+                    role=SegmentRole.STAGE,
+                    tags=Tags(tuple((s.tag, s.index) for s in scopes)),
+                    inputs=seg_inputs[seg_id],
+                    outputs=tuple(outs),
+                    params=params,
+                    code=CodeRef(CODE_FORMAT, 1, digest),
+                    source=scopes[-1].source,
+                )
+            )
+            modules[seg_id] = sub
+
+    out_arg = next(n for n in top_nodes if n.op == "output").args[0]
+    out_nodes = list(out_arg) if isinstance(out_arg, tuple | list) else [out_arg]
+    model_outputs = []
+    for n in out_nodes:
+        if not isinstance(n, torch.fx.Node) or n.name not in value_of:
+            raise CaptureError(f"{type(model).__name__}.forward must return tensors computed by the model, got {n!r}")
+        model_outputs.append(value_of[n.name])
+
+    target_names = []
+    for i, t in enumerate(targets):
+        name = f"target:{i}"
+        values[name] = Value(name, _meta(t, t[: batch // 2], False))
+        target_names.append(name)
+
+    loss_module = LossModule(loss_fn, len(model_outputs))
+    example_outputs = [full[n.name] for n in out_nodes]
+    try:
+        loss = loss_module(*example_outputs, *targets)
+    except Exception as err:
+        raise CaptureError(f"the loss function failed on the model output: {err}") from err
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+        raise CaptureError("the loss function must return a floating-point scalar tensor")
+    segments.append(
+        Segment(LOSS, SegmentRole.LOSS, Tags(), tuple(model_outputs) + tuple(target_names), (), (), None)
+    )
+    modules[LOSS] = loss_module
+    seg_inputs[LOSS] = tuple(model_outputs) + tuple(target_names)
+
+    # Gradient values: one per value that carries a gradient between segments.
+    for name in list(values):
+        meta = values[name].meta
+        if meta.requires_grad and name in producer:
+            values[f"grad:{name}"] = Value(f"grad:{name}", meta)
+
+    graph = _training_graph(segments, values, producer, seg_inputs, inputs, target_names)
+    return CapturedModel(graph=validate(graph), modules=modules, batch_size=batch)
+
+
+def _training_graph(
+    segments: list[Segment],
+    values: dict[str, Value],
+    producer: dict[str, str],
+    seg_inputs: dict[str, tuple[str, ...]],
+    inputs: tuple[torch.Tensor, ...],
+    targets: list[str],
+) -> Graph:
+    nodes: list[Node] = []
+    edges: list[Edge] = []
+    for seg in segments:
+        nodes.append(Node(f"F.{seg.id}", NodeKind.COMPUTE, seg.id, Phase.F, tags=seg.tags))
+        nodes.append(Node(f"B.{seg.id}", NodeKind.COMPUTE, seg.id, Phase.B, tags=seg.tags))
+        edges.append(Edge(f"F.{seg.id}", f"B.{seg.id}"))
+        if seg.params:
+            nodes.append(Node(f"OPT.{seg.id}", NodeKind.OPTIMIZER, seg.id, Phase.OPT, tags=seg.tags))
+            edges.append(Edge(f"B.{seg.id}", f"OPT.{seg.id}"))
+    for seg in segments:
+        seen: set[str] = set()
+        for v in seg_inputs[seg.id]:
+            src = producer.get(v)
+            if src is None or v in seen:
+                continue
+            seen.add(v)
+            edges.append(Edge(f"F.{src}", f"F.{seg.id}", value=v))
+            if values[v].meta.requires_grad:
+                edges.append(Edge(f"B.{seg.id}", f"B.{src}", value=f"grad:{v}"))
+    return Graph(
+        segments=tuple(segments),
+        values=tuple(values.values()),
+        nodes=tuple(nodes),
+        edges=tuple(edges),
+        inputs=tuple(f"input:{i}" for i in range(len(inputs))),
+        targets=tuple(targets),
+    )

@@ -1,0 +1,145 @@
+"""``Place``: put annotated regions on device groups, then lower cross-device data edges.
+
+``Place(filter, devices)`` assigns every segment whose tags match ``filter`` to the device
+group ``devices`` (the SPMD replicas of the region; one device for plain pipelining).
+``stream`` names the logical stream of the sends and receives that carry the region's outputs.
+
+``place_all`` applies every ``Place`` of a strategy and then inserts SEND/RECV pairs for each
+data edge whose ends sit on different devices (docs/ir-conventions.md, section 3). The loss
+segment, unless a ``Place`` names it (``{"SEG": "loss"}``), goes with the segment producing
+the model's output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from piper_directives.source import user_location
+from piper_ir import DirectiveError, Edge, Filter, Graph, NodeKind, SegmentRole
+
+
+def _to_filter(value: object) -> Filter:
+    if isinstance(value, Filter):
+        return value
+    if isinstance(value, dict):
+        return Filter.of(value)
+    raise TypeError(f"expected a Filter or a dict, got {value!r}")
+
+
+@attrs.frozen
+class Place:
+    filter: Filter = attrs.field(converter=_to_filter)
+    devices: tuple[int, ...] = attrs.field(converter=lambda d: (d,) if isinstance(d, int) else tuple(d))
+    stream: str = "pp"
+    where: str = attrs.field(factory=user_location, eq=False)
+
+    def __str__(self) -> str:
+        return f"Place({self.filter}, devices={list(self.devices)}, stream={self.stream!r}) at {self.where}"
+
+
+def place_all(graph: Graph, places: Sequence[Place]) -> Graph:
+    """Apply ``places`` in order, check every segment is placed, then insert communication."""
+    if graph.world_size:
+        raise DirectiveError("the graph is already placed", directive=str(places[0]) if places else None)
+    group: dict[str, tuple[int, ...]] = {}
+    placed_by: dict[str, Place] = {}
+    for place in places:
+        _check_devices(place)
+        matched = [s for s in graph.segments if _segment_matches(place.filter, s)]
+        if not matched:
+            raise DirectiveError(f"filter {place.filter} matches no annotated region", directive=str(place))
+        for seg in matched:
+            if seg.id in group and group[seg.id] != place.devices:
+                raise DirectiveError(
+                    f"segment {seg.id} ({seg.tags}) is placed twice: on {list(group[seg.id])} by "
+                    f"{placed_by[seg.id]} and on {list(place.devices)}",
+                    directive=str(place),
+                )
+            group[seg.id] = place.devices
+            placed_by[seg.id] = place
+    unplaced = [s for s in graph.stage_segments() if s.id not in group]
+    if unplaced:
+        names = ", ".join(f"{s.id} ({s.tags})" for s in unplaced)
+        raise DirectiveError(
+            f"{len(unplaced)} annotated region(s) are not placed by any Place directive: {names}",
+            nodes=[f"F.{s.id}" for s in unplaced],
+        )
+    loss = graph.loss_segment()
+    if loss.id not in group:
+        producers = {
+            e.src for e in graph.edges if e.dst.startswith(f"F.{loss.id}") and e.value and not e.value.startswith("target:")
+        }
+        groups = {group[graph.node(p).segment] for p in producers}  # type: ignore[index]
+        if len(groups) != 1:
+            raise DirectiveError("the model's outputs come from several device groups: place the loss with {'SEG': 'loss'}")
+        group[loss.id] = groups.pop()
+    used = sorted({d for g in group.values() for d in g})
+    world = used[-1] + 1
+    idle = sorted(set(range(world)) - set(used))
+    if idle:
+        raise DirectiveError(f"devices {idle} hold no region; number devices 0..N-1 without gaps")
+    nodes = tuple(
+        attrs.evolve(n, devices=group[n.segment]) if n.segment is not None else n for n in graph.nodes
+    )
+    placed = attrs.evolve(graph, nodes=nodes, world_size=world)
+    streams = {seg: placed_by[seg].stream for seg in placed_by}
+    return insert_communication(placed, streams)
+
+
+def _check_devices(place: Place) -> None:
+    if not place.devices:
+        raise DirectiveError("Place needs at least one device", directive=str(place))
+    seen: set[int] = set()
+    for d in place.devices:
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise DirectiveError(f"device {d!r} is not a non-negative int", directive=str(place))
+        if d in seen:
+            raise DirectiveError(f"device {d} is named twice in one device group", directive=str(place))
+        seen.add(d)
+
+
+def _segment_matches(flt: Filter, seg) -> bool:  # noqa: ANN001
+    from piper_ir import Node, Phase
+
+    if seg.role is SegmentRole.LOSS and dict(flt.items).get("SEG") != seg.id:
+        return False
+    probe = Node(f"F.{seg.id}", NodeKind.COMPUTE, seg.id, Phase.F, tags=seg.tags)
+    return Filter(tuple((k, v) for k, v in flt.items if k not in ("PASS", "MB"))).matches(probe)
+
+
+def insert_communication(graph: Graph, streams: dict[str, str]) -> Graph:
+    """Replace each cross-device data edge with SEND -> RECV (one pair per value, microbatch
+    and device pair, shared by every consumer on the receiving device)."""
+    from piper_ir import Node
+
+    by_id = graph.node_by_id
+    nodes = list(graph.nodes)
+    edges: list[Edge] = []
+    pairs: dict[tuple[str, int | None, int, int], tuple[str, str]] = {}
+    for e in graph.edges:
+        src, dst = by_id[e.src], by_id[e.dst]
+        if e.value is None or src.devices == dst.devices:
+            edges.append(e)
+            continue
+        if len(src.devices) != 1 or len(dst.devices) != 1:
+            raise DirectiveError(
+                f"value {e.value} flows between device groups {list(src.devices)} and {list(dst.devices)}; "
+                "only single-device groups exchange point-to-point traffic so far",
+                nodes=[e.src, e.dst],
+            )
+        s_dev, d_dev = src.devices[0], dst.devices[0]
+        key = (e.value, src.microbatch, s_dev, d_dev)
+        if key not in pairs:
+            mb = "" if src.microbatch is None else f".mb{src.microbatch}"
+            sid, rid = f"send.{e.value}{mb}.{s_dev}-{d_dev}", f"recv.{e.value}{mb}.{s_dev}-{d_dev}"
+            stream = streams.get(src.segment or "", "pp")
+            common = dict(value=e.value, microbatch=src.microbatch, tags=src.tags, stream=stream)
+            nodes.append(Node(sid, NodeKind.SEND, devices=(s_dev,), peers=(d_dev,), **common))
+            nodes.append(Node(rid, NodeKind.RECV, devices=(d_dev,), peers=(s_dev,), **common))
+            edges.append(Edge(e.src, sid, value=e.value))
+            edges.append(Edge(sid, rid, value=e.value))
+            pairs[key] = (sid, rid)
+        edges.append(Edge(pairs[key][1], e.dst, value=e.value))
+    return attrs.evolve(graph, nodes=tuple(nodes), edges=tuple(edges))

@@ -1,0 +1,113 @@
+"""A strategy: a list of directives applied to a captured graph in a fixed phase order.
+
+Phases: ``Split`` first, then every ``Place`` (after which communication is inserted), then
+every ``Order`` in the order written. A strategy is plain data: ``Strategy.from_json`` reads
+the same program from JSON (``docs/strategies.md``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from piper_directives.order import Order
+from piper_directives.place import Place, place_all
+from piper_directives.split import Split
+from piper_ir import DirectiveError, Filter, Graph, validate
+
+Directive = Split | Place | Order
+
+
+@attrs.frozen
+class Strategy:
+    directives: tuple[Directive, ...] = attrs.field(converter=tuple)
+
+    def apply(self, graph: Graph) -> Graph:
+        for d in self.directives:
+            if not isinstance(d, Split | Place | Order):
+                raise DirectiveError(f"{d!r} is not a directive (Split, Place or Order)")
+        splits = [d for d in self.directives if isinstance(d, Split)]
+        places = [d for d in self.directives if isinstance(d, Place)]
+        orders = [d for d in self.directives if isinstance(d, Order)]
+        if len(splits) > 1:
+            raise DirectiveError("a strategy may split the batch once", directive=str(splits[1]))
+        if not places:
+            raise DirectiveError("a strategy needs at least one Place directive")
+        for split in splits:
+            graph = split.apply(graph)
+        graph = place_all(graph, places)
+        for order in orders:
+            graph = order.apply(graph)
+        return validate(graph)
+
+    def to_json(self) -> str:
+        return json.dumps({"directives": [_encode(d) for d in self.directives]}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "<json>") -> Strategy:
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DirectiveError(f"{source}: not valid JSON: {err}") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("directives"), list):
+            raise DirectiveError(f'{source}: expected an object {{"directives": [...]}}')
+        return cls(_decode(item, f"{source}#{i}") for i, item in enumerate(doc["directives"]))
+
+
+def _encode(d: Directive) -> dict[str, Any]:
+    if isinstance(d, Split):
+        return {"op": "split", "microbatches": d.microbatches}
+    if isinstance(d, Place):
+        return {"op": "place", "filter": d.filter.as_dict(), "devices": list(d.devices), "stream": d.stream}
+    return {"op": "order", "name": d.name, "slots": [[f.as_dict() for f in slot] for slot in d.slots]}
+
+
+_FIELDS = {"split": {"microbatches"}, "place": {"filter", "devices", "stream"}, "order": {"slots", "name"}}
+_REQUIRED = {"split": {"microbatches"}, "place": {"filter", "devices"}, "order": {"slots"}}
+
+
+def _decode(item: object, where: str) -> Directive:
+    if not isinstance(item, dict) or "op" not in item:
+        raise DirectiveError(f'{where}: a directive is an object with an "op" field, got {item!r}')
+    op = item["op"]
+    if op not in _FIELDS:
+        raise DirectiveError(f"{where}: unknown op {op!r}; expected one of {sorted(_FIELDS)}")
+    fields = set(item) - {"op"}
+    if unknown := fields - _FIELDS[op]:
+        raise DirectiveError(f"{where}: {op} has no field(s) {sorted(unknown)}")
+    if missing := _REQUIRED[op] - fields:
+        raise DirectiveError(f"{where}: {op} needs field(s) {sorted(missing)}")
+    try:
+        if op == "split":
+            return Split(item["microbatches"], where=where)
+        if op == "place":
+            return Place(_filter(item["filter"], where), _devices(item["devices"], where), item.get("stream", "pp"), where=where)
+        slots = item["slots"]
+        if not isinstance(slots, list) or not slots:
+            raise DirectiveError(f"{where}: slots must be a non-empty list")
+        parsed = [[_filter(f, where) for f in (s if isinstance(s, list) else [s])] for s in slots]
+        return Order(parsed, name=item.get("name", "Order"), where=where)
+    except (TypeError, ValueError) as err:
+        raise DirectiveError(f"{where}: malformed {op}: {err}") from None
+
+
+def _filter(value: object, where: str) -> Filter:
+    if not isinstance(value, dict):
+        raise DirectiveError(f"{where}: a filter is an object like {{\"PP\": 0}}, got {value!r}")
+    return Filter.of(value)
+
+
+def _devices(value: object, where: str) -> tuple[int, ...]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise DirectiveError(f"{where}: devices must be an int or a list of ints, got {value!r}")
+    return tuple(value)
+
+
+def apply_strategy(graph: Graph, directives: Sequence[Directive] | Strategy) -> Graph:
+    strategy = directives if isinstance(directives, Strategy) else Strategy(directives)
+    return strategy.apply(graph)
