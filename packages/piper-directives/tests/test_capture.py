@@ -153,3 +153,19 @@ def test_annotate_is_free_outside_capture():
         assert a._scope is None
     with pytest.raises(ValueError, match="reserved"):
         annotate("MB")
+
+
+def test_a_module_called_from_two_regions_is_rejected():
+    class Reused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            with annotate("PP"):
+                x = self.lin(x)
+            with annotate("PP"):
+                return self.lin(x)
+
+    with pytest.raises(CaptureError, match="'lin.weight' is used by segments s0 and s1"):
+        capture(Reused(), (torch.randn(2, 2),), (torch.randn(2, 2),), nn.functional.mse_loss)

@@ -3,7 +3,7 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from piper_directives.annotate import annotate
-from piper_directives.capture import CapturedModel, LossModule, capture
+from piper_directives.capturing import CapturedModel, LossModule, capture
 from piper_directives.order import Order
 from piper_directives.place import Place, insert_communication, place_all
 from piper_directives.schedules import SCHEDULES, build_schedule, gpipe, one_f_one_b

@@ -1,1 +1,31 @@
-"""piper-scheduler."""
+"""piper-scheduler: per-rank plans from the global DAG, their verification, and a simulator.
+
+``compile_program(graph)`` lowers a placed, ordered ``piper_ir.Graph`` to a verified
+``piper_ir.Program``; ``verify(program)`` proves a program cannot deadlock; ``simulate``
+runs it against a ``CostModel``; ``to_chrome_trace`` and ``plot_gantt`` export the result.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from piper_scheduler.compile import compile_program
+from piper_scheduler.costs import CostModel
+from piper_scheduler.simulate import simulate
+from piper_scheduler.timeline import Interval, Timeline
+from piper_scheduler.trace import plot_gantt, to_chrome_trace
+from piper_scheduler.verify import verify
+
+try:
+    __version__ = version("piper-scheduler")
+except PackageNotFoundError:  # running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "CostModel",
+    "Interval",
+    "Timeline",
+    "compile_program",
+    "plot_gantt",
+    "simulate",
+    "to_chrome_trace",
+    "verify",
+]

@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 import torch.fx
-from torch.fx.passes.split_module import split_module
 
 from piper_directives.annotate import Scope, current_scopes, tracing
 from piper_ir import (
@@ -106,16 +105,60 @@ def capture(
             f"{type(model).__name__}.forward takes {len(placeholders)} inputs but "
             f"{len(inputs)} example inputs were given"
         )
+    for node in gm.graph.nodes:
+        node.type = None  # annotations like ``x: Tensor`` would not survive pickling
+    gm.recompile()
     partition_of, segment_scopes = _assign_segments(gm)
-    split = split_module(
-        gm,
-        model,
-        lambda node: partition_of[node.name],
-        keep_original_order=True,
-        keep_original_node_name=True,
-        tuple_return=True,
-    )
-    return _build(model, split, segment_scopes, inputs, targets, loss_fn)
+    parts = _split(gm, partition_of, len(segment_scopes))
+    return _build(model, gm, parts, segment_scopes, inputs, targets, loss_fn)
+
+
+@attrs.define
+class _Part:
+    """One segment cut out of the traced graph: its module, inputs and outputs (fx nodes of
+    the traced graph, in the order the module takes and returns them)."""
+
+    module: torch.fx.GraphModule
+    inputs: list[torch.fx.Node]
+    outputs: list[torch.fx.Node]
+
+
+def _split(gm: torch.fx.GraphModule, partition_of: dict[str, int], count: int) -> list[_Part]:
+    """Cut the traced graph into one GraphModule per segment.
+
+    Unlike ``torch.fx.passes.split_module``, parameters and buffers (``get_attr``) are copied
+    into the segment that uses them instead of being passed in as inputs, and attributes keep
+    the model's qualified names (``blocks.0.lin.weight``).
+    """
+    graphs = [torch.fx.Graph() for _ in range(count)]
+    envs: list[dict[torch.fx.Node, torch.fx.Node]] = [{} for _ in range(count)]
+    inputs: list[list[torch.fx.Node]] = [[] for _ in range(count)]
+    outputs: list[list[torch.fx.Node]] = [[] for _ in range(count)]
+    for node in gm.graph.nodes:
+        if node.op in _COMPUTE_OPS:
+            k = partition_of[node.name]
+            env, graph = envs[k], graphs[k]
+
+            def local(arg: torch.fx.Node, env=env, graph=graph, k=k) -> torch.fx.Node:
+                if arg not in env:
+                    if arg.op == "get_attr":
+                        env[arg] = graph.get_attr(arg.target)
+                    else:  # produced by another segment or a model input
+                        env[arg] = graph.placeholder(arg.name)
+                        inputs[k].append(arg)
+                return env[arg]
+
+            env[node] = graph.node_copy(node, local)
+            for user in node.users:
+                if user.op == "output" or (user.op in _COMPUTE_OPS and partition_of[user.name] != k):
+                    outputs[k].append(node)
+                    break
+    parts = []
+    for k in range(count):
+        graphs[k].output(tuple(envs[k][n] for n in outputs[k]))
+        graphs[k].lint()
+        parts.append(_Part(torch.fx.GraphModule(gm, graphs[k], class_name=f"Segment{k}"), inputs[k], outputs[k]))
+    return parts
 
 
 def _check_batch(inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> None:
@@ -193,7 +236,7 @@ def _fetch_attr(module: torch.nn.Module, qualname: str) -> object:
 
 
 class _Recorder(torch.fx.Interpreter):
-    """Runs the split module and keeps every top-level node's result."""
+    """Runs the traced module and keeps every node's result."""
 
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         super().__init__(gm)
@@ -205,8 +248,8 @@ class _Recorder(torch.fx.Interpreter):
         return out
 
 
-def _run(split: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[str, object]:
-    recorder = _Recorder(split)
+def _run(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[str, object]:
+    recorder = _Recorder(gm)
     with torch.enable_grad():
         recorder.run(*inputs)
     return recorder.results
@@ -229,7 +272,8 @@ def _meta(full: torch.Tensor, half: torch.Tensor | None, requires_grad: bool) ->
 
 def _build(
     model: torch.nn.Module,
-    split: torch.fx.GraphModule,
+    gm: torch.fx.GraphModule,
+    parts: list[_Part],
     segment_scopes: list[tuple[Scope, ...]],
     inputs: tuple[torch.Tensor, ...],
     targets: tuple[torch.Tensor, ...],
@@ -238,67 +282,69 @@ def _build(
     batch = inputs[0].shape[0]
     half_inputs = tuple(t[: batch // 2] for t in inputs)
     try:
-        full = _run(split, inputs)
-        half = _run(split, half_inputs)
+        full = _run(gm, inputs)
+        half = _run(gm, half_inputs)
     except Exception as err:
         raise CaptureError(f"running {type(model).__name__} on the example inputs failed: {err}") from err
 
-    value_of: dict[str, str] = {}  # top-level fx node name -> value name
+    value_of: dict[str, str] = {}  # traced fx node name -> value name
     producer: dict[str, str] = {}  # value name -> segment id
     values: dict[str, Value] = {}
     segments: list[Segment] = []
     modules: dict[str, torch.nn.Module] = {}
     seg_inputs: dict[str, tuple[str, ...]] = {}
+    owner: dict[str, str] = {}  # parameter name -> segment id
 
-    def add_value(node_name: str, name: str, tensor: object, half_tensor: object) -> None:
+    def add_value(node_name: str, name: str) -> None:
+        tensor, half_tensor = full[node_name], half[node_name]
         if not isinstance(tensor, torch.Tensor):
-            raise CaptureError(f"value {node_name!r} is a {type(tensor).__name__}; segments may only exchange tensors")
+            raise CaptureError(
+                f"value {node_name!r} is a {type(tensor).__name__}; segments may only exchange tensors"
+            )
         value_of[node_name] = name
         ht = half_tensor if isinstance(half_tensor, torch.Tensor) else None
         values[name] = Value(name, _meta(tensor, ht, tensor.requires_grad))
 
-    top_nodes = list(split.graph.nodes)
+    top_nodes = list(gm.graph.nodes)
     for i, node in enumerate(n for n in top_nodes if n.op == "placeholder"):
-        add_value(node.name, f"input:{i}", full[node.name], half[node.name])
+        add_value(node.name, f"input:{i}")
 
-    for node in top_nodes:
-        if node.op == "call_module":
-            index = int(str(node.target).removeprefix("submod_"))
-            seg_id = f"s{index}"
-            sub = getattr(split, str(node.target))
-            out_nodes = next(n for n in sub.graph.nodes if n.op == "output").args[0]
-            outs = []
-            for j, out_node in enumerate(out_nodes):
-                getter = next(
-                    (u for u in node.users if u.op == "call_function" and u.args[1] == j), None
+    for index, part in enumerate(parts):
+        seg_id = f"s{index}"
+        outs = []
+        for out_node in part.outputs:
+            name = f"v:{out_node.name}"
+            add_value(out_node.name, name)
+            outs.append(name)
+            producer[name] = seg_id
+        seg_inputs[seg_id] = tuple(value_of[a.name] for a in part.inputs)
+        scopes = segment_scopes[index]
+        sub = part.module
+        params = tuple(
+            (pname, TensorMeta(tuple(p.shape), str(p.dtype).removeprefix("torch."), None, True))
+            for pname, p in sub.named_parameters()
+        )
+        for pname, _ in params:
+            if pname in owner:
+                raise CaptureError(
+                    f"parameter {pname!r} is used by segments {owner[pname]} and {seg_id}; "
+                    "tied parameters are not supported"
                 )
-                name = f"v:{out_node.name}"
-                outs.append(name)
-                producer[name] = seg_id
-                if getter is not None:
-                    add_value(getter.name, name, full[getter.name], half[getter.name])
-                else:  # an output nobody reads at top level: record it anyway
-                    values[name] = Value(name, _meta(full[node.name][j], half[node.name][j], True))
-            seg_inputs[seg_id] = tuple(value_of[a.name] for a in node.args)
-            scopes = segment_scopes[index]
-            params = tuple(
-                (pname, TensorMeta(tuple(p.shape), str(p.dtype).removeprefix("torch."), None, True))
-                for pname, p in sub.named_parameters()
+            owner[pname] = seg_id
+        digest = hashlib.sha256(sub.code.encode()).hexdigest()[:16]
+        segments.append(
+            Segment(
+                id=seg_id,
+                role=SegmentRole.STAGE,
+                tags=Tags(tuple((s.tag, s.index) for s in scopes)),
+                inputs=seg_inputs[seg_id],
+                outputs=tuple(outs),
+                params=params,
+                code=CodeRef(CODE_FORMAT, 1, digest),
+                source=scopes[-1].source,
             )
-            digest = hashlib.sha256(sub.code.encode()).hexdigest()[:16]
-            segments.append(
-                Segment(
-                    id=seg_id,
-                    role=SegmentRole.STAGE,
-                    tags=Tags(tuple((s.tag, s.index) for s in scopes)),
-                    inputs=seg_inputs[seg_id],
-                    outputs=tuple(outs),
-                    params=params,
-                    code=CodeRef(CODE_FORMAT, 1, digest),
-                    source=scopes[-1].source,
-                )
-            )
-            modules[seg_id] = sub
+        )
+        modules[seg_id] = sub
 
     out_arg = next(n for n in top_nodes if n.op == "output").args[0]
     out_nodes = list(out_arg) if isinstance(out_arg, tuple | list) else [out_arg]

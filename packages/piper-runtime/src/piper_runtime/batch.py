@@ -1,0 +1,56 @@
+"""Batches: checking them against the program and cutting them into microbatches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from piper_ir import Program, TensorMeta
+
+
+def full_batch_shape(meta: TensorMeta, microbatches: int) -> tuple[int, ...]:
+    """The shape a whole batch of a value has, given its (already split) microbatch meta."""
+    shape = list(meta.shape)
+    if meta.batch_dim is not None:
+        shape[meta.batch_dim] *= microbatches
+    return tuple(shape)
+
+
+def check_batch(
+    program: Program, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Map batch value names to tensors, raising ``ValueError`` on a count, shape or dtype
+    mismatch with the program's value metas (× microbatches along ``batch_dim``)."""
+    for what, names, given in (("inputs", program.inputs, inputs), ("targets", program.targets, targets)):
+        if isinstance(given, torch.Tensor):
+            raise ValueError(f"{what} must be a tuple of tensors (one per {list(names)}), got a tensor")
+        if len(given) != len(names):
+            raise ValueError(f"the program takes {len(names)} {what} {list(names)}, got {len(given)}")
+    batch: dict[str, torch.Tensor] = {}
+    for name, tensor in zip((*program.inputs, *program.targets), (*inputs, *targets), strict=True):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        meta = program.value_by_name[name].meta
+        expected = full_batch_shape(meta, program.microbatches)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"{name}: expected shape {expected} (microbatch shape {meta.shape} x "
+                f"{program.microbatches} microbatches along dim {meta.batch_dim}), "
+                f"got {tuple(tensor.shape)}"
+            )
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype != meta.dtype:
+            raise ValueError(f"{name}: expected dtype {meta.dtype}, got {dtype}")
+        batch[name] = tensor
+    return batch
+
+
+def split_microbatches(tensor: torch.Tensor, meta: TensorMeta, microbatches: int) -> tuple[torch.Tensor, ...]:
+    """``microbatches`` equal chunks along ``meta.batch_dim`` (the whole tensor for each
+    microbatch when the value has no batch dimension)."""
+    if meta.batch_dim is None:
+        return (tensor,) * microbatches
+    size = tensor.shape[meta.batch_dim]
+    if size % microbatches:
+        raise ValueError(f"batch size {size} is not divisible by {microbatches} microbatches")
+    return tuple(torch.tensor_split(tensor, microbatches, dim=meta.batch_dim))

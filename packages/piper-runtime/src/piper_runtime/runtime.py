@@ -1,0 +1,241 @@
+"""``Runtime``: one Ray actor per rank executing a ``Program``, driven from this process.
+
+Failure policy: whatever goes wrong on a worker (an exception, a dead actor, no answer
+before the timeout) tears every actor down first, so no rank is left blocked in a receive,
+and then raises ``piper_ir.ExecutionError`` naming the ranks (and, for an exception, the
+instruction and the worker's traceback).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+import torch
+from piper_ir import ExecutionError, NodeKind, Phase, PiperError, Program
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from torch import nn
+
+from piper_runtime.backend import resolve_backend
+from piper_runtime.batch import check_batch
+from piper_runtime.cluster import WORKER_ENV, ensure_ray
+from piper_runtime.optim import OptimizerSpec
+from piper_runtime.results import StepOutput, StepResult
+from piper_runtime.worker import RankWorker
+
+_LOOPBACK = "127.0.0.1"
+
+
+class Runtime:
+    """Executes ``program`` on ``program.world_size`` Ray actors.
+
+    ``modules`` maps segment ids to the ``nn.Module`` running each segment (see
+    docs/ir-conventions.md, section 6); each rank receives only the modules of the segments
+    in its plan. Use as a context manager, or call ``shutdown``; actors are also killed when
+    the runtime is garbage collected or the interpreter exits.
+    """
+
+    def __init__(
+        self,
+        program: Program,
+        modules: Mapping[str, nn.Module],
+        optimizer: OptimizerSpec | None = None,
+        *,
+        address: str | None = None,
+        backend: str = "cpu",
+        step_timeout_s: float = 120.0,
+        setup_timeout_s: float = 120.0,
+    ) -> None:
+        self.program = program
+        self.step_timeout_s = step_timeout_s
+        self._backend = resolve_backend(backend)
+        self._workers: list[Any] = []
+        self._steps = 0
+        needed = {s for plan in program.ranks for s in plan.segments()}
+        missing = sorted(needed - set(modules))
+        if missing:
+            raise ValueError(f"no module given for segments {missing}")
+        if len(program.ranks) != program.world_size:
+            raise ValueError(
+                f"program has {len(program.ranks)} rank plans for world size {program.world_size}"
+            )
+
+        ensure_ray(address)
+        actor = ray.remote(RankWorker).options(
+            num_cpus=0.01,  # ranks mostly wait on each other; never block on whole CPUs
+            num_gpus=self._backend.gpus_per_rank,
+            max_restarts=0,
+            runtime_env={"env_vars": dict(WORKER_ENV)},
+        )
+        self._workers = [actor.remote() for _ in range(program.world_size)]
+        # Kills the actors on shutdown, garbage collection or interpreter exit, whichever first.
+        self._finalizer = weakref.finalize(self, _kill, list(self._workers))
+        self._batch_names = {r: _batch_reads(program, r) for r in range(program.world_size)}
+
+        port = _free_port()
+        program_ref = ray.put(program)
+        calls = [
+            w.setup.remote(
+                rank,
+                program.world_size,
+                _LOOPBACK,
+                port,
+                program_ref,
+                {s: modules[s] for s in program.plan(rank).segments()},
+                optimizer or OptimizerSpec(),
+                backend,
+                min(setup_timeout_s, 60.0),
+            )
+            for rank, w in enumerate(self._workers)
+        ]
+        self._gather(calls, setup_timeout_s, "setup")
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def step(
+        self,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        keep_grads: bool = False,
+    ) -> StepResult:
+        """Run one training step on a whole batch (split into the program's microbatches)."""
+        self._check_open()
+        batch = check_batch(self.program, inputs, targets)
+        refs = {name: ray.put(t) for name, t in batch.items()}  # one copy in the object store
+        self._steps += 1
+        calls = [
+            w.run_step.remote({n: refs[n] for n in self._batch_names[rank]}, keep_grads)
+            for rank, w in enumerate(self._workers)
+        ]
+        outputs: list[StepOutput] = self._gather(calls, self.step_timeout_s, "step")
+        return _merge(outputs, self.program.microbatches, keep_grads)
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """Current parameters of every segment, by qualified name, merged over ranks."""
+        self._check_open()
+        merged: dict[str, torch.Tensor] = {}
+        for params in self._gather([w.parameters.remote() for w in self._workers], 60.0, "parameters"):
+            for name, tensor in params.items():
+                merged.setdefault(name, tensor)  # replicas hold equal copies; keep the first
+        return merged
+
+    def shutdown(self) -> None:
+        """Stop the workers (leaving the process group first). Safe to call more than once."""
+        if not self._finalizer.alive:
+            return
+        try:
+            ray.wait([w.shutdown.remote() for w in self._workers], num_returns=len(self._workers), timeout=10)
+        finally:
+            self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._workers or not self._finalizer.alive
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ExecutionError("the runtime is shut down (after shutdown() or an earlier failure)")
+
+    def _gather(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
+        """Results of one call per rank, in rank order; the first failure tears down and raises."""
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        step = self._steps if what == "step" else None
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                ranks = sorted(pending.values())
+                self._fail(
+                    ExecutionError(
+                        f"{what}: ranks {ranks} did not answer within {timeout_s:g} s", ranks=ranks, step=step
+                    )
+                )
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref, timeout=10)
+                except RayTaskError as exc:
+                    cause = exc.cause
+                    if isinstance(cause, PiperError):
+                        err = ExecutionError(
+                            cause.message, ranks=cause.ranks or (rank,), nodes=cause.nodes, step=step
+                        )
+                    else:
+                        err = ExecutionError(
+                            f"rank {rank} failed during {what}:\n{exc}", ranks=(rank,), step=step
+                        )
+                    self._fail(err)
+                except RayActorError as exc:
+                    self._fail(
+                        ExecutionError(f"rank {rank} died during {what}: {exc}", ranks=(rank,), step=step)
+                    )
+                except GetTimeoutError:
+                    self._fail(
+                        ExecutionError(f"{what}: rank {rank} did not answer", ranks=(rank,), step=step)
+                    )
+        return [results[r] for r in range(len(refs))]
+
+    def _fail(self, err: ExecutionError) -> None:
+        self._finalizer()  # kill every actor: peers may be blocked in a receive from the culprit
+        raise err
+
+
+def _kill(workers: list[Any]) -> None:
+    for w in workers:
+        try:
+            ray.kill(w, no_restart=True)
+        except Exception:  # already dead, or Ray already shut down
+            pass
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((_LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def _batch_reads(program: Program, rank: int) -> tuple[str, ...]:
+    """The batch values rank ``rank`` reads (only those are shipped to it)."""
+    batch = set(program.inputs) | set(program.targets)
+    reads: dict[str, None] = {}
+    for ins in program.plan(rank).instructions:
+        if ins.kind is NodeKind.COMPUTE and ins.phase is Phase.F:
+            names = program.segment_by_id[ins.segment].inputs
+        elif ins.kind is NodeKind.SEND:
+            names = (ins.value,)
+        else:
+            continue
+        for n in names:
+            if n in batch:
+                reads.setdefault(n, None)
+    return tuple(reads)
+
+
+def _merge(outputs: list[StepOutput], microbatches: int, keep_grads: bool) -> StepResult:
+    per_mb: dict[int, list[float]] = {}
+    for out in outputs:
+        for mb, loss in out.losses:
+            per_mb.setdefault(mb, []).append(loss)
+    losses = tuple(sum(per_mb[i]) / len(per_mb[i]) for i in sorted(per_mb))
+    if len(losses) != microbatches:
+        raise ExecutionError(f"expected {microbatches} microbatch losses, the ranks reported {len(losses)}")
+    grads: dict[str, torch.Tensor] | None = None
+    if keep_grads:
+        grads = {}
+        for out in outputs:
+            for name, g in (out.grads or {}).items():
+                grads.setdefault(name, g)
+    return StepResult(losses, sum(losses) / len(losses), grads)

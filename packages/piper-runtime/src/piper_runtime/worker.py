@@ -1,0 +1,322 @@
+"""The per-rank executor: walks one rank's instruction list, one step at a time.
+
+``RankWorker`` is a plain class; the runtime wraps it with ``ray.remote`` (one actor per
+rank). It runs the instructions of its ``RankPlan`` sequentially. Because the plan is a valid
+sequential order, the cross-stream events (``waits``/``record``) are satisfied by
+construction and are not consulted. Point-to-point traffic goes through
+``torch.distributed``: sends are non-blocking (waited for at the end of the step), receives
+block.
+
+Each segment runs as its own autograd graph: a segment's floating inputs that need
+gradients are detached leaves, so its backward stops at its boundary and yields
+``grad:<input>`` values that the plan sends or hands to the producing segment.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from piper_ir import ExecutionError, Instruction, NodeKind, Phase, Program, SegmentRole
+from torch import nn
+
+from piper_runtime.backend import Backend, resolve_backend
+from piper_runtime.batch import split_microbatches
+from piper_runtime.optim import OptimizerSpec
+from piper_runtime.results import StepOutput
+
+GRAD_PREFIX = "grad:"
+Key = tuple[str, int]  # (value name, microbatch)
+
+# Instruction kinds this executor carries out; anything else is rejected at setup.
+_SUPPORTED = {NodeKind.COMPUTE, NodeKind.OPTIMIZER, NodeKind.SEND, NodeKind.RECV, NodeKind.MARKER}
+
+
+class _StepState:
+    """Everything one step keeps between instructions (dropped when the step ends)."""
+
+    def __init__(self, batch: Mapping[str, tuple[torch.Tensor, ...]], keep_grads: bool) -> None:
+        self.batch = batch  # batch value name -> its microbatch chunks
+        self.values: dict[Key, torch.Tensor] = {}  # activations and gradients, local or received
+        self.saved: dict[Key, tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
+        self.losses: dict[int, float] = {}
+        self.sends: list[tuple[Any, torch.Tensor]] = []  # (Work, tensor kept alive until waited)
+        self.keep_grads = keep_grads
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, mb: int) -> torch.Tensor:
+        if name in self.batch:
+            return self.batch[name][mb]
+        try:
+            return self.values[(name, mb)]
+        except KeyError:
+            raise KeyError(f"value {name!r} of microbatch {mb} is not available on this rank") from None
+
+    def add_grad(self, name: str, mb: int, grad: torch.Tensor) -> None:
+        """Gradients may have several contributions (local and received): they are summed."""
+        prev = self.values.get((name, mb))
+        self.values[(name, mb)] = grad if prev is None else prev + grad
+
+
+class RankWorker:
+    """Executes one rank of a ``Program``; used as a Ray actor by ``Runtime``."""
+
+    def __init__(self) -> None:
+        torch.set_num_threads(1)
+        self.rank = -1
+        self._modules: dict[str, nn.Module] = {}
+        self._optimizers: dict[str, torch.optim.Optimizer] = {}
+        self._step = 0
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def setup(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        program: Program,
+        modules: Mapping[str, nn.Module],
+        optimizer: OptimizerSpec,
+        backend: str = "cpu",
+        timeout_s: float = 60.0,
+    ) -> None:
+        """Join the process group, keep this rank's segment modules, build the optimizers."""
+        self.rank = rank
+        self.program = program
+        self.plan = program.plan(rank)
+        self.backend: Backend = resolve_backend(backend)
+        self.device = self.backend.device()
+        for ins in self.plan.instructions:
+            if ins.kind not in _SUPPORTED or (
+                ins.kind is NodeKind.COMPUTE and ins.phase not in (Phase.F, Phase.B)
+            ):
+                raise ExecutionError(
+                    f"rank {rank}, instruction {ins.id} ({ins.short()}): "
+                    f"{ins.kind.value} {ins.phase or ''} is not supported by this runtime yet",
+                    ranks=(rank,),
+                    nodes=(ins.id,),
+                )
+        mine = self.plan.segments()
+        missing = [s for s in mine if s not in modules]
+        if missing:
+            raise ExecutionError(f"rank {rank}: no module for segments {missing}", ranks=(rank,))
+        self._modules = {s: modules[s].to(self.device) for s in mine}
+        self._optimizers = {}
+        for sid in mine:
+            params = [p for p in self._modules[sid].parameters() if p.requires_grad]
+            if program.segment_by_id[sid].role is SegmentRole.STAGE and params:
+                self._optimizers[sid] = optimizer.build(params)
+
+        if not dist.is_initialized():
+            dist.init_process_group(
+                self.backend.dist_backend,
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        # One tag per communicator keeps, e.g., activations and gradients between the same two
+        # ranks in separate FIFO channels. Every rank creates the sub-groups in program order,
+        # as new_group requires.
+        self._tags: dict[str, int] = {}
+        self._groups: dict[str, Any] = {}
+        for i, comm in enumerate(program.communicators):
+            self._tags[comm.id] = i + 1
+            if sorted(comm.ranks) == list(range(world_size)):
+                self._groups[comm.id] = None  # the default (world) group
+            else:
+                self._groups[comm.id] = dist.new_group(sorted(comm.ranks))
+        self._frees = _free_after(program, self.plan.instructions)
+        self._handlers: dict[NodeKind, Callable[[Instruction, _StepState], None]] = {
+            NodeKind.COMPUTE: self._compute,
+            NodeKind.OPTIMIZER: self._optimize,
+            NodeKind.SEND: self._send,
+            NodeKind.RECV: self._recv,
+            NodeKind.MARKER: lambda ins, st: None,
+        }
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def run_step(self, batch: Mapping[str, Any], keep_grads: bool = False) -> StepOutput:
+        """Run this rank's instructions once. ``batch`` maps the batch values this rank reads
+        to whole-batch tensors (or Ray object refs to them)."""
+        self._step += 1
+        chunks = {
+            name: split_microbatches(
+                _resolve(t).to(self.device),
+                self.program.value_by_name[name].meta,
+                self.program.microbatches,
+            )
+            for name, t in batch.items()
+        }
+        st = _StepState(chunks, keep_grads)
+        for k, ins in enumerate(self.plan.instructions):
+            try:
+                self._handlers[ins.kind](ins, st)
+            except Exception as exc:
+                raise self._error(f"instruction {ins.id} ({ins.short()})", exc, ins.id) from None
+            for key in self._frees.get(k, ()):
+                st.values.pop(key, None)
+        try:
+            for work, _tensor in st.sends:
+                work.wait()
+        except Exception as exc:
+            raise self._error("waiting for its sends to complete", exc) from None
+        return StepOutput(self.rank, tuple(sorted(st.losses.items())), st.grads if keep_grads else None)
+
+    def _error(self, where: str, exc: BaseException, node: str | None = None) -> ExecutionError:
+        tb = "".join(traceback.format_exception(exc))
+        return ExecutionError(
+            f"rank {self.rank}, {where}: {type(exc).__name__}: {exc}\n{tb}",
+            ranks=(self.rank,),
+            nodes=(node,) if node else (),
+            step=self._step,
+        )
+
+    def _compute(self, ins: Instruction, st: _StepState) -> None:
+        (self._forward if ins.phase is Phase.F else self._backward)(ins, st)
+
+    def _forward(self, ins: Instruction, st: _StepState) -> None:
+        seg = self.program.segment_by_id[ins.segment]
+        mb = ins.microbatch
+        args = []
+        for name in seg.inputs:
+            t = st.get(name, mb)
+            if t.is_floating_point() and self.program.value_by_name[name].meta.requires_grad:
+                t = t.detach().requires_grad_(True)
+            args.append(t)
+        with torch.enable_grad():
+            out = self._modules[seg.id](*args)
+        if seg.role is SegmentRole.LOSS:
+            if not isinstance(out, torch.Tensor) or out.numel() != 1:
+                raise TypeError(f"the loss module must return a scalar tensor, got {_describe(out)}")
+            st.losses[mb] = float(out.detach())
+            # The loss of a microbatch is scaled by 1/M for backward here, exactly once.
+            outs: tuple[torch.Tensor, ...] = (out / self.program.microbatches,)
+            for name in seg.outputs:
+                st.values[(name, mb)] = out.detach()
+        else:
+            outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+            if len(outs) != len(seg.outputs):
+                raise TypeError(
+                    f"segment {seg.id} must return {len(seg.outputs)} tensors {list(seg.outputs)}, "
+                    f"got {_describe(out)}"
+                )
+            for name, o in zip(seg.outputs, outs, strict=True):
+                st.values[(name, mb)] = o.detach()
+        st.saved[(seg.id, mb)] = (args, outs)
+
+    def _backward(self, ins: Instruction, st: _StepState) -> None:
+        seg = self.program.segment_by_id[ins.segment]
+        mb = ins.microbatch
+        try:
+            args, outs = st.saved.pop((seg.id, mb))
+        except KeyError:
+            raise RuntimeError(f"backward of {seg.id} microbatch {mb} before its forward") from None
+        if seg.role is SegmentRole.LOSS:
+            tensors, grads = list(outs), None
+        else:
+            tensors, grads = [], []
+            for name, o in zip(seg.outputs, outs, strict=True):
+                g = st.values.get((GRAD_PREFIX + name, mb))
+                if o.requires_grad and g is not None:
+                    tensors.append(o)
+                    grads.append(g)
+            if not tensors and any(o.requires_grad for o in outs):
+                raise RuntimeError(f"no gradient is available for any output of {seg.id} {list(seg.outputs)}")
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        for name, a in zip(seg.inputs, args, strict=True):
+            if a.requires_grad:
+                g = a.grad if a.grad is not None else torch.zeros_like(a)
+                st.add_grad(GRAD_PREFIX + name, mb, g)
+
+    def _optimize(self, ins: Instruction, st: _StepState) -> None:
+        opt = self._optimizers.get(ins.segment)
+        if opt is None:
+            return
+        if st.keep_grads:
+            for qname, p in self._modules[ins.segment].named_parameters():
+                if p.grad is not None:
+                    st.grads[qname] = p.grad.detach().to("cpu", copy=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def _send(self, ins: Instruction, st: _StepState) -> None:
+        t = st.get(ins.value, ins.microbatch).detach().contiguous()
+        if ins.meta is not None and tuple(t.shape) != tuple(ins.meta.shape):
+            raise ValueError(f"{ins.value} has shape {tuple(t.shape)}, the plan sends {ins.meta.shape}")
+        work = dist.isend(
+            t, dst=ins.peer, group=self._groups[ins.communicator], tag=self._tags[ins.communicator]
+        )
+        st.sends.append((work, t))
+
+    def _recv(self, ins: Instruction, st: _StepState) -> None:
+        meta = ins.meta
+        t = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device=self.device)
+        dist.irecv(
+            t, src=ins.peer, group=self._groups[ins.communicator], tag=self._tags[ins.communicator]
+        ).wait()
+        if ins.value.startswith(GRAD_PREFIX):
+            st.add_grad(ins.value, ins.microbatch, t)
+        else:
+            st.values[(ins.value, ins.microbatch)] = t
+
+    # -- state --------------------------------------------------------------------------------
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's current parameters by qualified name (CPU copies)."""
+        return {
+            qname: p.detach().to("cpu", copy=True)
+            for module in self._modules.values()
+            for qname, p in module.named_parameters()
+        }
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_after(program: Program, instructions: tuple[Instruction, ...]) -> dict[int, list[Key]]:
+    """Instruction index -> the (value, microbatch) entries last read there (freed after it)."""
+    last: dict[Key, int] = {}
+    for k, ins in enumerate(instructions):
+        mb = ins.microbatch
+        if ins.kind is NodeKind.COMPUTE and ins.phase is Phase.F:
+            seg = program.segment_by_id[ins.segment]
+            reads = [n for n in seg.inputs if n not in program.inputs and n not in program.targets]
+        elif ins.kind is NodeKind.COMPUTE:
+            reads = [GRAD_PREFIX + n for n in program.segment_by_id[ins.segment].outputs]
+        elif ins.kind is NodeKind.SEND:
+            reads = [ins.value]
+        else:
+            reads = []
+        for name in reads:
+            last[(name, mb)] = k
+    frees: dict[int, list[Key]] = {}
+    for key, k in last.items():
+        frees.setdefault(k, []).append(key)
+    return frees
+
+
+def _resolve(value: Any) -> torch.Tensor:
+    """A tensor, fetching it from the Ray object store when given a reference."""
+    if isinstance(value, torch.Tensor):
+        return value
+    import ray  # only when running under Ray
+
+    return ray.get(value, timeout=300)
+
+
+def _describe(out: object) -> str:
+    if isinstance(out, torch.Tensor):
+        return f"a tensor of shape {tuple(out.shape)}"
+    return type(out).__name__

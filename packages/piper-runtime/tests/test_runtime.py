@@ -1,0 +1,227 @@
+"""The runtime against single-device training, and its failure behaviour.
+
+The Program is built by hand (no capture or scheduler here): a 2-rank GPipe pipeline,
+s0 = Linear+tanh on rank 0, s1 = Linear and the MSE loss on rank 1, 4 microbatches, with
+SEND/RECV pairs named and placed as docs/ir-conventions.md prescribes.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+import ray
+import torch
+from piper_ir import (
+    Communicator,
+    ExecutionError,
+    Instruction,
+    NodeKind,
+    Phase,
+    Program,
+    RankPlan,
+    Segment,
+    SegmentRole,
+    Tags,
+    TensorMeta,
+    Value,
+)
+from piper_runtime import OptimizerSpec, Runtime
+from ray import cloudpickle
+from torch import nn
+
+# The segment modules below live in this test module, which the workers cannot import.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+M, BATCH, D_IN, D_HID, D_OUT = 4, 8, 3, 5, 2
+MB = BATCH // M
+
+
+class Stage0(nn.Module):
+    def __init__(self, l0: nn.Linear) -> None:
+        super().__init__()
+        self.l0 = l0
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.tanh(self.l0(x)),)
+
+
+class Stage1(nn.Module):
+    def __init__(self, l1: nn.Linear, fail_on_call: int | None = None, sleep_s: float = 0.0) -> None:
+        super().__init__()
+        self.l1 = l1
+        self.fail_on_call = fail_on_call
+        self.sleep_s = sleep_s
+        self.calls = 0
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor]:
+        if self.calls == self.fail_on_call:
+            raise RuntimeError("boom in Stage1.forward")
+        time.sleep(self.sleep_s)
+        self.calls += 1
+        return (self.l1(h),)
+
+
+class MSE(nn.Module):
+    def forward(self, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(y, target)
+
+
+def _meta(*shape: int, grad: bool = True, batch_dim: int | None = 0) -> TensorMeta:
+    return TensorMeta(shape, "float32", batch_dim=batch_dim, requires_grad=grad)
+
+
+def _params(prefix: str, d_in: int, d_out: int) -> tuple[tuple[str, TensorMeta], ...]:
+    return (
+        (f"{prefix}.weight", _meta(d_out, d_in, batch_dim=None)),
+        (f"{prefix}.bias", _meta(d_out, batch_dim=None)),
+    )
+
+
+def gpipe_program() -> Program:
+    """The hand-compiled 2-rank GPipe program (what piper_scheduler.compile would emit)."""
+    h, y = "v:h", "v:y"
+    values = (
+        Value("input:0", _meta(MB, D_IN, grad=False)),
+        Value("target:0", _meta(MB, D_OUT, grad=False)),
+        Value(h, _meta(MB, D_HID)),
+        Value(y, _meta(MB, D_OUT)),
+        Value("v:loss", _meta(batch_dim=None)),
+        Value(f"grad:{h}", _meta(MB, D_HID)),
+        Value(f"grad:{y}", _meta(MB, D_OUT)),
+    )
+    segments = (
+        Segment("s0", SegmentRole.STAGE, Tags.of(PP=0), ("input:0",), (h,), _params("l0", D_IN, D_HID)),
+        Segment("s1", SegmentRole.STAGE, Tags.of(PP=1), (h,), (y,), _params("l1", D_HID, D_OUT)),
+        Segment("loss", SegmentRole.LOSS, Tags.of(PP=1), (y, "target:0"), ("v:loss",)),
+    )
+    meta = {v.name: v.meta for v in values}
+
+    def compute(seg: str, phase: Phase, mb: int | None = None) -> Instruction:
+        kind = NodeKind.OPTIMIZER if phase is Phase.OPT else NodeKind.COMPUTE
+        ident = f"{phase.value}.{seg}" + ("" if mb is None else f".mb{mb}")
+        return Instruction(ident, kind, segment=seg, phase=phase, microbatch=mb)
+
+    def p2p(kind: NodeKind, value: str, mb: int, src: int, dst: int) -> Instruction:
+        comm = "pp.bwd" if value.startswith("grad:") else "pp.fwd"
+        return Instruction(
+            f"{kind.value}.{value}.mb{mb}.{src}-{dst}",
+            kind,
+            stream="pp",
+            microbatch=mb,
+            value=value,
+            peer=dst if kind is NodeKind.SEND else src,
+            communicator=comm,
+            meta=meta[value],
+        )
+
+    r0, r1 = [], []
+    for i in range(M):
+        r0 += [compute("s0", Phase.F, i), p2p(NodeKind.SEND, h, i, 0, 1)]
+        r1 += [p2p(NodeKind.RECV, h, i, 0, 1), compute("s1", Phase.F, i), compute("loss", Phase.F, i)]
+    for i in range(M):
+        r1 += [
+            compute("loss", Phase.B, i),
+            compute("s1", Phase.B, i),
+            p2p(NodeKind.SEND, f"grad:{h}", i, 1, 0),
+        ]
+        r0 += [p2p(NodeKind.RECV, f"grad:{h}", i, 1, 0), compute("s0", Phase.B, i)]
+    r0.append(compute("s0", Phase.OPT))
+    r1.append(compute("s1", Phase.OPT))
+    return Program(
+        world_size=2,
+        ranks=(RankPlan(0, r0), RankPlan(1, r1)),
+        communicators=(
+            Communicator("pp.fwd", (0, 1), "activations"),
+            Communicator("pp.bwd", (0, 1), "gradients"),
+        ),
+        segments=segments,
+        values=values,
+        inputs=("input:0",),
+        targets=("target:0",),
+        microbatches=M,
+        placement=(("s0", (0,)), ("s1", (1,)), ("loss", (1,))),
+    )
+
+
+def _layers(seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
+    torch.manual_seed(seed)
+    return nn.Linear(D_IN, D_HID), nn.Linear(D_HID, D_OUT)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, D_IN, generator=g), torch.randn(BATCH, D_OUT, generator=g)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_pipeline_matches_single_device(ray_cluster) -> None:
+    l0, l1 = _layers()
+    modules = {"s0": Stage0(l0), "s1": Stage1(l1), "loss": MSE()}
+    ref = nn.ModuleDict({"l0": l0, "l1": l1})  # the oracle, trained on one device
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    spec = OptimizerSpec("sgd", lr=0.1, kwargs={"momentum": 0.9})
+
+    with Runtime(gpipe_program(), modules, spec) as rt:  # modules are copied into the workers
+        for step in range(3):
+            x, t = _batch(step)
+            result = rt.step((x,), (t,), keep_grads=True)
+
+            ref_losses = [
+                nn.functional.mse_loss(ref["l1"](torch.tanh(ref["l0"](xc))), tc).item()
+                for xc, tc in zip(x.chunk(M), t.chunk(M), strict=True)
+            ]
+            ref_opt.zero_grad()
+            full = nn.functional.mse_loss(ref["l1"](torch.tanh(ref["l0"](x))), t)
+            full.backward()
+            assert result.losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+            assert result.loss == pytest.approx(full.item(), rel=1e-5, abs=1e-6)
+            assert set(result.grads) == {n for n, _ in ref.named_parameters()}
+            for name, p in ref.named_parameters():
+                _close(result.grads[name], p.grad)
+            ref_opt.step()
+
+        params = rt.parameters()
+        for name, p in ref.named_parameters():
+            _close(params[name], p.detach())
+
+        with pytest.raises(ValueError, match="input:0: expected shape"):
+            rt.step((torch.randn(BATCH + 1, D_IN),), (torch.randn(BATCH + 1, D_OUT),))
+
+        # A dead worker is reported by rank, and the runtime tears itself down.
+        ray.kill(rt._workers[1])
+        with pytest.raises(ExecutionError, match="rank 1 died"):
+            rt.step(*((t,) for t in _batch(0)))
+        assert rt.closed
+    rt.shutdown()  # idempotent, also after __exit__
+
+
+def test_worker_exception_names_rank_and_instruction(ray_cluster) -> None:
+    l0, l1 = _layers()
+    modules = {"s0": Stage0(l0), "s1": Stage1(l1, fail_on_call=2), "loss": MSE()}
+    rt = Runtime(gpipe_program(), modules, OptimizerSpec("sgd", lr=0.1), step_timeout_s=60)
+    workers = list(rt._workers)
+    with pytest.raises(ExecutionError) as info:
+        rt.step(*((t,) for t in _batch(0)))
+    err = info.value
+    assert err.ranks == (1,) and err.nodes == ("F.s1.mb2",)
+    assert "rank 1, instruction F.s1.mb2 (s1:F2)" in str(err)
+    assert "RuntimeError: boom in Stage1.forward" in str(err) and "Traceback" in str(err)
+    for w in workers:  # torn down: nothing is left alive or blocked in a receive
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(w.ping.remote(), timeout=30)
+    rt.shutdown()
+    rt.shutdown()
+
+
+def test_step_timeout_names_silent_ranks(ray_cluster) -> None:
+    l0, l1 = _layers()
+    modules = {"s0": Stage0(l0), "s1": Stage1(l1, sleep_s=30.0), "loss": MSE()}
+    with Runtime(gpipe_program(), modules, step_timeout_s=1.0) as rt:
+        with pytest.raises(ExecutionError, match=r"ranks \[0, 1\] did not answer within 1 s") as info:
+            rt.step(*((t,) for t in _batch(0)))
+        assert info.value.ranks == (0, 1) and rt.closed

@@ -1,0 +1,282 @@
+"""Lower a placed, ordered global graph to a verified ``Program`` (one plan per rank).
+
+Requires a graph after Split/Place/Order (``docs/ir-conventions.md`` sections 1-4): every
+COMPUTE/OPTIMIZER node has ``devices``; cross-device data flows through SEND/RECV pairs.
+Guarantees (section 5): each rank's list is a valid sequential order, matched send/receive
+sequences per (communicator, src, dst), events between streams, and ``verify`` passes.
+
+Stages, each linear in nodes + edges:
+
+1. ``_compute_orders``: one Kahn pass over the whole graph (data and temporal edges, all ranks
+   at once) so cross-rank paths through SEND/RECV are respected. Nodes that are not scheduled
+   by themselves (SEND, RECV, unplaced markers) are released as soon as they are ready; ready
+   compute nodes leave a heap by (phase, microbatch, segment position). Phase comes first so a
+   graph without Order edges runs GPipe-like: all forwards, then all backwards, on each rank.
+2. ``_place_sends``: each SEND goes right after its last local predecessor (its producer).
+   The sender's list fixes the message order of every channel.
+3. ``_place_recvs``: each RECV goes right before the first local instruction that needs it;
+   receives that the channel order puts earlier are pulled in with it, so both sides of a
+   channel agree (in-order matching, as NCCL requires). This keeps deadlock freedom: every
+   pulled receive's send precedes, on its rank, the send of the receive that was needed.
+4. ``_add_events``: a dependency between two streams of one rank becomes an event.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from piper_ir import (
+    Graph,
+    Instruction,
+    Node,
+    NodeKind,
+    Phase,
+    Program,
+    RankPlan,
+    SchedulingError,
+    find_cycle,
+    validate,
+)
+
+from piper_scheduler.communicators import communicator_for, communicators_for
+from piper_scheduler.verify import verify
+
+PHASE_ORDER = {Phase.F: 0, Phase.B: 1, Phase.BI: 2, Phase.BW: 3, Phase.OPT: 4}
+SCHEDULED_KINDS = frozenset({NodeKind.COMPUTE, NodeKind.OPTIMIZER})
+PASS_THROUGH_KINDS = frozenset({NodeKind.SEND, NodeKind.RECV, NodeKind.MARKER})
+
+Channel = tuple[str, int, int]
+
+
+def compile_program(graph: Graph) -> Program:
+    """Per-rank instruction lists for ``graph``, verified before they are returned."""
+    validate(graph)
+    if graph.world_size < 1:
+        raise SchedulingError("the graph is not placed (world_size is 0); run Place first")
+    _check_supported(graph)
+    orders = _compute_orders(graph)
+    sends = _place_sends(graph, orders)
+    lists = _place_recvs(graph, orders, sends)
+    program = Program(
+        world_size=graph.world_size,
+        ranks=[_rank_plan(graph, r, ids) for r, ids in enumerate(lists)],
+        communicators=communicators_for(graph),
+        segments=graph.segments,
+        values=graph.values,
+        inputs=graph.inputs,
+        targets=graph.targets,
+        microbatches=graph.microbatches,
+        placement=_placement(graph),
+    )
+    verify(program)
+    return program
+
+
+def _check_supported(graph: Graph) -> None:
+    for n in graph.nodes:
+        if n.kind in SCHEDULED_KINDS and not n.devices:
+            raise SchedulingError(f"{n.kind.value} node {n.id} has no devices; run Place first", nodes=[n.id])
+        if n.kind not in SCHEDULED_KINDS and n.kind not in PASS_THROUGH_KINDS:
+            raise SchedulingError(
+                f"node {n.id} of kind {n.kind.value} is not supported by compile_program yet",
+                nodes=[n.id],
+            )
+        if n.kind is NodeKind.MARKER and n.devices:
+            raise SchedulingError(f"placed marker node {n.id} is not supported yet", nodes=[n.id])
+        if n.kind in (NodeKind.SEND, NodeKind.RECV) and n.value is None:
+            raise SchedulingError(f"{n.kind.value} node {n.id} carries no value", nodes=[n.id])
+
+
+def _compute_orders(graph: Graph) -> list[list[str]]:
+    """Each rank's COMPUTE/OPTIMIZER node ids in a deterministic topological order."""
+    seg_pos = {s.id: i for i, s in enumerate(graph.segments)}
+    indeg = {n.id: 0 for n in graph.nodes}
+    for e in graph.edges:
+        indeg[e.dst] += 1
+    nodes = graph.node_by_id
+    succ = graph.successors
+    free: deque[str] = deque()
+    heap: list[tuple[int, int, int, int, str]] = []
+
+    def release(pos: int, n: Node) -> None:
+        if n.kind in SCHEDULED_KINDS:
+            key = (
+                PHASE_ORDER[n.phase] if n.phase else len(PHASE_ORDER),
+                -1 if n.microbatch is None else n.microbatch,
+                seg_pos.get(n.segment or "", len(seg_pos)),
+                pos,
+                n.id,
+            )
+            heapq.heappush(heap, key)
+        else:
+            free.append(n.id)
+
+    position = {}
+    for i, n in enumerate(graph.nodes):
+        position[n.id] = i
+        if indeg[n.id] == 0:
+            release(i, n)
+    orders: list[list[str]] = [[] for _ in range(graph.world_size)]
+    done = 0
+    while free or heap:
+        if free:
+            nid = free.popleft()
+        else:
+            nid = heapq.heappop(heap)[-1]
+            for d in nodes[nid].devices:
+                orders[d].append(nid)
+        done += 1
+        for e in succ[nid]:
+            indeg[e.dst] -= 1
+            if indeg[e.dst] == 0:
+                release(position[e.dst], nodes[e.dst])
+    if done != len(indeg):  # validate() rejects cycles; this guards against a changed validator
+        raise SchedulingError("the graph has a cycle", nodes=find_cycle(graph) or [])
+    return orders
+
+
+def _place_sends(graph: Graph, orders: list[list[str]]) -> list[dict[int, list[str]]]:
+    """Per rank: index in the compute order -> SEND ids that follow it (-1: before all)."""
+    positions = [{nid: i for i, nid in enumerate(order)} for order in orders]
+    nodes = graph.node_by_id
+    after: list[dict[int, list[str]]] = [{} for _ in orders]
+    for n in graph.nodes:
+        if n.kind is not NodeKind.SEND:
+            continue
+        for d in n.devices:
+            anchor = -1
+            for e in graph.predecessors[n.id]:
+                p = nodes[e.src]
+                if d not in p.devices:
+                    continue
+                if p.kind is NodeKind.RECV:
+                    raise SchedulingError(
+                        f"send {n.id} forwards received value {p.id} on rank {d} without compute; "
+                        "relaying is not supported yet",
+                        nodes=[n.id, p.id],
+                        ranks=[d],
+                    )
+                anchor = max(anchor, positions[d].get(p.id, -1))
+            after[d].setdefault(anchor, []).append(n.id)
+    return after
+
+
+def _peer(node: Node, rank: int) -> int:
+    return node.peers[node.devices.index(rank)]
+
+
+def _matching_recv(graph: Graph, send: Node, src: int) -> str:
+    dst = _peer(send, src)
+    for e in graph.successors[send.id]:
+        r = graph.node_by_id[e.dst]
+        if r.kind is NodeKind.RECV and dst in r.devices and _peer(r, dst) == src:
+            return r.id
+    raise SchedulingError(
+        f"send {send.id} on rank {src} to rank {dst} has no receive on rank {dst}",
+        nodes=[send.id],
+        ranks=[src, dst],
+    )
+
+
+def _place_recvs(graph: Graph, orders: list[list[str]], sends: list[dict[int, list[str]]]) -> list[list[str]]:
+    """Full per-rank node id lists: sends after producers, receives before consumers."""
+    nodes = graph.node_by_id
+    # Each channel's receive ids in the sender's order.
+    channels: dict[Channel, list[str]] = {}
+    for src, order in enumerate(orders):
+        for anchor in range(-1, len(order)):
+            for sid in sends[src].get(anchor, ()):
+                send = nodes[sid]
+                key = (communicator_for(send.value or ""), src, _peer(send, src))
+                channels.setdefault(key, []).append(_matching_recv(graph, send, src))
+    slot: dict[tuple[str, int], tuple[Channel, int]] = {}
+    for key, rids in channels.items():
+        for i, rid in enumerate(rids):
+            slot[(rid, key[2])] = (key, i)
+    cursor = dict.fromkeys(channels, 0)
+
+    lists: list[list[str]] = []
+    for rank, order in enumerate(orders):
+        out: list[str] = list(sends[rank].get(-1, ()))
+
+        def pull(rid: str, rank: int = rank, out: list[str] = out) -> None:
+            if (rid, rank) not in slot:
+                raise SchedulingError(
+                    f"receive {rid} on rank {rank} has no matching send", nodes=[rid], ranks=[rank]
+                )
+            key, i = slot[(rid, rank)]
+            rids = channels[key]
+            while cursor[key] <= i:
+                out.append(rids[cursor[key]])
+                cursor[key] += 1
+
+        for i, nid in enumerate(order):
+            for e in graph.predecessors[nid]:
+                p = nodes[e.src]
+                if p.kind is NodeKind.RECV and rank in p.devices:
+                    pull(p.id)
+            out.append(nid)
+            out.extend(sends[rank].get(i, ()))
+        for key in sorted(k for k in channels if k[2] == rank):  # receives nobody here consumes
+            if cursor[key] < len(channels[key]):
+                pull(channels[key][-1])
+        lists.append(out)
+    return lists
+
+
+def _rank_plan(graph: Graph, rank: int, ids: list[str]) -> RankPlan:
+    """Instructions for ``ids`` on ``rank``, with events between streams."""
+    nodes = graph.node_by_id
+    here = set(ids)
+    waits: dict[str, list[str]] = {}
+    recorded: set[str] = set()
+    for nid in ids:
+        stream = nodes[nid].stream
+        for e in graph.predecessors[nid]:
+            if e.src in here and nodes[e.src].stream != stream:
+                ev = f"ev.{e.src}"
+                recorded.add(e.src)
+                bucket = waits.setdefault(nid, [])
+                if ev not in bucket:
+                    bucket.append(ev)
+    return RankPlan(
+        rank,
+        [_instruction(graph, nodes[nid], rank, waits.get(nid, ()), nid in recorded) for nid in ids],
+    )
+
+
+def _instruction(
+    graph: Graph, n: Node, rank: int, waits: tuple[str, ...] | list[str], record: bool
+) -> Instruction:
+    p2p = n.kind in (NodeKind.SEND, NodeKind.RECV)
+    meta = None
+    if p2p:
+        value = graph.value_by_name.get(n.value or "")
+        if value is None:
+            raise SchedulingError(
+                f"{n.kind.value} node {n.id} carries unknown value {n.value!r}", nodes=[n.id]
+            )
+        meta = value.meta
+    return Instruction(
+        id=n.id,
+        kind=n.kind,
+        stream=n.stream,
+        segment=n.segment,
+        phase=n.phase,
+        microbatch=n.microbatch,
+        value=n.value,
+        peer=_peer(n, rank) if p2p else None,
+        communicator=communicator_for(n.value or "") if p2p else None,
+        meta=meta,
+        waits=tuple(waits),
+        record=f"ev.{n.id}" if record else None,
+    )
+
+
+def _placement(graph: Graph) -> list[tuple[str, tuple[int, ...]]]:
+    devices: dict[str, set[int]] = {s.id: set() for s in graph.segments}
+    for n in graph.nodes:
+        if n.kind is NodeKind.COMPUTE and n.segment is not None:
+            devices[n.segment].update(n.devices)
+    return [(s.id, tuple(sorted(devices[s.id]))) for s in graph.segments]

@@ -1,0 +1,70 @@
+"""How instructions of different ranks pair up: point-to-point channels and collectives.
+
+Matching is in order, as NCCL and gloo do it: the k-th SEND from ``src`` to ``dst`` on a
+communicator meets the k-th RECV on ``dst`` from ``src`` on that communicator, and the k-th
+collective a member issues on a communicator meets every other member's k-th one. The
+verifier checks that these pairs agree; the verifier's deadlock search and the simulator use
+them to know which instruction unblocks which.
+"""
+
+from __future__ import annotations
+
+from piper_ir import NodeKind, Program
+
+COLLECTIVE_KINDS = frozenset(
+    {
+        NodeKind.ALL_REDUCE,
+        NodeKind.REDUCE_SCATTER,
+        NodeKind.ALL_GATHER,
+        NodeKind.ALL_TO_ALL,
+        NodeKind.BROADCAST,
+    }
+)
+
+Channel = tuple[str, int, int]
+"""(communicator, source rank, destination rank)."""
+
+Slot = tuple[int, int]
+"""(rank, index into that rank's instruction list)."""
+
+
+def p2p_sequences(program: Program) -> tuple[dict[Channel, list[int]], dict[Channel, list[int]]]:
+    """Per channel, the indices of its SENDs on the source and of its RECVs on the destination."""
+    sends: dict[Channel, list[int]] = {}
+    recvs: dict[Channel, list[int]] = {}
+    for plan in program.ranks:
+        for i, ins in enumerate(plan.instructions):
+            if ins.kind is NodeKind.SEND:
+                sends.setdefault((ins.communicator or "", plan.rank, ins.peer or 0), []).append(i)
+            elif ins.kind is NodeKind.RECV:
+                recvs.setdefault((ins.communicator or "", ins.peer or 0, plan.rank), []).append(i)
+    return sends, recvs
+
+
+def collective_sequences(program: Program) -> dict[str, dict[int, list[int]]]:
+    """Per communicator and member rank, the indices of that rank's collectives on it."""
+    out: dict[str, dict[int, list[int]]] = {}
+    for plan in program.ranks:
+        for i, ins in enumerate(plan.instructions):
+            if ins.kind in COLLECTIVE_KINDS:
+                out.setdefault(ins.communicator or "", {}).setdefault(plan.rank, []).append(i)
+    return out
+
+
+def recv_partners(sends: dict[Channel, list[int]], recvs: dict[Channel, list[int]]) -> dict[Slot, Slot]:
+    """Each RECV slot mapped to the SEND slot it matches (unmatched receives are left out)."""
+    partners: dict[Slot, Slot] = {}
+    for (comm, src, dst), rids in recvs.items():
+        for r, s in zip(rids, sends.get((comm, src, dst), ()), strict=False):
+            partners[(dst, r)] = (src, s)
+    return partners
+
+
+def collective_slots(program: Program) -> dict[Slot, tuple[str, int]]:
+    """Each collective slot mapped to (communicator, its position in the member's sequence)."""
+    out: dict[Slot, tuple[str, int]] = {}
+    for comm, by_rank in collective_sequences(program).items():
+        for rank, idx in by_rank.items():
+            for k, i in enumerate(idx):
+                out[(rank, i)] = (comm, k)
+    return out

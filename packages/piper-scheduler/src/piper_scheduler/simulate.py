@@ -1,0 +1,175 @@
+"""Run a ``Program`` against a cost model instead of hardware.
+
+Each rank's streams run concurrently; a stream executes its instructions in list order. An
+instruction starts when its stream is free and the events it waits on are recorded; a RECV
+also needs its matching SEND to have started and finishes at
+``max(send start + transfer cost, its own start)``; a SEND occupies its stream for the
+transfer cost; a collective starts when every member has reached it and lasts one transfer.
+Start times follow from dependencies alone, so the order in which streams are visited does
+not change the result (a dataflow fixpoint, computed with a worklist).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from piper_ir import DeadlockError, NodeKind, Phase, Program, SchedulingError, SegmentRole
+
+from piper_scheduler.costs import CostModel
+from piper_scheduler.diagnostics import describe, excerpts
+from piper_scheduler.matching import COLLECTIVE_KINDS, Slot, collective_slots, p2p_sequences, recv_partners
+from piper_scheduler.timeline import Interval, Timeline
+
+COMPUTE_KINDS = frozenset({NodeKind.COMPUTE, NodeKind.OPTIMIZER})
+
+
+def simulate(program: Program, costs: CostModel | None = None) -> Timeline:
+    """The timeline of ``program`` under ``costs`` (default ``CostModel()``)."""
+    costs = costs or CostModel()
+    plans = [p.instructions for p in program.ranks]
+    partners = recv_partners(*p2p_sequences(program))
+    coll = collective_slots(program)
+    members = {c.id: len(c.ranks) for c in program.communicators}
+
+    queues: dict[tuple[int, str], list[int]] = {}
+    for r, plan in enumerate(plans):
+        for i, ins in enumerate(plan):
+            queues.setdefault((r, ins.stream), []).append(i)
+    head = dict.fromkeys(queues, 0)
+    free = dict.fromkeys(queues, 0.0)
+    start: dict[Slot, float] = {}
+    end: dict[Slot, float] = {}
+    events: dict[tuple[int, str], float] = {}
+    coll_ready: dict[tuple[str, int], dict[int, float]] = {}
+    coll_time: dict[tuple[str, int], tuple[float, float]] = {}
+    waiting: dict[object, list[tuple[int, str]]] = {}
+    work = deque(queues)
+
+    def wake(key: object) -> None:
+        work.extend(waiting.pop(key, ()))
+
+    while work:
+        q_key = work.popleft()
+        r, _ = q_key
+        queue = queues[q_key]
+        while head[q_key] < len(queue):
+            i = queue[head[q_key]]
+            ins = plans[r][i]
+            t = free[q_key]
+            blocked: object = None
+            for ev in ins.waits:
+                if (r, ev) not in events:
+                    blocked = (r, ev)
+                    break
+                t = max(t, events[(r, ev)])
+            if blocked is None and ins.kind is NodeKind.RECV:
+                send = partners.get((r, i))
+                if send is None:
+                    raise SchedulingError(
+                        f"{describe(program, r, i)} has no matching send; run verify", ranks=[r]
+                    )
+                if send not in start:
+                    blocked = send
+                else:
+                    st = max(t, start[send])
+                    en = max(start[send] + costs.comm_cost(ins.meta), st)
+            elif blocked is None and ins.kind in COLLECTIVE_KINDS:
+                key = coll[(r, i)]
+                if key not in coll_time:
+                    ready = coll_ready.setdefault(key, {})
+                    ready[r] = t
+                    if len(ready) < members.get(key[0], 0):
+                        blocked = key
+                    else:
+                        t0 = max(ready.values())
+                        coll_time[key] = (t0, t0 + costs.comm_cost(ins.meta))
+                        wake(key)
+                if blocked is None:
+                    st, en = coll_time[key]
+            elif blocked is None:
+                st = t
+                if ins.kind is NodeKind.SEND:
+                    en = t + costs.comm_cost(ins.meta)
+                elif ins.kind in COMPUTE_KINDS:
+                    en = t + costs.compute_cost(ins.segment, ins.phase)
+                else:
+                    en = t
+            if blocked is not None:
+                waiting.setdefault(blocked, []).append(q_key)
+                break
+            start[(r, i)], end[(r, i)] = st, en
+            free[q_key] = en
+            head[q_key] += 1
+            wake((r, i))
+            if ins.record is not None:
+                events[(r, ins.record)] = en
+                wake((r, ins.record))
+
+    stuck = [
+        (r, queues[(r, s)][head[(r, s)]]) for (r, s) in sorted(queues) if head[(r, s)] < len(queues[(r, s)])
+    ]
+    if stuck:
+        lines = "\n  ".join(describe(program, r, i) for r, i in stuck)
+        raise DeadlockError(
+            "simulation cannot finish; blocked instructions:\n  " + lines + "\n" + excerpts(program, stuck),
+            ranks=sorted({r for r, _ in stuck}),
+        )
+    return _timeline(program, start, end)
+
+
+def _timeline(program: Program, start: dict[Slot, float], end: dict[Slot, float]) -> Timeline:
+    intervals: list[Interval] = []
+    busy = [0.0] * program.world_size
+    for plan in program.ranks:
+        for i, ins in enumerate(plan.instructions):
+            s, e = start[(plan.rank, i)], end[(plan.rank, i)]
+            intervals.append(
+                Interval(
+                    plan.rank,
+                    ins.stream,
+                    ins.id,
+                    ins.short(),
+                    s,
+                    e,
+                    ins.kind,
+                    ins.segment,
+                    ins.phase,
+                    ins.microbatch,
+                )
+            )
+            if ins.kind in COMPUTE_KINDS:
+                busy[plan.rank] += e - s
+    makespan = max((iv.end for iv in intervals), default=0.0)
+    return Timeline(
+        makespan=makespan,
+        busy=busy,
+        idle=[makespan - b for b in busy],
+        peak_memory=_peak_memory(program, intervals),
+        intervals=intervals,
+    )
+
+
+def _peak_memory(program: Program, intervals: list[Interval]) -> list[int]:
+    """Per rank, the most stage activations alive at once.
+
+    +1 when a stage segment's F finishes, -1 when its B (or BW, the last half of a split
+    backward) finishes; frees are counted before allocations at equal times. The loss
+    segment counts 0.
+    """
+    stages = {s.id for s in program.segments if s.role is SegmentRole.STAGE}
+    deltas: list[list[tuple[float, int]]] = [[] for _ in range(program.world_size)]
+    for iv in intervals:
+        if iv.kind is not NodeKind.COMPUTE or iv.segment not in stages:
+            continue
+        if iv.phase is Phase.F:
+            deltas[iv.rank].append((iv.end, 1))
+        elif iv.phase in (Phase.B, Phase.BW):
+            deltas[iv.rank].append((iv.end, -1))
+    peaks = []
+    for rank_deltas in deltas:
+        level = peak = 0
+        for _, d in sorted(rank_deltas):
+            level += d
+            peak = max(peak, level)
+        peaks.append(peak)
+    return peaks
