@@ -1,0 +1,102 @@
+"""The front door: one call from (model, example batch, loss, strategy) to a running trainer.
+
+``Trainer`` composes the packages: capture (piper-directives) -> strategy -> compile and
+verify (piper-scheduler) -> execute on Ray (piper-runtime). Everything in between is a
+``piper_ir`` value, available as ``trainer.graph`` and ``trainer.program``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from piper_directives import Strategy, build_schedule, capture
+from piper_ir import DirectiveError, Graph, Program
+from piper_runtime import OptimizerSpec, Runtime, StepResult
+from piper_scheduler import compile_program
+
+
+def pipeline_stages(graph: Graph, tag: str = "PP") -> int:
+    """How many distinct ``tag`` regions the captured model has."""
+    indices = {s.tags.get(tag) for s in graph.stage_segments()} - {None}
+    if not indices:
+        raise DirectiveError(f"the model has no annotate({tag!r}) region")
+    return len(indices)
+
+
+class Trainer:
+    """Trains ``model`` with ``strategy`` on a local or given Ray cluster.
+
+    ``strategy`` is a ``Strategy`` (for example ``piper_directives.one_f_one_b(2, 4)``) or a
+    callable taking the number of annotated stages and returning one. The model's parameters
+    are copied to the workers; ``parameters()`` returns the trained values.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        example_inputs: Sequence[torch.Tensor],
+        example_targets: Sequence[torch.Tensor],
+        loss_fn: Callable[..., torch.Tensor],
+        strategy: Strategy | Callable[[int], Strategy],
+        *,
+        optimizer: OptimizerSpec | None = None,
+        address: str | None = None,
+        step_timeout_s: float = 300.0,
+    ) -> None:
+        started = time.perf_counter()
+        captured = capture(model, example_inputs, example_targets, loss_fn)
+        if not isinstance(strategy, Strategy):
+            strategy = strategy(pipeline_stages(captured.graph))
+        self.strategy = strategy
+        self.graph = strategy.apply(captured.graph)
+        self.program: Program = compile_program(self.graph)
+        self.compile_seconds = time.perf_counter() - started
+        self.batch_size = captured.batch_size
+        self.runtime = Runtime(
+            self.program,
+            captured.modules,
+            optimizer=optimizer or OptimizerSpec(),
+            address=address,
+            step_timeout_s=step_timeout_s,
+        )
+
+    @classmethod
+    def with_schedule(
+        cls,
+        model: torch.nn.Module,
+        example_inputs: Sequence[torch.Tensor],
+        example_targets: Sequence[torch.Tensor],
+        loss_fn: Callable[..., torch.Tensor],
+        *,
+        schedule: str,
+        pp: int,
+        microbatches: int,
+        **kwargs: object,
+    ) -> Trainer:
+        """A trainer running a named schedule from the library over ``pp`` pipeline ranks."""
+
+        def strategy(stages: int) -> Strategy:
+            return build_schedule(schedule, pp, microbatches, stages=stages)
+
+        return cls(model, example_inputs, example_targets, loss_fn, strategy, **kwargs)  # type: ignore[arg-type]
+
+    def step(
+        self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], *, keep_grads: bool = False
+    ) -> StepResult:
+        """One training step on a full batch; returns the per-microbatch losses."""
+        return self.runtime.step(tuple(inputs), tuple(targets), keep_grads=keep_grads)
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return self.runtime.parameters()
+
+    def close(self) -> None:
+        self.runtime.shutdown()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
