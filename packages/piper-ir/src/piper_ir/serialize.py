@@ -113,9 +113,14 @@ def from_json(text: str) -> Any:
         raise SerializationError(f"not JSON: {err}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise SerializationError("not a piper-ir document (missing 'format': 'piper-ir')")
-    if doc.get("version") != VERSION:
-        raise SerializationError(f"piper-ir document version {doc.get('version')!r}; this code reads {VERSION}")
-    cls = _registry().get(doc.get("type", ""))
+    version = doc.get("version")
+    if isinstance(version, bool) or version != VERSION:
+        raise SerializationError(f"piper-ir document version {version!r}; this code reads {VERSION}")
+    type_name = doc.get("type")
+    cls = _registry().get(type_name) if isinstance(type_name, str) else None
     if cls is None:
-        raise SerializationError(f"unknown IR type {doc.get('type')!r}")
-    return decode(cls, doc.get("value"))
+        raise SerializationError(f"unknown IR type {type_name!r}")
+    try:
+        return decode(cls, doc.get("value"))
+    except (TypeError, ValueError) as err:  # a bad enum member, a missing field, a converter
+        raise SerializationError(f"invalid {type_name} document: {err}") from None

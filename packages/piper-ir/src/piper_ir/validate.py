@@ -46,7 +46,9 @@ def validate(graph: Graph) -> Graph:
             raise ValidationError(f"{n.kind.value} node {n.id} has peers {list(n.peers)} for devices {list(n.devices)}", nodes=[n.id])
     cycle = find_cycle(graph)
     if cycle is not None:
-        origins = sorted({e.origin for e in graph.edges if e.origin and e.src in cycle and e.dst in cycle})
+        # Blame only the edges on the cycle, not every edge between two of its nodes.
+        steps = set(zip(cycle, cycle[1:], strict=False))
+        origins = sorted({e.origin for e in graph.edges if e.origin and (e.src, e.dst) in steps})
         raise ValidationError(
             "the graph has a cycle: " + " -> ".join(cycle),
             directive=", ".join(origins) or None,

@@ -1,0 +1,134 @@
+"""The torch half of the pipeline benchmark: ``torch.distributed.pipelining`` on CPU/gloo.
+
+Runs a ``piper_train.models`` model, cut into ``pp`` stages along its annotated regions with
+``stage_modules(pp)``, through ``ScheduleGPipe`` or ``Schedule1F1B``: one process per stage
+on 127.0.0.1, one thread each, an SGD step every iteration. Each step is timed on rank 0
+between two barriers, so a time covers the slowest rank. Piper's half runs the same model
+and schedule as a directive program, so the two tables compare like for like.
+
+    .venv/bin/python benchmarks/torch_pipelining.py
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from piper_train.models import build_model
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def run_torch_pipeline(
+    schedule: str,
+    model_name: str,
+    pp: int,
+    microbatches: int,
+    steps: int,
+    *,
+    warmup: int = 2,
+    lr: float = 0.01,
+    seed: int = 0,
+) -> list[float]:
+    """Time ``steps`` training steps (after ``warmup`` more) and return them in seconds.
+
+    The model has ``pp`` annotated regions and stage i runs region i; the batch of
+    ``build_model(model_name)`` is split into ``microbatches`` equal microbatches (the
+    batch size must divide evenly).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose from {sorted(SCHEDULES)}")
+    if pp < 1 or microbatches < 1 or steps < 1 or warmup < 0:
+        raise ValueError("pp, microbatches and steps must be positive and warmup non-negative")
+    batch = build_model(model_name, stages=pp, seed=seed).example_inputs[0].size(0)
+    if batch % microbatches:
+        raise ValueError(f"{model_name} batch {batch} does not split into {microbatches} microbatches")
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.start_processes(
+        _worker,
+        args=(pp, _free_port(), schedule, model_name, microbatches, steps, warmup, lr, seed, results),
+        nprocs=pp,
+        join=True,
+        start_method="spawn",
+    )
+    times = results.get()
+    return times
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(
+    rank: int,
+    pp: int,
+    port: int,
+    schedule: str,
+    model_name: str,
+    microbatches: int,
+    steps: int,
+    warmup: int,
+    lr: float,
+    seed: int,
+    results: mp.SimpleQueue,
+) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=pp)
+    try:
+        # Every rank builds the whole model from the same seed (identical weights), keeps
+        # its own stage, and derives its stage's input shape by running the stages before it.
+        spec = build_model(model_name, stages=pp, seed=seed)
+        parts = spec.model.stage_modules(pp)
+        example = spec.example_inputs[0].chunk(microbatches)[0]
+        with torch.no_grad():
+            for part in parts[:rank]:
+                example = part(example)
+        module = parts[rank]
+        stage = PipelineStage(module, rank, pp, torch.device("cpu"), input_args=(example,))
+        sched = SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=spec.loss_fn)
+        opt = torch.optim.SGD(module.parameters(), lr=lr)
+        first, last = rank == 0, rank == pp - 1
+        times: list[float] = []
+        for step in range(warmup + steps):
+            (x,), (y,) = spec.batches(step)
+            opt.zero_grad()
+            dist.barrier()
+            start = time.perf_counter()
+            args = (x,) if first else ()
+            kwargs = {"target": y, "losses": []} if last else {}
+            sched.step(*args, **kwargs)
+            opt.step()
+            dist.barrier()
+            if step >= warmup:
+                times.append(time.perf_counter() - start)
+        if first:
+            results.put(times)
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    pp, microbatches, steps = 2, 4, 10
+    print(f"torch.distributed.pipelining on gloo/CPU, pp={pp}, {microbatches} microbatches, {steps} steps")
+    print(f"{'model':<12} {'schedule':<8} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
+    for model_name in ("mlp", "transformer", "lm"):
+        for schedule in ("gpipe", "1f1b"):
+            times = run_torch_pipeline(schedule, model_name, pp, microbatches, steps)
+            ms = [t * 1e3 for t in times]
+            print(
+                f"{model_name:<12} {schedule:<8} {statistics.median(ms):>10.2f} {min(ms):>8.2f} {max(ms):>8.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""``to_json`` / ``from_json``: the document envelope and every way reading one fails."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from piper_ir import Edge, Graph, Node, NodeKind, SerializationError, Tags, from_json, to_json
+from piper_ir.serialize import FORMAT, VERSION
+
+NODE = Node("a", NodeKind.COMPUTE, tags=Tags.of(PP=1), devices=(0, 1))
+
+
+def _doc(**changes: object) -> str:
+    doc = json.loads(to_json(NODE))
+    doc.update(changes)
+    return json.dumps(doc)
+
+
+def _with_value(**changes: object) -> str:
+    doc = json.loads(to_json(NODE))
+    doc["value"].update(changes)
+    return json.dumps(doc)
+
+
+def test_envelope() -> None:
+    doc = json.loads(to_json(NODE))
+    assert (
+        (doc["format"], doc["version"], doc["type"]) == (FORMAT, VERSION, "Node") == ("piper-ir", 1, "Node")
+    )
+    assert doc["value"]["kind"] == "compute"
+    assert doc["value"]["tags"] == {"items": [["PP", 1]]}
+    assert from_json(to_json(NODE)) == NODE
+
+
+def test_graph_round_trip_keeps_cached_lookups_out_of_the_document() -> None:
+    graph = Graph((), (), (NODE, Node("b", NodeKind.MARKER)), (Edge("a", "b"),))
+    assert graph.node_by_id["a"] == NODE  # fill a cached property first
+    doc = json.loads(to_json(graph))
+    assert set(doc["value"]) == {
+        "segments",
+        "values",
+        "nodes",
+        "edges",
+        "inputs",
+        "targets",
+        "microbatches",
+        "world_size",
+    }
+    assert from_json(to_json(graph)) == graph
+
+
+@pytest.mark.parametrize("text", ["", "{", "not json", "{'format': 'piper-ir'}"])
+def test_not_json(text: str) -> None:
+    with pytest.raises(SerializationError, match="not JSON"):
+        from_json(text)
+
+
+@pytest.mark.parametrize("text", ["[]", "3", "{}", _doc(format="piper"), _doc(format=None)])
+def test_wrong_format(text: str) -> None:
+    with pytest.raises(SerializationError, match="not a piper-ir document"):
+        from_json(text)
+
+
+@pytest.mark.parametrize("version", [2, 0, "1", None, True])
+def test_wrong_version(version: object) -> None:
+    with pytest.raises(SerializationError, match=f"version {version!r}; this code reads 1"):
+        from_json(_doc(version=version))
+
+
+@pytest.mark.parametrize("type_name", ["Nope", "", None, ["Node"], "Phase", "SerializationError"])
+def test_unknown_type(type_name: object) -> None:
+    with pytest.raises(SerializationError, match="unknown IR type"):
+        from_json(_doc(type=type_name))
+
+
+def test_unknown_field() -> None:
+    with pytest.raises(SerializationError, match=r"unknown fields \['colour'\] for Node"):
+        from_json(_with_value(colour="red"))
+
+
+def test_unknown_field_in_nested_value() -> None:
+    with pytest.raises(SerializationError, match=r"unknown fields \['extra'\] for Tags"):
+        from_json(_with_value(tags={"items": [], "extra": 1}))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"devices": "01"}, "expected a list"),
+        ({"devices": [0, True]}, "expected int, got True"),
+        ({"devices": [0, 1.5]}, "expected int"),
+        ({"microbatch": "0"}, "matches none of"),
+        ({"tags": [["PP", 1]]}, "expected an object for Tags"),
+        ({"tags": {"items": [["PP", 1, 2]]}}, "expected 2 items"),
+        ({"kind": "bogus"}, "invalid Node document: 'bogus' is not a valid NodeKind"),
+        ({"id": None}, "expected str, got None"),
+    ],
+)
+def test_bad_field_values(changes: dict, message: str) -> None:
+    with pytest.raises(SerializationError, match=message):
+        from_json(_with_value(**changes))
+
+
+def test_missing_required_field() -> None:
+    doc = json.loads(to_json(NODE))
+    del doc["value"]["id"]
+    with pytest.raises(SerializationError, match="invalid Node document"):
+        from_json(json.dumps(doc))
+
+
+def test_missing_optional_field_takes_default() -> None:
+    doc = json.loads(to_json(NODE))
+    del doc["value"]["stream"]
+    assert from_json(json.dumps(doc)).stream == "compute"
+
+
+def test_unencodable_value() -> None:
+    with pytest.raises(SerializationError, match="cannot encode set"):
+        to_json(Node("a", NodeKind.COMPUTE, value={"x"}))  # type: ignore[arg-type]

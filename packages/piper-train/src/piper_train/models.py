@@ -1,0 +1,269 @@
+"""Example models for tests and benchmarks, written the way a Piper user writes one.
+
+Every operation of ``forward`` sits inside an ``annotate("PP")`` region (compute outside an
+annotation is a capture error). One region is one pipeline-stage candidate, so a model built
+with ``stages=k`` has k regions. Forward passes take tensors positionally, return one tensor
+and contain no data-dependent Python control flow, so ``torch.fx.symbolic_trace`` works.
+
+``stage_modules(pp)`` cuts the same model into ``pp`` plain ``nn.Module``s along the region
+boundaries (sharing its parameters), for baselines such as ``torch.distributed.pipelining``
+that need hand-split stages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from piper_train.data import ByteBatches, stdlib_corpus
+
+
+def _annotate(name: str):  # noqa: ANN202 - a context manager from piper_directives
+    # Imported when forward runs, not when this module is imported, so the hand-split
+    # stage modules (and benchmarks using them) work without piper-directives installed.
+    from piper_directives import annotate
+
+    return annotate(name)
+
+
+def _group(regions: list[nn.Module], pp: int) -> list[nn.Module]:
+    """Cut ``regions`` into ``pp`` contiguous, balanced groups, each one ``nn.Sequential``."""
+    if not 1 <= pp <= len(regions):
+        raise ValueError(f"cannot split {len(regions)} annotated regions into {pp} stages")
+    base, extra = divmod(len(regions), pp)
+    out, start = [], 0
+    for i in range(pp):
+        size = base + (1 if i < extra else 0)  # earlier stages take the remainder
+        out.append(nn.Sequential(*regions[start : start + size]))
+        start += size
+    return out
+
+
+class MLP(nn.Module):
+    """``n_stages`` regions of Linear+Tanh; the last region ends with a Linear to ``d_out``."""
+
+    def __init__(self, d_in: int, d_hidden: int, d_out: int, n_stages: int) -> None:
+        super().__init__()
+        if n_stages < 1:
+            raise ValueError(f"n_stages must be >= 1, got {n_stages}")
+        blocks = []
+        for i in range(n_stages):
+            layers: list[nn.Module] = [nn.Linear(d_in if i == 0 else d_hidden, d_hidden), nn.Tanh()]
+            if i == n_stages - 1:
+                layers.append(nn.Linear(d_hidden, d_out))
+            blocks.append(nn.Sequential(*layers))
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            with _annotate("PP"):
+                x = block(x)
+        return x
+
+    def stage_modules(self, pp: int) -> list[nn.Module]:
+        return _group(list(self.blocks), pp)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, seq_len: int) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model {d_model} is not divisible by n_heads {n_heads}")
+        self.n_heads = n_heads
+        self.d_head = d_model // n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        # True above the diagonal: position t may not attend to later positions. A buffer
+        # (not a Python branch) keeps the mask traceable and moves with the module.
+        self.register_buffer("mask", torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = x.size(1)
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.n_heads, self.d_head)).permute(2, 0, 3, 1, 4).unbind(0)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.d_head))
+        # narrow, not mask[:t, :t]: fx cannot trace a slice whose bound is a traced size.
+        scores = scores.masked_fill(self.mask.narrow(0, 0, t).narrow(1, 0, t), float("-inf"))
+        out = scores.softmax(dim=-1) @ v  # (batch, heads, seq, d_head)
+        return self.proj(out.transpose(1, 2).flatten(2))
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm transformer block: attention then a 4x MLP, each with a residual."""
+
+    def __init__(self, d_model: int, n_heads: int, seq_len: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, seq_len)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Embed(nn.Module):
+    """Token embedding plus a learned positional embedding."""
+
+    def __init__(self, vocab: int, d_model: int, seq_len: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.zeros(seq_len, d_model))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.tok(tokens) + self.pos.narrow(0, 0, tokens.size(1))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the language-model head (logits over the vocabulary)."""
+
+    def __init__(self, vocab: int, d_model: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d_model)
+        self.out = nn.Linear(d_model, vocab)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.ln(x))
+
+
+class TinyTransformer(nn.Module):
+    """A byte-level causal LM: ``tokens (batch, seq) int64 -> logits (batch, seq, vocab)``.
+
+    One ``annotate("PP")`` region per block; the embeddings share the first block's region
+    and the final LayerNorm and head share the last block's.
+    """
+
+    def __init__(
+        self, vocab: int, d_model: int = 64, n_heads: int = 4, n_layers: int = 2, seq_len: int = 64
+    ) -> None:
+        super().__init__()
+        if n_layers < 1:
+            raise ValueError(f"n_layers must be >= 1, got {n_layers}")
+        self.embed = Embed(vocab, d_model, seq_len)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, seq_len) for _ in range(n_layers))
+        self.head = Head(vocab, d_model)
+        self.apply(_init_weights)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = tokens
+        last = len(self.blocks) - 1
+        for i, block in enumerate(self.blocks):  # i is a Python int: no data-dependent branch
+            with _annotate("PP"):
+                if i == 0:
+                    x = self.embed(x)
+                x = block(x)
+                if i == last:
+                    x = self.head(x)
+        return x
+
+    def stage_modules(self, pp: int) -> list[nn.Module]:
+        regions: list[nn.Module] = list(self.blocks)
+        regions[0] = nn.Sequential(self.embed, regions[0])
+        regions[-1] = nn.Sequential(regions[-1], self.head)
+        return _group(regions, pp)
+
+
+def _init_weights(module: nn.Module) -> None:
+    # Small (GPT-2 style) initial weights make the initial logits nearly uniform, so the
+    # first loss is close to ln(vocab).
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.02)
+        nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, std=0.02)
+    elif isinstance(module, Embed):
+        nn.init.normal_(module.pos, std=0.02)
+
+
+def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross entropy over every token: ``logits (b, s, v)``, ``targets (b, s)``."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+Batch = tuple[tuple[Tensor, ...], tuple[Tensor, ...]]
+LossFn = Callable[[Tensor, Tensor], Tensor]
+Built = tuple[nn.Module, LossFn, Callable[[int], Batch]]
+
+
+@attrs.frozen(eq=False)
+class ModelSpec:
+    """A model with its data and loss: everything a trainer or benchmark needs.
+
+    ``batches(step)`` returns ``(inputs, targets)``, deterministic in ``(seed, step)``;
+    ``example_inputs`` / ``example_targets`` are ``batches(0)``.
+    """
+
+    name: str
+    model: nn.Module
+    example_inputs: tuple[Tensor, ...]
+    example_targets: tuple[Tensor, ...]
+    loss_fn: LossFn
+    batches: Callable[[int], Batch]
+    stages: int
+    seed: int
+
+
+def _mix(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step) % (2**63 - 1)
+
+
+def _mlp(stages: int, seed: int) -> Built:
+    d_in, d_hidden, d_out, batch = 32, 64, 8, 16
+    teacher = torch.randn(d_in, d_out, generator=torch.Generator().manual_seed(_mix(seed, -1)))
+
+    def batches(step: int) -> Batch:
+        x = torch.randn(batch, d_in, generator=torch.Generator().manual_seed(_mix(seed, step)))
+        return (x,), (torch.sin(x @ teacher / math.sqrt(d_in)),)
+
+    return MLP(d_in, d_hidden, d_out, stages), F.mse_loss, batches
+
+
+def _random_tokens(stages: int, seed: int) -> Built:
+    vocab, seq_len, batch = 64, 16, 8
+
+    def batches(step: int) -> Batch:
+        gen = torch.Generator().manual_seed(_mix(seed, step))
+        seq = torch.randint(0, vocab, (batch, seq_len + 1), generator=gen)
+        return (seq[:, :-1],), (seq[:, 1:],)
+
+    return TinyTransformer(vocab, 64, 4, stages, seq_len), lm_loss, batches
+
+
+def _byte_lm(stages: int, seed: int) -> Built:
+    seq_len, batch = 64, 16
+    data = ByteBatches(stdlib_corpus(), batch, seq_len, seed)
+
+    def batches(step: int) -> Batch:
+        inputs, targets = data(step)
+        return (inputs,), (targets,)
+
+    return TinyTransformer(256, 64, 4, stages, seq_len), lm_loss, batches
+
+
+MODELS = {"mlp": _mlp, "transformer": _random_tokens, "lm": _byte_lm}
+
+
+def build_model(name: str, *, stages: int, seed: int = 0) -> ModelSpec:
+    """Build registered model ``name`` with ``stages`` annotated PP regions.
+
+    - ``mlp``: regression with MSE, float32 inputs (16, 32) -> (16, 8).
+    - ``transformer``: tiny causal LM on random tokens (vocab 64, d 64, 4 heads, seq 16, batch 8).
+    - ``lm``: byte-level LM on the standard library's source (vocab 256, d 64, 4 heads,
+      seq 64, batch 16); one block per stage.
+
+    ``seed`` fixes the initial weights (without disturbing the caller's global RNG) and the data.
+    """
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1, got {stages}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model, loss_fn, batches = MODELS[name](stages, seed)
+    inputs, targets = batches(0)
+    return ModelSpec(name, model, inputs, targets, loss_fn, batches, stages, seed)
