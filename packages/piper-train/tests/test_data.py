@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from piper_train.data import ByteBatches, stdlib_corpus
 
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
 from piper_train.models import MLP, ModelSpec, TinyTransformer, build_model, lm_loss
 
 NAMES = ["mlp", "transformer", "lm"]

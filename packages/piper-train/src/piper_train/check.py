@@ -8,6 +8,7 @@ import attrs
 import torch
 
 from piper_directives import Strategy
+from piper_ir import Program
 from piper_runtime import OptimizerSpec
 from piper_train.models import ModelSpec
 from piper_train.reference import ReferenceTrainer
@@ -16,30 +17,48 @@ from piper_train.trainer import Trainer
 
 @attrs.frozen
 class Difference:
-    """The worst disagreement of one quantity: ``max|a-b|`` and ``max|a-b| / max|b|``."""
+    """The worst disagreement of one quantity: ``max|a-b|`` and ``max|a-b| / max|b|``;
+    ``ok`` says whether it is within the check's tolerance (``torch.allclose``)."""
 
     what: str
     abs: float
     rel: float
     where: str
+    ok: bool = True
 
 
 @attrs.frozen
 class CheckReport:
     steps: int
     differences: tuple[Difference, ...]
-    ok: bool
     rtol: float
     atol: float
+    program: Program = attrs.field(eq=False, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return all(d.ok for d in self.differences)
 
     def worst(self, what: str) -> Difference:
         return max((d for d in self.differences if d.what == what), key=lambda d: d.rel)
 
+    def failures(self, limit: int = 10) -> str:
+        """The quantities outside tolerance, one per line (empty when ``ok``)."""
+        bad = [d for d in self.differences if not d.ok]
+        lines = [f"{d.what} {d.where}: abs {d.abs:.3e} rel {d.rel:.3e}" for d in bad[:limit]]
+        if len(bad) > limit:
+            lines.append(f"... and {len(bad) - limit} more")
+        return "\n".join(lines)
 
-def _diff(what: str, where: str, got: torch.Tensor, want: torch.Tensor) -> Difference:
-    delta = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
-    scale = want.double().abs().max().item() if want.numel() else 0.0
-    return Difference(what, delta, delta / scale if scale else delta, where)
+
+def _diff(what: str, where: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> Difference:
+    got, want = got.double(), want.double()
+    if got.shape != want.shape:
+        return Difference(what, float("inf"), float("inf"), f"{where} (shape {tuple(got.shape)} vs {tuple(want.shape)})", False)
+    delta = (got - want).abs().max().item() if got.numel() else 0.0
+    scale = want.abs().max().item() if want.numel() else 0.0
+    ok = bool(torch.allclose(got, want, rtol=rtol, atol=atol))
+    return Difference(what, delta, delta / scale if scale else delta, where, ok)
 
 
 def run_check(
@@ -57,7 +76,6 @@ def run_check(
     after the last step, every parameter."""
     optimizer = optimizer or OptimizerSpec()
     diffs: list[Difference] = []
-    ok = True
     with Trainer(
         workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
         optimizer=optimizer, address=address,
@@ -74,12 +92,8 @@ def run_check(
             if set(got.grads) != set(want.grads):
                 raise AssertionError(f"gradient names differ: {sorted(set(got.grads) ^ set(want.grads))}")
             pairs += [("grad", f"step {step} {name}", got.grads[name], want.grads[name]) for name in want.grads]
-            for what, where, g, w in pairs:
-                diffs.append(_diff(what, where, g, w))
-                ok &= torch.allclose(g.double(), w.double(), rtol=rtol, atol=atol)
+            diffs.extend(_diff(what, where, g, w, rtol, atol) for what, where, g, w in pairs)
             log(f"step {step}: loss {got.loss:.6f} (reference {want.loss:.6f})")
         params = trainer.parameters()
-        for name, want_p in reference.parameters().items():
-            diffs.append(_diff("param", name, params[name], want_p))
-            ok &= torch.allclose(params[name].double(), want_p.double(), rtol=rtol, atol=atol)
-    return CheckReport(steps, tuple(diffs), bool(ok), rtol, atol)
+        diffs.extend(_diff("param", name, params[name], p, rtol, atol) for name, p in reference.parameters().items())
+    return CheckReport(steps, tuple(diffs), rtol, atol, trainer.program)

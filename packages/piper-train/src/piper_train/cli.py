@@ -1,4 +1,5 @@
-"""The ``piper`` command: ``piper train`` and ``piper check``."""
+"""The ``piper`` command: ``piper train``, ``piper check``, ``piper simulate``, ``piper plan``
+and ``piper show``."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--steps", type=int, default=3)
     check.add_argument("--rtol", type=float, default=1e-5)
     check.add_argument("--atol", type=float, default=1e-6)
+    _add_scheduler_commands(sub)
     return parser
 
 
@@ -119,9 +121,174 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+# --- simulate / plan / show: scheduling without processes ------------------------------------
+
+_COST_KEYS = {"F": "F", "B": "B", "BI": "BI", "BW": "BW", "W": "BW", "OPT": "OPT"}
+
+
+def _costs(text: str):  # noqa: ANN202
+    """``F=1,B=2,W=1[,BI=..][,OPT=..][,loss=0]`` as a CostModel; the loss is free unless given."""
+    from piper_scheduler import CostModel
+
+    fields: dict[str, float] = {}
+    loss = 0.0
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, val = item.partition("=")
+        try:
+            number = float(val)
+        except ValueError:
+            number = -1.0
+        if not sep or number < 0 or (key not in _COST_KEYS and key != "loss"):
+            raise ValueError(f"--cost: expected KEY=NUMBER with KEY in F, B, BI, BW (or W), OPT, loss; got {item!r}")
+        if key == "loss":
+            loss = number
+        else:
+            fields[_COST_KEYS[key]] = number
+    return CostModel(**fields, overrides={"loss": {"F": loss, "B": loss, "BI": loss, "BW": loss}})
+
+
+def _add_schedule_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="pipeline schedule (default: 1f1b)")
+    p.add_argument("--pp", type=int, default=2, help="pipeline ranks (default: 2)")
+    p.add_argument("--stages", type=int, help="annotated regions (default: --pp)")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default: 4)")
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cost", default="F=1,B=2,W=1", help="per-phase costs, e.g. F=1,B=2,W=1,loss=0 (default: F=1,B=2,W=1)")
+    p.add_argument("--json", action="store_true", help="print makespan, per-rank busy and idle time as JSON")
+    p.add_argument("--png", type=Path, help="write a Gantt chart of the simulated step (needs matplotlib)")
+    p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the simulated step")
+
+
+def _add_scheduler_commands(sub) -> None:  # noqa: ANN001
+    simulate = sub.add_parser("simulate", help="simulate a schedule on a synthetic model (no torch work)")
+    _add_schedule_args(simulate)
+    simulate.add_argument("--segments-per-stage", type=int, default=1, help="segments in each region (default: 1)")
+    _add_output_args(simulate)
+    plan = sub.add_parser("plan", help="compile a strategy to a program and save it as JSON")
+    _add_schedule_args(plan)
+    source = plan.add_mutually_exclusive_group()
+    source.add_argument("--model", help="mlp, transformer, lm, or path/to/file.py:factory: capture this model")
+    source.add_argument("--synthetic", action="store_true", help="a synthetic chain of regions (default)")
+    plan.add_argument("--strategy", type=Path, help="a JSON directive program; replaces --schedule/--pp/--microbatches")
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--out", type=Path, required=True, help="where to write the program (piper-ir JSON)")
+    show = sub.add_parser("show", help="print a saved program as a rank x step grid, simulate it")
+    show.add_argument("program", type=Path, help="a program written by 'piper plan'")
+    _add_output_args(show)
+
+
+def _schedule_graph(args: argparse.Namespace, stages: int, segments_per_stage: int = 1):  # noqa: ANN202
+    from piper_directives.synthetic import synthetic_graph
+
+    return synthetic_graph(stages, args.microbatches, segments_per_stage, hidden=16, batch=1)
+
+
+def _report(args: argparse.Namespace, program, what: str) -> int:  # noqa: ANN001
+    from piper_scheduler import plot_gantt, simulate, to_chrome_trace
+
+    timeline = simulate(program, _costs(args.cost))
+    summary = {
+        "what": what,
+        "ranks": program.world_size,
+        "microbatches": program.microbatches,
+        "makespan": timeline.makespan,
+        "busy": list(timeline.busy),
+        "idle": list(timeline.idle),
+        "bubble_fraction": [i / timeline.makespan if timeline.makespan else 0.0 for i in timeline.idle],
+        "peak_activations": list(timeline.peak_memory),
+    }
+    if args.trace is not None:
+        args.trace.write_text(json.dumps(to_chrome_trace(timeline)))
+        _say(args, f"wrote {args.trace}")
+    if args.png is not None:
+        plot_gantt(timeline, args.png, title=f"{what}: makespan {timeline.makespan:g}")
+        _say(args, f"wrote {args.png}")
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    _say(args, f"{what}: makespan {timeline.makespan:g} (costs {args.cost})")
+    _say(args, "rank      busy      idle  bubble  peak activations")
+    for r in range(program.world_size):
+        _say(args, f"{r:>4} {timeline.busy[r]:>9g} {timeline.idle[r]:>9g} {summary['bubble_fraction'][r]:>6.1%}"
+                   f"  {timeline.peak_memory[r]:>5}")
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from piper_directives.schedules import build_schedule as build
+    from piper_scheduler import compile_program
+
+    stages = args.stages or args.pp
+    strategy = build(args.schedule, args.pp, args.microbatches, stages=stages)
+    program = compile_program(strategy.apply(_schedule_graph(args, stages, args.segments_per_stage)))
+    return _report(args, program, f"{args.schedule} pp={args.pp} stages={stages} microbatches={args.microbatches}")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from piper_ir import graph_summary, to_json
+    from piper_scheduler import compile_program
+
+    stages = args.stages or args.pp
+    if args.model is not None:
+        from piper_directives import capture
+        from piper_train.workload import load_workload
+
+        workload = load_workload(args.model, stages=stages, seed=args.seed)
+        graph = capture(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn).graph
+    else:
+        graph = _schedule_graph(args, stages)
+    strategy = _strategy(args)
+    strategy = strategy if isinstance(strategy, Strategy) else strategy(stages)
+    started = time.perf_counter()
+    placed = strategy.apply(graph)
+    program = compile_program(placed)
+    seconds = time.perf_counter() - started
+    args.out.write_text(to_json(program))
+    print(graph_summary(placed).splitlines()[0])
+    print(f"compiled {program.world_size} rank plans, {sum(len(p.instructions) for p in program.ranks)} "
+          f"instructions in {seconds:.2f} s; wrote {args.out}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from piper_ir import Program, from_json, program_text
+    from piper_scheduler import verify
+
     try:
+        program = from_json(args.program.read_text())
+    except OSError as err:
+        raise ValueError(f"cannot read {args.program}: {err}") from None
+    if not isinstance(program, Program):
+        raise ValueError(f"{args.program} holds a {type(program).__name__}, not a Program")
+    verify(program)
+    counts = {}
+    for plan in program.ranks:
+        for ins in plan.instructions:
+            counts[ins.kind.value] = counts.get(ins.kind.value, 0) + 1
+    _say(args, program_text(program))
+    _say(args, f"\n{program.world_size} ranks, {program.microbatches} microbatches, "
+               f"{sum(counts.values())} instructions ({', '.join(f'{k}={v}' for k, v in sorted(counts.items()))}); "
+               f"communicators: {', '.join(f'{c.id} ({c.traffic})' for c in program.communicators) or 'none'}; verified")
+    return _report(args, program, str(args.program))
+
+
+_COMMANDS = {"simulate": _simulate, "plan": _plan, "show": _show}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for name in ("rtol", "atol"):
+        if getattr(args, name, 0) < 0:
+            parser.error(f"--{name} must be >= 0")
+    for name in ("pp", "microbatches", "steps"):
+        if getattr(args, name, 1) < 1:
+            parser.error(f"--{name} must be >= 1")
+    try:
+        if args.command in _COMMANDS:
+            return _COMMANDS[args.command](args)
         return _train(args) if args.command == "train" else _check(args)
     except (PiperError, ValueError) as err:
         print(f"piper {args.command}: error: {err}", file=sys.stderr)

@@ -76,7 +76,9 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"d_model {d_model} is not divisible by n_heads {n_heads}")
         self.n_heads = n_heads
         self.d_head = d_model // n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        # No bias: a key bias cannot change attention (softmax is shift-invariant), so its
+        # gradient is pure rounding noise that Adam would amplify into real updates.
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model)
         # True above the diagonal: position t may not attend to later positions. A buffer
         # (not a Python branch) keeps the mask traceable and moves with the module.
@@ -173,7 +175,8 @@ def _init_weights(module: nn.Module) -> None:
     # first loss is close to ln(vocab).
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, std=0.02)
-        nn.init.zeros_(module.bias)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
     elif isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, std=0.02)
     elif isinstance(module, Embed):

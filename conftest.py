@@ -1,0 +1,35 @@
+"""Fixtures shared by every package's tests and the integration tests.
+
+One Ray cluster serves the whole pytest session: starting Ray costs a few seconds, and the
+runtime reuses an initialised Ray instead of starting its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            logging_level=logging.ERROR,
+            log_to_driver=False,
+        )
+        started = True
+    yield
+    if started:
+        ray.shutdown()

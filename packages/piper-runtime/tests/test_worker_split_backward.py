@@ -1,0 +1,159 @@
+"""BI/BW instructions on one worker, against single-device autograd.
+
+A one-rank program (no Ray, no communication: ``RankWorker`` is a plain class) runs a chain
+s0 -> s1 -> loss over two microbatches. Microbatch 0 uses the split backward (BI now, BW at
+the end), microbatch 1 the fused one, so the two share parameter ``.grad`` buffers.
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+
+import pytest
+import torch
+from piper_ir import (
+    ExecutionError,
+    Instruction,
+    NodeKind,
+    Phase,
+    Program,
+    RankPlan,
+    Segment,
+    SegmentRole,
+    Tags,
+    TensorMeta,
+    Value,
+)
+from piper_runtime import OptimizerSpec
+from piper_runtime.worker import RankWorker
+from torch import nn
+
+M, BATCH, D_IN, D_HID, D_OUT = 2, 4, 3, 5, 2
+
+
+class Block(nn.Module):
+    """``tanh(linear(x))`` with the linear layer registered as ``name`` (unique qualified names)."""
+
+    def __init__(self, name: str, lin: nn.Linear) -> None:
+        super().__init__()
+        self.name = name
+        self.add_module(name, lin)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.tanh(getattr(self, self.name)(x)),)
+
+
+class MSE(nn.Module):
+    def forward(self, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(y, target)
+
+
+def _meta(*shape: int, grad: bool = True, batch_dim: int | None = 0) -> TensorMeta:
+    return TensorMeta(shape, "float32", batch_dim=batch_dim, requires_grad=grad)
+
+
+def _ins(seg: str, phase: Phase, mb: int | None = None) -> Instruction:
+    kind = NodeKind.OPTIMIZER if phase is Phase.OPT else NodeKind.COMPUTE
+    return Instruction(f"{phase.value}.{seg}" + ("" if mb is None else f".mb{mb}"), kind, segment=seg, phase=phase, microbatch=mb)
+
+
+def _program(backward: list[tuple[str, Phase, int]]) -> Program:
+    mb = BATCH // M
+    values = (
+        Value("input:0", _meta(mb, D_IN, grad=False)),
+        Value("target:0", _meta(mb, D_OUT, grad=False)),
+        Value("v:h", _meta(mb, D_HID)),
+        Value("v:y", _meta(mb, D_OUT)),
+        Value("v:loss", _meta(batch_dim=None)),
+        Value("grad:v:h", _meta(mb, D_HID)),
+        Value("grad:v:y", _meta(mb, D_OUT)),
+    )
+
+    def params(name: str, d_in: int, d_out: int) -> tuple[tuple[str, TensorMeta], ...]:
+        return ((f"{name}.weight", _meta(d_out, d_in, batch_dim=None)), (f"{name}.bias", _meta(d_out, batch_dim=None)))
+
+    segments = (
+        Segment("s0", SegmentRole.STAGE, Tags.of(PP=0), ("input:0",), ("v:h",), params("l0", D_IN, D_HID)),
+        Segment("s1", SegmentRole.STAGE, Tags.of(PP=1), ("v:h",), ("v:y",), params("l1", D_HID, D_OUT)),
+        Segment("loss", SegmentRole.LOSS, Tags.of(PP=1), ("v:y", "target:0"), ("v:loss",)),
+    )
+    forward = [_ins(s, Phase.F, i) for i in range(M) for s in ("s0", "s1", "loss")]
+    tail = [_ins(s, p, i) for s, p, i in backward] + [_ins("s0", Phase.OPT), _ins("s1", Phase.OPT)]
+    return Program(
+        world_size=1,
+        ranks=(RankPlan(0, forward + tail),),
+        communicators=(),
+        segments=segments,
+        values=values,
+        inputs=("input:0",),
+        targets=("target:0",),
+        microbatches=M,
+        placement=(("s0", (0,)), ("s1", (0,)), ("loss", (0,))),
+    )
+
+
+MIXED = [
+    ("loss", Phase.B, 0), ("s1", Phase.BI, 0), ("s0", Phase.BI, 0),  # input gradients only
+    ("loss", Phase.B, 1), ("s1", Phase.B, 1), ("s0", Phase.B, 1),  # fused, in between
+    ("s1", Phase.BW, 0), ("s0", Phase.BW, 0),  # weight gradients last
+]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def worker():
+    w = RankWorker()
+    yield w
+    w.shutdown()
+
+
+def _layers(seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
+    torch.manual_seed(seed)
+    return nn.Linear(D_IN, D_HID), nn.Linear(D_HID, D_OUT)
+
+
+def _modules(l0: nn.Linear, l1: nn.Linear) -> dict[str, nn.Module]:
+    """Copies: the worker runs in this process and must not update the oracle's layers."""
+    return {"s0": Block("l0", copy.deepcopy(l0)), "s1": Block("l1", copy.deepcopy(l1)), "loss": MSE()}
+
+
+def _model(l0: nn.Linear, l1: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(l1(torch.tanh(l0(x))))
+
+
+def test_split_and_fused_backward_match_autograd(worker) -> None:
+    l0, l1 = _layers()
+    ref = nn.ModuleDict({"l0": l0, "l1": l1})  # the oracle; the worker gets copies of the same weights
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    worker.setup(0, 1, "127.0.0.1", _port(), _program(MIXED), _modules(l0, l1), OptimizerSpec("sgd", lr=0.1))
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, t = torch.randn(BATCH, D_IN, generator=g), torch.randn(BATCH, D_OUT, generator=g)
+        out = worker.run_step({"input:0": x, "target:0": t}, keep_grads=True)
+
+        with torch.no_grad():
+            losses = [nn.functional.mse_loss(_model(l0, l1, xc), tc).item()
+                      for xc, tc in zip(x.chunk(M), t.chunk(M), strict=True)]
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(_model(l0, l1, x), t).backward()
+        assert [v for _, v in out.losses] == pytest.approx(losses, rel=1e-6)
+        assert set(out.grads) == {n for n, _ in ref.named_parameters()}
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(out.grads[name], p.grad, rtol=1e-5, atol=1e-6)
+        ref_opt.step()
+    params = worker.parameters()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_weight_pass_before_input_pass_is_an_error(worker) -> None:
+    bad = [("loss", Phase.B, 0), ("s1", Phase.BW, 0), ("s1", Phase.BI, 0)]
+    worker.setup(0, 1, "127.0.0.1", _port(), _program(bad), _modules(*_layers()), OptimizerSpec("sgd", lr=0.1))
+    with pytest.raises(ExecutionError, match="weight backward of s1 microbatch 0 before its input backward"):
+        worker.run_step({"input:0": torch.randn(BATCH, D_IN), "target:0": torch.randn(BATCH, D_OUT)})

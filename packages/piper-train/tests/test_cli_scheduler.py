@@ -1,0 +1,69 @@
+"""``piper simulate``, ``piper plan`` and ``piper show``, run in-process."""
+
+import json
+
+import pytest
+
+from piper_train.cli import main
+
+
+def _json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 6)])
+def test_simulate_json_reports_the_published_bubble(capsys, schedule, pp, m):
+    assert main(["simulate", "--schedule", schedule, "--pp", str(pp), "--microbatches", str(m),
+                 "--cost", "F=1,B=2", "--json"]) == 0
+    out = _json(capsys)
+    assert out["makespan"] == m * 3 + (pp - 1) * 3
+    assert out["idle"] == [(pp - 1) * 3.0] * pp and out["busy"] == [m * 3.0] * pp
+
+
+def test_simulate_stages_and_segments(capsys):
+    assert main(["simulate", "--pp", "2", "--stages", "4", "--segments-per-stage", "2", "--microbatches", "4",
+                 "--cost", "F=1,B=2,loss=0", "--json"]) == 0
+    out = _json(capsys)
+    assert out["ranks"] == 2 and out["busy"] == [4 * 4 * 3.0] * 2
+
+
+def test_simulate_writes_trace_and_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    trace, png = tmp_path / "t.json", tmp_path / "g.png"
+    assert main(["simulate", "--pp", "2", "--microbatches", "2", "--trace", str(trace), "--png", str(png)]) == 0
+    assert "makespan" in capsys.readouterr().out
+    assert json.loads(trace.read_text())["traceEvents"] and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_cost_is_a_usage_error(capsys):
+    assert main(["simulate", "--cost", "F=x"]) == 2
+    assert "--cost" in capsys.readouterr().err
+
+
+def test_plan_then_show(tmp_path, capsys):
+    out = tmp_path / "program.json"
+    assert main(["plan", "--schedule", "1f1b", "--pp", "2", "--microbatches", "3", "--synthetic", "--out", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert main(["show", str(out), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["makespan"] == 3 * 3 + 3
+    assert main(["show", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "rank 0" in text and "s0:F0" in text and "verified" in text
+
+
+def test_plan_captures_a_model(tmp_path, capsys):
+    pytest.importorskip("torch")
+    out = tmp_path / "mlp.json"
+    assert main(["plan", "--model", "mlp", "--pp", "2", "--microbatches", "2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["show", str(out), "--json"]) == 0
+    assert _json(capsys)["ranks"] == 2
+
+
+def test_show_rejects_other_documents(tmp_path, capsys):
+    bad = tmp_path / "x.json"
+    bad.write_text("{}")
+    assert main(["show", str(bad)]) == 2
+    assert "error" in capsys.readouterr().err
