@@ -67,3 +67,12 @@ def test_show_rejects_other_documents(tmp_path, capsys):
     bad.write_text("{}")
     assert main(["show", str(bad)]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_simulate_uses_the_schedules_default_stages(capsys):
+    assert main(["simulate", "--schedule", "zb1p", "--pp", "4", "--microbatches", "8", "--cost", "F=1,B=2,W=1",
+                 "--json"]) == 0
+    assert _json(capsys)["idle"] == [3.0] * 4  # (PP-1)(F+B-2W)
+    assert main(["simulate", "--schedule", "dualpipev", "--pp", "2", "--microbatches", "4", "--json"]) == 0
+    out = _json(capsys)
+    assert "stages=4" in out["what"] and out["ranks"] == 2

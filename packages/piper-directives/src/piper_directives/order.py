@@ -8,17 +8,22 @@ overlapped forward and backward). Only compute and optimizer nodes are ordered.
 
 Requires a placed graph. Guarantees: the result is acyclic, or a ``DirectiveError`` names
 this directive, where it was written, and the nodes of the cycle.
+
+``apply_orders(graph, orders)`` gives the same result, and raises the same first error, as
+applying ``orders`` one after the other, but searches for cycles once instead of once per
+``Order``: a schedule writes one ``Order`` per rank, so one by one costs ranks x graph.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 
 import attrs
 
 from piper_directives.source import user_location
-from piper_ir import DirectiveError, Edge, EdgeKind, Filter, Graph, NodeKind, find_cycle
+from piper_ir import DirectiveError, Edge, EdgeKind, Filter, Graph, Node, NodeKind, find_cycle
 
 
 def _to_slots(value: Sequence) -> tuple[tuple[Filter, ...], ...]:
@@ -40,13 +45,17 @@ class Order:
         return f"{self.name}({len(self.slots)} slots) at {self.where}"
 
     def apply(self, graph: Graph) -> Graph:
-        if not graph.world_size:
-            raise DirectiveError("Order needs a placed graph: put Place directives before it", directive=str(self))
-        orderable = [n for n in graph.nodes if n.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER)]
-        # Index by (PASS, MB) so the usual exact filters do not scan every node.
-        index: dict[tuple[object, object], list] = defaultdict(list)
-        for n in orderable:
-            index[(n.phase.value if n.phase else None, n.microbatch)].append(n)
+        _check_placed(self, graph)
+        result = attrs.evolve(graph, edges=graph.edges + tuple(self._edges(graph)))
+        _INDEX[0] = weakref.ref(result)  # same nodes: the next Order reuses the index
+        cycle = find_cycle(result)
+        if cycle is not None:
+            raise self._cycle_error(cycle)
+        return result
+
+    def _edges(self, graph: Graph) -> list[Edge]:
+        """The temporal edges this order adds (raises for slots that match badly)."""
+        index, orderable = _node_index(graph)
         slot_of: dict[str, int] = {}
         per_device: dict[int, list[list[str]]] = defaultdict(list)
         for k, slot in enumerate(self.slots):
@@ -70,21 +79,88 @@ class Order:
         for slots in per_device.values():
             for before, after in zip(slots, slots[1:], strict=False):
                 new_edges.extend(Edge(a, b, EdgeKind.TEMPORAL, origin=origin) for a in before for b in after)
-        result = attrs.evolve(graph, edges=graph.edges + tuple(new_edges))
-        cycle = find_cycle(result)
+        return new_edges
+
+    def _cycle_error(self, cycle: list[str]) -> DirectiveError:
+        return DirectiveError(
+            "this order contradicts the data flow or an earlier order; it creates the cycle " + " -> ".join(cycle),
+            directive=str(self),
+            nodes=cycle,
+        )
+
+
+def apply_orders(graph: Graph, orders: Sequence[Order]) -> Graph:
+    """``orders`` applied in turn, with one cycle search for all of them.
+
+    Errors are those of applying them one by one: when the orders together make a cycle, or
+    an order's slots fail to match, the orders before are replayed one at a time so the
+    first offending ``Order`` is the one named.
+    """
+    if not orders:
+        return graph
+    _check_placed(orders[0], graph)
+    added: list[list[Edge]] = []
+    for k, order in enumerate(orders):
+        try:
+            added.append(order._edges(graph))
+        except DirectiveError:
+            _replay(graph, orders[:k], added)  # an earlier cycle is the first error
+            raise
+    result = attrs.evolve(graph, edges=graph.edges + tuple(e for edges in added for e in edges))
+    _INDEX[0] = weakref.ref(result)
+    if find_cycle(result) is not None:
+        _replay(graph, orders, added)
+    return result
+
+
+def _replay(graph: Graph, orders: Sequence[Order], added: list[list[Edge]]) -> None:
+    """Raise the cycle error of the first of ``orders`` that closes a cycle, if any."""
+    for order, edges in zip(orders, added, strict=False):
+        graph = attrs.evolve(graph, edges=graph.edges + tuple(edges))
+        cycle = find_cycle(graph)
         if cycle is not None:
-            raise DirectiveError(
-                "this order contradicts the data flow or an earlier order; it creates the cycle "
-                + " -> ".join(cycle),
-                directive=origin,
-                nodes=cycle,
-            )
-        return result
+            raise order._cycle_error(cycle)
 
 
-def _candidates(flt: Filter, index: dict, everything: list) -> list:
+def _check_placed(order: Order, graph: Graph) -> None:
+    if not graph.world_size:
+        raise DirectiveError("Order needs a placed graph: put Place directives before it", directive=str(order))
+
+
+def _candidates(flt: Filter, index: dict, everything: list[Node]) -> list[Node]:
     keys = flt.as_dict()
     phase, mb = keys.get("PASS"), keys.get("MB")
     if phase is None or mb is None or "*" in (phase, mb):
         return everything
+    # The narrowest bucket an exact key allows. Buckets keep graph order, so the matches come
+    # out in the order a scan of every node gives, and so do the edges.
+    for key, want in sorted(keys.items()):
+        if key not in ("PASS", "MB") and want != "*":
+            return index.get((phase, mb, key, want), [])
     return index.get((phase, mb), [])
+
+
+# The index of the last graph asked about. A schedule's Orders all see graphs with the same
+# node tuple, so building it once instead of once per Order keeps them linear. It holds a weak
+# reference to a graph and serves only graphs sharing that graph's node tuple.
+_INDEX: list = [None, None, None]  # [weakref to a graph, index, orderable nodes]
+
+
+def _node_index(graph: Graph) -> tuple[dict, list[Node]]:
+    """Orderable nodes in graph order, bucketed by (PASS, MB) and by (PASS, MB, key, value)
+    for ``SEG`` and each tag."""
+    ref = _INDEX[0]
+    cached = ref() if ref is not None else None
+    if cached is not None and cached.nodes is graph.nodes:
+        return _INDEX[1], _INDEX[2]
+    orderable = [n for n in graph.nodes if n.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER)]
+    index: dict[tuple, list[Node]] = defaultdict(list)
+    for n in orderable:
+        pm = (n.phase.value if n.phase else None, n.microbatch)
+        index[pm].append(n)
+        if n.segment is not None:
+            index[(*pm, "SEG", n.segment)].append(n)
+        for key, val in n.tags.items:
+            index[(*pm, key, val)].append(n)
+    _INDEX[:] = [weakref.ref(graph), index, orderable]
+    return index, orderable

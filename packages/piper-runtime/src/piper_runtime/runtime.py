@@ -28,6 +28,7 @@ from piper_runtime.results import StepOutput, StepResult
 from piper_runtime.worker import RankWorker
 
 _LOOPBACK = "127.0.0.1"
+_INLINE_BYTES = 64 * 1024  # below this, batch tensors go inline with each call
 
 
 class Runtime:
@@ -105,7 +106,12 @@ class Runtime:
         """Run one training step on a whole batch (split into the program's microbatches)."""
         self._check_open()
         batch = check_batch(self.program, inputs, targets)
-        refs = {name: ray.put(t) for name, t in batch.items()}  # one copy in the object store
+        # Small tensors travel inline with the call (Ray stores large ones in its object store
+        # by itself); an explicit ray.put would add an object-store round trip on every step.
+        readers = sum(len(names) > 0 for names in self._batch_names.values())
+        refs = {
+            name: ray.put(t) if readers > 1 and t.nbytes > _INLINE_BYTES else t for name, t in batch.items()
+        }
         self._steps += 1
         calls = [
             w.run_step.remote({n: refs[n] for n in self._batch_names[rank]}, keep_grads)

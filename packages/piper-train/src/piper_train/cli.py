@@ -216,12 +216,19 @@ def _report(args: argparse.Namespace, program, what: str) -> int:  # noqa: ANN00
     return 0
 
 
+def _placed_stages(strategy: Strategy) -> int:
+    """How many ``PP`` regions ``strategy`` places (the schedule's default when --stages is absent)."""
+    from piper_directives.place import Place
+
+    return len({d.filter.as_dict().get("PP") for d in strategy.directives if isinstance(d, Place)} - {None})
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from piper_directives.schedules import build_schedule as build
     from piper_scheduler import compile_program
 
-    stages = args.stages or args.pp
-    strategy = build(args.schedule, args.pp, args.microbatches, stages=stages)
+    strategy = build(args.schedule, args.pp, args.microbatches, stages=args.stages)
+    stages = _placed_stages(strategy)
     program = compile_program(strategy.apply(_schedule_graph(args, stages, args.segments_per_stage)))
     return _report(args, program, f"{args.schedule} pp={args.pp} stages={stages} microbatches={args.microbatches}")
 
@@ -237,10 +244,12 @@ def _plan(args: argparse.Namespace) -> int:
 
         workload = load_workload(args.model, stages=stages, seed=args.seed)
         graph = capture(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn).graph
+        strategy = _strategy(args)
+        strategy = strategy if isinstance(strategy, Strategy) else strategy(stages)
     else:
-        graph = _schedule_graph(args, stages)
-    strategy = _strategy(args)
-    strategy = strategy if isinstance(strategy, Strategy) else strategy(stages)
+        strategy = _strategy(args)
+        strategy = strategy if isinstance(strategy, Strategy) else strategy(args.stages)
+        graph = _schedule_graph(args, _placed_stages(strategy))
     started = time.perf_counter()
     placed = strategy.apply(graph)
     program = compile_program(placed)

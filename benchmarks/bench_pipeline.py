@@ -1,0 +1,67 @@
+"""Piper vs ``torch.distributed.pipelining``: the same model, data, ranks and schedule.
+
+Both sides run on gloo over loopback, one CPU thread per rank, SGD, ``pp`` ranks and
+``microbatches`` microbatches. torch's side times each step between barriers on rank 0
+(``torch_pipelining.py``); Piper's side times ``Trainer.step`` from the driver, so its
+figure also includes handing the batch to the Ray workers and collecting the losses.
+
+    .venv/bin/python benchmarks/bench_pipeline.py [--pp 2] [--microbatches 4] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+from torch_pipelining import run_torch_pipeline  # noqa: E402
+
+from piper_runtime import OptimizerSpec  # noqa: E402
+from piper_train.models import build_model  # noqa: E402
+from piper_train.trainer import Trainer  # noqa: E402
+
+
+def run_piper(schedule: str, model_name: str, pp: int, microbatches: int, steps: int, warmup: int = 2) -> list[float]:
+    spec = build_model(model_name, stages=pp)
+    with Trainer.with_schedule(
+        spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn,
+        schedule=schedule, pp=pp, microbatches=microbatches, optimizer=OptimizerSpec("sgd", 0.01),
+    ) as trainer:
+        times = []
+        for step in range(warmup + steps):
+            inputs, targets = spec.batches(step)
+            start = time.perf_counter()
+            trainer.step(inputs, targets)
+            if step >= warmup:
+                times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--models", default="mlp,transformer,lm")
+    args = parser.parse_args()
+    print(f"Piper vs torch.distributed.pipelining — gloo/CPU, pp={args.pp}, {args.microbatches} microbatches, "
+          f"median of {args.steps} steps after 2 warm-up steps")
+    header = f"{'model':<12} {'schedule':<8} {'torch ms':>9} {'piper ms':>9} {'piper/torch':>12}"
+    print(header)
+    print("-" * len(header))
+    for model_name in args.models.split(","):
+        for schedule in ("gpipe", "1f1b"):
+            torch_ms = 1000 * statistics.median(run_torch_pipeline(schedule, model_name, args.pp, args.microbatches, args.steps))
+            piper_ms = 1000 * statistics.median(run_piper(schedule, model_name, args.pp, args.microbatches, args.steps))
+            print(f"{model_name:<12} {schedule:<8} {torch_ms:>9.2f} {piper_ms:>9.2f} {piper_ms / torch_ms:>12.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
