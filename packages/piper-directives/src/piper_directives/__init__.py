@@ -6,8 +6,19 @@ from piper_directives.annotate import annotate
 from piper_directives.capturing import CapturedModel, LossModule, capture
 from piper_directives.order import Order
 from piper_directives.place import Place, insert_communication, place_all
-from piper_directives.schedules import SCHEDULES, build_schedule, gpipe, one_f_one_b
+from piper_directives.schedules import (
+    SCHEDULES,
+    build_schedule,
+    dualpipe,
+    dualpipev,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    rank_actions,
+    zb1p,
+)
 from piper_directives.split import Split
+from piper_directives.split_backward import requested_splits, split_backward
 from piper_directives.strategy import Directive, Strategy, apply_strategy
 
 try:
@@ -17,6 +28,7 @@ except PackageNotFoundError:
 
 __all__ = [
     "SCHEDULES", "CapturedModel", "Directive", "LossModule", "Order", "Place", "Split", "Strategy",
-    "annotate", "apply_strategy", "build_schedule", "capture", "gpipe", "insert_communication",
-    "one_f_one_b", "place_all",
+    "annotate", "apply_strategy", "build_schedule", "capture", "dualpipe", "dualpipev", "gpipe",
+    "insert_communication", "interleaved_1f1b", "one_f_one_b", "place_all", "rank_actions",
+    "requested_splits", "split_backward", "zb1p",
 ]

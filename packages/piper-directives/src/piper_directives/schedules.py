@@ -1,12 +1,21 @@
 """Pipeline schedules written as directive programs (Split + Place + Order).
 
-Every builder returns a ``Strategy``; nothing downstream knows the schedule's name. Rank
-``r`` of ``pp`` holds the contiguous stages ``[r*S/pp, (r+1)*S/pp)`` of the ``S`` annotated
-regions tagged ``tag``; the loss runs on the last rank, inside the last stage's slots.
+Every builder returns a ``Strategy``; nothing downstream knows the schedule's name.
+
+- ``gpipe``, ``1f1b``, ``zb1p``: rank ``r`` of ``pp`` holds the contiguous stages
+  ``[r*S/pp, (r+1)*S/pp)`` of the ``S`` annotated regions tagged ``tag``; the loss runs on
+  the last rank, inside the last stage's slots.
+- ``interleaved_1f1b``: rank r holds regions ``r, r + pp, ...`` (virtual stages).
+- ``dualpipev``: ``2 * pp`` stages in a V, rank r holds stages r and ``2pp - 1 - r``.
+- ``dualpipe``: constraints checked, then refused (needs collectives the runtime lacks).
+
+``zb1p`` and ``dualpipev`` name BI/BW passes in their orders, which splits those chunks'
+backward (``split_backward``). ``docs/schedules.md`` writes a schedule from scratch.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict, deque
 from collections.abc import Callable
 
 from piper_directives.order import Order
@@ -70,7 +79,253 @@ def one_f_one_b(pp: int, microbatches: int, *, stages: int | None = None, tag: s
     return Strategy([Split(microbatches), *_placement(pp, stages, tag), *orders])
 
 
-SCHEDULES: dict[str, Callable[..., Strategy]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+# -- schedules with several stages per rank and split backward ---------------------------------
+#
+# The builders below compute, per rank, a list of *slots* of *actions*. An action is
+# ``(stage, pass, microbatch)`` with pass F, B, BI or BW; a slot holding two actions is an
+# overlapped pair (DualPipe's F&B). A "stage" here is a schedule stage: a contiguous group of
+# ``regions // n_stages`` annotated regions. ``_strategy`` turns the lists into
+# Split + Place + Order; naming BI/BW in an Order is what splits a chunk's backward.
+
+Action = tuple[int, str, int]
+Slot = tuple[Action, ...]
+
+
+def _strategy(
+    name: str,
+    microbatches: int,
+    regions: int,
+    stage_rank: list[int],
+    rank_slots: list[list[Slot]],
+    tag: str,
+) -> Strategy:
+    n_stages = len(stage_rank)
+    per = regions // n_stages
+    places = [Place(Filter.of({tag: j}), (stage_rank[j // per],)) for j in range(regions)]
+    orders = []
+    for r, slots in enumerate(rank_slots):
+        order_slots = []
+        for slot in slots:
+            filters = []
+            for stage, phase, mb in slot:
+                filters += [Filter.of({tag: j, "PASS": phase, "MB": mb}) for j in range(stage * per, (stage + 1) * per)]
+                # The loss (no parameters, never split) runs with the last stage: its forward
+                # after the stage's forward, its backward before the stage's B or BI.
+                if stage == n_stages - 1 and phase != "BW":
+                    filters.append(Filter.of({"SEG": LOSS, "PASS": "F" if phase == "F" else "B", "MB": mb}))
+            order_slots.append(filters)
+        orders.append(Order(order_slots, name=f"{name}.rank{r}"))
+    return Strategy([Split(microbatches), *places, *orders])
+
+
+def _positive(name: str, **values: object) -> None:
+    for what, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise DirectiveError(f"{name}: {what} must be a positive int, got {v!r}")
+
+
+def _one_f_one_b_actions(
+    rank: int, pp: int, v: int, microbatches: int, *, zero_bubble: bool
+) -> list[Slot]:
+    """torch.distributed.pipelining's ``_get_1f1b_rank_ops`` (Interleaved1F1B and, with
+    ``zero_bubble``, InterleavedZeroBubble), without its no-op padding.
+
+    Rank ``rank`` holds stages ``rank, rank + pp, ...``; forwards walk them in rounds of
+    ``per_round`` microbatches, backwards walk them in reverse. With ``zero_bubble`` each
+    backward is split and rank r delays its weight passes by r steps (ZB-H1), then drains them.
+    """
+    rounds = max(1, microbatches // pp)
+    per_round = microbatches // rounds
+    factor = 1 if zero_bubble else 2
+    warmup = min((v - 1) * per_round + factor * (pp - 1 - rank), microbatches * v)
+    fwd_bwd = microbatches * v - warmup
+    next_mb: dict[tuple[int, str], int] = defaultdict(int)
+
+    def take(stage: int, phase: str) -> Action:
+        mb = next_mb[(stage, phase)]
+        next_mb[(stage, phase)] += 1
+        return (stage, phase, mb)
+
+    def f_stage(op: int) -> int:
+        return ((op // per_round) % v) * pp + rank
+
+    def b_stage(op: int) -> int:
+        return (v - 1 - ((op - warmup) // per_round) % v) * pp + rank
+
+    slots: list[Slot] = []
+    weights: deque[Action] = deque()
+    for op in range(warmup + fwd_bwd + warmup):
+        if op < warmup + fwd_bwd:
+            slots.append((take(f_stage(op), "F"),))
+        if op < warmup:
+            continue
+        stage, _, mb = take(b_stage(op), "BI" if zero_bubble else "B")
+        slots.append(((stage, "BI" if zero_bubble else "B", mb),))
+        if zero_bubble:
+            weights.append((stage, "BW", mb))
+            if op - warmup >= rank:
+                slots.append((weights.popleft(),))
+    slots.extend((w,) for w in weights)
+    return slots
+
+
+def interleaved_1f1b(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
+    """Interleaved 1F1B (Narayanan et al. 2021, as torch's ``ScheduleInterleaved1F1B``).
+
+    ``stages`` annotated regions (default ``2 * pp``) are ``v = stages / pp`` virtual stages
+    per rank: rank r holds regions ``r, r + pp, r + 2pp, ...``. Microbatches go in rounds of
+    ``microbatches / max(1, microbatches // pp)``, which must be a whole number.
+    """
+    _positive("interleaved_1f1b", pp=pp, microbatches=microbatches)
+    stages = 2 * pp if stages is None else stages
+    _positive("interleaved_1f1b", stages=stages)
+    if stages % pp:
+        raise DirectiveError(
+            f"interleaved_1f1b: {stages} annotated regions cannot be dealt round-robin over {pp} ranks "
+            f"(need a multiple of {pp}: each rank holds stages r, r+{pp}, ...)"
+        )
+    rounds = max(1, microbatches // pp)
+    if microbatches % rounds:
+        raise DirectiveError(
+            f"interleaved_1f1b: {microbatches} microbatches cannot be run in {rounds} equal rounds "
+            f"(rounds = max(1, microbatches // pp)); use a multiple of {pp} or fewer than {2 * pp}"
+        )
+    v = stages // pp
+    slots = [_one_f_one_b_actions(r, pp, v, microbatches, zero_bubble=False) for r in range(pp)]
+    return _strategy("interleaved_1f1b", microbatches, stages, [k % pp for k in range(stages)], slots, tag)
+
+
+def zb1p(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
+    """ZB-H1 zero bubble (Qi et al. 2024; torch's ``ScheduleInterleavedZeroBubble`` with one
+    stage per rank): 1F1B with every backward split into BI and BW; rank r postpones r of
+    its BW passes so they fill the cool-down bubble. Needs ``microbatches >= pp``.
+
+    Rank r holds the contiguous regions ``[r * stages / pp, (r + 1) * stages / pp)``.
+    """
+    _positive("zb1p", pp=pp, microbatches=microbatches)
+    stages = _check("zb1p", pp, microbatches, stages)
+    if microbatches < pp:
+        raise DirectiveError(f"zb1p: ZB-H1 needs at least as many microbatches as ranks, got {microbatches} for pp={pp}")
+    slots = [_one_f_one_b_actions(r, pp, 1, microbatches, zero_bubble=True) for r in range(pp)]
+    return _strategy("zb1p", microbatches, stages, list(range(pp)), slots, tag)
+
+
+def _dualpipev_actions(rank: int, pp: int, microbatches: int) -> list[Slot]:
+    """One rank of DeepSeek's DualPipeV (``dualpipev.py``, as ported to torch's
+    ``ScheduleDualPipeV``): eight phases; ``(F, B)`` pairs share a slot (overlapped); a
+    backward "with zero bubble" is BI now and BW later, weight passes run oldest first."""
+    s0, s1 = rank, 2 * pp - 1 - rank
+    next_mb: dict[tuple[int, str], int] = defaultdict(int)
+    weights: deque[Action] = deque()
+    slots: list[Slot] = []
+
+    def take(stage: int, phase: str) -> Action:
+        key = (stage, "F" if phase == "F" else "B")  # B and BI share one counter per stage
+        mb = next_mb[key]
+        next_mb[key] += 1
+        if phase == "BI":
+            weights.append((stage, "BW", mb))
+        return (stage, phase, mb)
+
+    def add(stage: int, phase: str) -> None:
+        slots.append((take(stage, phase),))
+
+    def overlap(f_stage: int, b_stage: int) -> None:
+        slots.append((take(f_stage, "F"), take(b_stage, "B")))
+
+    def weight() -> None:
+        if weights:
+            slots.append((weights.popleft(),))
+
+    for _ in range((pp - rank - 1) * 2):  # 1: F0
+        add(s0, "F")
+    for _ in range(rank + 1):  # 2: F0 F1
+        add(s0, "F")
+        add(s1, "F")
+    for _ in range(pp - rank - 1):  # 3: I1 W F1
+        add(s1, "BI")
+        weight()
+        add(s1, "F")
+    for i in range(microbatches - 2 * pp + rank + 1):  # 4 (main): F0&B1, F1&B0
+        if i == 0 and rank == pp - 1:
+            # DualPipe does not overlap this first pair, to shrink the bubble.
+            add(s0, "F")
+            add(s1, "B")
+        else:
+            overlap(s0, s1)
+        overlap(s1, s0)
+    for _ in range(pp - rank - 1):  # 5: B1, F1&B0
+        add(s1, "B")
+        overlap(s1, s0)
+    zero_bubble = False
+    for i in range(rank + 1):  # 6: B1 B0, the second half with zero bubble
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            zero_bubble = True
+        add(s1, "BI" if zero_bubble else "B")
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            zero_bubble = True
+        add(s0, "BI" if zero_bubble else "B")
+    for _ in range(pp - rank - 1):  # 7: W B0
+        weight()
+        add(s0, "BI" if zero_bubble else "B")
+    for _ in range(rank + 1):  # 8: W
+        weight()
+    if weights:  # every weight pass must have been placed
+        raise AssertionError(f"dualpipev rank {rank}: {len(weights)} weight passes left over")
+    return slots
+
+
+def dualpipev(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
+    """DualPipeV (DeepSeek; the "cut-in-half" DualPipe): ``2 * pp`` schedule stages in a V,
+    rank r holding stages r and ``2pp - 1 - r`` (the loss ends up on rank 0), overlapped
+    forward/backward pairs in the steady state and zero-bubble weight passes at the ends.
+
+    ``stages`` annotated regions (default ``2 * pp``) must be a multiple of ``2 * pp``; each
+    schedule stage is a contiguous group of them. Needs ``microbatches >= 2 * pp``.
+    """
+    _positive("dualpipev", pp=pp, microbatches=microbatches)
+    stages = 2 * pp if stages is None else stages
+    _positive("dualpipev", stages=stages)
+    if stages % (2 * pp):
+        raise DirectiveError(
+            f"dualpipev: {stages} annotated regions cannot form the {2 * pp} stages of a V over {pp} ranks "
+            f"(need a multiple of {2 * pp})"
+        )
+    if microbatches < 2 * pp:
+        raise DirectiveError(
+            f"dualpipev: needs at least 2 * pp = {2 * pp} microbatches, got {microbatches}"
+        )
+    stage_rank = [min(k, 2 * pp - 1 - k) for k in range(2 * pp)]
+    slots = [_dualpipev_actions(r, pp, microbatches) for r in range(pp)]
+    return _strategy("dualpipev", microbatches, stages, stage_rank, slots, tag)
+
+
+def dualpipe(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
+    """DualPipe (bidirectional). Its published constraints are checked, then it is refused:
+    it needs mirrored stage replicas whose gradients are all-reduced, and the runtime has no
+    collectives yet."""
+    _positive("dualpipe", pp=pp, microbatches=microbatches)
+    if pp % 2:
+        raise DirectiveError(f"dualpipe: needs an even number of ranks, got pp={pp}")
+    if microbatches % 2 or microbatches < 2 * pp:
+        raise DirectiveError(
+            f"dualpipe: needs an even number of microbatches, at least 2 * pp = {2 * pp}; got {microbatches}"
+        )
+    raise DirectiveError(
+        "dualpipe is not implemented yet: it needs mirrored stage replicas whose gradients are "
+        "all-reduced across the mirror pair, and the runtime has no collectives yet; "
+        "use dualpipev (same bubble, V placement, no replicas)"
+    )
+
+
+SCHEDULES: dict[str, Callable[..., Strategy]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved_1f1b": interleaved_1f1b,
+    "zb1p": zb1p,
+    "dualpipe": dualpipe,
+    "dualpipev": dualpipev,
+}
 
 
 def build_schedule(name: str, pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
@@ -79,3 +334,25 @@ def build_schedule(name: str, pp: int, microbatches: int, *, stages: int | None 
     except KeyError:
         raise DirectiveError(f"unknown schedule {name!r}; known: {', '.join(sorted(SCHEDULES))}") from None
     return builder(pp, microbatches, stages=stages, tag=tag)
+
+
+_TORCH_LETTER = {"F": "F", "B": "B", "BI": "I", "BW": "W"}
+
+
+def rank_actions(order: Order, tag: str = "PP", *, regions_per_stage: int = 1) -> list[str]:
+    """An ``Order``'s slots as torch.distributed.pipelining action strings: ``2F0`` (stage 2
+    forward of microbatch 0), ``1I3``/``1W3`` (split backward), ``(0F7;7B3)`` (an overlapped
+    slot). The loss is left out; a stage is ``region // regions_per_stage``."""
+    out = []
+    for slot in order.slots:
+        seen: list[str] = []
+        for flt in slot:
+            keys = flt.as_dict()
+            if tag not in keys:
+                continue
+            text = f"{int(keys[tag]) // regions_per_stage}{_TORCH_LETTER[str(keys['PASS'])]}{keys['MB']}"
+            if text not in seen:
+                seen.append(text)
+        if seen:
+            out.append(seen[0] if len(seen) == 1 else "(" + ";".join(seen) + ")")
+    return out

@@ -1,8 +1,10 @@
 """A strategy: a list of directives applied to a captured graph in a fixed phase order.
 
 Phases: ``Split`` first, then every ``Place`` (after which communication is inserted), then
-every ``Order`` in the order written. A strategy is plain data: ``Strategy.from_json`` reads
-the same program from JSON (``docs/strategies.md``).
+the backward split that the ``Order`` directives ask for (``split_backward``: a chunk named
+with ``PASS: "BI"``/``"BW"`` gets its ``B`` split), then every ``Order`` in the order written.
+A strategy is plain data: ``Strategy.from_json`` reads the same program from JSON
+(``docs/strategies.md``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import attrs
 from piper_directives.order import Order
 from piper_directives.place import Place, place_all
 from piper_directives.split import Split
+from piper_directives.split_backward import requested_splits, split_backward
 from piper_ir import DirectiveError, Filter, Graph, validate
 
 Directive = Split | Place | Order
@@ -39,6 +42,7 @@ class Strategy:
         for split in splits:
             graph = split.apply(graph)
         graph = place_all(graph, places)
+        graph = split_backward(graph, requested_splits(graph, orders))
         for order in orders:
             graph = order.apply(graph)
         return validate(graph)

@@ -10,6 +10,11 @@ block.
 Each segment runs as its own autograd graph: a segment's floating inputs that need
 gradients are detached leaves, so its backward stops at its boundary and yields
 ``grad:<input>`` values that the plan sends or hands to the producing segment.
+
+A split backward runs in two instructions: ``BI`` computes only the gradients of the
+segment's inputs (``torch.autograd.grad`` with the autograd graph retained) and ``BW`` then
+runs the backward towards the segment's parameters on that retained graph, accumulating into
+their ``.grad`` and releasing the graph. No custom autograd function is needed in the model.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ Key = tuple[str, int]  # (value name, microbatch)
 
 # Instruction kinds this executor carries out; anything else is rejected at setup.
 _SUPPORTED = {NodeKind.COMPUTE, NodeKind.OPTIMIZER, NodeKind.SEND, NodeKind.RECV, NodeKind.MARKER}
+_COMPUTE_PHASES = {Phase.F, Phase.B, Phase.BI, Phase.BW}
 
 
 class _StepState:
@@ -44,6 +50,9 @@ class _StepState:
         self.batch = batch  # batch value name -> its microbatch chunks
         self.values: dict[Key, torch.Tensor] = {}  # activations and gradients, local or received
         self.saved: dict[Key, tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
+        # (segment, microbatch) -> (outputs, their gradients) between a BI and its BW; the
+        # outputs keep the retained autograd graph alive until BW releases it.
+        self.pending_bw: dict[Key, tuple[list[torch.Tensor], list[torch.Tensor] | None]] = {}
         self.losses: dict[int, float] = {}
         self.sends: list[tuple[Any, torch.Tensor]] = []  # (Work, tensor kept alive until waited)
         self.keep_grads = keep_grads
@@ -96,7 +105,7 @@ class RankWorker:
         self.device = self.backend.device()
         for ins in self.plan.instructions:
             if ins.kind not in _SUPPORTED or (
-                ins.kind is NodeKind.COMPUTE and ins.phase not in (Phase.F, Phase.B)
+                ins.kind is NodeKind.COMPUTE and ins.phase not in _COMPUTE_PHASES
             ):
                 raise ExecutionError(
                     f"rank {rank}, instruction {ins.id} ({ins.short()}): "
@@ -182,7 +191,13 @@ class RankWorker:
         )
 
     def _compute(self, ins: Instruction, st: _StepState) -> None:
-        (self._forward if ins.phase is Phase.F else self._backward)(ins, st)
+        run = {
+            Phase.F: self._forward,
+            Phase.B: self._backward,
+            Phase.BI: self._backward_input,
+            Phase.BW: self._backward_weight,
+        }[ins.phase]
+        run(ins, st)
 
     def _forward(self, ins: Instruction, st: _StepState) -> None:
         seg = self.program.segment_by_id[ins.segment]
@@ -214,7 +229,11 @@ class RankWorker:
                 st.values[(name, mb)] = o.detach()
         st.saved[(seg.id, mb)] = (args, outs)
 
-    def _backward(self, ins: Instruction, st: _StepState) -> None:
+    def _backward_roots(
+        self, ins: Instruction, st: _StepState
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
+        """The saved inputs of ``ins``'s segment and microbatch, the outputs to differentiate
+        and their gradients (``None`` for the loss, whose own gradient is 1)."""
         seg = self.program.segment_by_id[ins.segment]
         mb = ins.microbatch
         try:
@@ -222,22 +241,58 @@ class RankWorker:
         except KeyError:
             raise RuntimeError(f"backward of {seg.id} microbatch {mb} before its forward") from None
         if seg.role is SegmentRole.LOSS:
-            tensors, grads = list(outs), None
-        else:
-            tensors, grads = [], []
-            for name, o in zip(seg.outputs, outs, strict=True):
-                g = st.values.get((GRAD_PREFIX + name, mb))
-                if o.requires_grad and g is not None:
-                    tensors.append(o)
-                    grads.append(g)
-            if not tensors and any(o.requires_grad for o in outs):
-                raise RuntimeError(f"no gradient is available for any output of {seg.id} {list(seg.outputs)}")
+            return args, list(outs), None
+        tensors, grads = [], []
+        for name, o in zip(seg.outputs, outs, strict=True):
+            g = st.values.get((GRAD_PREFIX + name, mb))
+            if o.requires_grad and g is not None:
+                tensors.append(o)
+                grads.append(g)
+        if not tensors and any(o.requires_grad for o in outs):
+            raise RuntimeError(f"no gradient is available for any output of {seg.id} {list(seg.outputs)}")
+        return args, tensors, grads
+
+    def _backward(self, ins: Instruction, st: _StepState) -> None:
+        seg = self.program.segment_by_id[ins.segment]
+        mb = ins.microbatch
+        args, tensors, grads = self._backward_roots(ins, st)
         if tensors:
             torch.autograd.backward(tensors, grads)
         for name, a in zip(seg.inputs, args, strict=True):
             if a.requires_grad:
                 g = a.grad if a.grad is not None else torch.zeros_like(a)
                 st.add_grad(GRAD_PREFIX + name, mb, g)
+
+    def _backward_input(self, ins: Instruction, st: _StepState) -> None:
+        """BI: gradients of the segment's inputs only; the autograd graph is kept for BW."""
+        seg = self.program.segment_by_id[ins.segment]
+        mb = ins.microbatch
+        args, tensors, grads = self._backward_roots(ins, st)
+        wanted = [(name, a) for name, a in zip(seg.inputs, args, strict=True) if a.requires_grad]
+        found: tuple[torch.Tensor | None, ...] = (None,) * len(wanted)
+        if tensors and wanted:
+            found = torch.autograd.grad(
+                tensors, [a for _, a in wanted], grads, retain_graph=True, allow_unused=True
+            )
+        for (name, a), g in zip(wanted, found, strict=True):
+            st.add_grad(GRAD_PREFIX + name, mb, g if g is not None else torch.zeros_like(a))
+        st.pending_bw[(seg.id, mb)] = (tensors, grads)
+
+    def _backward_weight(self, ins: Instruction, st: _StepState) -> None:
+        """BW: the parameter gradients from the graph BI retained, accumulated into ``.grad``;
+        the graph (and the activations it saved) is released afterwards."""
+        key = (ins.segment, ins.microbatch)
+        try:
+            tensors, grads = st.pending_bw.pop(key)
+        except KeyError:
+            raise RuntimeError(
+                f"weight backward of {ins.segment} microbatch {ins.microbatch} before its input backward"
+            ) from None
+        params = [p for p in self._modules[ins.segment].parameters() if p.requires_grad]
+        if tensors and params:
+            # ``inputs=params`` restricts the pass to what the weight gradients need; without
+            # retain_graph the saved tensors are freed as the pass goes.
+            torch.autograd.backward(tensors, grads, inputs=params)
 
     def _optimize(self, ins: Instruction, st: _StepState) -> None:
         opt = self._optimizers.get(ins.segment)
@@ -293,7 +348,8 @@ def _free_after(program: Program, instructions: tuple[Instruction, ...]) -> dict
         if ins.kind is NodeKind.COMPUTE and ins.phase is Phase.F:
             seg = program.segment_by_id[ins.segment]
             reads = [n for n in seg.inputs if n not in program.inputs and n not in program.targets]
-        elif ins.kind is NodeKind.COMPUTE:
+        elif ins.kind is NodeKind.COMPUTE and ins.phase is not Phase.BW:
+            # BW reads the output gradients that its BI kept with the retained graph.
             reads = [GRAD_PREFIX + n for n in program.segment_by_id[ins.segment].outputs]
         elif ins.kind is NodeKind.SEND:
             reads = [ins.value]
