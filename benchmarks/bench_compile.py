@@ -22,36 +22,20 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import platform
-import sys
 import time
-import types
 from pathlib import Path
 
+from piper_directives.order import Order, apply_orders
+from piper_directives.place import Place, place_all
+from piper_directives.schedules import build_schedule
+from piper_directives.split import Split
+from piper_directives.synthetic import synthetic_graph
+from piper_ir import validate
+from piper_memory import estimate_memory
+from piper_scheduler import compile_program, verify
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load_directives_without_torch() -> None:
-    """``piper_directives/__init__`` imports capture (torch); the passes used here do not."""
-    if "piper_directives" in sys.modules:
-        return
-    spec = importlib.util.find_spec("piper_directives")
-    package = types.ModuleType("piper_directives")
-    package.__path__ = list(spec.submodule_search_locations)  # type: ignore[union-attr]
-    sys.modules["piper_directives"] = package
-
-
-_load_directives_without_torch()
-
-from piper_directives.order import Order, apply_orders  # noqa: E402
-from piper_directives.place import Place, place_all  # noqa: E402
-from piper_directives.schedules import build_schedule  # noqa: E402
-from piper_directives.split import Split  # noqa: E402
-from piper_directives.synthetic import synthetic_graph  # noqa: E402
-from piper_ir import validate  # noqa: E402
-from piper_memory import estimate_memory  # noqa: E402
-from piper_scheduler import compile_program, verify  # noqa: E402
 
 # (PP, DP, microbatches, segments per stage)
 CONFIGS = [

@@ -19,8 +19,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from piper_train.models import build_model
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from piper_train.models import build_model
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

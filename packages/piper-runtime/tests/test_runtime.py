@@ -13,6 +13,9 @@ import time
 import pytest
 import ray
 import torch
+from ray import cloudpickle
+from torch import nn
+
 from piper_ir import (
     Communicator,
     ExecutionError,
@@ -28,8 +31,6 @@ from piper_ir import (
     Value,
 )
 from piper_runtime import OptimizerSpec, Runtime
-from ray import cloudpickle
-from torch import nn
 
 # The segment modules below live in this test module, which the workers cannot import.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

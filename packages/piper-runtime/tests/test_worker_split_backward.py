@@ -12,6 +12,8 @@ import socket
 
 import pytest
 import torch
+from torch import nn
+
 from piper_ir import (
     ExecutionError,
     Instruction,
@@ -27,7 +29,6 @@ from piper_ir import (
 )
 from piper_runtime import OptimizerSpec
 from piper_runtime.worker import RankWorker
-from torch import nn
 
 M, BATCH, D_IN, D_HID, D_OUT = 2, 4, 3, 5, 2
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from piper_ir import Communicator, DeadlockError, Instruction, NodeKind, Phase, Program, RankPlan, TensorMeta
 from piper_scheduler import CostModel, compile_program, simulate
 from piper_scheduler.testing import pipeline_graph

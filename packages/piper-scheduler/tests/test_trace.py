@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from piper_scheduler import CostModel, compile_program, plot_gantt, simulate, to_chrome_trace
 from piper_scheduler.testing import pipeline_graph
 

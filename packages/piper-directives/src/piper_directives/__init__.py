@@ -1,9 +1,12 @@
-"""piper-directives: annotations, graph capture, directive rewrites and the schedule library."""
+"""piper-directives: annotations, graph capture, directive rewrites and the schedule library.
+
+Only ``capture`` (and ``CapturedModel``, ``LossModule``) need torch; they are imported on
+first use, so directive programs and schedules can be built and applied without torch.
+"""
 
 from importlib.metadata import PackageNotFoundError, version
 
 from piper_directives.annotate import annotate
-from piper_directives.capturing import CapturedModel, LossModule, capture
 from piper_directives.order import Order
 from piper_directives.place import Place, insert_communication, place_all
 from piper_directives.schedules import (
@@ -20,6 +23,17 @@ from piper_directives.schedules import (
 from piper_directives.split import Split
 from piper_directives.split_backward import requested_splits, split_backward
 from piper_directives.strategy import Directive, Strategy, apply_strategy
+
+_TORCH_SIDE = {"capture", "CapturedModel", "LossModule"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _TORCH_SIDE:
+        from piper_directives import capturing
+
+        return getattr(capturing, name)
+    raise AttributeError(f"module 'piper_directives' has no attribute {name!r}")
+
 
 try:
     __version__ = version("piper-directives")

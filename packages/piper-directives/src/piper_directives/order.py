@@ -16,7 +16,6 @@ applying ``orders`` one after the other, but searches for cycles once instead of
 
 from __future__ import annotations
 
-import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -46,16 +45,15 @@ class Order:
 
     def apply(self, graph: Graph) -> Graph:
         _check_placed(self, graph)
-        result = attrs.evolve(graph, edges=graph.edges + tuple(self._edges(graph)))
-        _INDEX[0] = weakref.ref(result)  # same nodes: the next Order reuses the index
+        result = attrs.evolve(graph, edges=graph.edges + tuple(self._edges(graph, _node_index(graph))))
         cycle = find_cycle(result)
         if cycle is not None:
             raise self._cycle_error(cycle)
         return result
 
-    def _edges(self, graph: Graph) -> list[Edge]:
+    def _edges(self, graph: Graph, node_index: tuple[dict, list[Node]]) -> list[Edge]:
         """The temporal edges this order adds (raises for slots that match badly)."""
-        index, orderable = _node_index(graph)
+        index, orderable = node_index
         slot_of: dict[str, int] = {}
         per_device: dict[int, list[list[str]]] = defaultdict(list)
         for k, slot in enumerate(self.slots):
@@ -100,14 +98,14 @@ def apply_orders(graph: Graph, orders: Sequence[Order]) -> Graph:
         return graph
     _check_placed(orders[0], graph)
     added: list[list[Edge]] = []
+    node_index = _node_index(graph)  # every Order sees the same nodes: index them once
     for k, order in enumerate(orders):
         try:
-            added.append(order._edges(graph))
+            added.append(order._edges(graph, node_index))
         except DirectiveError:
             _replay(graph, orders[:k], added)  # an earlier cycle is the first error
             raise
     result = attrs.evolve(graph, edges=graph.edges + tuple(e for edges in added for e in edges))
-    _INDEX[0] = weakref.ref(result)
     if find_cycle(result) is not None:
         _replay(graph, orders, added)
     return result
@@ -140,19 +138,9 @@ def _candidates(flt: Filter, index: dict, everything: list[Node]) -> list[Node]:
     return index.get((phase, mb), [])
 
 
-# The index of the last graph asked about. A schedule's Orders all see graphs with the same
-# node tuple, so building it once instead of once per Order keeps them linear. It holds a weak
-# reference to a graph and serves only graphs sharing that graph's node tuple.
-_INDEX: list = [None, None, None]  # [weakref to a graph, index, orderable nodes]
-
-
 def _node_index(graph: Graph) -> tuple[dict, list[Node]]:
     """Orderable nodes in graph order, bucketed by (PASS, MB) and by (PASS, MB, key, value)
     for ``SEG`` and each tag."""
-    ref = _INDEX[0]
-    cached = ref() if ref is not None else None
-    if cached is not None and cached.nodes is graph.nodes:
-        return _INDEX[1], _INDEX[2]
     orderable = [n for n in graph.nodes if n.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER)]
     index: dict[tuple, list[Node]] = defaultdict(list)
     for n in orderable:
@@ -162,5 +150,4 @@ def _node_index(graph: Graph) -> tuple[dict, list[Node]]:
             index[(*pm, "SEG", n.segment)].append(n)
         for key, val in n.tags.items:
             index[(*pm, key, val)].append(n)
-    _INDEX[:] = [weakref.ref(graph), index, orderable]
     return index, orderable

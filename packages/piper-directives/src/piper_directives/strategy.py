@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from piper_directives.order import Order
+from piper_directives.order import Order, apply_orders
 from piper_directives.place import Place, place_all
 from piper_directives.split import Split
 from piper_directives.split_backward import requested_splits, split_backward
@@ -43,8 +43,7 @@ class Strategy:
             graph = split.apply(graph)
         graph = place_all(graph, places)
         graph = split_backward(graph, requested_splits(graph, orders))
-        for order in orders:
-            graph = order.apply(graph)
+        graph = apply_orders(graph, orders)
         return validate(graph)
 
     def to_json(self) -> str:

@@ -11,6 +11,7 @@ microbatches, 1F1B at most the number of stages).
 from __future__ import annotations
 
 import attrs
+
 from piper_ir import NodeKind, Phase, Program, SegmentRole
 
 # Optimizer state per parameter byte (Adam/AdamW keep two moments).

@@ -16,10 +16,10 @@ from typing import Any
 
 import ray
 import torch
-from piper_ir import ExecutionError, NodeKind, Phase, PiperError, Program
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from torch import nn
 
+from piper_ir import ExecutionError, NodeKind, Phase, PiperError, Program
 from piper_runtime.backend import resolve_backend
 from piper_runtime.batch import check_batch
 from piper_runtime.cluster import WORKER_ENV, ensure_ray

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from piper_ir import ExecutionError, Instruction, NodeKind, Phase, Program, SegmentRole
 from torch import nn
 
+from piper_ir import ExecutionError, Instruction, NodeKind, Phase, Program, SegmentRole
 from piper_runtime.backend import Backend, resolve_backend
 from piper_runtime.batch import split_microbatches
 from piper_runtime.optim import OptimizerSpec

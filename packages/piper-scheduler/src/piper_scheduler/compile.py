@@ -38,7 +38,6 @@ from piper_ir import (
     find_cycle,
     validate,
 )
-
 from piper_scheduler.communicators import communicator_for, communicators_for
 from piper_scheduler.verify import verify
 

@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 
 import attrs
+
 from piper_ir import Phase, TensorMeta
 
 Overrides = tuple[tuple[str, Phase, float], ...]

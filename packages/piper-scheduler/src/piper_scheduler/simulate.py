@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections import deque
 
 from piper_ir import DeadlockError, NodeKind, Phase, Program, SchedulingError, SegmentRole
-
 from piper_scheduler.costs import CostModel
 from piper_scheduler.diagnostics import describe, excerpts
 from piper_scheduler.matching import COLLECTIVE_KINDS, Slot, collective_slots, p2p_sequences, recv_partners

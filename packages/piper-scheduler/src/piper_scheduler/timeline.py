@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import attrs
+
 from piper_ir import NodeKind, Phase
 
 

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 from piper_ir import NodeKind, Phase
-
 from piper_scheduler.timeline import Timeline
 
 PHASE_COLORS = {

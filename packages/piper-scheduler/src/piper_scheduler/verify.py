@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections import deque
 
 from piper_ir import DeadlockError, Instruction, NodeKind, Program, SchedulingError
-
 from piper_scheduler.diagnostics import describe, excerpts
 from piper_scheduler.matching import (
     COLLECTIVE_KINDS,
