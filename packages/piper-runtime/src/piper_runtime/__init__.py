@@ -6,7 +6,7 @@ from piper_runtime.backend import Backend, resolve_backend
 from piper_runtime.batch import check_batch, split_microbatches
 from piper_runtime.cluster import ensure_ray, shutdown
 from piper_runtime.optim import OptimizerSpec
-from piper_runtime.results import StepOutput, StepResult
+from piper_runtime.results import InstructionTiming, StepOutput, StepResult
 from piper_runtime.runtime import Runtime
 from piper_runtime.worker import RankWorker
 

@@ -17,6 +17,19 @@ class StepOutput:
     rank: int
     losses: tuple[tuple[int, float], ...] = ()
     grads: dict[str, torch.Tensor] | None = None
+    timings: tuple[InstructionTiming, ...] = ()
+    seconds: float = 0.0  # wall time of the step inside the worker
+
+
+@attrs.frozen
+class InstructionTiming:
+    """When one instruction ran on its rank, in seconds from the start of the worker's step
+    (``profile=True``). A receive's time includes waiting for its sender."""
+
+    rank: int
+    instruction: str
+    start: float
+    end: float
 
 
 @attrs.frozen
@@ -28,3 +41,5 @@ class StepResult:
     losses: tuple[float, ...]
     loss: float
     grads: dict[str, torch.Tensor] | None = None
+    timings: tuple[InstructionTiming, ...] = ()  # every rank's, with ``profile=True``
+    worker_seconds: tuple[float, ...] = ()  # each rank's time inside its step

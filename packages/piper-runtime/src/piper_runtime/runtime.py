@@ -102,8 +102,12 @@ class Runtime:
         inputs: Sequence[torch.Tensor],
         targets: Sequence[torch.Tensor],
         keep_grads: bool = False,
+        profile: bool = False,
     ) -> StepResult:
-        """Run one training step on a whole batch (split into the program's microbatches)."""
+        """Run one training step on a whole batch (split into the program's microbatches).
+
+        ``keep_grads`` returns every parameter's gradient; ``profile`` returns when each
+        instruction ran on each rank (``StepResult.timings``)."""
         self._check_open()
         batch = check_batch(self.program, inputs, targets)
         # Small tensors travel inline with the call (Ray stores large ones in its object store
@@ -114,7 +118,7 @@ class Runtime:
         }
         self._steps += 1
         calls = [
-            w.run_step.remote({n: refs[n] for n in self._batch_names[rank]}, keep_grads)
+            w.run_step.remote({n: refs[n] for n in self._batch_names[rank]}, keep_grads, profile)
             for rank, w in enumerate(self._workers)
         ]
         outputs: list[StepOutput] = self._gather(calls, self.step_timeout_s, "step")
@@ -244,4 +248,5 @@ def _merge(outputs: list[StepOutput], microbatches: int, keep_grads: bool) -> St
         for out in outputs:
             for name, g in (out.grads or {}).items():
                 grads.setdefault(name, g)
-    return StepResult(losses, sum(losses) / len(losses), grads)
+    timings = tuple(t for out in outputs for t in out.timings)
+    return StepResult(losses, sum(losses) / len(losses), grads, timings, tuple(out.seconds for out in outputs))

@@ -20,6 +20,7 @@ their ``.grad`` and releasing the graph. No custom autograd function is needed i
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -33,9 +34,10 @@ from piper_ir import ExecutionError, Instruction, NodeKind, Phase, Program, Segm
 from piper_runtime.backend import Backend, resolve_backend
 from piper_runtime.batch import split_microbatches
 from piper_runtime.optim import OptimizerSpec
-from piper_runtime.results import StepOutput
+from piper_runtime.results import InstructionTiming, StepOutput
 
 GRAD_PREFIX = "grad:"
+RECV_LOOKAHEAD = 2  # receives posted ahead of the instruction that needs them
 Key = tuple[str, int]  # (value name, microbatch)
 
 # Instruction kinds this executor carries out; anything else is rejected at setup.
@@ -57,6 +59,9 @@ class _StepState:
         self.sends: list[tuple[Any, torch.Tensor]] = []  # (Work, tensor kept alive until waited)
         self.keep_grads = keep_grads
         self.grads: dict[str, torch.Tensor] = {}
+        self.posted: dict[str, tuple[Any, torch.Tensor]] = {}  # RECV id -> (Work, buffer)
+        self.posted_upto = 0  # how many of the plan's receives are posted
+        self.consumed = 0  # how many of them completed
 
     def get(self, name: str, mb: int) -> torch.Tensor:
         if name in self.batch:
@@ -144,6 +149,7 @@ class RankWorker:
             else:
                 self._groups[comm.id] = dist.new_group(sorted(comm.ranks))
         self._frees = _free_after(program, self.plan.instructions)
+        self._recv_positions = [k for k, ins in enumerate(self.plan.instructions) if ins.kind is NodeKind.RECV]
         self._handlers: dict[NodeKind, Callable[[Instruction, _StepState], None]] = {
             NodeKind.COMPUTE: self._compute,
             NodeKind.OPTIMIZER: self._optimize,
@@ -154,10 +160,13 @@ class RankWorker:
 
     # -- one step -----------------------------------------------------------------------------
 
-    def run_step(self, batch: Mapping[str, Any], keep_grads: bool = False) -> StepOutput:
+    def run_step(self, batch: Mapping[str, Any], keep_grads: bool = False, profile: bool = False) -> StepOutput:
         """Run this rank's instructions once. ``batch`` maps the batch values this rank reads
-        to whole-batch tensors (or Ray object refs to them)."""
+        to whole-batch tensors (or Ray object refs to them); ``profile`` records when each
+        instruction started and ended."""
         self._step += 1
+        started = time.perf_counter()
+        timings: list[InstructionTiming] = []
         chunks = {
             name: split_microbatches(
                 _resolve(t).to(self.device),
@@ -168,10 +177,18 @@ class RankWorker:
         }
         st = _StepState(chunks, keep_grads)
         for k, ins in enumerate(self.plan.instructions):
+            t0 = time.perf_counter() if profile else 0.0
             try:
+                self._post_recvs(k, st)
                 self._handlers[ins.kind](ins, st)
             except Exception as exc:
+                # Keep posted receives and unfinished sends referenced: destroying pending
+                # gloo work could take the process down before the error reaches the driver
+                # (which tears every rank down anyway).
+                self._abandoned = st
                 raise self._error(f"instruction {ins.id} ({ins.short()})", exc, ins.id) from None
+            if profile:
+                timings.append(InstructionTiming(self.rank, ins.id, t0 - started, time.perf_counter() - started))
             for key in self._frees.get(k, ()):
                 st.values.pop(key, None)
         try:
@@ -179,7 +196,13 @@ class RankWorker:
                 work.wait()
         except Exception as exc:
             raise self._error("waiting for its sends to complete", exc) from None
-        return StepOutput(self.rank, tuple(sorted(st.losses.items())), st.grads if keep_grads else None)
+        return StepOutput(
+            self.rank,
+            tuple(sorted(st.losses.items())),
+            st.grads if keep_grads else None,
+            tuple(timings),
+            time.perf_counter() - started,
+        )
 
     def _error(self, where: str, exc: BaseException, node: str | None = None) -> ExecutionError:
         tb = "".join(traceback.format_exception(exc))
@@ -314,12 +337,28 @@ class RankWorker:
         )
         st.sends.append((work, t))
 
+    def _post_recvs(self, position: int, st: _StepState) -> None:
+        """Post the receives of the next ``RECV_LOOKAHEAD`` RECV instructions from ``position``
+        on, so data is already moving when the compute that needs it comes up. Receives from
+        one peer on one communicator are posted in plan order, which the verifier proved is
+        the order the peer sends in."""
+        recvs = self._recv_positions
+        while st.posted_upto < len(recvs) and (
+            st.posted_upto < st.consumed + RECV_LOOKAHEAD or recvs[st.posted_upto] <= position
+        ):
+            ins = self.plan.instructions[recvs[st.posted_upto]]
+            meta = ins.meta
+            t = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device=self.device)
+            work = dist.irecv(
+                t, src=ins.peer, group=self._groups[ins.communicator], tag=self._tags[ins.communicator]
+            )
+            st.posted[ins.id] = (work, t)
+            st.posted_upto += 1
+
     def _recv(self, ins: Instruction, st: _StepState) -> None:
-        meta = ins.meta
-        t = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device=self.device)
-        dist.irecv(
-            t, src=ins.peer, group=self._groups[ins.communicator], tag=self._tags[ins.communicator]
-        ).wait()
+        work, t = st.posted.pop(ins.id)
+        work.wait()
+        st.consumed += 1
         if ins.value.startswith(GRAD_PREFIX):
             st.add_grad(ins.value, ins.microbatch, t)
         else:

@@ -84,10 +84,16 @@ class Trainer:
         return cls(model, example_inputs, example_targets, loss_fn, strategy, **kwargs)  # type: ignore[arg-type]
 
     def step(
-        self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], *, keep_grads: bool = False
+        self,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        *,
+        keep_grads: bool = False,
+        profile: bool = False,
     ) -> StepResult:
-        """One training step on a full batch; returns the per-microbatch losses."""
-        return self.runtime.step(tuple(inputs), tuple(targets), keep_grads=keep_grads)
+        """One training step on a full batch; returns the per-microbatch losses (and, when
+        asked, the gradients and per-instruction timings)."""
+        return self.runtime.step(tuple(inputs), tuple(targets), keep_grads=keep_grads, profile=profile)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         return self.runtime.parameters()
