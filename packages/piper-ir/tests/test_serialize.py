@@ -47,6 +47,8 @@ def test_graph_round_trip_keeps_cached_lookups_out_of_the_document() -> None:
         "targets",
         "microbatches",
         "world_size",
+        "replication",
+        "buckets",
     }
     assert from_json(to_json(graph)) == graph
 

@@ -16,6 +16,8 @@ from piper_ir.errors import (
 )
 from piper_ir.graph import (
     COMMUNICATION_KINDS,
+    Bucket,
+    Replication,
     CodeRef,
     Edge,
     EdgeKind,
@@ -39,7 +41,7 @@ except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
-    "ANY", "MB", "PASS", "SEG", "COMMUNICATION_KINDS", "CaptureError", "CodeRef", "Communicator",
+    "ANY", "MB", "PASS", "SEG", "COMMUNICATION_KINDS", "Bucket", "Replication", "CaptureError", "CodeRef", "Communicator",
     "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph",
     "Instruction", "MemoryPlanError", "Node", "NodeKind", "Phase", "PiperError", "Program",
     "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Tags",

@@ -135,6 +135,48 @@ class Segment:
 
 
 @attrs.frozen
+class Replication:
+    """How the replicas of one segment (a device group of several devices) stay in sync.
+
+    ``zero``: 0 = gradients all-reduced once per step per bucket; 1 = optimizer state
+    sharded; 2 = gradients also kept sharded between microbatches; 3 = parameters also
+    sharded and materialized per use. ``bucket_bytes`` caps a gradient bucket.
+    """
+
+    segment: str
+    devices: tuple[int, ...] = attrs.field(converter=tuple)
+    zero: int = 0
+    bucket_bytes: int = 25 * 2**20
+    reduce_stream: str = "dp"
+    gather_stream: str = "dp"
+    origin: str | None = None
+
+
+@attrs.frozen
+class Bucket:
+    """Parameters of one segment flattened into one buffer, in ``params`` order.
+
+    A bucket replicated over ``shards`` devices is padded to a multiple of ``shards``; replica
+    ``j`` owns the range ``[j * shard_numel, (j + 1) * shard_numel)`` when it is sharded.
+    """
+
+    id: str
+    segment: str
+    params: tuple[str, ...]
+    numel: int
+    shards: int = 1
+    dtype: str = "float32"
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // self.shards)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.shards
+
+
+@attrs.frozen
 class Node:
     """One operation of the training step.
 
@@ -200,6 +242,8 @@ class Graph:
     targets: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     microbatches: int = 1
     world_size: int = 0  # number of devices, known after Place
+    replication: tuple[Replication, ...] = attrs.field(default=(), converter=tuple)
+    buckets: tuple[Bucket, ...] = attrs.field(default=(), converter=tuple)
 
     @cached_property
     def node_by_id(self) -> dict[str, Node]:

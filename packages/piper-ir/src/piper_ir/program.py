@@ -13,7 +13,7 @@ from functools import cached_property
 
 import attrs
 
-from piper_ir.graph import NodeKind, Segment, TensorMeta, Value
+from piper_ir.graph import Bucket, NodeKind, Replication, Segment, TensorMeta, Value
 from piper_ir.tags import Phase
 
 PROGRAM_FORMAT_VERSION = 1
@@ -52,8 +52,12 @@ class Instruction:
 
 @attrs.frozen
 class RankPlan:
+    """One rank's instructions. ``replica`` is this rank's index in the device groups it
+    belongs to: with data parallelism, replica ``j`` reads shard ``j`` of each microbatch."""
+
     rank: int
     instructions: tuple[Instruction, ...] = attrs.field(converter=tuple)
+    replica: int = 0
 
     def streams(self) -> tuple[str, ...]:
         seen: dict[str, None] = {}
@@ -95,6 +99,10 @@ class Program:
     microbatches: int = 1
     placement: tuple[tuple[str, tuple[int, ...]], ...] = attrs.field(default=(), converter=tuple)
     """Which devices hold each segment's parameters (segment id -> device group)."""
+    replicas: int = 1
+    """Data-parallel degree: every batch microbatch is split into this many shards."""
+    replication: tuple[Replication, ...] = attrs.field(default=(), converter=tuple)
+    buckets: tuple[Bucket, ...] = attrs.field(default=(), converter=tuple)
 
     @cached_property
     def segment_by_id(self) -> dict[str, Segment]:
