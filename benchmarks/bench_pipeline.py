@@ -3,7 +3,9 @@
 Both sides run on gloo over loopback, one CPU thread per rank, SGD, ``pp`` ranks and
 ``microbatches`` microbatches. torch's side times each step between barriers on rank 0
 (``torch_pipelining.py``); Piper's side times ``Trainer.step`` from the driver, so its
-figure also includes handing the batch to the Ray workers and collecting the losses.
+figure also includes handing the batch to the Ray workers and collecting the losses, and
+reports the slowest rank's time inside its step ("in-worker"), the figure comparable to
+torch's barrier-to-barrier time.
 
     .venv/bin/python benchmarks/bench_pipeline.py [--pp 2] [--microbatches 4] [--steps 10]
 """
@@ -28,20 +30,24 @@ from piper_train.models import build_model  # noqa: E402
 from piper_train.trainer import Trainer  # noqa: E402
 
 
-def run_piper(schedule: str, model_name: str, pp: int, microbatches: int, steps: int, warmup: int = 2) -> list[float]:
+def run_piper(
+    schedule: str, model_name: str, pp: int, microbatches: int, steps: int, warmup: int = 2
+) -> tuple[list[float], list[float]]:
+    """Step times from the driver, and the slowest rank's time inside its step."""
     spec = build_model(model_name, stages=pp)
     with Trainer.with_schedule(
         spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn,
         schedule=schedule, pp=pp, microbatches=microbatches, optimizer=OptimizerSpec("sgd", 0.01),
     ) as trainer:
-        times = []
+        times, inside = [], []
         for step in range(warmup + steps):
             inputs, targets = spec.batches(step)
             start = time.perf_counter()
-            trainer.step(inputs, targets)
+            result = trainer.step(inputs, targets)
             if step >= warmup:
                 times.append(time.perf_counter() - start)
-    return times
+                inside.append(max(result.worker_seconds))
+    return times, inside
 
 
 def main() -> None:
@@ -53,14 +59,17 @@ def main() -> None:
     args = parser.parse_args()
     print(f"Piper vs torch.distributed.pipelining — gloo/CPU, pp={args.pp}, {args.microbatches} microbatches, "
           f"median of {args.steps} steps after 2 warm-up steps")
-    header = f"{'model':<12} {'schedule':<8} {'torch ms':>9} {'piper ms':>9} {'piper/torch':>12}"
+    header = (f"{'model':<12} {'schedule':<8} {'torch ms':>9} {'piper ms':>9} {'piper/torch':>12}"
+              f" {'in-worker ms':>13} {'in-worker/torch':>16}")
     print(header)
     print("-" * len(header))
     for model_name in args.models.split(","):
         for schedule in ("gpipe", "1f1b"):
             torch_ms = 1000 * statistics.median(run_torch_pipeline(schedule, model_name, args.pp, args.microbatches, args.steps))
-            piper_ms = 1000 * statistics.median(run_piper(schedule, model_name, args.pp, args.microbatches, args.steps))
-            print(f"{model_name:<12} {schedule:<8} {torch_ms:>9.2f} {piper_ms:>9.2f} {piper_ms / torch_ms:>12.2f}", flush=True)
+            times, inside = run_piper(schedule, model_name, args.pp, args.microbatches, args.steps)
+            piper_ms, inside_ms = 1000 * statistics.median(times), 1000 * statistics.median(inside)
+            print(f"{model_name:<12} {schedule:<8} {torch_ms:>9.2f} {piper_ms:>9.2f} {piper_ms / torch_ms:>12.2f}"
+                  f" {inside_ms:>13.2f} {inside_ms / torch_ms:>16.2f}", flush=True)
 
 
 if __name__ == "__main__":
