@@ -182,8 +182,8 @@ def test_unplaced_graph_is_rejected() -> None:
 
 
 def test_unsupported_node_kind_is_rejected() -> None:
-    node = Node("ar.0", NodeKind.ALL_REDUCE, devices=(0, 1))
-    with pytest.raises(SchedulingError, match="all_reduce is not supported"):
+    node = Node("a2a.0", NodeKind.ALL_TO_ALL, devices=(0, 1))
+    with pytest.raises(SchedulingError, match="all_to_all is not supported"):
         compile_program(_forward_graph([_f("a", (0,)), node], [], 2, ["a"]))
 
 

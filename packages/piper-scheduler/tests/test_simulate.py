@@ -123,3 +123,17 @@ def test_unverified_deadlock_is_reported() -> None:
     )
     with pytest.raises(DeadlockError, match="simulation cannot finish"):
         simulate(_program([recv, send0], [recv1, send]))
+
+
+def test_overheads_and_startup_are_charged() -> None:
+    from piper_scheduler.testing import pipeline_graph
+
+    program = compile_program(pipeline_graph(2, 2, "1f1b"))
+    base = simulate(program, CostModel(overrides={"loss": {"F": 0, "B": 0}}))
+    shifted = simulate(program, CostModel(overrides={"loss": {"F": 0, "B": 0}}, startup=5.0))
+    assert shifted.makespan == base.makespan + 5.0
+    padded = simulate(program, CostModel(overrides={"loss": {"F": 0, "B": 0}}, overhead=0.5))
+    computes = sum(1 for ins in program.ranks[0].instructions if ins.kind.value in ("compute", "optimizer"))
+    assert padded.busy[0] == base.busy[0] + 0.5 * computes
+    comm = simulate(program, CostModel(overrides={"loss": {"F": 0, "B": 0}}, comm_overhead=0.25))
+    assert comm.makespan > base.makespan

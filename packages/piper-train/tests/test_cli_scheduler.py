@@ -76,3 +76,52 @@ def test_simulate_uses_the_schedules_default_stages(capsys):
     assert main(["simulate", "--schedule", "dualpipev", "--pp", "2", "--microbatches", "4", "--json"]) == 0
     out = _json(capsys)
     assert "stages=4" in out["what"] and out["ranks"] == 2
+
+
+def test_plan_writes_a_torch_csv_that_simulate_and_plan_accept(tmp_path, capsys):
+    csv_path, out = tmp_path / "i1f1b.csv", tmp_path / "p.json"
+    assert main(["plan", "--schedule", "interleaved_1f1b", "--pp", "2", "--microbatches", "4", "--synthetic",
+                 "--out", str(out), "--torch-csv", str(csv_path)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    rows = csv_path.read_text().splitlines()
+    assert rows[0].startswith("0F0,0F1,2F0,2F1,0F2,2B0") and rows[1].startswith("1F0,1F1,3F0,3B0")
+    assert main(["show", str(out), "--json"]) == 0
+    from_schedule = _json(capsys)
+    # pp, stages and microbatches come from the file (the defaults 2 / 4 would not fit)
+    assert main(["simulate", "--strategy", str(csv_path), "--pp", "3", "--microbatches", "1", "--json"]) == 0
+    from_csv = _json(capsys)
+    assert "stages=4 microbatches=4" in from_csv["what"]
+    assert from_csv["makespan"] == from_schedule["makespan"] and from_csv["idle"] == from_schedule["idle"]
+    out2 = tmp_path / "q.json"
+    assert main(["plan", "--strategy", str(csv_path), "--synthetic", "--out", str(out2)]) == 0
+    capsys.readouterr()
+    assert out2.read_text() == out.read_text()
+
+
+def test_simulate_accepts_dualpipev_from_torch_csv_with_more_regions(tmp_path, capsys):
+    csv_path = tmp_path / "dpv.csv"
+    assert main(["plan", "--schedule", "dualpipev", "--pp", "2", "--microbatches", "4", "--synthetic",
+                 "--out", str(tmp_path / "p.json"), "--torch-csv", str(csv_path)]) == 0
+    assert "OVERLAP_F_B" in csv_path.read_text()
+    capsys.readouterr()
+    assert main(["simulate", "--strategy", str(csv_path), "--stages", "8", "--json"]) == 0
+    assert "stages=8" in _json(capsys)["what"]
+
+
+def test_bad_torch_csv_is_a_usage_error(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("0F0,0B0\n0F1,0B1\n")
+    assert main(["simulate", "--strategy", str(bad)]) == 2
+    assert "stage 0 is computed on ranks 0 and 1" in capsys.readouterr().err
+    assert main(["simulate", "--strategy", str(tmp_path / "missing.csv")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_simulate_charges_overlapped_pairs_fb(capsys):
+    args = ["simulate", "--schedule", "dualpipev", "--pp", "4", "--microbatches", "8", "--json", "--cost"]
+    assert main([*args, "F=1,B=2,W=1"]) == 0
+    plain = _json(capsys)
+    assert main([*args, "F=1,B=2,W=1,FB=2"]) == 0
+    fused = _json(capsys)
+    assert fused["makespan"] < plain["makespan"]
+    assert max(fused["idle"]) == 3.0  # (PP/2-1)(F&B+B-3W) with PP = 8 stages, F&B = B = 2

@@ -9,9 +9,11 @@ from importlib.metadata import PackageNotFoundError, version
 from piper_directives.annotate import annotate
 from piper_directives.order import Order
 from piper_directives.place import Place, insert_communication, place_all
+from piper_directives.replicate import Replicate, replicate_all
 from piper_directives.schedules import (
     SCHEDULES,
     build_schedule,
+    data_parallel,
     dualpipe,
     dualpipev,
     gpipe,
@@ -23,6 +25,7 @@ from piper_directives.schedules import (
 from piper_directives.split import Split
 from piper_directives.split_backward import requested_splits, split_backward
 from piper_directives.strategy import Directive, Strategy, apply_strategy
+from piper_directives.torch_format import strategy_from_torch_csv, strategy_to_torch_csv
 
 _TORCH_SIDE = {"capture", "CapturedModel", "LossModule"}
 
@@ -41,8 +44,8 @@ except PackageNotFoundError:
     __version__ = "0.0.0"
 
 __all__ = [
-    "SCHEDULES", "CapturedModel", "Directive", "LossModule", "Order", "Place", "Split", "Strategy",
-    "annotate", "apply_strategy", "build_schedule", "capture", "dualpipe", "dualpipev", "gpipe",
-    "insert_communication", "interleaved_1f1b", "one_f_one_b", "place_all", "rank_actions",
-    "requested_splits", "split_backward", "zb1p",
+    "SCHEDULES", "CapturedModel", "Directive", "LossModule", "Order", "Place", "Replicate", "Split", "Strategy",
+    "annotate", "apply_strategy", "build_schedule", "capture", "data_parallel", "dualpipe", "dualpipev", "gpipe",
+    "insert_communication", "interleaved_1f1b", "one_f_one_b", "place_all", "rank_actions", "replicate_all",
+    "requested_splits", "split_backward", "strategy_from_torch_csv", "strategy_to_torch_csv", "zb1p",
 ]

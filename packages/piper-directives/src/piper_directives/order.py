@@ -73,11 +73,11 @@ class Order:
             for d, ids in by_device.items():
                 per_device[d].append(ids)
         origin = str(self)
-        new_edges = []
+        new_edges: dict[Edge, None] = {}  # the devices of one group see the same slots: one edge each
         for slots in per_device.values():
             for before, after in zip(slots, slots[1:], strict=False):
-                new_edges.extend(Edge(a, b, EdgeKind.TEMPORAL, origin=origin) for a in before for b in after)
-        return new_edges
+                new_edges.update((Edge(a, b, EdgeKind.TEMPORAL, origin=origin), None) for a in before for b in after)
+        return list(new_edges)
 
     def _cycle_error(self, cycle: list[str]) -> DirectiveError:
         return DirectiveError(

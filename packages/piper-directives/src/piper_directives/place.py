@@ -13,11 +13,15 @@ the model's output.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
 from piper_directives.source import user_location
 from piper_ir import DirectiveError, Edge, Filter, Graph, NodeKind, SegmentRole
+
+if TYPE_CHECKING:
+    from piper_directives.replicate import Replicate
 
 
 def _to_filter(value: object) -> Filter:
@@ -39,8 +43,11 @@ class Place:
         return f"Place({self.filter}, devices={list(self.devices)}, stream={self.stream!r}) at {self.where}"
 
 
-def place_all(graph: Graph, places: Sequence[Place]) -> Graph:
-    """Apply ``places`` in order, check every segment is placed, then insert communication."""
+def place_all(graph: Graph, places: Sequence[Place], replicates: Sequence[Replicate] = ()) -> Graph:
+    """Apply ``places`` in order, check every segment is placed, record how replicated groups
+    stay in sync (``replicate_all``), then insert communication."""
+    from piper_directives.replicate import replicate_all  # replicate.py builds on this module
+
     if graph.world_size:
         raise DirectiveError("the graph is already placed", directive=str(places[0]) if places else None)
     group: dict[str, tuple[int, ...]] = {}
@@ -59,6 +66,14 @@ def place_all(graph: Graph, places: Sequence[Place]) -> Graph:
                 )
             group[seg.id] = place.devices
             placed_by[seg.id] = place
+        if len(place.devices) > 1:
+            sizes = {len(g) for g in group.values() if len(g) > 1}
+            if len(sizes) > 1:
+                raise DirectiveError(
+                    f"device groups of different sizes {sorted(sizes)}: every multi-device group of a "
+                    "strategy has the same size (the data-parallel degree)",
+                    directive=str(place),
+                )
     unplaced = [s for s in graph.stage_segments() if s.id not in group]
     if unplaced:
         names = ", ".join(f"{s.id} ({s.tags})" for s in unplaced)
@@ -83,7 +98,7 @@ def place_all(graph: Graph, places: Sequence[Place]) -> Graph:
     nodes = tuple(
         attrs.evolve(n, devices=group[n.segment]) if n.segment is not None else n for n in graph.nodes
     )
-    placed = attrs.evolve(graph, nodes=nodes, world_size=world)
+    placed = replicate_all(attrs.evolve(graph, nodes=nodes, world_size=world), replicates)
     streams = {seg: placed_by[seg].stream for seg in placed_by}
     return insert_communication(placed, streams)
 
@@ -111,33 +126,46 @@ def _segment_matches(flt: Filter, seg) -> bool:  # noqa: ANN001
 
 def insert_communication(graph: Graph, streams: dict[str, str]) -> Graph:
     """Replace each cross-device data edge with SEND -> RECV (one pair per value, microbatch
-    and device pair, shared by every consumer on the receiving device)."""
+    and pair of device groups, shared by every consumer on the receiving group).
+
+    Groups pair elementwise (docs/ir-conventions.md, section 7): replica ``j`` of the
+    producing group sends to replica ``j`` of the consuming one, so both groups must have the
+    same size and no replica may send to itself. Single-device groups are the case N = 1.
+    """
     from piper_ir import Node
 
     by_id = graph.node_by_id
     nodes = list(graph.nodes)
     edges: list[Edge] = []
-    pairs: dict[tuple[str, int | None, int, int], tuple[str, str]] = {}
+    pairs: dict[tuple[str, int | None, tuple[int, ...], tuple[int, ...]], tuple[str, str]] = {}
     for e in graph.edges:
         src, dst = by_id[e.src], by_id[e.dst]
         if e.value is None or src.devices == dst.devices:
             edges.append(e)
             continue
-        if len(src.devices) != 1 or len(dst.devices) != 1:
+        s_devs, d_devs = src.devices, dst.devices
+        if len(s_devs) != len(d_devs):
             raise DirectiveError(
-                f"value {e.value} flows between device groups {list(src.devices)} and {list(dst.devices)}; "
-                "only single-device groups exchange point-to-point traffic so far",
+                f"value {e.value} flows from device group {list(s_devs)} to {list(d_devs)}: replicas pair "
+                "up elementwise, so both groups need the same number of devices",
                 nodes=[e.src, e.dst],
             )
-        s_dev, d_dev = src.devices[0], dst.devices[0]
-        key = (e.value, src.microbatch, s_dev, d_dev)
+        selfs = [a for a, b in zip(s_devs, d_devs, strict=True) if a == b]
+        if selfs:
+            raise DirectiveError(
+                f"value {e.value} flows from device group {list(s_devs)} to {list(d_devs)}: paired "
+                f"elementwise, device {selfs[0]} would send to itself; list both groups in replica order",
+                nodes=[e.src, e.dst],
+            )
+        key = (e.value, src.microbatch, s_devs, d_devs)
         if key not in pairs:
             mb = "" if src.microbatch is None else f".mb{src.microbatch}"
-            sid, rid = f"send.{e.value}{mb}.{s_dev}-{d_dev}", f"recv.{e.value}{mb}.{s_dev}-{d_dev}"
+            ends = f"{'_'.join(map(str, s_devs))}-{'_'.join(map(str, d_devs))}"
+            sid, rid = f"send.{e.value}{mb}.{ends}", f"recv.{e.value}{mb}.{ends}"
             stream = streams.get(src.segment or "", "pp")
             common = dict(value=e.value, microbatch=src.microbatch, tags=src.tags, stream=stream)
-            nodes.append(Node(sid, NodeKind.SEND, devices=(s_dev,), peers=(d_dev,), **common))
-            nodes.append(Node(rid, NodeKind.RECV, devices=(d_dev,), peers=(s_dev,), **common))
+            nodes.append(Node(sid, NodeKind.SEND, devices=s_devs, peers=d_devs, **common))
+            nodes.append(Node(rid, NodeKind.RECV, devices=d_devs, peers=s_devs, **common))
             edges.append(Edge(e.src, sid, value=e.value))
             edges.append(Edge(sid, rid, value=e.value))
             pairs[key] = (sid, rid)

@@ -11,20 +11,77 @@ Every builder returns a ``Strategy``; nothing downstream knows the schedule's na
 
 ``zb1p`` and ``dualpipev`` name BI/BW passes in their orders, which splits those chunks'
 backward (``split_backward``). ``docs/schedules.md`` writes a schedule from scratch.
+
+Every builder takes ``dp`` and ``zero``: ``data_parallel`` rewrites the pipeline-only program
+so pipeline rank r, replica j runs on device ``r + j * pp`` and appends a ``Replicate`` per
+region, so each schedule composes with data parallelism and ZeRO without code of its own.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict, deque
 from collections.abc import Callable
 
 from piper_directives.order import Order
 from piper_directives.place import Place
+from piper_directives.replicate import DEFAULT_BUCKET_MB, Replicate
 from piper_directives.split import Split
 from piper_directives.strategy import Strategy
 from piper_ir import DirectiveError, Filter
 
 LOSS = "loss"
+
+
+def data_parallel(strategy: Strategy, dp: int, zero: int = 0, *, bucket_mb: float = DEFAULT_BUCKET_MB) -> Strategy:
+    """``strategy``, a pipeline-only program over ``pp`` devices, replicated ``dp`` times.
+
+    Each ``Place(filter, (r,))`` becomes ``Place(filter, (r, r + pp, ..., r + (dp - 1) * pp))``
+    and gets a ``Replicate(filter, that group, zero, bucket_mb)``; Split and Order stay as they
+    are (an Order orders each device of a group alike). Replica j of every rank thus forms the
+    j-th copy of the whole pipeline, and activations flow only within one copy.
+    """
+    for what, v in (("dp", dp), ("zero", zero)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise DirectiveError(f"data_parallel: {what} must be an int, got {v!r}")
+    if dp < 1:
+        raise DirectiveError(f"data_parallel: dp must be a positive int, got {dp!r}")
+    if zero not in (0, 1, 2, 3):
+        raise DirectiveError(f"data_parallel: zero must be one of 0, 1, 2, 3, got {zero!r}")
+    if dp == 1:
+        if zero:
+            raise DirectiveError(f"data_parallel: ZeRO-{zero} shards over data-parallel replicas; it needs dp >= 2")
+        return strategy
+    places = [d for d in strategy.directives if isinstance(d, Place)]
+    for place in places:
+        if len(place.devices) != 1:
+            raise DirectiveError(
+                "data_parallel: the strategy is already replicated (a Place names several devices)",
+                directive=str(place),
+            )
+    pp = max((p.devices[0] for p in places), default=-1) + 1
+    out: list = []
+    replicates = []
+    for d in strategy.directives:
+        if isinstance(d, Place):
+            group = tuple(d.devices[0] + j * pp for j in range(dp))
+            out.append(Place(d.filter, group, d.stream, where=d.where))
+            replicates.append(Replicate(d.filter, group, zero, bucket_mb, where=d.where))
+        elif isinstance(d, Replicate):
+            raise DirectiveError("data_parallel: the strategy already has a Replicate", directive=str(d))
+        else:
+            out.append(d)
+    return Strategy([*out, *replicates])
+
+
+def _composes_with_dp(builder: Callable[..., Strategy]) -> Callable[..., Strategy]:
+    """Give ``builder`` the keywords ``dp`` and ``zero`` (see ``data_parallel``)."""
+
+    @functools.wraps(builder)
+    def build(pp: int, microbatches: int, *, dp: int = 1, zero: int = 0, **kwargs: object) -> Strategy:
+        return data_parallel(builder(pp, microbatches, **kwargs), dp, zero)
+
+    return build
 
 
 def _check(name: str, pp: int, microbatches: int, stages: int | None) -> int:
@@ -53,6 +110,7 @@ def _slot(rank: int, pp: int, stages: int, tag: str, phase: str, mb: int) -> lis
     return slot
 
 
+@_composes_with_dp
 def gpipe(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
     """GPipe: every rank runs all forwards, then all backwards."""
     stages = _check("gpipe", pp, microbatches, stages)
@@ -64,6 +122,7 @@ def gpipe(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "
     return Strategy([Split(microbatches), *_placement(pp, stages, tag), *orders])
 
 
+@_composes_with_dp
 def one_f_one_b(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
     """1F1B: ``pp - r - 1`` warm-up forwards on rank r, then one forward, one backward."""
     stages = _check("1f1b", pp, microbatches, stages)
@@ -169,6 +228,7 @@ def _one_f_one_b_actions(
     return slots
 
 
+@_composes_with_dp
 def interleaved_1f1b(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
     """Interleaved 1F1B (Narayanan et al. 2021, as torch's ``ScheduleInterleaved1F1B``).
 
@@ -195,6 +255,7 @@ def interleaved_1f1b(pp: int, microbatches: int, *, stages: int | None = None, t
     return _strategy("interleaved_1f1b", microbatches, stages, [k % pp for k in range(stages)], slots, tag)
 
 
+@_composes_with_dp
 def zb1p(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
     """ZB-H1 zero bubble (Qi et al. 2024; torch's ``ScheduleInterleavedZeroBubble`` with one
     stage per rank): 1F1B with every backward split into BI and BW; rank r postpones r of
@@ -275,6 +336,7 @@ def _dualpipev_actions(rank: int, pp: int, microbatches: int) -> list[Slot]:
     return slots
 
 
+@_composes_with_dp
 def dualpipev(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
     """DualPipeV (DeepSeek; the "cut-in-half" DualPipe): ``2 * pp`` schedule stages in a V,
     rank r holding stages r and ``2pp - 1 - r`` (the loss ends up on rank 0), overlapped
@@ -300,6 +362,7 @@ def dualpipev(pp: int, microbatches: int, *, stages: int | None = None, tag: str
     return _strategy("dualpipev", microbatches, stages, stage_rank, slots, tag)
 
 
+@_composes_with_dp
 def dualpipe(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
     """DualPipe (bidirectional). Its published constraints are checked, then it is refused:
     it needs mirrored stage replicas whose gradients are all-reduced, and the runtime has no
@@ -328,12 +391,23 @@ SCHEDULES: dict[str, Callable[..., Strategy]] = {
 }
 
 
-def build_schedule(name: str, pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
+def build_schedule(
+    name: str,
+    pp: int,
+    microbatches: int,
+    *,
+    stages: int | None = None,
+    tag: str = "PP",
+    dp: int = 1,
+    zero: int = 0,
+) -> Strategy:
+    """The library schedule ``name`` over ``pp`` pipeline ranks, replicated ``dp`` times with
+    ZeRO level ``zero`` (devices ``r + j * pp``; see ``data_parallel``)."""
     try:
         builder = SCHEDULES[name]
     except KeyError:
         raise DirectiveError(f"unknown schedule {name!r}; known: {', '.join(sorted(SCHEDULES))}") from None
-    return builder(pp, microbatches, stages=stages, tag=tag)
+    return builder(pp, microbatches, stages=stages, tag=tag, dp=dp, zero=zero)
 
 
 _TORCH_LETTER = {"F": "F", "B": "B", "BI": "I", "BW": "W"}

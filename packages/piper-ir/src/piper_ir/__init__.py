@@ -2,7 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from piper_ir.algorithms import critical_path, find_cycle, reachable, topological_order
+from piper_ir.algorithms import critical_path, find_cycle, rank_orders, reachable, topological_order
 from piper_ir.errors import (
     CaptureError,
     DeadlockError,
@@ -17,13 +17,13 @@ from piper_ir.errors import (
 from piper_ir.graph import (
     COMMUNICATION_KINDS,
     Bucket,
-    Replication,
     CodeRef,
     Edge,
     EdgeKind,
     Graph,
     Node,
     NodeKind,
+    Replication,
     Segment,
     SegmentRole,
     TensorMeta,
@@ -46,5 +46,5 @@ __all__ = [
     "Instruction", "MemoryPlanError", "Node", "NodeKind", "Phase", "PiperError", "Program",
     "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Tags",
     "TensorMeta", "ValidationError", "Value", "critical_path", "find_cycle", "from_json",
-    "graph_summary", "program_text", "reachable", "to_json", "topological_order", "validate",
+    "graph_summary", "program_text", "rank_orders", "reachable", "to_json", "topological_order", "validate",
 ]

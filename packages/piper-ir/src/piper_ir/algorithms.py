@@ -1,4 +1,5 @@
-"""Graph algorithms over node ids: topological order, cycles, reachability, critical path.
+"""Graph algorithms over node ids: topological order, cycles, reachability, critical path,
+and the per-rank order of compute that the scheduler uses (``rank_orders``).
 
 All functions take the graph's edges (data and temporal alike) and never modify the graph.
 They are iterative, so they work on graphs with millions of nodes.
@@ -10,7 +11,8 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 
-from piper_ir.graph import Graph
+from piper_ir.graph import Graph, Node, NodeKind
+from piper_ir.tags import Phase
 
 
 def _adjacency(graph: Graph) -> tuple[dict[str, list[str]], dict[str, int]]:
@@ -120,3 +122,70 @@ def critical_path(graph: Graph, cost: Callable[[str], float]) -> tuple[float, li
         path.append(via[path[-1]])  # type: ignore[arg-type]
     path.reverse()
     return best[end], path
+
+
+PHASE_ORDER = {Phase.F: 0, Phase.B: 1, Phase.BI: 2, Phase.BW: 3, Phase.OPT: 4}
+RANKED_KINDS = frozenset({NodeKind.COMPUTE, NodeKind.OPTIMIZER})
+
+
+def rank_orders(graph: Graph, listed: Iterable[NodeKind] = ()) -> list[list[str]] | None:
+    """Each rank's COMPUTE/OPTIMIZER node ids in the deterministic order the scheduler runs
+    them (``None`` when the graph has a cycle); nodes of a kind in ``listed`` are listed too,
+    on every device of their group.
+
+    One Kahn pass over the whole graph (all ranks at once, data and temporal edges), so
+    cross-rank paths through SEND/RECV are respected. Nodes of other kinds, and of ``listed``
+    kinds, are released as soon as they are ready; ready compute nodes leave a heap by
+    (phase, microbatch, segment position, graph position). Phase comes first so a graph
+    without Order edges runs GPipe-like: all forwards, then all backwards, on each rank.
+
+    Inserting nodes that are released as soon as ready does not change the compute order as
+    long as each new node depends only on nodes already ordered: the heap sees the same
+    ready compute nodes at every pop (``piper_memory.plan_memory`` relies on this).
+    """
+    listed = frozenset(listed)
+    seg_pos = {s.id: i for i, s in enumerate(graph.segments)}
+    indeg = {n.id: 0 for n in graph.nodes}
+    for e in graph.edges:
+        indeg[e.dst] += 1
+    nodes = graph.node_by_id
+    succ = graph.successors
+    free: deque[str] = deque()
+    heap: list[tuple[int, int, int, int, str]] = []
+
+    def release(pos: int, n: Node) -> None:
+        if n.kind in RANKED_KINDS:
+            key = (
+                PHASE_ORDER[n.phase] if n.phase else len(PHASE_ORDER),
+                -1 if n.microbatch is None else n.microbatch,
+                seg_pos.get(n.segment or "", len(seg_pos)),
+                pos,
+                n.id,
+            )
+            heapq.heappush(heap, key)
+        else:
+            free.append(n.id)
+
+    position = {}
+    for i, n in enumerate(graph.nodes):
+        position[n.id] = i
+        if indeg[n.id] == 0:
+            release(i, n)
+    orders: list[list[str]] = [[] for _ in range(max(graph.world_size, 0))]
+    done = 0
+    while free or heap:
+        if free:
+            nid = free.popleft()
+            if nodes[nid].kind in listed:
+                for d in nodes[nid].devices:
+                    orders[d].append(nid)
+        else:
+            nid = heapq.heappop(heap)[-1]
+            for d in nodes[nid].devices:
+                orders[d].append(nid)
+        done += 1
+        for e in succ[nid]:
+            indeg[e.dst] -= 1
+            if indeg[e.dst] == 0:
+                release(position[e.dst], nodes[e.dst])
+    return orders if done == len(indeg) else None

@@ -26,6 +26,9 @@ class Instruction:
     Compute: ``segment`` + ``phase`` + ``microbatch``. ``SEND``/``RECV``: ``value`` (the
     activation, or ``grad:<value>`` for its gradient) for ``microbatch``, to/from ``peer`` on
     ``communicator``, with ``meta`` giving the exact shape and dtype that travel.
+    ``overlap``: compute instructions of one rank with the same number come from one
+    ``Order`` slot that holds a forward and a backward chunk (DualPipe's overlapped F&B);
+    ``None`` otherwise. A runtime may ignore it; the simulator can charge such a pair less.
     """
 
     id: str
@@ -40,12 +43,15 @@ class Instruction:
     meta: TensorMeta | None = None
     waits: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     record: str | None = None
+    overlap: int | None = None
 
     def short(self) -> str:
         """A compact label in the style of torch's schedule actions (``1F3``, ``SEND a->1``)."""
         mb = "" if self.microbatch is None else str(self.microbatch)
         if self.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER):
             return f"{self.segment}:{self.phase.value if self.phase else '?'}{mb}"
+        if self.kind not in (NodeKind.SEND, NodeKind.RECV):  # group operations on a bucket
+            return f"{self.kind.value.upper()} {self.value}" + (f"#{mb}" if mb else "")
         arrow = "->" if self.kind is NodeKind.SEND else "<-"
         return f"{self.kind.value.upper()} {self.value}#{mb} {arrow}{self.peer}"
 

@@ -5,6 +5,7 @@ from importlib.metadata import PackageNotFoundError, version
 from piper_runtime.backend import Backend, resolve_backend
 from piper_runtime.batch import check_batch, split_microbatches
 from piper_runtime.cluster import ensure_ray, shutdown
+from piper_runtime.memory import RankMemory
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.results import InstructionTiming, StepOutput, StepResult
 from piper_runtime.runtime import Runtime
@@ -17,7 +18,9 @@ except PackageNotFoundError:  # running from a source tree
 
 __all__ = [
     "Backend",
+    "InstructionTiming",
     "OptimizerSpec",
+    "RankMemory",
     "RankWorker",
     "Runtime",
     "StepOutput",

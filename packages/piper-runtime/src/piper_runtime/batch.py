@@ -1,4 +1,11 @@
-"""Batches: checking them against the program and cutting them into microbatches."""
+"""Batches: checking them against the program and cutting them into microbatches.
+
+With data parallelism (``Program.replicas`` = N > 1) the batch is cut into ``microbatches``
+chunks first, then each chunk into N equal shards; replica ``j`` computes shard ``j`` of every
+microbatch (docs/ir-conventions.md, section 7). The driver ships replica ``j`` only its shards,
+concatenated (``replica_slice``), so the worker's ``split_microbatches`` of what it receives
+gives exactly shard ``j`` of each microbatch.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +16,12 @@ import torch
 from piper_ir import Program, TensorMeta
 
 
-def full_batch_shape(meta: TensorMeta, microbatches: int) -> tuple[int, ...]:
-    """The shape a whole batch of a value has, given its (already split) microbatch meta."""
+def full_batch_shape(meta: TensorMeta, microbatches: int, replicas: int = 1) -> tuple[int, ...]:
+    """The shape a whole batch of a value has, given its (already split) meta of one shard of
+    one microbatch."""
     shape = list(meta.shape)
     if meta.batch_dim is not None:
-        shape[meta.batch_dim] *= microbatches
+        shape[meta.batch_dim] *= microbatches * replicas
     return tuple(shape)
 
 
@@ -21,7 +29,7 @@ def check_batch(
     program: Program, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """Map batch value names to tensors, raising ``ValueError`` on a count, shape or dtype
-    mismatch with the program's value metas (× microbatches along ``batch_dim``)."""
+    mismatch with the program's value metas (× microbatches × replicas along ``batch_dim``)."""
     for what, names, given in (("inputs", program.inputs, inputs), ("targets", program.targets, targets)):
         if isinstance(given, torch.Tensor):
             raise ValueError(f"{what} must be a tuple of tensors (one per {list(names)}), got a tensor")
@@ -32,11 +40,12 @@ def check_batch(
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
         meta = program.value_by_name[name].meta
-        expected = full_batch_shape(meta, program.microbatches)
+        expected = full_batch_shape(meta, program.microbatches, program.replicas)
         if tuple(tensor.shape) != expected:
+            replicas = f" x {program.replicas} replicas" if program.replicas > 1 else ""
             raise ValueError(
                 f"{name}: expected shape {expected} (microbatch shape {meta.shape} x "
-                f"{program.microbatches} microbatches along dim {meta.batch_dim}), "
+                f"{program.microbatches} microbatches{replicas} along dim {meta.batch_dim}), "
                 f"got {tuple(tensor.shape)}"
             )
         dtype = str(tensor.dtype).removeprefix("torch.")
@@ -55,3 +64,23 @@ def split_microbatches(tensor: torch.Tensor, meta: TensorMeta, microbatches: int
     if size % microbatches:
         raise ValueError(f"batch size {size} is not divisible by {microbatches} microbatches")
     return tuple(torch.tensor_split(tensor, microbatches, dim=meta.batch_dim))
+
+
+def replica_slice(
+    tensor: torch.Tensor, meta: TensorMeta, microbatches: int, replicas: int, replica: int
+) -> torch.Tensor:
+    """What replica ``replica`` reads of a whole-batch tensor: shard ``replica`` of each of the
+    ``microbatches`` chunks, concatenated along ``meta.batch_dim`` (the tensor itself with one
+    replica or no batch dimension)."""
+    if replicas == 1 or meta.batch_dim is None:
+        return tensor
+    dim = meta.batch_dim
+    if tensor.shape[dim] % (microbatches * replicas):
+        raise ValueError(
+            f"batch size {tensor.shape[dim]} is not divisible by {microbatches} microbatches x {replicas} replicas"
+        )
+    shards = [
+        torch.tensor_split(chunk, replicas, dim=dim)[replica]
+        for chunk in torch.tensor_split(tensor, microbatches, dim=dim)
+    ]
+    return torch.cat(shards, dim=dim)

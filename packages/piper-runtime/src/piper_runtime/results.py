@@ -5,13 +5,18 @@ from __future__ import annotations
 import attrs
 import torch
 
+from piper_runtime.memory import RankMemory
+
 
 @attrs.frozen
 class StepOutput:
     """One rank's share of a step.
 
     ``losses`` holds ``(microbatch, unscaled loss)`` pairs, only on ranks that run the loss
-    segment; ``grads`` maps parameter qualified names to gradient copies when requested.
+    segment; ``grads`` maps parameter qualified names to gradient copies when requested, for
+    parameters whose gradients are whole on this rank; ``grad_shards`` maps the id of each
+    bucket whose gradients are sharded (ZeRO >= 1) to ``(replica, this replica's shard of the
+    reduced flat gradient)``; ``memory`` is the rank's peak memory over the step.
     """
 
     rank: int
@@ -19,6 +24,8 @@ class StepOutput:
     grads: dict[str, torch.Tensor] | None = None
     timings: tuple[InstructionTiming, ...] = ()
     seconds: float = 0.0  # wall time of the step inside the worker
+    grad_shards: dict[str, tuple[int, torch.Tensor]] | None = None
+    memory: RankMemory | None = None
 
 
 @attrs.frozen
@@ -35,11 +42,14 @@ class InstructionTiming:
 @attrs.frozen
 class StepResult:
     """A whole step: ``losses[i]`` is microbatch i's loss, ``loss`` their mean (the loss of
-    the full batch when the loss is a mean over equal microbatches), ``grads`` the merged
-    parameter gradients when ``keep_grads`` was requested."""
+    the full batch when the loss is a mean over equal microbatches; with data parallelism,
+    the mean over replicas of their shard losses), ``grads`` the merged full parameter
+    gradients (summed over replicas, sharded ones reassembled) when ``keep_grads`` was
+    requested, ``memory`` each rank's peak memory by category (in rank order)."""
 
     losses: tuple[float, ...]
     loss: float
     grads: dict[str, torch.Tensor] | None = None
     timings: tuple[InstructionTiming, ...] = ()  # every rank's, with ``profile=True``
     worker_seconds: tuple[float, ...] = ()  # each rank's time inside its step
+    memory: tuple[RankMemory, ...] = ()

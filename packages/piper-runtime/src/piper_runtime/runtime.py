@@ -20,8 +20,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from torch import nn
 
 from piper_ir import ExecutionError, NodeKind, Phase, PiperError, Program
+from piper_memory.store import BucketLayout
 from piper_runtime.backend import resolve_backend
-from piper_runtime.batch import check_batch
+from piper_runtime.batch import check_batch, replica_slice
 from piper_runtime.cluster import WORKER_ENV, ensure_ray
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.results import StepOutput, StepResult
@@ -109,28 +110,53 @@ class Runtime:
         ``keep_grads`` returns every parameter's gradient; ``profile`` returns when each
         instruction ran on each rank (``StepResult.timings``)."""
         self._check_open()
-        batch = check_batch(self.program, inputs, targets)
-        # Small tensors travel inline with the call (Ray stores large ones in its object store
-        # by itself); an explicit ray.put would add an object-store round trip on every step.
-        readers = sum(len(names) > 0 for names in self._batch_names.values())
+        program = self.program
+        batch = check_batch(program, inputs, targets)
+        # Each rank gets only the batch values it reads, and with data parallelism only its
+        # replica's shards of them. Small tensors travel inline with the call (Ray stores
+        # large ones in its object store by itself); an explicit ray.put pays off only for a
+        # large slice that several ranks read (an object-store round trip on every step).
+        slices: dict[tuple[str, int], torch.Tensor] = {}
+        readers: dict[tuple[str, int], int] = {}
+        for rank, names in self._batch_names.items():
+            replica = program.plan(rank).replica
+            for n in names:
+                key = (n, replica)
+                if key not in slices:
+                    meta = program.value_by_name[n].meta
+                    slices[key] = replica_slice(
+                        batch[n], meta, program.microbatches, program.replicas, replica
+                    )
+                readers[key] = readers.get(key, 0) + 1
         refs = {
-            name: ray.put(t) if readers > 1 and t.nbytes > _INLINE_BYTES else t for name, t in batch.items()
+            key: ray.put(t) if readers[key] > 1 and t.nbytes > _INLINE_BYTES else t
+            for key, t in slices.items()
         }
         self._steps += 1
         calls = [
-            w.run_step.remote({n: refs[n] for n in self._batch_names[rank]}, keep_grads, profile)
+            w.run_step.remote(
+                {n: refs[(n, program.plan(rank).replica)] for n in self._batch_names[rank]},
+                keep_grads,
+                profile,
+            )
             for rank, w in enumerate(self._workers)
         ]
         outputs: list[StepOutput] = self._gather(calls, self.step_timeout_s, "step")
-        return _merge(outputs, self.program.microbatches, keep_grads)
+        return _merge(outputs, program, keep_grads)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """Current parameters of every segment, by qualified name, merged over ranks."""
         self._check_open()
         merged: dict[str, torch.Tensor] = {}
+        shards: dict[str, dict[int, torch.Tensor]] = {}
         for params in self._gather([w.parameters.remote() for w in self._workers], 60.0, "parameters"):
             for name, tensor in params.items():
                 merged.setdefault(name, tensor)  # replicas hold equal copies; keep the first
+        for held in self._gather([w.parameter_shards.remote() for w in self._workers], 60.0, "parameters"):
+            for bucket, (replica, shard) in held.items():
+                shards.setdefault(bucket, {})[replica] = shard
+        # ZeRO-3 parameters live only as shards between steps: reassemble them.
+        merged.update(_unshard(self.program, shards))
         return merged
 
     def shutdown(self) -> None:
@@ -234,19 +260,42 @@ def _batch_reads(program: Program, rank: int) -> tuple[str, ...]:
     return tuple(reads)
 
 
-def _merge(outputs: list[StepOutput], microbatches: int, keep_grads: bool) -> StepResult:
+def _merge(outputs: list[StepOutput], program: Program, keep_grads: bool) -> StepResult:
     per_mb: dict[int, list[float]] = {}
     for out in outputs:
         for mb, loss in out.losses:
             per_mb.setdefault(mb, []).append(loss)
+    # The loss of microbatch i is the mean over replicas of their shard losses.
     losses = tuple(sum(per_mb[i]) / len(per_mb[i]) for i in sorted(per_mb))
-    if len(losses) != microbatches:
-        raise ExecutionError(f"expected {microbatches} microbatch losses, the ranks reported {len(losses)}")
+    if len(losses) != program.microbatches:
+        raise ExecutionError(
+            f"expected {program.microbatches} microbatch losses, the ranks reported {len(losses)}"
+        )
     grads: dict[str, torch.Tensor] | None = None
     if keep_grads:
         grads = {}
+        shards: dict[str, dict[int, torch.Tensor]] = {}
         for out in outputs:
             for name, g in (out.grads or {}).items():
-                grads.setdefault(name, g)
+                grads.setdefault(name, g)  # all-reduced: every replica holds the same sum
+            for bucket, (replica, g) in (out.grad_shards or {}).items():
+                shards.setdefault(bucket, {})[replica] = g
+        grads.update(_unshard(program, shards))
     timings = tuple(t for out in outputs for t in out.timings)
-    return StepResult(losses, sum(losses) / len(losses), grads, timings, tuple(out.seconds for out in outputs))
+    memory = tuple(out.memory for out in outputs if out.memory is not None)
+    return StepResult(
+        losses, sum(losses) / len(losses), grads, timings, tuple(out.seconds for out in outputs), memory
+    )
+
+
+def _unshard(program: Program, shards: Mapping[str, Mapping[int, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Full tensors by parameter name from every replica's shard of each bucket's flat buffer."""
+    buckets = {b.id: b for b in program.buckets}
+    out: dict[str, torch.Tensor] = {}
+    for bucket_id, per_replica in shards.items():
+        bucket = buckets[bucket_id]
+        layout = BucketLayout.from_metas(bucket, dict(program.segment_by_id[bucket.segment].params))
+        flat = layout.assemble(per_replica)
+        for name, view in zip(bucket.params, layout.unflatten(flat), strict=True):
+            out[name] = view.clone()
+    return out

@@ -15,6 +15,26 @@ A split backward runs in two instructions: ``BI`` computes only the gradients of
 segment's inputs (``torch.autograd.grad`` with the autograd graph retained) and ``BW`` then
 runs the backward towards the segment's parameters on that retained graph, accumulating into
 their ``.grad`` and releasing the graph. No custom autograd function is needed in the model.
+
+Data parallelism and ZeRO (docs/ir-conventions.md, section 7). A replicated segment's
+parameters are cut into ``Bucket``s, laid out by ``piper_memory.store.BucketLayout``:
+
+- zero 0: ``ALL_REDUCE`` flattens the bucket's gradients, sums them over the group and copies
+  the sum back into ``.grad``; the optimizer steps the module's parameters as usual.
+- zero >= 1: at setup each bucket's parameters become views of one flat full buffer, and the
+  replica's shard of it becomes an ``nn.Parameter`` (a view of the buffer with zero 1/2, a
+  copy with zero 3); the optimizer is built over those shards only (so its state is
+  sharded). ``REDUCE_SCATTER`` flattens the full
+  gradients, reduce-scatters them and adds the result into the shard's ``.grad`` (the full
+  ``.grad`` is dropped). ``ALL_GATHER`` gathers the updated shards straight into the flat
+  buffer, i.e. into the module's parameters.
+- zero 3: the flat buffer's storage is released (resized to zero bytes) except between a
+  ``MATERIALIZE`` (storage back, all-gather into it) and its ``FREE``. Because the module's
+  parameters, and any view of them autograd saved, share that one storage, a backward after
+  a re-materialization reads the gathered values, and nothing keeps a freed copy alive.
+
+A ``MemoryTracker`` samples what the worker holds after every instruction (see
+``piper_runtime.memory``); each step reports the rank's peaks.
 """
 
 from __future__ import annotations
@@ -30,9 +50,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from piper_ir import ExecutionError, Instruction, NodeKind, Phase, Program, SegmentRole
+from piper_ir import Bucket, ExecutionError, Instruction, NodeKind, Phase, Program, SegmentRole
+from piper_memory.store import BucketLayout, accumulate_grad
 from piper_runtime.backend import Backend, resolve_backend
 from piper_runtime.batch import split_microbatches
+from piper_runtime.memory import MemoryTracker
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.results import InstructionTiming, StepOutput
 
@@ -41,7 +63,72 @@ RECV_LOOKAHEAD = 2  # receives posted ahead of the instruction that needs them
 Key = tuple[str, int]  # (value name, microbatch)
 
 # Instruction kinds this executor carries out; anything else is rejected at setup.
-_SUPPORTED = {NodeKind.COMPUTE, NodeKind.OPTIMIZER, NodeKind.SEND, NodeKind.RECV, NodeKind.MARKER}
+_SUPPORTED = {
+    NodeKind.COMPUTE,
+    NodeKind.OPTIMIZER,
+    NodeKind.SEND,
+    NodeKind.RECV,
+    NodeKind.MARKER,
+    NodeKind.ALL_REDUCE,
+    NodeKind.REDUCE_SCATTER,
+    NodeKind.ALL_GATHER,
+    NodeKind.MATERIALIZE,
+    NodeKind.FREE,
+}
+_BUCKET_KINDS = {
+    NodeKind.ALL_REDUCE,
+    NodeKind.REDUCE_SCATTER,
+    NodeKind.ALL_GATHER,
+    NodeKind.MATERIALIZE,
+    NodeKind.FREE,
+}
+# The non-deprecated names of the flat collectives (torch >= 2.13), else the older ones.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _BucketState:
+    """One bucket of a segment on this rank: its layout, the module's parameters in bucket
+    order and, with zero >= 1, the flat full buffer they are views of and this replica's
+    parameter shard (what the optimizer steps; its ``.grad`` is the gradient shard)."""
+
+    def __init__(self, bucket: Bucket, params: list[nn.Parameter], zero: int, replica: int) -> None:
+        self.bucket = bucket
+        self.layout = BucketLayout(bucket, [tuple(p.shape) for p in params])
+        self.params = params
+        self.zero = zero
+        self.replica = replica
+        self.flat: torch.Tensor | None = None
+        self.shard: nn.Parameter | None = None
+        if zero >= 1:
+            with torch.no_grad():
+                self.flat = self.layout.flatten([p.detach() for p in params])
+                shard = self.layout.shard(self.flat, replica)
+                # Zero 1/2: the shard is a view of the full parameters, so the optimizer
+                # updates them in place and no second copy exists. Zero 3: the full buffer
+                # comes and goes, the shard is the parameters' only lasting copy.
+                self.shard = nn.Parameter(shard.clone() if zero == 3 else shard)
+                for p, view in zip(params, self.layout.unflatten(self.flat), strict=True):
+                    p.data = view
+            if zero == 3:
+                self.release()
+
+    @property
+    def materialized(self) -> bool:
+        return self.flat is not None and self.flat.untyped_storage().nbytes() > 0
+
+    def release(self) -> None:
+        """Drop the full parameters' memory (zero 3); the views keep their shapes."""
+        self.flat.untyped_storage().resize_(0)
+
+    def allocate(self) -> None:
+        """Give the flat buffer its memory back (uninitialised) before gathering into it."""
+        storage = self.flat.untyped_storage()
+        nbytes = self.flat.numel() * self.flat.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+
+
 _COMPUTE_PHASES = {Phase.F, Phase.B, Phase.BI, Phase.BW}
 
 
@@ -62,6 +149,10 @@ class _StepState:
         self.posted: dict[str, tuple[Any, torch.Tensor]] = {}  # RECV id -> (Work, buffer)
         self.posted_upto = 0  # how many of the plan's receives are posted
         self.consumed = 0  # how many of them completed
+        self.received: set[Key] = set()  # values that arrived by RECV (communication buffers)
+        # (segment, microbatch) -> the tensors autograd saved for its backward (for accounting)
+        self.autograd_saved: dict[Key, list[torch.Tensor]] = {}
+        self.grad_shards: dict[str, tuple[int, torch.Tensor]] = {}
 
     def get(self, name: str, mb: int) -> torch.Tensor:
         if name in self.batch:
@@ -75,6 +166,7 @@ class _StepState:
         """Gradients may have several contributions (local and received): they are summed."""
         prev = self.values.get((name, mb))
         self.values[(name, mb)] = grad if prev is None else prev + grad
+        self.received.discard((name, mb))  # a received buffer is no longer what is held
 
 
 class RankWorker:
@@ -85,6 +177,7 @@ class RankWorker:
         self.rank = -1
         self._modules: dict[str, nn.Module] = {}
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
+        self._buckets: dict[str, _BucketState] = {}
         self._step = 0
 
     def ping(self) -> int:
@@ -123,11 +216,20 @@ class RankWorker:
         if missing:
             raise ExecutionError(f"rank {rank}: no module for segments {missing}", ranks=(rank,))
         self._modules = {s: modules[s].to(self.device) for s in mine}
+        self._setup_buckets(mine)
         self._optimizers = {}
         for sid in mine:
-            params = [p for p in self._modules[sid].parameters() if p.requires_grad]
+            if self._zero.get(sid, 0) >= 1:
+                # Only this replica's shards are trained here: the optimizer state is sharded.
+                params = [b.shard for b in self._buckets.values() if b.bucket.segment == sid]
+            else:
+                params = [p for p in self._modules[sid].parameters() if p.requires_grad]
             if program.segment_by_id[sid].role is SegmentRole.STAGE and params:
                 self._optimizers[sid] = optimizer.build(params)
+        self._memory = MemoryTracker(rank)
+        for ins in self.plan.instructions:  # before joining the group: fail fast
+            if ins.kind in _BUCKET_KINDS:
+                self._check_bucket_instruction(ins)
 
         if not dist.is_initialized():
             dist.init_process_group(
@@ -149,18 +251,102 @@ class RankWorker:
             else:
                 self._groups[comm.id] = dist.new_group(sorted(comm.ranks))
         self._frees = _free_after(program, self.plan.instructions)
-        self._recv_positions = [k for k, ins in enumerate(self.plan.instructions) if ins.kind is NodeKind.RECV]
+        self._recv_positions = [
+            k for k, ins in enumerate(self.plan.instructions) if ins.kind is NodeKind.RECV
+        ]
         self._handlers: dict[NodeKind, Callable[[Instruction, _StepState], None]] = {
             NodeKind.COMPUTE: self._compute,
             NodeKind.OPTIMIZER: self._optimize,
             NodeKind.SEND: self._send,
             NodeKind.RECV: self._recv,
             NodeKind.MARKER: lambda ins, st: None,
+            NodeKind.ALL_REDUCE: self._all_reduce,
+            NodeKind.REDUCE_SCATTER: self._reduce_scatter,
+            NodeKind.ALL_GATHER: self._all_gather,
+            NodeKind.MATERIALIZE: self._materialize,
+            NodeKind.FREE: self._free,
         }
+
+    def _setup_buckets(self, mine: tuple[str, ...]) -> None:
+        """The bucket states of this rank's replicated segments (see the module docstring)."""
+        program, rank = self.program, self.rank
+        replication = {r.segment: r for r in program.replication}
+        self._zero: dict[str, int] = {}
+        self._buckets = {}
+        for sid in mine:
+            rep = replication.get(sid)
+            if rep is None or len(rep.devices) < 2:
+                continue
+            if rank not in rep.devices:
+                raise ExecutionError(
+                    f"rank {rank}: segment {sid} is replicated over {list(rep.devices)}, not on this rank",
+                    ranks=(rank,),
+                )
+            self._zero[sid] = rep.zero
+            replica = rep.devices.index(rank)
+            named = dict(self._modules[sid].named_parameters())
+            covered: set[str] = set()
+            for bucket in program.buckets:
+                if bucket.segment != sid:
+                    continue
+                missing = [n for n in bucket.params if n not in named]
+                if missing:
+                    raise ExecutionError(
+                        f"rank {rank}: bucket {bucket.id} names parameters {missing} that segment {sid}'s "
+                        "module does not have",
+                        ranks=(rank,),
+                    )
+                if rep.zero >= 1 and bucket.shards != len(rep.devices):
+                    raise ExecutionError(
+                        f"rank {rank}: bucket {bucket.id} has {bucket.shards} shards, segment {sid} "
+                        f"(zero={rep.zero}) has {len(rep.devices)} replicas",
+                        ranks=(rank,),
+                    )
+                covered.update(bucket.params)
+                self._buckets[bucket.id] = _BucketState(
+                    bucket, [named[n] for n in bucket.params], rep.zero, replica
+                )
+            uncovered = [n for n, p in named.items() if p.requires_grad and n not in covered]
+            if uncovered:
+                raise ExecutionError(
+                    f"rank {rank}: parameters {uncovered} of replicated segment {sid} are in no bucket",
+                    ranks=(rank,),
+                )
+
+    def _check_bucket_instruction(self, ins: Instruction) -> None:
+        where = f"rank {self.rank}, instruction {ins.id} ({ins.kind.value})"
+        b = self._buckets.get(ins.value)
+        if b is None:
+            raise ExecutionError(
+                f"{where}: {ins.value!r} is not a bucket of a replicated segment on this rank",
+                ranks=(self.rank,),
+                nodes=(ins.id,),
+            )
+        if ins.kind is not NodeKind.FREE and ins.communicator not in {
+            c.id for c in self.program.communicators
+        }:
+            raise ExecutionError(
+                f"{where}: unknown communicator {ins.communicator!r}", ranks=(self.rank,), nodes=(ins.id,)
+            )
+        needs = {
+            NodeKind.ALL_REDUCE: b.zero == 0,
+            NodeKind.REDUCE_SCATTER: b.zero >= 1,
+            NodeKind.ALL_GATHER: b.zero in (1, 2),
+            NodeKind.MATERIALIZE: b.zero == 3,
+            NodeKind.FREE: b.zero == 3,
+        }[ins.kind]
+        if not needs:
+            raise ExecutionError(
+                f"{where}: {ins.kind.value} does not apply to {ins.value} of a zero={b.zero} segment",
+                ranks=(self.rank,),
+                nodes=(ins.id,),
+            )
 
     # -- one step -----------------------------------------------------------------------------
 
-    def run_step(self, batch: Mapping[str, Any], keep_grads: bool = False, profile: bool = False) -> StepOutput:
+    def run_step(
+        self, batch: Mapping[str, Any], keep_grads: bool = False, profile: bool = False
+    ) -> StepOutput:
         """Run this rank's instructions once. ``batch`` maps the batch values this rank reads
         to whole-batch tensors (or Ray object refs to them); ``profile`` records when each
         instruction started and ended."""
@@ -176,6 +362,8 @@ class RankWorker:
             for name, t in batch.items()
         }
         st = _StepState(chunks, keep_grads)
+        self._memory.reset(excluded=[t for ts in chunks.values() for t in ts])
+        self._sample(st)
         for k, ins in enumerate(self.plan.instructions):
             t0 = time.perf_counter() if profile else 0.0
             try:
@@ -188,9 +376,13 @@ class RankWorker:
                 self._abandoned = st
                 raise self._error(f"instruction {ins.id} ({ins.short()})", exc, ins.id) from None
             if profile:
-                timings.append(InstructionTiming(self.rank, ins.id, t0 - started, time.perf_counter() - started))
+                timings.append(
+                    InstructionTiming(self.rank, ins.id, t0 - started, time.perf_counter() - started)
+                )
             for key in self._frees.get(k, ()):
                 st.values.pop(key, None)
+                st.received.discard(key)
+            self._sample(st)
         try:
             for work, _tensor in st.sends:
                 work.wait()
@@ -202,6 +394,8 @@ class RankWorker:
             st.grads if keep_grads else None,
             tuple(timings),
             time.perf_counter() - started,
+            st.grad_shards if keep_grads else None,
+            self._memory.result(),
         )
 
     def _error(self, where: str, exc: BaseException, node: str | None = None) -> ExecutionError:
@@ -231,16 +425,28 @@ class RankWorker:
             if t.is_floating_point() and self.program.value_by_name[name].meta.requires_grad:
                 t = t.detach().requires_grad_(True)
             args.append(t)
-        with torch.enable_grad():
+        saved: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            # A detached alias (not ``t`` itself: saving an op's own output would make a
+            # reference cycle through its grad_fn); it shares the storage being counted.
+            d = t.detach()
+            saved.append(d)
+            return d
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = self._modules[seg.id](*args)
+        st.autograd_saved[(seg.id, mb)] = saved
         if seg.role is SegmentRole.LOSS:
             if not isinstance(out, torch.Tensor) or out.numel() != 1:
                 raise TypeError(f"the loss module must return a scalar tensor, got {_describe(out)}")
             st.losses[mb] = float(out.detach())
-            # The loss of a microbatch is scaled by 1/M for backward here, exactly once.
-            outs: tuple[torch.Tensor, ...] = (out / self.program.microbatches,)
+            # The loss of one shard of a microbatch is scaled by 1/(M * N) for backward here,
+            # exactly once (M microbatches, N data-parallel replicas).
+            outs: tuple[torch.Tensor, ...] = (out / (self.program.microbatches * self.program.replicas),)
             for name in seg.outputs:
-                st.values[(name, mb)] = out.detach()
+                # A copy: the loss may share a larger buffer, and nothing may ever read it.
+                st.values[(name, mb)] = out.detach().clone()
         else:
             outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
             if len(outs) != len(seg.outputs):
@@ -281,6 +487,7 @@ class RankWorker:
         args, tensors, grads = self._backward_roots(ins, st)
         if tensors:
             torch.autograd.backward(tensors, grads)
+        st.autograd_saved.pop((seg.id, mb), None)
         for name, a in zip(seg.inputs, args, strict=True):
             if a.requires_grad:
                 g = a.grad if a.grad is not None else torch.zeros_like(a)
@@ -316,17 +523,109 @@ class RankWorker:
             # ``inputs=params`` restricts the pass to what the weight gradients need; without
             # retain_graph the saved tensors are freed as the pass goes.
             torch.autograd.backward(tensors, grads, inputs=params)
+        st.autograd_saved.pop(key, None)
 
     def _optimize(self, ins: Instruction, st: _StepState) -> None:
         opt = self._optimizers.get(ins.segment)
         if opt is None:
             return
         if st.keep_grads:
-            for qname, p in self._modules[ins.segment].named_parameters():
-                if p.grad is not None:
-                    st.grads[qname] = p.grad.detach().to("cpu", copy=True)
+            if self._zero.get(ins.segment, 0) >= 1:
+                for b in self._segment_buckets(ins.segment):
+                    g = b.shard.grad
+                    g = torch.zeros_like(b.shard) if g is None else g
+                    st.grad_shards[b.bucket.id] = (b.replica, g.detach().to("cpu", copy=True))
+            else:
+                for qname, p in self._modules[ins.segment].named_parameters():
+                    if p.grad is not None:
+                        st.grads[qname] = p.grad.detach().to("cpu", copy=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    # -- data-parallel buckets ------------------------------------------------------------------
+
+    def _segment_buckets(self, segment: str) -> list[_BucketState]:
+        return [b for b in self._buckets.values() if b.bucket.segment == segment]
+
+    def _all_reduce(self, ins: Instruction, st: _StepState) -> None:
+        """Zero 0: sum the bucket's gradients over the group, in place of the local ones."""
+        b = self._buckets[ins.value]
+        flat = b.layout.flatten([p.grad for p in b.params])
+        self._sample(st, flat)
+        dist.all_reduce(flat, group=self._groups[ins.communicator])
+        for p, g in zip(b.params, b.layout.unflatten(flat), strict=True):
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+
+    def _reduce_scatter(self, ins: Instruction, st: _StepState) -> None:
+        """Zero >= 1: reduce the full gradients, add this replica's shard into the gradient
+        shard and drop the full gradients (ZeRO-2/3 keep only shards between microbatches)."""
+        b = self._buckets[ins.value]
+        flat = b.layout.flatten([p.grad for p in b.params])
+        shard = torch.empty(b.bucket.shard_numel, dtype=flat.dtype, device=flat.device)
+        self._sample(st, flat, shard)
+        _reduce_scatter(shard, flat, group=self._groups[ins.communicator])
+        for p in b.params:
+            p.grad = None
+        accumulate_grad(b.shard, shard)
+
+    def _all_gather(self, ins: Instruction, st: _StepState) -> None:
+        """Zero 1/2 after the step: the updated shards, gathered into the full parameters."""
+        b = self._buckets[ins.value]
+        # The shard is a view of the output buffer: gather from a copy of it.
+        shard = b.shard.detach().clone()
+        self._sample(st, shard)
+        _all_gather(b.flat, shard, group=self._groups[ins.communicator])
+
+    def _materialize(self, ins: Instruction, st: _StepState) -> None:
+        """Zero 3: gather the bucket's parameters for a chain of uses."""
+        b = self._buckets[ins.value]
+        b.allocate()
+        _all_gather(b.flat, b.shard.detach(), group=self._groups[ins.communicator])
+
+    def _free(self, ins: Instruction, st: _StepState) -> None:
+        """Zero 3: drop the gathered parameters (the shard stays)."""
+        self._buckets[ins.value].release()
+
+    # -- memory accounting ----------------------------------------------------------------------
+
+    def _sample(self, st: _StepState, *buffers: torch.Tensor) -> None:
+        """Record what this rank holds now; ``buffers`` are a collective's live buffers."""
+        gathered = {id(p) for b in self._buckets.values() if b.zero == 3 for p in b.params}
+        params = [p for m in self._modules.values() for p in m.parameters() if id(p) not in gathered]
+        shards = [b.shard for b in self._buckets.values() if b.shard is not None]
+        grads = [p.grad for m in self._modules.values() for p in m.parameters()]
+        grads += [s.grad for s in shards]
+        state = [
+            t
+            for opt in self._optimizers.values()
+            for per_param in opt.state.values()
+            for t in per_param.values()
+            if isinstance(t, torch.Tensor)
+        ]
+        comm = [b.flat for b in self._buckets.values() if b.zero == 3]
+        comm += [t for _work, t in st.posted.values()] + [t for _work, t in st.sends]
+        comm += [st.values[k] for k in st.received if k in st.values]
+        comm += buffers
+        acts = [t for ts in st.autograd_saved.values() for t in ts]
+        for args, outs in st.saved.values():
+            acts += args
+            acts += outs
+        for outs, grads_ in st.pending_bw.values():
+            acts += outs
+            acts += grads_ or []
+        acts += [t for k, t in st.values.items() if k not in st.received]
+        self._memory.sample(
+            {
+                "parameters": params + shards,
+                "gradients": grads,
+                "optimizer_state": state,
+                "communication": comm,
+                "activations": acts,
+            }
+        )
 
     def _send(self, ins: Instruction, st: _StepState) -> None:
         t = st.get(ins.value, ins.microbatch).detach().contiguous()
@@ -359,19 +658,34 @@ class RankWorker:
         work, t = st.posted.pop(ins.id)
         work.wait()
         st.consumed += 1
+        key = (ins.value, ins.microbatch)
         if ins.value.startswith(GRAD_PREFIX):
             st.add_grad(ins.value, ins.microbatch, t)
+            if st.values[key] is t:
+                st.received.add(key)
         else:
-            st.values[(ins.value, ins.microbatch)] = t
+            st.values[key] = t
+            st.received.add(key)
 
     # -- state --------------------------------------------------------------------------------
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """This rank's current parameters by qualified name (CPU copies)."""
+        """This rank's current full parameters by qualified name (CPU copies); ZeRO-3
+        parameters, which live only as shards between steps, are in ``parameter_shards``."""
+        sharded = {id(p) for b in self._buckets.values() if b.zero == 3 for p in b.params}
         return {
             qname: p.detach().to("cpu", copy=True)
             for module in self._modules.values()
             for qname, p in module.named_parameters()
+            if id(p) not in sharded
+        }
+
+    def parameter_shards(self) -> dict[str, tuple[int, torch.Tensor]]:
+        """``bucket id -> (replica, this replica's parameter shard)`` of the ZeRO-3 buckets."""
+        return {
+            bid: (b.replica, b.shard.detach().to("cpu", copy=True))
+            for bid, b in self._buckets.items()
+            if b.zero == 3
         }
 
     def shutdown(self) -> None:

@@ -4,9 +4,16 @@ Pipeline traffic has two classes, each on one communicator over all ranks: ``pp.
 activations and ``pp.bwd`` for gradients (values named ``grad:<value>``). Separate
 communicators keep the forward and backward message streams independent, so a schedule may
 interleave them freely without breaking in-order matching on either.
+
+Data-parallel traffic (collectives, MATERIALIZE) gets one communicator per device group and
+stream: ``dp:<r0>-<r1>-...`` for the default stream ``dp`` (``dp.<stream>:<ranks>`` for
+another), ranks in replica order, traffic ``dp``. A stream's instructions run in list order,
+so one communicator per stream keeps its collectives in one order on every member.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from piper_ir import Communicator, Graph, NodeKind
 
@@ -20,8 +27,26 @@ def communicator_for(value: str) -> str:
     return PP_BWD if value.startswith("grad:") else PP_FWD
 
 
+GROUP_COMM_KINDS = frozenset(
+    {NodeKind.ALL_REDUCE, NodeKind.REDUCE_SCATTER, NodeKind.ALL_GATHER, NodeKind.MATERIALIZE}
+)
+
+
+def group_communicator(stream: str, devices: Sequence[int]) -> str:
+    """The communicator id of ``devices``' collectives on ``stream``."""
+    prefix = "dp" if stream == "dp" else f"dp.{stream}"
+    return f"{prefix}:{'-'.join(map(str, devices))}"
+
+
 def communicators_for(graph: Graph) -> tuple[Communicator, ...]:
-    """One communicator per traffic class the graph's SEND nodes use, in a fixed order."""
+    """One communicator per traffic class the graph's SEND nodes use, in a fixed order, then
+    one per (stream, device group) of its collectives, in order of first use in the graph."""
     used = {communicator_for(n.value or "") for n in graph.nodes if n.kind is NodeKind.SEND}
     ranks = tuple(range(graph.world_size))
-    return tuple(Communicator(c, ranks, _TRAFFIC[c]) for c in (PP_FWD, PP_BWD) if c in used)
+    out = [Communicator(c, ranks, _TRAFFIC[c]) for c in (PP_FWD, PP_BWD) if c in used]
+    groups: dict[str, tuple[int, ...]] = {}
+    for n in graph.nodes:
+        if n.kind in GROUP_COMM_KINDS:
+            groups.setdefault(group_communicator(n.stream, n.devices), n.devices)
+    out += [Communicator(c, ranks, "dp") for c, ranks in groups.items()]
+    return tuple(out)

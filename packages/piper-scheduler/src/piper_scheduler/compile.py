@@ -7,11 +7,15 @@ sequences per (communicator, src, dst), events between streams, and ``verify`` p
 
 Stages, each linear in nodes + edges:
 
-1. ``_compute_orders``: one Kahn pass over the whole graph (data and temporal edges, all ranks
-   at once) so cross-rank paths through SEND/RECV are respected. Nodes that are not scheduled
-   by themselves (SEND, RECV, unplaced markers) are released as soon as they are ready; ready
+1. ``_compute_orders`` (``piper_ir.rank_orders``, shared with ``piper_memory.plan_memory``):
+   one Kahn pass over the whole graph (data and temporal edges, all ranks at once) so
+   cross-rank paths through SEND/RECV are respected. Nodes that are not scheduled by
+   themselves (SEND, RECV, unplaced markers) are released as soon as they are ready; ready
    compute nodes leave a heap by (phase, microbatch, segment position). Phase comes first so a
    graph without Order edges runs GPipe-like: all forwards, then all backwards, on each rank.
+   Group operations of data parallelism (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, MATERIALIZE,
+   FREE; section 7) are listed on every member as soon as they are ready, so every member
+   issues a group's collectives in the one global order.
 2. ``_place_sends``: each SEND goes right after its last local predecessor (its producer).
    The sender's list fixes the message order of every channel.
 3. ``_place_recvs``: each RECV goes right before the first local instruction that needs it;
@@ -23,10 +27,8 @@ Stages, each linear in nodes + edges:
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
-
 from piper_ir import (
+    EdgeKind,
     Graph,
     Instruction,
     Node,
@@ -35,15 +37,22 @@ from piper_ir import (
     Program,
     RankPlan,
     SchedulingError,
+    TensorMeta,
     find_cycle,
+    rank_orders,
     validate,
 )
-from piper_scheduler.communicators import communicator_for, communicators_for
+from piper_scheduler.communicators import communicator_for, communicators_for, group_communicator
 from piper_scheduler.verify import verify
 
-PHASE_ORDER = {Phase.F: 0, Phase.B: 1, Phase.BI: 2, Phase.BW: 3, Phase.OPT: 4}
 SCHEDULED_KINDS = frozenset({NodeKind.COMPUTE, NodeKind.OPTIMIZER})
 PASS_THROUGH_KINDS = frozenset({NodeKind.SEND, NodeKind.RECV, NodeKind.MARKER})
+# Operations of a replicated segment's device group on one bucket (docs/ir-conventions.md,
+# section 7); every member of ``devices`` gets the instruction.
+GROUP_KINDS = frozenset(
+    {NodeKind.ALL_REDUCE, NodeKind.REDUCE_SCATTER, NodeKind.ALL_GATHER, NodeKind.MATERIALIZE, NodeKind.FREE}
+)
+OVERLAP_PHASES = frozenset({Phase.F, Phase.B, Phase.BI})
 
 Channel = tuple[str, int, int]
 
@@ -57,9 +66,11 @@ def compile_program(graph: Graph) -> Program:
     orders = _compute_orders(graph)
     sends = _place_sends(graph, orders)
     lists = _place_recvs(graph, orders, sends)
+    overlap = _overlapped_slots(graph)
+    replica = _replicas(graph)
     program = Program(
         world_size=graph.world_size,
-        ranks=[_rank_plan(graph, r, ids) for r, ids in enumerate(lists)],
+        ranks=[_rank_plan(graph, r, ids, overlap, replica[r]) for r, ids in enumerate(lists)],
         communicators=communicators_for(graph),
         segments=graph.segments,
         values=graph.values,
@@ -67,6 +78,9 @@ def compile_program(graph: Graph) -> Program:
         targets=graph.targets,
         microbatches=graph.microbatches,
         placement=_placement(graph),
+        replicas=max((len(n.devices) for n in graph.nodes if n.kind in SCHEDULED_KINDS), default=1),
+        replication=graph.replication,
+        buckets=graph.buckets,
     )
     verify(program)
     return program
@@ -76,7 +90,9 @@ def _check_supported(graph: Graph) -> None:
     for n in graph.nodes:
         if n.kind in SCHEDULED_KINDS and not n.devices:
             raise SchedulingError(f"{n.kind.value} node {n.id} has no devices; run Place first", nodes=[n.id])
-        if n.kind not in SCHEDULED_KINDS and n.kind not in PASS_THROUGH_KINDS:
+        if n.kind in GROUP_KINDS:
+            _check_group_node(graph, n)
+        elif n.kind not in SCHEDULED_KINDS and n.kind not in PASS_THROUGH_KINDS:
             raise SchedulingError(
                 f"node {n.id} of kind {n.kind.value} is not supported by compile_program yet",
                 nodes=[n.id],
@@ -88,49 +104,15 @@ def _check_supported(graph: Graph) -> None:
 
 
 def _compute_orders(graph: Graph) -> list[list[str]]:
-    """Each rank's COMPUTE/OPTIMIZER node ids in a deterministic topological order."""
-    seg_pos = {s.id: i for i, s in enumerate(graph.segments)}
-    indeg = {n.id: 0 for n in graph.nodes}
-    for e in graph.edges:
-        indeg[e.dst] += 1
-    nodes = graph.node_by_id
-    succ = graph.successors
-    free: deque[str] = deque()
-    heap: list[tuple[int, int, int, int, str]] = []
+    """Each rank's COMPUTE/OPTIMIZER node ids (and its group operations) in a deterministic
+    topological order: ``piper_ir.rank_orders``, shared with ``piper_memory.plan_memory``.
 
-    def release(pos: int, n: Node) -> None:
-        if n.kind in SCHEDULED_KINDS:
-            key = (
-                PHASE_ORDER[n.phase] if n.phase else len(PHASE_ORDER),
-                -1 if n.microbatch is None else n.microbatch,
-                seg_pos.get(n.segment or "", len(seg_pos)),
-                pos,
-                n.id,
-            )
-            heapq.heappush(heap, key)
-        else:
-            free.append(n.id)
-
-    position = {}
-    for i, n in enumerate(graph.nodes):
-        position[n.id] = i
-        if indeg[n.id] == 0:
-            release(i, n)
-    orders: list[list[str]] = [[] for _ in range(graph.world_size)]
-    done = 0
-    while free or heap:
-        if free:
-            nid = free.popleft()
-        else:
-            nid = heapq.heappop(heap)[-1]
-            for d in nodes[nid].devices:
-                orders[d].append(nid)
-        done += 1
-        for e in succ[nid]:
-            indeg[e.dst] -= 1
-            if indeg[e.dst] == 0:
-                release(position[e.dst], nodes[e.dst])
-    if done != len(indeg):  # validate() rejects cycles; this guards against a changed validator
+    Group operations (collectives, MATERIALIZE, FREE) are listed on every member at the
+    moment the one global pass releases them, so every member issues a group's collectives
+    in the same order, and each runs as soon as its inputs are ready (a reduction overlaps
+    the remaining backward work)."""
+    orders = rank_orders(graph, GROUP_KINDS)
+    if orders is None:  # validate() rejects cycles; this guards against a changed validator
         raise SchedulingError("the graph has a cycle", nodes=find_cycle(graph) or [])
     return orders
 
@@ -224,8 +206,73 @@ def _place_recvs(graph: Graph, orders: list[list[str]], sends: list[dict[int, li
     return lists
 
 
-def _rank_plan(graph: Graph, rank: int, ids: list[str]) -> RankPlan:
-    """Instructions for ``ids`` on ``rank``, with events between streams."""
+def _check_group_node(graph: Graph, n: Node) -> None:
+    if len(n.devices) < 2:
+        raise SchedulingError(f"{n.kind.value} node {n.id} needs a group of two or more devices", nodes=[n.id])
+    if n.value not in _buckets(graph):
+        raise SchedulingError(
+            f"{n.kind.value} node {n.id} names {n.value!r}, which is not a bucket of the graph", nodes=[n.id]
+        )
+
+
+def _buckets(graph: Graph) -> dict:
+    return {b.id: b for b in graph.buckets}
+
+
+def _replicas(graph: Graph) -> list[int]:
+    """Each rank's position in the device groups of the compute it runs (its replica index);
+    a rank must hold the same position in all of them."""
+    position: dict[int, tuple[int, str]] = {}
+    for n in graph.nodes:
+        if n.kind not in SCHEDULED_KINDS:
+            continue
+        for j, d in enumerate(n.devices):
+            seen = position.setdefault(d, (j, n.id))
+            if seen[0] != j:
+                raise SchedulingError(
+                    f"rank {d} is replica {seen[0]} of the group of {seen[1]} but replica {j} of the group "
+                    f"of {n.id} ({list(n.devices)}); a rank must hold one position in all its device groups",
+                    nodes=[seen[1], n.id],
+                    ranks=[d],
+                )
+    return [position.get(r, (0, ""))[0] for r in range(graph.world_size)]
+
+
+def _overlapped_slots(graph: Graph) -> dict[str, tuple]:
+    """Compute node id -> a key shared by the nodes of one ``Order`` slot that holds both a
+    forward and a backward (B or BI) chunk: DualPipe's overlapped F&B.
+
+    The graph does not name slots, but ``Order`` links every node of slot k to every node of
+    the next slot on the same device with a temporal edge carrying its ``origin``; so nodes of
+    one slot are exactly those with the same device and the same ordered predecessors and
+    successors. Linear in the number of such edges.
+    """
+    preds: dict[str, set[str]] = {}
+    succs: dict[str, set[str]] = {}
+    for e in graph.edges:
+        if e.kind is EdgeKind.TEMPORAL and e.origin is not None:
+            preds.setdefault(e.dst, set()).add(e.src)
+            succs.setdefault(e.src, set()).add(e.dst)
+    groups: dict[tuple, list[Node]] = {}
+    for n in graph.nodes:
+        if n.kind is NodeKind.COMPUTE and n.phase in OVERLAP_PHASES and (n.id in preds or n.id in succs):
+            key = (n.devices, frozenset(preds.get(n.id, ())), frozenset(succs.get(n.id, ())))
+            groups.setdefault(key, []).append(n)
+    out: dict[str, tuple] = {}
+    for key, members in groups.items():
+        phases = {n.phase for n in members}
+        if Phase.F in phases and phases & {Phase.B, Phase.BI}:
+            out.update((n.id, key) for n in members)
+    return out
+
+
+def _rank_plan(
+    graph: Graph, rank: int, ids: list[str], overlap: dict[str, tuple] | None = None, replica: int = 0
+) -> RankPlan:
+    """Instructions for ``ids`` on ``rank``, with events between streams; the compute of each
+    overlapped slot gets one ``overlap`` number (0, 1, ... in list order)."""
+    overlap = overlap or {}
+    numbers: dict[tuple, int] = {}
     nodes = graph.node_by_id
     here = set(ids)
     waits: dict[str, list[str]] = {}
@@ -241,15 +288,28 @@ def _rank_plan(graph: Graph, rank: int, ids: list[str]) -> RankPlan:
                     bucket.append(ev)
     return RankPlan(
         rank,
-        [_instruction(graph, nodes[nid], rank, waits.get(nid, ()), nid in recorded) for nid in ids],
+        [
+            _instruction(
+                graph, nodes[nid], rank, waits.get(nid, ()), nid in recorded,
+                numbers.setdefault(overlap[nid], len(numbers)) if nid in overlap else None,
+            )
+            for nid in ids
+        ],
+        replica,
     )
 
 
 def _instruction(
-    graph: Graph, n: Node, rank: int, waits: tuple[str, ...] | list[str], record: bool
+    graph: Graph, n: Node, rank: int, waits: tuple[str, ...] | list[str], record: bool, overlap: int | None = None
 ) -> Instruction:
     p2p = n.kind in (NodeKind.SEND, NodeKind.RECV)
     meta = None
+    communicator = communicator_for(n.value or "") if p2p else None
+    if n.kind in GROUP_KINDS:
+        # The flat bucket, padded to a multiple of the shards: what a collective moves.
+        bucket = _buckets(graph)[n.value]
+        meta = TensorMeta((bucket.padded_numel,), bucket.dtype)
+        communicator = None if n.kind is NodeKind.FREE else group_communicator(n.stream, n.devices)
     if p2p:
         value = graph.value_by_name.get(n.value or "")
         if value is None:
@@ -266,10 +326,11 @@ def _instruction(
         microbatch=n.microbatch,
         value=n.value,
         peer=_peer(n, rank) if p2p else None,
-        communicator=communicator_for(n.value or "") if p2p else None,
+        communicator=communicator,
         meta=meta,
         waits=tuple(waits),
         record=f"ev.{n.id}" if record else None,
+        overlap=overlap,
     )
 
 

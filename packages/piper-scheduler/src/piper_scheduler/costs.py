@@ -27,6 +27,16 @@ class CostModel:
     ``overrides`` maps segment id -> phase -> cost (``{"loss": {"F": 0, "B": 0}}``); it is
     stored as sorted ``(segment, phase, cost)`` triples so the model stays hashable. A transfer
     of ``n`` bytes costs ``latency + n / bandwidth``; by default communication is free.
+
+    ``FB`` is the time of an overlapped forward + backward pair (DualPipe's F&B, between
+    ``max(F, B)`` and ``F + B``): the compute of an overlapped slot (``Instruction.overlap``)
+    is charged ``FB / (F + B)`` of its cost, so a pair whose halves cost F and B costs FB.
+    ``None`` (the default) runs the two halves back to back at full cost.
+
+    ``overhead`` is added to every compute instruction (the executor's dispatch cost), and
+    ``comm_overhead`` to every SEND/RECV/collective (posting and completing a message);
+    ``startup`` is when every stream may begin (a runtime's per-step set-up, such as
+    splitting the batch into microbatches).
     """
 
     F: float = 1.0
@@ -37,6 +47,16 @@ class CostModel:
     overrides: Overrides = attrs.field(default=(), converter=_overrides)
     latency: float = 0.0
     bandwidth: float = math.inf
+    FB: float | None = None
+    overhead: float = 0.0
+    comm_overhead: float = 0.0
+    startup: float = 0.0
+
+    def overlap_factor(self) -> float:
+        """What an instruction of an overlapped slot pays per unit of its own cost."""
+        if self.FB is None or self.F + self.B <= 0:
+            return 1.0
+        return self.FB / (self.F + self.B)
 
     def compute_cost(self, segment: str | None, phase: Phase | None) -> float:
         """The duration of ``segment``'s ``phase`` (0 for an instruction without a phase)."""

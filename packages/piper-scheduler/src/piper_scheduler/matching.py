@@ -18,6 +18,7 @@ COLLECTIVE_KINDS = frozenset(
         NodeKind.ALL_GATHER,
         NodeKind.ALL_TO_ALL,
         NodeKind.BROADCAST,
+        NodeKind.MATERIALIZE,  # gathers a sharded bucket: every member takes part
     }
 )
 

@@ -5,6 +5,8 @@ instruction starts when its stream is free and the events it waits on are record
 also needs its matching SEND to have started and finishes at
 ``max(send start + transfer cost, its own start)``; a SEND occupies its stream for the
 transfer cost; a collective starts when every member has reached it and lasts one transfer.
+Compute of an overlapped slot (``Instruction.overlap``) costs ``CostModel.overlap_factor()``
+of its own cost; ``overhead`` / ``comm_overhead`` are added per instruction.
 Start times follow from dependencies alone, so the order in which streams are visited does
 not change the result (a dataflow fixpoint, computed with a worklist).
 """
@@ -29,13 +31,14 @@ def simulate(program: Program, costs: CostModel | None = None) -> Timeline:
     partners = recv_partners(*p2p_sequences(program))
     coll = collective_slots(program)
     members = {c.id: len(c.ranks) for c in program.communicators}
+    overlap = costs.overlap_factor()
 
     queues: dict[tuple[int, str], list[int]] = {}
     for r, plan in enumerate(plans):
         for i, ins in enumerate(plan):
             queues.setdefault((r, ins.stream), []).append(i)
     head = dict.fromkeys(queues, 0)
-    free = dict.fromkeys(queues, 0.0)
+    free = dict.fromkeys(queues, float(costs.startup))
     start: dict[Slot, float] = {}
     end: dict[Slot, float] = {}
     events: dict[tuple[int, str], float] = {}
@@ -71,7 +74,7 @@ def simulate(program: Program, costs: CostModel | None = None) -> Timeline:
                     blocked = send
                 else:
                     st = max(t, start[send])
-                    en = max(start[send] + costs.comm_cost(ins.meta), st)
+                    en = max(start[send] + costs.comm_cost(ins.meta), st) + costs.comm_overhead
             elif blocked is None and ins.kind in COLLECTIVE_KINDS:
                 key = coll[(r, i)]
                 if key not in coll_time:
@@ -81,16 +84,19 @@ def simulate(program: Program, costs: CostModel | None = None) -> Timeline:
                         blocked = key
                     else:
                         t0 = max(ready.values())
-                        coll_time[key] = (t0, t0 + costs.comm_cost(ins.meta))
+                        coll_time[key] = (t0, t0 + costs.comm_cost(ins.meta) + costs.comm_overhead)
                         wake(key)
                 if blocked is None:
                     st, en = coll_time[key]
             elif blocked is None:
                 st = t
                 if ins.kind is NodeKind.SEND:
-                    en = t + costs.comm_cost(ins.meta)
+                    en = t + costs.comm_cost(ins.meta) + costs.comm_overhead
                 elif ins.kind in COMPUTE_KINDS:
-                    en = t + costs.compute_cost(ins.segment, ins.phase)
+                    cost = costs.compute_cost(ins.segment, ins.phase)
+                    if ins.overlap is not None:
+                        cost *= overlap
+                    en = t + cost + costs.overhead
                 else:
                     en = t
             if blocked is not None:
@@ -134,6 +140,7 @@ def _timeline(program: Program, start: dict[Slot, float], end: dict[Slot, float]
                     ins.segment,
                     ins.phase,
                     ins.microbatch,
+                    ins.overlap,
                 )
             )
             if ins.kind in COMPUTE_KINDS:

@@ -21,6 +21,7 @@ class Interval:
     segment: str | None = None
     phase: Phase | None = None
     microbatch: int | None = None
+    overlap: int | None = None  # ``Instruction.overlap``: one number per overlapped F&B slot
 
     @property
     def duration(self) -> float:

@@ -71,6 +71,7 @@ def run_check(
     atol: float = 1e-6,
     address: str | None = None,
     log: Callable[[str], None] = lambda _: None,
+    memory_budget_bytes: int | None = None,
 ) -> CheckReport:
     """Train ``steps`` steps both ways; compare every microbatch loss, every gradient and,
     after the last step, every parameter."""
@@ -78,7 +79,7 @@ def run_check(
     diffs: list[Difference] = []
     with Trainer(
         workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
-        optimizer=optimizer, address=address,
+        optimizer=optimizer, address=address, memory_budget_bytes=memory_budget_bytes,
     ) as trainer:
         reference = ReferenceTrainer(workload.model, workload.loss_fn, optimizer, trainer.program.microbatches)
         for step in range(steps):

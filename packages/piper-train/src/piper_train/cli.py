@@ -18,15 +18,23 @@ from piper_runtime import OptimizerSpec
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="lm", help="mlp, transformer, lm, or path/to/file.py:factory (default: lm)")
     p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="pipeline schedule (default: 1f1b)")
-    p.add_argument("--strategy", type=Path, help="a JSON directive program; replaces --schedule/--pp/--microbatches")
+    p.add_argument("--strategy", type=Path, help=_STRATEGY_HELP)
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (default: 2)")
     p.add_argument("--stages", type=int, help="annotated regions of a built-in model (default: --pp)")
     p.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default: 4)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline; devices = pp x dp (default: 1)")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO level with --dp > 1 (default: 0)")
+    p.add_argument("--memory-budget-mb", type=float, default=None,
+                   help="fail at compile time if a rank's estimated memory exceeds this many MiB")
     p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw"], help="(default: adamw)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: 3e-3 for adam/adamw, 0.05 for sgd)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--address", help="Ray cluster address; default: start an embedded local cluster")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
+
+
+_STRATEGY_HELP = ("a directive program (.json) or a torch.distributed.pipelining schedule (.csv, one row of "
+                  "actions per rank); replaces --schedule/--pp/--microbatches")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,13 +53,39 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _strategy(args: argparse.Namespace):  # noqa: ANN202
+    """A ``Strategy``, or a function of the number of annotated regions that builds one."""
     if args.strategy is not None:
-        return Strategy.from_json(args.strategy.read_text(), source=str(args.strategy))
+        try:
+            text = args.strategy.read_text()
+        except OSError as err:
+            raise ValueError(f"cannot read --strategy {args.strategy}: {err}") from None
+        if args.strategy.suffix.lower() == ".csv":
+            from piper_directives import strategy_from_torch_csv
+
+            # ranks and microbatches come from the file; regions default to its stage count
+            return lambda stages: strategy_from_torch_csv(text, None, None, stages=stages)
+        return Strategy.from_json(text, source=str(args.strategy))
 
     def build(stages: int) -> Strategy:
         return build_schedule(args.schedule, args.pp, args.microbatches, stages=stages)
 
     return build
+
+
+def _replicated(args: argparse.Namespace, strategy):  # noqa: ANN001, ANN202
+    """``_strategy``'s result with ``--dp``/``--zero`` applied (``data_parallel``): a library
+    schedule or the user's own pipeline-only strategy file alike."""
+    if args.dp == 1 and args.zero == 0:
+        return strategy
+    from piper_directives import data_parallel
+
+    if isinstance(strategy, Strategy):
+        return data_parallel(strategy, args.dp, args.zero)
+    return lambda stages: data_parallel(strategy(stages), args.dp, args.zero)
+
+
+def _budget(args: argparse.Namespace) -> int | None:
+    return None if args.memory_budget_mb is None else int(args.memory_budget_mb * 2**20)
 
 
 def _optimizer(args: argparse.Namespace) -> OptimizerSpec:
@@ -68,11 +102,12 @@ def _train(args: argparse.Namespace) -> int:
     from piper_train.workload import load_workload
 
     workload = load_workload(args.model, stages=args.stages or args.pp, seed=args.seed)
-    _say(args, f"piper train: model {args.model}, {args.strategy or args.schedule}, pp={args.pp}, "
-               f"microbatches={args.microbatches}, {args.steps} steps")
+    _say(args, f"piper train: model {args.model}, {args.strategy or args.schedule}, pp={args.pp}, dp={args.dp}, "
+               f"zero={args.zero}, microbatches={args.microbatches}, {args.steps} steps")
     started = time.perf_counter()
     with Trainer(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
-                 _strategy(args), optimizer=_optimizer(args), address=args.address) as trainer:
+                 _replicated(args, _strategy(args)), optimizer=_optimizer(args), address=args.address,
+                 memory_budget_bytes=_budget(args)) as trainer:
         _say(args, f"compiled {len(trainer.program.ranks)} rank plans in {trainer.compile_seconds:.2f} s; "
                    f"workers up after {time.perf_counter() - started:.1f} s")
         losses, times = [], []
@@ -86,7 +121,8 @@ def _train(args: argparse.Namespace) -> int:
     steady = times[1:] or times
     summary = {
         "command": "train", "model": args.model, "schedule": None if args.strategy else args.schedule,
-        "strategy": str(args.strategy) if args.strategy else None, "pp": len(trainer.program.ranks),
+        "strategy": str(args.strategy) if args.strategy else None, "pp": len(trainer.program.ranks) // trainer.program.replicas,
+        "dp": trainer.program.replicas, "zero": args.zero,
         "microbatches": trainer.program.microbatches, "steps": args.steps, "losses": losses,
         "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
         "mean_step_seconds": sum(steady) / len(steady) if steady else None,
@@ -104,10 +140,11 @@ def _check(args: argparse.Namespace) -> int:
     from piper_train.workload import load_workload
 
     workload = load_workload(args.model, stages=args.stages or args.pp, seed=args.seed)
-    _say(args, f"piper check: model {args.model}, {args.strategy or args.schedule}, pp={args.pp}, "
-               f"microbatches={args.microbatches}, {args.steps} steps vs single-device training")
-    report = run_check(workload, _strategy(args), steps=args.steps, optimizer=_optimizer(args),
-                       rtol=args.rtol, atol=args.atol, address=args.address, log=lambda s: _say(args, s))
+    _say(args, f"piper check: model {args.model}, {args.strategy or args.schedule}, pp={args.pp}, dp={args.dp}, "
+               f"zero={args.zero}, microbatches={args.microbatches}, {args.steps} steps vs single-device training")
+    report = run_check(workload, _replicated(args, _strategy(args)), steps=args.steps, optimizer=_optimizer(args),
+                       rtol=args.rtol, atol=args.atol, address=args.address, log=lambda s: _say(args, s),
+                       memory_budget_bytes=_budget(args))
     rows = {what: report.worst(what) for what in ("loss", "grad", "param")}
     for what, d in rows.items():
         _say(args, f"largest {what:<5} difference: abs {d.abs:.3e}  rel {d.rel:.3e}  ({d.where})")
@@ -123,11 +160,12 @@ def _check(args: argparse.Namespace) -> int:
 
 # --- simulate / plan / show: scheduling without processes ------------------------------------
 
-_COST_KEYS = {"F": "F", "B": "B", "BI": "BI", "BW": "BW", "W": "BW", "OPT": "OPT"}
+_COST_KEYS = {"F": "F", "B": "B", "BI": "BI", "BW": "BW", "W": "BW", "OPT": "OPT", "FB": "FB"}
 
 
 def _costs(text: str):  # noqa: ANN202
-    """``F=1,B=2,W=1[,BI=..][,OPT=..][,loss=0]`` as a CostModel; the loss is free unless given."""
+    """``F=1,B=2,W=1[,BI=..][,OPT=..][,FB=..][,loss=0]`` as a CostModel; the loss is free unless
+    given. ``FB`` is an overlapped forward+backward pair (DualPipe's F&B)."""
     from piper_scheduler import CostModel
 
     fields: dict[str, float] = {}
@@ -139,7 +177,7 @@ def _costs(text: str):  # noqa: ANN202
         except ValueError:
             number = -1.0
         if not sep or number < 0 or (key not in _COST_KEYS and key != "loss"):
-            raise ValueError(f"--cost: expected KEY=NUMBER with KEY in F, B, BI, BW (or W), OPT, loss; got {item!r}")
+            raise ValueError(f"--cost: expected KEY=NUMBER with KEY in F, B, BI, BW (or W), OPT, FB, loss; got {item!r}")
         if key == "loss":
             loss = number
         else:
@@ -155,7 +193,8 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cost", default="F=1,B=2,W=1", help="per-phase costs, e.g. F=1,B=2,W=1,loss=0 (default: F=1,B=2,W=1)")
+    p.add_argument("--cost", default="F=1,B=2,W=1", help="per-phase costs, e.g. F=1,B=2,W=1,FB=2.5,loss=0 (FB: an overlapped "
+                   "F&B pair; default: F=1,B=2,W=1)")
     p.add_argument("--json", action="store_true", help="print makespan, per-rank busy and idle time as JSON")
     p.add_argument("--png", type=Path, help="write a Gantt chart of the simulated step (needs matplotlib)")
     p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the simulated step")
@@ -165,13 +204,16 @@ def _add_scheduler_commands(sub) -> None:  # noqa: ANN001
     simulate = sub.add_parser("simulate", help="simulate a schedule on a synthetic model (no torch work)")
     _add_schedule_args(simulate)
     simulate.add_argument("--segments-per-stage", type=int, default=1, help="segments in each region (default: 1)")
+    simulate.add_argument("--strategy", type=Path, help=_STRATEGY_HELP)
     _add_output_args(simulate)
     plan = sub.add_parser("plan", help="compile a strategy to a program and save it as JSON")
     _add_schedule_args(plan)
     source = plan.add_mutually_exclusive_group()
     source.add_argument("--model", help="mlp, transformer, lm, or path/to/file.py:factory: capture this model")
     source.add_argument("--synthetic", action="store_true", help="a synthetic chain of regions (default)")
-    plan.add_argument("--strategy", type=Path, help="a JSON directive program; replaces --schedule/--pp/--microbatches")
+    plan.add_argument("--strategy", type=Path, help=_STRATEGY_HELP)
+    plan.add_argument("--torch-csv", type=Path, help="also write the strategy's compute actions as a torch "
+                      "pipelining schedule CSV (one row per rank)")
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--out", type=Path, required=True, help="where to write the program (piper-ir JSON)")
     show = sub.add_parser("show", help="print a saved program as a rank x step grid, simulate it")
@@ -179,10 +221,18 @@ def _add_scheduler_commands(sub) -> None:  # noqa: ANN001
     _add_output_args(show)
 
 
-def _schedule_graph(args: argparse.Namespace, stages: int, segments_per_stage: int = 1):  # noqa: ANN202
+def _schedule_graph(args: argparse.Namespace, stages: int, segments_per_stage: int = 1,  # noqa: ANN202
+                    microbatches: int | None = None):
     from piper_directives.synthetic import synthetic_graph
 
-    return synthetic_graph(stages, args.microbatches, segments_per_stage, hidden=16, batch=1)
+    return synthetic_graph(stages, microbatches or args.microbatches, segments_per_stage, hidden=16, batch=1)
+
+
+def _microbatches(strategy: Strategy, default: int) -> int:
+    """The strategy's ``Split`` count (a loaded strategy fixes its own), else ``default``."""
+    from piper_directives import Split
+
+    return next((d.microbatches for d in strategy.directives if isinstance(d, Split)), default)
 
 
 def _report(args: argparse.Namespace, program, what: str) -> int:  # noqa: ANN001
@@ -227,10 +277,18 @@ def _simulate(args: argparse.Namespace) -> int:
     from piper_directives.schedules import build_schedule as build
     from piper_scheduler import compile_program
 
-    strategy = build(args.schedule, args.pp, args.microbatches, stages=args.stages)
+    if args.strategy is not None:
+        strategy = _strategy(args)
+        strategy = strategy if isinstance(strategy, Strategy) else strategy(args.stages)
+        name = str(args.strategy)
+    else:
+        strategy = build(args.schedule, args.pp, args.microbatches, stages=args.stages)
+        name = args.schedule
     stages = _placed_stages(strategy)
-    program = compile_program(strategy.apply(_schedule_graph(args, stages, args.segments_per_stage)))
-    return _report(args, program, f"{args.schedule} pp={args.pp} stages={stages} microbatches={args.microbatches}")
+    microbatches = _microbatches(strategy, args.microbatches)
+    graph = _schedule_graph(args, stages, args.segments_per_stage, microbatches)
+    program = compile_program(strategy.apply(graph))
+    return _report(args, program, f"{name} pp={program.world_size} stages={stages} microbatches={microbatches}")
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -249,12 +307,17 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         strategy = _strategy(args)
         strategy = strategy if isinstance(strategy, Strategy) else strategy(args.stages)
-        graph = _schedule_graph(args, _placed_stages(strategy))
+        graph = _schedule_graph(args, _placed_stages(strategy), microbatches=_microbatches(strategy, args.microbatches))
     started = time.perf_counter()
     placed = strategy.apply(graph)
     program = compile_program(placed)
     seconds = time.perf_counter() - started
     args.out.write_text(to_json(program))
+    if args.torch_csv is not None:
+        from piper_directives import strategy_to_torch_csv
+
+        args.torch_csv.write_text(strategy_to_torch_csv(strategy))
+        print(f"wrote {args.torch_csv} (torch pipelining schedule, compute actions)")
     print(graph_summary(placed).splitlines()[0])
     print(f"compiled {program.world_size} rank plans, {sum(len(p.instructions) for p in program.ranks)} "
           f"instructions in {seconds:.2f} s; wrote {args.out}")
@@ -292,9 +355,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("rtol", "atol"):
         if getattr(args, name, 0) < 0:
             parser.error(f"--{name} must be >= 0")
-    for name in ("pp", "microbatches", "steps"):
+    for name in ("pp", "microbatches", "steps", "dp"):
         if getattr(args, name, 1) < 1:
             parser.error(f"--{name} must be >= 1")
+    if getattr(args, "zero", 0) and getattr(args, "dp", 1) < 2:
+        parser.error("--zero shards over data-parallel replicas: it needs --dp 2 or more")
+    if getattr(args, "memory_budget_mb", None) is not None and args.memory_budget_mb <= 0:
+        parser.error("--memory-budget-mb must be > 0")
     try:
         if args.command in _COMMANDS:
             return _COMMANDS[args.command](args)

@@ -1,7 +1,8 @@
 """The front door: one call from (model, example batch, loss, strategy) to a running trainer.
 
-``Trainer`` composes the packages: capture (piper-directives) -> strategy -> compile and
-verify (piper-scheduler) -> execute on Ray (piper-runtime). Everything in between is a
+``Trainer`` composes the packages: capture (piper-directives) -> strategy -> memory planning
+(piper-memory: ZeRO reductions, gathers and frees) -> compile and verify (piper-scheduler)
+-> execute on Ray (piper-runtime). Everything in between is a
 ``piper_ir`` value, available as ``trainer.graph`` and ``trainer.program``.
 """
 
@@ -14,6 +15,7 @@ import torch
 
 from piper_directives import Strategy, build_schedule, capture
 from piper_ir import DirectiveError, Graph, Program
+from piper_memory import check_budget, plan_memory
 from piper_runtime import OptimizerSpec, Runtime, StepResult
 from piper_scheduler import compile_program
 
@@ -32,6 +34,9 @@ class Trainer:
     ``strategy`` is a ``Strategy`` (for example ``piper_directives.one_f_one_b(2, 4)``) or a
     callable taking the number of annotated stages and returning one. The model's parameters
     are copied to the workers; ``parameters()`` returns the trained values.
+
+    ``memory_budget_bytes``: when given, compile fails with ``MemoryPlanError`` (before any
+    worker starts) if a rank's estimated memory (``piper_memory.estimate_memory``) exceeds it.
     """
 
     def __init__(
@@ -45,20 +50,24 @@ class Trainer:
         optimizer: OptimizerSpec | None = None,
         address: str | None = None,
         step_timeout_s: float = 300.0,
+        memory_budget_bytes: int | None = None,
     ) -> None:
         started = time.perf_counter()
         captured = capture(model, example_inputs, example_targets, loss_fn)
         if not isinstance(strategy, Strategy):
             strategy = strategy(pipeline_stages(captured.graph))
         self.strategy = strategy
-        self.graph = strategy.apply(captured.graph)
+        self.graph = plan_memory(strategy.apply(captured.graph))
         self.program: Program = compile_program(self.graph)
+        optimizer = optimizer or OptimizerSpec()
+        if memory_budget_bytes is not None:
+            check_budget(self.program, memory_budget_bytes, optimizer.name)
         self.compile_seconds = time.perf_counter() - started
         self.batch_size = captured.batch_size
         self.runtime = Runtime(
             self.program,
             captured.modules,
-            optimizer=optimizer or OptimizerSpec(),
+            optimizer=optimizer,
             address=address,
             step_timeout_s=step_timeout_s,
         )
@@ -74,12 +83,15 @@ class Trainer:
         schedule: str,
         pp: int,
         microbatches: int,
+        dp: int = 1,
+        zero: int = 0,
         **kwargs: object,
     ) -> Trainer:
-        """A trainer running a named schedule from the library over ``pp`` pipeline ranks."""
+        """A trainer running a named schedule from the library over ``pp`` pipeline ranks,
+        replicated ``dp`` times with ZeRO level ``zero`` (``pp * dp`` devices)."""
 
         def strategy(stages: int) -> Strategy:
-            return build_schedule(schedule, pp, microbatches, stages=stages)
+            return build_schedule(schedule, pp, microbatches, stages=stages, dp=dp, zero=zero)
 
         return cls(model, example_inputs, example_targets, loss_fn, strategy, **kwargs)  # type: ignore[arg-type]
 

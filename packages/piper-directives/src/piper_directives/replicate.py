@@ -1,0 +1,192 @@
+"""``Replicate``: data parallelism and ZeRO over the device group a ``Place`` made.
+
+``Replicate(filter, devices, zero=0..3, bucket_mb=25)`` says how the replicas of the matched
+regions stay in sync (docs/ir-conventions.md, section 7). ``devices`` must be the group the
+regions are placed on; the group's size N is the data-parallel degree.
+
+``replicate_all(graph, replicates)`` runs inside ``place_all``, after the placement and before
+communication is inserted. Requires a placed graph. Guarantees:
+
+- one ``Replication`` per segment placed on several devices (``Graph.replication``): the
+  matching ``Replicate``'s settings, else ``Replication(zero=0)`` with default buckets;
+- ``Graph.buckets``: each replicated segment's parameters, in ``Segment.params`` order, cut
+  into buckets of at most ``bucket_bytes`` (a parameter larger than that is a bucket alone;
+  a dtype change starts a new bucket), ids ``bucket:<segment>:<k>``, ``shards = N`` for
+  zero >= 1, else 1;
+- every value with a batch dimension describes one shard of one microbatch: its meta is
+  divided by N (``TensorMeta.split``); a batch that does not divide evenly is refused.
+
+The gradient reductions, gathers and frees themselves are inserted later, by
+``piper_memory.plan_memory``, once the compute order is fixed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+
+from piper_directives.place import _segment_matches, _to_filter
+from piper_directives.source import user_location
+from piper_ir import Bucket, DirectiveError, Filter, Graph, NodeKind, Replication, Segment, SegmentRole, Value
+
+ZERO_LEVELS = (0, 1, 2, 3)
+DEFAULT_BUCKET_MB = 25.0
+
+
+def _devices(value: object) -> tuple[int, ...]:
+    return (value,) if isinstance(value, int) else tuple(value)  # type: ignore[arg-type]
+
+
+@attrs.frozen
+class Replicate:
+    """Keep the replicas of the regions matched by ``filter`` (placed on ``devices``) in sync.
+
+    ``zero``: 0 all-reduces gradients once per step per bucket; 1 also shards optimizer state;
+    2 also keeps gradients sharded between microbatches; 3 also shards parameters and
+    materializes them per chain of uses. ``bucket_mb`` caps a bucket (MiB); reductions run on
+    ``reduce_stream``, parameter gathers on ``gather_stream``.
+    """
+
+    filter: Filter = attrs.field(converter=_to_filter)
+    devices: tuple[int, ...] = attrs.field(converter=_devices)
+    zero: int = 0
+    bucket_mb: float = DEFAULT_BUCKET_MB
+    reduce_stream: str = "dp"
+    gather_stream: str = "dp"
+    where: str = attrs.field(factory=user_location, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        # Checked at construction: a wrong level or size is wrong whatever graph it meets.
+        if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero not in ZERO_LEVELS:
+            raise DirectiveError(f"zero must be one of 0, 1, 2, 3, got {self.zero!r}", directive=str(self))
+        if (
+            isinstance(self.bucket_mb, bool)
+            or not isinstance(self.bucket_mb, int | float)
+            or not math.isfinite(self.bucket_mb)
+            or self.bucket_mb <= 0
+        ):
+            raise DirectiveError(f"bucket_mb must be a positive number, got {self.bucket_mb!r}", directive=str(self))
+        for name in ("reduce_stream", "gather_stream"):
+            stream = getattr(self, name)
+            if not isinstance(stream, str) or not stream or stream == "compute":
+                raise DirectiveError(
+                    f"{name} must name a stream other than 'compute', got {stream!r}", directive=str(self)
+                )
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * 2**20))
+
+    def __str__(self) -> str:
+        return (
+            f"Replicate({self.filter}, devices={list(self.devices)}, zero={self.zero!r}, "
+            f"bucket_mb={self.bucket_mb!r}) at {self.where}"
+        )
+
+
+def replicate_all(graph: Graph, replicates: Sequence[Replicate]) -> Graph:
+    """Record ``Graph.replication`` and ``Graph.buckets`` and shard the batch (module doc)."""
+    group = _placement(graph)
+    chosen: dict[str, Replicate] = {}
+    for rep in replicates:
+        matched = [s for s in graph.segments if _segment_matches(rep.filter, s)]
+        if not matched:
+            raise DirectiveError(f"filter {rep.filter} matches no annotated region", directive=str(rep))
+        if len(rep.devices) < 2:
+            raise DirectiveError(
+                f"Replicate needs a device group of at least two devices, got {list(rep.devices)}",
+                directive=str(rep),
+            )
+        for seg in matched:
+            placed = group.get(seg.id, ())
+            if placed != rep.devices:
+                raise DirectiveError(
+                    f"segment {seg.id} ({seg.tags}) is placed on {list(placed)}, but Replicate names "
+                    f"{list(rep.devices)}; the devices must be the placement group, in the same order",
+                    directive=str(rep),
+                    nodes=[f"F.{seg.id}"],
+                )
+            earlier = chosen.get(seg.id)
+            if earlier is not None and _settings(earlier) != _settings(rep):
+                raise DirectiveError(
+                    f"segment {seg.id} ({seg.tags}) is replicated twice with different settings: "
+                    f"by {earlier} and by this directive",
+                    directive=str(rep),
+                )
+            chosen[seg.id] = rep
+    replication: list[Replication] = []
+    buckets: list[Bucket] = []
+    for seg in graph.segments:
+        devices = group.get(seg.id, ())
+        if len(devices) < 2:
+            continue
+        rep = chosen.get(seg.id)
+        record = (
+            Replication(seg.id, devices)
+            if rep is None
+            else Replication(seg.id, devices, rep.zero, rep.bucket_bytes, rep.reduce_stream, rep.gather_stream, str(rep))
+        )
+        replication.append(record)
+        if seg.role is SegmentRole.STAGE:
+            buckets.extend(make_buckets(seg, record.bucket_bytes, len(devices) if record.zero >= 1 else 1))
+    if not replication:
+        return graph
+    replicas = len(replication[0].devices)  # place_all checked every multi-device group has this size
+    return attrs.evolve(
+        graph,
+        values=_shard_values(graph, replicas, replicates),
+        replication=tuple(replication),
+        buckets=tuple(buckets),
+    )
+
+
+def make_buckets(seg: Segment, bucket_bytes: int, shards: int) -> list[Bucket]:
+    """``seg``'s parameters in order, cut into buckets of at most ``bucket_bytes``."""
+    out: list[Bucket] = []
+    names: list[str] = []
+    numel = nbytes = 0
+    dtype: str | None = None
+
+    def close() -> None:
+        if names:
+            out.append(Bucket(f"bucket:{seg.id}:{len(out)}", seg.id, tuple(names), numel, shards, dtype or "float32"))
+
+    for name, meta in seg.params:
+        size = meta.nbytes()
+        if names and (meta.dtype != dtype or nbytes + size > bucket_bytes):
+            close()
+            names, numel, nbytes = [], 0, 0
+        names.append(name)
+        numel += meta.numel()
+        nbytes += size
+        dtype = meta.dtype
+    close()
+    return out
+
+
+def _settings(rep: Replicate) -> tuple:
+    return (rep.zero, rep.bucket_bytes, rep.reduce_stream, rep.gather_stream)
+
+
+def _placement(graph: Graph) -> dict[str, tuple[int, ...]]:
+    group: dict[str, tuple[int, ...]] = {}
+    for n in graph.nodes:
+        if n.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER) and n.segment is not None:
+            group.setdefault(n.segment, n.devices)
+    return group
+
+
+def _shard_values(graph: Graph, replicas: int, replicates: Sequence[Replicate]) -> tuple[Value, ...]:
+    values = []
+    for v in graph.values:
+        meta = v.meta
+        if meta.batch_dim is not None and meta.shape[meta.batch_dim] % replicas:
+            raise DirectiveError(
+                f"value {v.name} has {meta.shape[meta.batch_dim]} samples per microbatch along its batch "
+                f"dimension, not divisible among {replicas} data-parallel replicas",
+                directive=str(replicates[0]) if replicates else None,
+            )
+        values.append(Value(v.name, meta.split(replicas)))
+    return tuple(values)

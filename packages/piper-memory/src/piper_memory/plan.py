@@ -1,0 +1,226 @@
+"""``plan_memory``: the data-parallel reductions, gathers and frees of ZeRO 0-3 as graph nodes.
+
+Requires a graph after ``Order`` (docs/ir-conventions.md, sections 1-4) whose
+``Graph.replication`` and ``Graph.buckets`` were recorded by ``Replicate`` (section 7).
+Guarantees, per bucket ``b`` of each replicated segment ``s`` on group ``G`` (every new node on
+``devices=G`` with ``segment=s``, ``value=b.id`` and ``s``'s tags):
+
+- zero 0: ``allreduce.<b>`` after every weight-gradient pass (``B``/``BW``) of ``s``, before
+  ``OPT.s``: one reduction per step per bucket, after the last microbatch;
+- zero 1: ``reducescatter.<b>`` in its place, then ``allgather.<b>`` after ``OPT.s``;
+- zero 2: ``reducescatter.<b>.mb<i>`` after each weight-gradient pass, which also precedes the
+  next such pass of ``s`` in the rank's compute order (the full gradient never outlives one
+  microbatch), then ``allgather.<b>`` after ``OPT.s``;
+- zero 3: as zero 2 without the all-gather, plus ``materialize.<b>.<k>`` / ``free.<b>.<k>``
+  around chain ``k`` of uses (``F``/``B``/``BI``/``BW`` of ``s``).
+
+A chain is a maximal run of uses of ``s`` in the rank's compute order that no use of another
+segment with parameters interrupts: the loss (no parameters) and optimizer steps do not, so
+an ``F`` followed by its ``B`` shares one gather. The materialization of a chain waits for the
+compute just before its first use and for the free of the chain before it on the rank, so a
+rank holds one segment's gathered parameters at a time; the free follows the last use.
+
+The compute order is ``piper_ir.rank_orders``, the rule ``compile_program`` uses. Every node
+added here depends only on nodes that rule has already ordered and is released as soon as it
+is ready, so the compile of the planned graph runs compute in the same order. Edges from a
+materialization go to every use of its chain and from every use to the free, so a different
+order could cost memory but never correctness. The pass is pure: a new graph comes back.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import attrs
+
+from piper_ir import (
+    Bucket,
+    Edge,
+    EdgeKind,
+    Graph,
+    MemoryPlanError,
+    Node,
+    NodeKind,
+    Phase,
+    Replication,
+    rank_orders,
+    validate,
+)
+
+USE_PHASES = frozenset({Phase.F, Phase.B, Phase.BI, Phase.BW})
+GRAD_PHASES = frozenset({Phase.B, Phase.BW})  # the passes that write parameter gradients
+PLANNED_KINDS = frozenset(
+    {NodeKind.ALL_REDUCE, NodeKind.REDUCE_SCATTER, NodeKind.ALL_GATHER, NodeKind.MATERIALIZE, NodeKind.FREE}
+)
+ORIGIN = "plan_memory"
+
+
+def plan_memory(graph: Graph) -> Graph:
+    """``graph`` with the ZeRO nodes and edges of its ``Replication`` records (module doc)."""
+    if not graph.replication:
+        return graph
+    planned = [n.id for n in graph.nodes if n.kind in PLANNED_KINDS]
+    if planned:
+        raise MemoryPlanError("the graph is already memory-planned", nodes=planned)
+    orders = rank_orders(graph)
+    if orders is None:
+        raise MemoryPlanError("the graph has a cycle; cannot order its compute")
+    buckets: dict[str, list[Bucket]] = defaultdict(list)
+    for b in graph.buckets:
+        buckets[b.segment].append(b)
+    with_params = {s.id for s in graph.segments if s.params}
+    builder = _Builder(graph, orders, with_params)
+    zero3: list[tuple[Replication, list[Bucket]]] = []
+    for rep in graph.replication:
+        if not buckets.get(rep.segment):
+            continue  # nothing to keep in sync (the loss, a segment without parameters)
+        builder.reductions(rep, buckets[rep.segment])
+        if rep.zero == 3:
+            zero3.append((rep, buckets[rep.segment]))
+    builder.materializations(zero3)
+    edges = tuple(dict.fromkeys(builder.edges))  # one edge per (src, dst, kind), first kept
+    return validate(attrs.evolve(graph, nodes=graph.nodes + tuple(builder.nodes), edges=graph.edges + edges))
+
+
+class _Builder:
+    """Collects the nodes and edges of one ``plan_memory`` call."""
+
+    def __init__(self, graph: Graph, orders: list[list[str]], with_params: set[str]) -> None:
+        self.graph = graph
+        self.orders = orders
+        self.position = [{nid: i for i, nid in enumerate(order)} for order in orders]
+        self.with_params = with_params
+        self.nodes: list[Node] = []
+        self.edges: list[Edge] = []
+
+    def _node(self, nid: str, kind: NodeKind, rep: Replication, bucket: Bucket, stream: str, mb: int | None = None) -> str:
+        seg = self.graph.segment_by_id[rep.segment]
+        self.nodes.append(
+            Node(nid, kind, rep.segment, None, mb, seg.tags, rep.devices, stream, bucket.id, origin=rep.origin or ORIGIN)
+        )
+        return nid
+
+    def _data(self, src: str, dst: str) -> None:
+        self.edges.append(Edge(src, dst, EdgeKind.DATA))
+
+    def _after(self, src: str, dst: str, why: str) -> None:
+        self.edges.append(Edge(src, dst, EdgeKind.TEMPORAL, origin=f"{ORIGIN}: {why}"))
+
+    def _segment_nodes(self, rep: Replication) -> tuple[list[Node], str]:
+        """The weight-gradient passes of the segment in the compute order of its first
+        device, and its optimizer node."""
+        order = self.position[rep.devices[0]]
+        grads = [
+            n
+            for n in self.graph.nodes
+            if n.segment == rep.segment and n.kind is NodeKind.COMPUTE and n.phase in GRAD_PHASES
+        ]
+        grads.sort(key=lambda n: order.get(n.id, -1))
+        opts = [n.id for n in self.graph.nodes if n.segment == rep.segment and n.kind is NodeKind.OPTIMIZER]
+        if len(opts) != 1 or not grads:
+            raise MemoryPlanError(
+                f"replicated segment {rep.segment} needs one optimizer node and a backward; found "
+                f"{len(opts)} optimizer node(s) and {len(grads)} weight-gradient pass(es)",
+                directive=rep.origin,
+                nodes=opts,
+            )
+        return grads, opts[0]
+
+    def reductions(self, rep: Replication, buckets: list[Bucket]) -> None:
+        grads, opt = self._segment_nodes(rep)
+        for b in buckets:
+            if rep.zero == 0:
+                ar = self._node(f"allreduce.{b.id}", NodeKind.ALL_REDUCE, rep, b, rep.reduce_stream)
+                for g in grads:
+                    self._data(g.id, ar)
+                self._data(ar, opt)
+                continue
+            if rep.zero == 1:
+                rs = self._node(f"reducescatter.{b.id}", NodeKind.REDUCE_SCATTER, rep, b, rep.reduce_stream)
+                for g in grads:
+                    self._data(g.id, rs)
+                self._data(rs, opt)
+            else:
+                for g, nxt in zip(grads, [*grads[1:], None], strict=True):
+                    mb = 0 if g.microbatch is None else g.microbatch
+                    rs = self._node(
+                        f"reducescatter.{b.id}.mb{mb}", NodeKind.REDUCE_SCATTER, rep, b, rep.reduce_stream, g.microbatch
+                    )
+                    self._data(g.id, rs)
+                    self._data(rs, opt)
+                    if nxt is not None:
+                        # The next pass accumulates into the buffer this reduce-scatter empties.
+                        self._after(rs, nxt.id, "gradient buffer reused by the next microbatch")
+            if rep.zero < 3:
+                ag = self._node(f"allgather.{b.id}", NodeKind.ALL_GATHER, rep, b, rep.gather_stream)
+                self._data(opt, ag)
+
+    def materializations(self, zero3: list[tuple[Replication, list[Bucket]]]) -> None:
+        """MATERIALIZE/FREE per chain of uses, for every ZeRO-3 segment (module doc)."""
+        if not zero3:
+            return
+        by_segment = {rep.segment: (rep, buckets) for rep, buckets in zero3}
+        nodes = self.graph.node_by_id
+        # Chains per segment, read off the compute order of the segment's first device.
+        chains: dict[str, list[list[str]]] = {}
+        for rep, _ in zero3:
+            runs: list[list[str]] = []
+            open_run = False
+            for nid in self.orders[rep.devices[0]]:
+                n = nodes[nid]
+                if n.kind is not NodeKind.COMPUTE or n.phase not in USE_PHASES:
+                    continue
+                if n.segment == rep.segment:
+                    if not open_run:
+                        runs.append([])
+                        open_run = True
+                    runs[-1].append(nid)
+                elif n.segment in self.with_params:
+                    open_run = False
+            chains[rep.segment] = runs
+        for seg, runs in chains.items():
+            rep, buckets = by_segment[seg]
+            for k, run in enumerate(runs):
+                for b in buckets:
+                    mat = self._node(f"materialize.{b.id}.{k}", NodeKind.MATERIALIZE, rep, b, rep.gather_stream)
+                    free = self._node(f"free.{b.id}.{k}", NodeKind.FREE, rep, b, rep.gather_stream)
+                    for use in run:
+                        self._data(mat, use)
+                        self._after(use, free, "gathered parameters live until the chain's last use")
+                    if k > 0:
+                        self._after(f"free.{b.id}.{k - 1}", mat, "one gathered copy of a bucket at a time")
+                    for d in rep.devices:
+                        self._wait_for_previous(mat, run[0], d, by_segment, chains)
+
+    def _wait_for_previous(self, mat: str, first: str, rank: int, by_segment: dict, chains: dict) -> None:
+        """``mat`` after the compute before ``first`` on ``rank`` and, when that compute ends a
+        chain of another ZeRO-3 segment there, after that chain's frees."""
+        order, position = self.orders[rank], self.position[rank]
+        i = position.get(first)
+        if not i:
+            return
+        nodes = self.graph.node_by_id
+        prev = None
+        for j in range(i - 1, -1, -1):
+            if nodes[order[j]].kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER):
+                prev = order[j]
+                break
+        if prev is None:
+            return
+        self._after(prev, mat, "gather after the compute before the chain")
+        # The chain (of another ZeRO-3 segment) that was open last on this rank before ``first``.
+        last: tuple[int, str, int] | None = None
+        for seg, runs in chains.items():
+            if seg == nodes[first].segment:
+                continue
+            rep, buckets = by_segment[seg]
+            if rank not in rep.devices:
+                continue
+            for k, run in enumerate(runs):
+                end = position.get(run[-1], -1)
+                if end < i and (last is None or end > last[0]):
+                    last = (end, seg, k)
+        if last is not None:
+            _, seg, k = last
+            for b in by_segment[seg][1]:
+                self._after(f"free.{b.id}.{k}", mat, "free the previous chain's parameters first")

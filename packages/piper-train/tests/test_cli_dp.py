@@ -1,0 +1,53 @@
+"""``--dp``, ``--zero`` and ``--memory-budget-mb`` of ``piper train`` / ``piper check`` (no Ray:
+the budget fails at compile time, before any worker starts)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from piper_directives import Place, Replicate, Strategy, one_f_one_b
+from piper_train.cli import _replicated, main
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["check", "--zero", "2"], "--zero shards over data-parallel replicas"),
+        (["train", "--dp", "0"], "--dp must be >= 1"),
+        (["check", "--dp", "2", "--zero", "4"], "invalid choice: 4"),
+        (["check", "--memory-budget-mb", "0"], "--memory-budget-mb must be > 0"),
+    ],
+)
+def test_bad_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    assert err.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_dp_composes_with_a_schedule_and_a_strategy_file() -> None:
+    args = argparse.Namespace(dp=2, zero=3)
+    built = _replicated(args, lambda stages: one_f_one_b(2, 4, stages=stages))(2)
+    assert [d.devices for d in built.directives if isinstance(d, Place)] == [(0, 2), (1, 3)]
+    assert [(d.devices, d.zero) for d in built.directives if isinstance(d, Replicate)] == [((0, 2), 3), ((1, 3), 3)]
+    from_file = _replicated(args, Strategy.from_json(one_f_one_b(2, 4).to_json()))
+    assert isinstance(from_file, Strategy) and sum(isinstance(d, Replicate) for d in from_file.directives) == 2
+    plain = one_f_one_b(2, 4)
+    assert _replicated(argparse.Namespace(dp=1, zero=0), plain) is plain
+
+
+def test_memory_budget_fails_at_compile_time(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "dp.json"
+    path.write_text(json.dumps({"directives": [
+        {"op": "split", "microbatches": 2},
+        {"op": "place", "filter": {"PP": 0}, "devices": [0]},
+    ]}))
+    code = main(["check", "--model", "mlp", "--strategy", str(path), "--pp", "1", "--dp", "2", "--zero", "3",
+                 "--memory-budget-mb", "0.001"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "exceeds the per-rank budget of 1048 B" in err
+    assert "rank 0:" in err and "rank 1:" in err and "gathered parameters" in err
