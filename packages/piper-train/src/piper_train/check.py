@@ -79,7 +79,7 @@ def run_check(
     diffs: list[Difference] = []
     with Trainer(
         workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
-        optimizer=optimizer, address=address, memory_budget_bytes=memory_budget_bytes,
+        optimizer=optimizer, address=address, memory_budget_bytes=memory_budget_bytes, log=log,
     ) as trainer:
         reference = ReferenceTrainer(workload.model, workload.loss_fn, optimizer, trainer.program.microbatches)
         for step in range(steps):

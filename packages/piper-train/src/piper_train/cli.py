@@ -20,7 +20,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="pipeline schedule (default: 1f1b)")
     p.add_argument("--strategy", type=Path, help=_STRATEGY_HELP)
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (default: 2)")
-    p.add_argument("--stages", type=int, help="annotated regions of a built-in model (default: --pp)")
+    p.add_argument("--stages", type=int,
+                   help="annotated regions of a built-in model (default: what the schedule places on --pp ranks)")
     p.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default: 4)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline; devices = pp x dp (default: 1)")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO level with --dp > 1 (default: 0)")
@@ -101,15 +102,14 @@ def _train(args: argparse.Namespace) -> int:
     from piper_train.trainer import Trainer
     from piper_train.workload import load_workload
 
-    workload = load_workload(args.model, stages=args.stages or args.pp, seed=args.seed)
+    workload = load_workload(args.model, stages=_model_stages(args), seed=args.seed)
     _say(args, f"piper train: model {args.model}, {args.strategy or args.schedule}, pp={args.pp}, dp={args.dp}, "
                f"zero={args.zero}, microbatches={args.microbatches}, {args.steps} steps")
     started = time.perf_counter()
     with Trainer(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
                  _replicated(args, _strategy(args)), optimizer=_optimizer(args), address=args.address,
-                 memory_budget_bytes=_budget(args)) as trainer:
-        _say(args, f"compiled {len(trainer.program.ranks)} rank plans in {trainer.compile_seconds:.2f} s; "
-                   f"workers up after {time.perf_counter() - started:.1f} s")
+                 memory_budget_bytes=_budget(args), log=lambda text: _say(args, text)) as trainer:
+        _say(args, f"workers up after {time.perf_counter() - started:.1f} s")
         losses, times = [], []
         for step in range(args.steps):
             inputs, targets = workload.batches(step)
@@ -139,7 +139,7 @@ def _check(args: argparse.Namespace) -> int:
     from piper_train.check import run_check
     from piper_train.workload import load_workload
 
-    workload = load_workload(args.model, stages=args.stages or args.pp, seed=args.seed)
+    workload = load_workload(args.model, stages=_model_stages(args), seed=args.seed)
     _say(args, f"piper check: model {args.model}, {args.strategy or args.schedule}, pp={args.pp}, dp={args.dp}, "
                f"zero={args.zero}, microbatches={args.microbatches}, {args.steps} steps vs single-device training")
     report = run_check(workload, _replicated(args, _strategy(args)), steps=args.steps, optimizer=_optimizer(args),
@@ -266,6 +266,19 @@ def _report(args: argparse.Namespace, program, what: str) -> int:  # noqa: ANN00
     return 0
 
 
+def _model_stages(args: argparse.Namespace) -> int:
+    """Regions a built-in model gets: ``--stages``, else what the schedule places on ``--pp``
+    ranks (``2 * pp`` for interleaved_1f1b and dualpipev), else ``--pp``."""
+    if args.stages:
+        return args.stages
+    if args.strategy is None:
+        try:
+            return _placed_stages(build_schedule(args.schedule, args.pp, args.microbatches)) or args.pp
+        except PiperError:
+            pass  # the same call fails again later with the message the user needs
+    return args.pp
+
+
 def _placed_stages(strategy: Strategy) -> int:
     """How many ``PP`` regions ``strategy`` places (the schedule's default when --stages is absent)."""
     from piper_directives.place import Place
@@ -295,7 +308,7 @@ def _plan(args: argparse.Namespace) -> int:
     from piper_ir import graph_summary, to_json
     from piper_scheduler import compile_program
 
-    stages = args.stages or args.pp
+    stages = _model_stages(args)
     if args.model is not None:
         from piper_directives import capture
         from piper_train.workload import load_workload

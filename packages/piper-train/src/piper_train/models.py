@@ -251,7 +251,7 @@ def _byte_lm(stages: int, seed: int) -> Built:
 MODELS = {"mlp": _mlp, "transformer": _random_tokens, "lm": _byte_lm}
 
 
-def build_model(name: str, *, stages: int, seed: int = 0) -> ModelSpec:
+def build_model(name: str, *, stages: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> ModelSpec:
     """Build registered model ``name`` with ``stages`` annotated PP regions.
 
     - ``mlp``: regression with MSE, float32 inputs (16, 32) -> (16, 8).
@@ -260,6 +260,8 @@ def build_model(name: str, *, stages: int, seed: int = 0) -> ModelSpec:
       seq 64, batch 16); one block per stage.
 
     ``seed`` fixes the initial weights (without disturbing the caller's global RNG) and the data.
+    ``dtype`` is the floating-point type of the weights and of floating inputs and targets
+    (float64 makes oracle comparisons exact enough to survive Adam's rescaling).
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
@@ -268,5 +270,19 @@ def build_model(name: str, *, stages: int, seed: int = 0) -> ModelSpec:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model, loss_fn, batches = MODELS[name](stages, seed)
+    if dtype != torch.float32:
+        model = model.to(dtype)
+        batches = _cast_batches(batches, dtype)
     inputs, targets = batches(0)
     return ModelSpec(name, model, inputs, targets, loss_fn, batches, stages, seed)
+
+
+def _cast_batches(batches: Callable[[int], Batch], dtype: torch.dtype) -> Callable[[int], Batch]:
+    def cast(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+    def cast_batches(step: int) -> Batch:
+        inputs, targets = batches(step)
+        return cast(inputs), cast(targets)
+
+    return cast_batches

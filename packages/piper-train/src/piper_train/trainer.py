@@ -51,7 +51,9 @@ class Trainer:
         address: str | None = None,
         step_timeout_s: float = 300.0,
         memory_budget_bytes: int | None = None,
+        log: Callable[[str], None] | None = None,
     ) -> None:
+        say = log or (lambda _: None)
         started = time.perf_counter()
         captured = capture(model, example_inputs, example_targets, loss_fn)
         if not isinstance(strategy, Strategy):
@@ -64,6 +66,11 @@ class Trainer:
             check_budget(self.program, memory_budget_bytes, optimizer.name)
         self.compile_seconds = time.perf_counter() - started
         self.batch_size = captured.batch_size
+        say(
+            f"captured {len(self.graph.stage_segments())} regions, compiled and verified "
+            f"{self.program.world_size} rank plans in {self.compile_seconds:.2f} s; "
+            f"starting {self.program.world_size} Ray workers"
+        )
         self.runtime = Runtime(
             self.program,
             captured.modules,
