@@ -49,6 +49,7 @@ def test_graph_round_trip_keeps_cached_lookups_out_of_the_document() -> None:
         "world_size",
         "replication",
         "buckets",
+        "sharding",
     }
     assert from_json(to_json(graph)) == graph
 

@@ -22,6 +22,7 @@ from piper_ir import DirectiveError, Edge, Filter, Graph, NodeKind, SegmentRole
 
 if TYPE_CHECKING:
     from piper_directives.replicate import Replicate
+    from piper_directives.shard import Shard
 
 
 def _to_filter(value: object) -> Filter:
@@ -43,10 +44,14 @@ class Place:
         return f"Place({self.filter}, devices={list(self.devices)}, stream={self.stream!r}) at {self.where}"
 
 
-def place_all(graph: Graph, places: Sequence[Place], replicates: Sequence[Replicate] = ()) -> Graph:
-    """Apply ``places`` in order, check every segment is placed, record how replicated groups
-    stay in sync (``replicate_all``), then insert communication."""
+def place_all(
+    graph: Graph, places: Sequence[Place], replicates: Sequence[Replicate] = (), shards: Sequence[Shard] = ()
+) -> Graph:
+    """Apply ``places`` in order, check every segment is placed, record which groups are
+    tensor-parallel (``shard_all``) and how replicated groups stay in sync (``replicate_all``),
+    then insert communication."""
     from piper_directives.replicate import replicate_all  # replicate.py builds on this module
+    from piper_directives.shard import shard_all
 
     if graph.world_size:
         raise DirectiveError("the graph is already placed", directive=str(places[0]) if places else None)
@@ -98,7 +103,8 @@ def place_all(graph: Graph, places: Sequence[Place], replicates: Sequence[Replic
     nodes = tuple(
         attrs.evolve(n, devices=group[n.segment]) if n.segment is not None else n for n in graph.nodes
     )
-    placed = replicate_all(attrs.evolve(graph, nodes=nodes, world_size=world), replicates)
+    placed = attrs.evolve(graph, nodes=nodes, world_size=world)
+    placed = replicate_all(shard_all(placed, shards, replicates), replicates)
     streams = {seg: placed_by[seg].stream for seg in placed_by}
     return insert_communication(placed, streams)
 

@@ -118,9 +118,10 @@ def replicate_all(graph: Graph, replicates: Sequence[Replicate]) -> Graph:
             chosen[seg.id] = rep
     replication: list[Replication] = []
     buckets: list[Bucket] = []
+    sharded = {s.segment for s in graph.sharding}  # tensor-parallel groups: no replicas to sync
     for seg in graph.segments:
         devices = group.get(seg.id, ())
-        if len(devices) < 2:
+        if len(devices) < 2 or seg.id in sharded:
             continue
         rep = chosen.get(seg.id)
         record = (

@@ -1,7 +1,8 @@
 """A strategy: a list of directives applied to a captured graph in a fixed phase order.
 
-Phases: ``Split`` first, then every ``Place``, then every ``Replicate`` (recording how
-replicated groups stay in sync and sharding the batch among replicas), after which
+Phases: ``Split`` first, then every ``Place``, then every ``Shard`` (marking tensor-parallel
+groups), then every ``Replicate`` (recording how replicated groups stay in sync and sharding
+the batch among replicas), after which
 communication is inserted, then the backward split that the ``Order`` directives ask for (``split_backward``: a chunk named
 with ``PASS: "BI"``/``"BW"`` gets its ``B`` split), then every ``Order`` in the order written.
 A strategy is plain data: ``Strategy.from_json`` reads the same program from JSON
@@ -19,11 +20,12 @@ import attrs
 from piper_directives.order import Order, apply_orders
 from piper_directives.place import Place, place_all
 from piper_directives.replicate import Replicate
+from piper_directives.shard import Shard
 from piper_directives.split import Split
 from piper_directives.split_backward import requested_splits, split_backward
 from piper_ir import DirectiveError, Filter, Graph, validate
 
-Directive = Split | Place | Replicate | Order
+Directive = Split | Place | Replicate | Shard | Order
 
 
 @attrs.frozen
@@ -32,19 +34,20 @@ class Strategy:
 
     def apply(self, graph: Graph) -> Graph:
         for d in self.directives:
-            if not isinstance(d, Split | Place | Replicate | Order):
-                raise DirectiveError(f"{d!r} is not a directive (Split, Place, Replicate or Order)")
+            if not isinstance(d, Split | Place | Replicate | Shard | Order):
+                raise DirectiveError(f"{d!r} is not a directive (Split, Place, Replicate, Shard or Order)")
         splits = [d for d in self.directives if isinstance(d, Split)]
         places = [d for d in self.directives if isinstance(d, Place)]
         orders = [d for d in self.directives if isinstance(d, Order)]
         replicates = [d for d in self.directives if isinstance(d, Replicate)]
+        shards = [d for d in self.directives if isinstance(d, Shard)]
         if len(splits) > 1:
             raise DirectiveError("a strategy may split the batch once", directive=str(splits[1]))
         if not places:
             raise DirectiveError("a strategy needs at least one Place directive")
         for split in splits:
             graph = split.apply(graph)
-        graph = place_all(graph, places, replicates)
+        graph = place_all(graph, places, replicates, shards)
         graph = split_backward(graph, requested_splits(graph, orders))
         graph = apply_orders(graph, orders)
         return validate(graph)
@@ -71,6 +74,8 @@ def _encode(d: Directive) -> dict[str, Any]:
     if isinstance(d, Replicate):
         return {"op": "replicate", "filter": d.filter.as_dict(), "devices": list(d.devices), "zero": d.zero,
                 "bucket_mb": d.bucket_mb, "reduce_stream": d.reduce_stream, "gather_stream": d.gather_stream}
+    if isinstance(d, Shard):
+        return {"op": "shard", "filter": d.filter.as_dict(), "devices": list(d.devices), "kind": d.kind}
     return {"op": "order", "name": d.name, "slots": [[f.as_dict() for f in slot] for slot in d.slots]}
 
 
@@ -78,9 +83,11 @@ _FIELDS = {
     "split": {"microbatches"},
     "place": {"filter", "devices", "stream"},
     "replicate": {"filter", "devices", "zero", "bucket_mb", "reduce_stream", "gather_stream"},
+    "shard": {"filter", "devices", "kind"},
     "order": {"slots", "name"},
 }
-_REQUIRED = {"split": {"microbatches"}, "place": {"filter", "devices"}, "replicate": {"filter", "devices"}, "order": {"slots"}}
+_REQUIRED = {"split": {"microbatches"}, "place": {"filter", "devices"}, "replicate": {"filter", "devices"},
+             "shard": {"filter", "devices"}, "order": {"slots"}}
 
 
 def _decode(item: object, where: str) -> Directive:
@@ -109,6 +116,8 @@ def _decode(item: object, where: str) -> Directive:
                 item.get("gather_stream", "dp"),
                 where=where,
             )
+        if op == "shard":
+            return Shard(_filter(item["filter"], where), _devices(item["devices"], where), item.get("kind", "tp"), where=where)
         slots = item["slots"]
         if not isinstance(slots, list) or not slots:
             raise DirectiveError(f"{where}: slots must be a non-empty list")

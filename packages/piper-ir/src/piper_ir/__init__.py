@@ -23,9 +23,11 @@ from piper_ir.graph import (
     Graph,
     Node,
     NodeKind,
+    ParamShard,
     Replication,
     Segment,
     SegmentRole,
+    Sharding,
     TensorMeta,
     Value,
 )
@@ -43,8 +45,8 @@ except PackageNotFoundError:  # running from a source tree
 __all__ = [
     "ANY", "MB", "PASS", "SEG", "COMMUNICATION_KINDS", "Bucket", "Replication", "CaptureError", "CodeRef", "Communicator",
     "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph",
-    "Instruction", "MemoryPlanError", "Node", "NodeKind", "Phase", "PiperError", "Program",
-    "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Tags",
+    "Instruction", "MemoryPlanError", "Node", "NodeKind", "ParamShard", "Phase", "PiperError", "Program",
+    "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Sharding", "Tags",
     "TensorMeta", "ValidationError", "Value", "critical_path", "find_cycle", "from_json",
     "graph_summary", "program_text", "rank_orders", "reachable", "to_json", "topological_order", "validate",
 ]

@@ -177,6 +177,48 @@ class Bucket:
 
 
 @attrs.frozen
+class ParamShard:
+    """How one parameter of a tensor-parallel segment is cut across the ranks of its group.
+
+    Dimension ``dim`` is viewed as ``groups`` equal blocks (for example q, k and v of a fused
+    attention projection: ``groups=3``); each block is cut into ``degree`` equal contiguous
+    pieces, and rank ``r`` of the group holds the ``r``-th piece of every block, concatenated
+    in block order.
+    """
+
+    name: str
+    dim: int
+    groups: int = 1
+
+    def pieces(self, size: int, degree: int, rank: int) -> tuple[tuple[int, int], ...]:
+        """The ``(start, length)`` ranges of dimension ``dim`` (of ``size`` entries) that
+        rank ``rank`` of ``degree`` holds, in the order they are concatenated."""
+        if size % (self.groups * degree):
+            raise ValueError(f"{self.name}: {size} entries do not cut into {self.groups} x {degree} pieces")
+        block = size // self.groups
+        piece = block // degree
+        return tuple((g * block + rank * piece, piece) for g in range(self.groups))
+
+
+@attrs.frozen
+class Sharding:
+    """A segment run SPMD on a tensor-parallel group (``Shard``): every rank of ``devices``
+    sees the same data and holds a shard of the parameters listed in ``params`` (the others
+    are replicated and stay equal without communication). ``collectives`` counts the
+    all-reduces one forward issues on the group's ``tp`` communicator (backward issues its
+    own, in the same order on every member); 0 for a segment with nothing to shard.
+    """
+
+    segment: str
+    devices: tuple[int, ...] = attrs.field(converter=tuple)
+    kind: str = "tp"
+    degree: int = 1
+    params: tuple[ParamShard, ...] = attrs.field(default=(), converter=tuple)
+    collectives: int = 0
+    origin: str | None = None
+
+
+@attrs.frozen
 class Node:
     """One operation of the training step.
 
@@ -244,6 +286,7 @@ class Graph:
     world_size: int = 0  # number of devices, known after Place
     replication: tuple[Replication, ...] = attrs.field(default=(), converter=tuple)
     buckets: tuple[Bucket, ...] = attrs.field(default=(), converter=tuple)
+    sharding: tuple[Sharding, ...] = attrs.field(default=(), converter=tuple)
 
     @cached_property
     def node_by_id(self) -> dict[str, Node]:

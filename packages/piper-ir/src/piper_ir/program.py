@@ -13,7 +13,7 @@ from functools import cached_property
 
 import attrs
 
-from piper_ir.graph import Bucket, NodeKind, Replication, Segment, TensorMeta, Value
+from piper_ir.graph import Bucket, NodeKind, Replication, Segment, Sharding, TensorMeta, Value
 from piper_ir.tags import Phase
 
 PROGRAM_FORMAT_VERSION = 1
@@ -109,6 +109,8 @@ class Program:
     """Data-parallel degree: every batch microbatch is split into this many shards."""
     replication: tuple[Replication, ...] = attrs.field(default=(), converter=tuple)
     buckets: tuple[Bucket, ...] = attrs.field(default=(), converter=tuple)
+    sharding: tuple[Sharding, ...] = attrs.field(default=(), converter=tuple)
+    """Tensor-parallel segments: how their parameters are cut over their device group."""
 
     @cached_property
     def segment_by_id(self) -> dict[str, Segment]:

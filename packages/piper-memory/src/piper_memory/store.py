@@ -16,6 +16,8 @@ to the shapes of its parameters and answers the questions a ZeRO runtime asks:
 
 ``accumulate_grad(param, grad)`` is the gradient-shard accumulator: a ZeRO-2/3 replica adds
 each microbatch's reduce-scattered shard into the ``.grad`` of its parameter shard.
+``shard_tensor`` / ``unshard_tensors`` cut a tensor-parallel parameter into a rank's shard
+(``piper_ir.ParamShard``) and put the shards back together (driver side).
 Padding elements are zero in every buffer built here; an optimizer step keeps them zero
 (zero gradient, zero weight), so they never leak into parameters.
 """
@@ -27,7 +29,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 import torch
 
-from piper_ir import Bucket, TensorMeta
+from piper_ir import Bucket, ParamShard, TensorMeta
 
 
 @attrs.frozen
@@ -160,3 +162,20 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad = grad
     else:
         param.grad.add_(grad)
+
+
+def shard_tensor(t: torch.Tensor, spec: ParamShard, degree: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of the full tensor ``t`` under ``spec`` (tensor parallelism,
+    ``piper_ir.Sharding``): a new contiguous tensor."""
+    pieces = spec.pieces(t.shape[spec.dim], degree, rank)
+    return torch.cat([t.narrow(spec.dim, a, n) for a, n in pieces], spec.dim).contiguous()
+
+
+def unshard_tensors(shards: Mapping[int, torch.Tensor], spec: ParamShard, degree: int) -> torch.Tensor:
+    """The full tensor from every rank's shard (``shard_tensor`` inverted)."""
+    if sorted(shards) != list(range(degree)):
+        raise ValueError(f"{spec.name}: need the shards of ranks 0..{degree - 1}, got {sorted(shards)}")
+    piece = shards[0].shape[spec.dim] // spec.groups
+    return torch.cat(
+        [shards[r].narrow(spec.dim, g * piece, piece) for g in range(spec.groups) for r in range(degree)], spec.dim
+    )

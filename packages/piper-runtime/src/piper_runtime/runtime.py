@@ -20,7 +20,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from torch import nn
 
 from piper_ir import ExecutionError, NodeKind, Phase, PiperError, Program
-from piper_memory.store import BucketLayout
+from piper_memory.store import BucketLayout, unshard_tensors
 from piper_runtime.backend import resolve_backend
 from piper_runtime.batch import check_batch, replica_slice
 from piper_runtime.cluster import WORKER_ENV, ensure_ray
@@ -149,9 +149,11 @@ class Runtime:
         self._check_open()
         merged: dict[str, torch.Tensor] = {}
         shards: dict[str, dict[int, torch.Tensor]] = {}
-        for params in self._gather([w.parameters.remote() for w in self._workers], 60.0, "parameters"):
+        per_rank = self._gather([w.parameters.remote() for w in self._workers], 60.0, "parameters")
+        for params in per_rank:
             for name, tensor in params.items():
                 merged.setdefault(name, tensor)  # replicas hold equal copies; keep the first
+        merged.update(_unshard_tp(self.program, list(enumerate(per_rank))))
         for held in self._gather([w.parameter_shards.remote() for w in self._workers], 60.0, "parameters"):
             for bucket, (replica, shard) in held.items():
                 shards.setdefault(bucket, {})[replica] = shard
@@ -281,6 +283,7 @@ def _merge(outputs: list[StepOutput], program: Program, keep_grads: bool) -> Ste
             for bucket, (replica, g) in (out.grad_shards or {}).items():
                 shards.setdefault(bucket, {})[replica] = g
         grads.update(_unshard(program, shards))
+        grads.update(_unshard_tp(program, [(out.rank, out.grads or {}) for out in outputs]))
     timings = tuple(t for out in outputs for t in out.timings)
     memory = tuple(out.memory for out in outputs if out.memory is not None)
     return StepResult(
@@ -298,4 +301,21 @@ def _unshard(program: Program, shards: Mapping[str, Mapping[int, torch.Tensor]])
         flat = layout.assemble(per_replica)
         for name, view in zip(bucket.params, layout.unflatten(flat), strict=True):
             out[name] = view.clone()
+    return out
+
+
+def _unshard_tp(
+    program: Program, per_rank: Sequence[tuple[int, Mapping[str, torch.Tensor]]]
+) -> dict[str, torch.Tensor]:
+    """Full tensors of tensor-parallel parameters from each rank's shard (``Sharding.params``)."""
+    out: dict[str, torch.Tensor] = {}
+    for sh in program.sharding:
+        for spec in sh.params:
+            pieces = {
+                sh.devices.index(rank) % sh.degree: held[spec.name]
+                for rank, held in per_rank
+                if rank in sh.devices and spec.name in held
+            }
+            if pieces:
+                out[spec.name] = unshard_tensors(pieces, spec, sh.degree)
     return out

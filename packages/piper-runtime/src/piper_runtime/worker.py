@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from piper_ir import Bucket, ExecutionError, Instruction, NodeKind, Phase, Program, SegmentRole
-from piper_memory.store import BucketLayout, accumulate_grad
+from piper_memory.store import BucketLayout, accumulate_grad, shard_tensor
 from piper_runtime.backend import Backend, resolve_backend
 from piper_runtime.batch import split_microbatches
 from piper_runtime.memory import MemoryTracker
@@ -216,6 +216,7 @@ class RankWorker:
         if missing:
             raise ExecutionError(f"rank {rank}: no module for segments {missing}", ranks=(rank,))
         self._modules = {s: modules[s].to(self.device) for s in mine}
+        self._setup_sharding(mine)
         self._setup_buckets(mine)
         self._optimizers = {}
         for sid in mine:
@@ -250,6 +251,7 @@ class RankWorker:
                 self._groups[comm.id] = None  # the default (world) group
             else:
                 self._groups[comm.id] = dist.new_group(sorted(comm.ranks))
+        self._bind_tensor_parallel(mine)
         self._frees = _free_after(program, self.plan.instructions)
         self._recv_positions = [
             k for k, ins in enumerate(self.plan.instructions) if ins.kind is NodeKind.RECV
@@ -266,6 +268,58 @@ class RankWorker:
             NodeKind.MATERIALIZE: self._materialize,
             NodeKind.FREE: self._free,
         }
+
+    def _setup_sharding(self, mine: tuple[str, ...]) -> None:
+        """Cut the parameters of this rank's tensor-parallel segments to its shard
+        (``Sharding.params``, docs/ir-conventions.md, section 8)."""
+        for sh in self.program.sharding:
+            if sh.segment not in mine:
+                continue
+            if self.rank not in sh.devices:
+                raise ExecutionError(
+                    f"rank {self.rank}: segment {sh.segment} is sharded over {list(sh.devices)}, not on this rank",
+                    ranks=(self.rank,),
+                )
+            tp_rank = sh.devices.index(self.rank) % sh.degree
+            module = self._modules[sh.segment]
+            with torch.no_grad():
+                for spec in sh.params:
+                    try:
+                        p = module.get_parameter(spec.name)
+                    except AttributeError:
+                        raise ExecutionError(
+                            f"rank {self.rank}: sharded parameter {spec.name!r} is not in segment {sh.segment}'s module",
+                            ranks=(self.rank,),
+                        ) from None
+                    p.data = shard_tensor(p.data, spec, sh.degree, tp_rank)
+
+    def _bind_tensor_parallel(self, mine: tuple[str, ...]) -> None:
+        """Hand each tensor-parallel segment's module the process group of its ``tp``
+        communicator: every submodule with a ``bind_communicator`` method gets it."""
+        for sh in self.program.sharding:
+            if sh.segment not in mine or not sh.collectives:
+                continue
+            comm = next(
+                (c for c in self.program.communicators if c.traffic == "tp" and tuple(c.ranks) == tuple(sh.devices)),
+                None,
+            )
+            if comm is None:
+                raise ExecutionError(
+                    f"rank {self.rank}: no tp communicator over {list(sh.devices)} for segment {sh.segment}",
+                    ranks=(self.rank,),
+                )
+            bound = 0
+            for m in self._modules[sh.segment].modules():
+                bind = getattr(m, "bind_communicator", None)
+                if callable(bind):
+                    bind(self._groups[comm.id])
+                    bound += 1
+            if not bound:
+                raise ExecutionError(
+                    f"rank {self.rank}: segment {sh.segment} issues {sh.collectives} tensor-parallel collectives "
+                    "but its module has nothing to bind the communicator to",
+                    ranks=(self.rank,),
+                )
 
     def _setup_buckets(self, mine: tuple[str, ...]) -> None:
         """The bucket states of this rank's replicated segments (see the module docstring)."""

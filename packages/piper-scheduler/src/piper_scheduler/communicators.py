@@ -9,6 +9,10 @@ Data-parallel traffic (collectives, MATERIALIZE) gets one communicator per devic
 stream: ``dp:<r0>-<r1>-...`` for the default stream ``dp`` (``dp.<stream>:<ranks>`` for
 another), ranks in replica order, traffic ``dp``. A stream's instructions run in list order,
 so one communicator per stream keeps its collectives in one order on every member.
+
+Tensor-parallel segments (``Graph.sharding``) get one communicator per device group,
+``tp:<r0>-<r1>-...`` (traffic ``tp``): the all-reduces inside their compute run on it. Every
+compute instruction of such a segment that issues collectives names it.
 """
 
 from __future__ import annotations
@@ -38,9 +42,15 @@ def group_communicator(stream: str, devices: Sequence[int]) -> str:
     return f"{prefix}:{'-'.join(map(str, devices))}"
 
 
+def tp_communicator(devices: Sequence[int]) -> str:
+    """The communicator id of a tensor-parallel group's collectives."""
+    return f"tp:{'-'.join(map(str, devices))}"
+
+
 def communicators_for(graph: Graph) -> tuple[Communicator, ...]:
     """One communicator per traffic class the graph's SEND nodes use, in a fixed order, then
-    one per (stream, device group) of its collectives, in order of first use in the graph."""
+    one per (stream, device group) of its collectives, in order of first use in the graph,
+    then one per tensor-parallel group whose segments issue collectives."""
     used = {communicator_for(n.value or "") for n in graph.nodes if n.kind is NodeKind.SEND}
     ranks = tuple(range(graph.world_size))
     out = [Communicator(c, ranks, _TRAFFIC[c]) for c in (PP_FWD, PP_BWD) if c in used]
@@ -49,4 +59,9 @@ def communicators_for(graph: Graph) -> tuple[Communicator, ...]:
         if n.kind in GROUP_COMM_KINDS:
             groups.setdefault(group_communicator(n.stream, n.devices), n.devices)
     out += [Communicator(c, ranks, "dp") for c, ranks in groups.items()]
+    tp: dict[str, tuple[int, ...]] = {}
+    for sh in graph.sharding:
+        if sh.collectives:
+            tp.setdefault(tp_communicator(sh.devices), sh.devices)
+    out += [Communicator(c, ranks, "tp") for c, ranks in tp.items()]
     return tuple(out)

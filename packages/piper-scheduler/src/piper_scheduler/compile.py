@@ -42,7 +42,12 @@ from piper_ir import (
     rank_orders,
     validate,
 )
-from piper_scheduler.communicators import communicator_for, communicators_for, group_communicator
+from piper_scheduler.communicators import (
+    communicator_for,
+    communicators_for,
+    group_communicator,
+    tp_communicator,
+)
 from piper_scheduler.verify import verify
 
 SCHEDULED_KINDS = frozenset({NodeKind.COMPUTE, NodeKind.OPTIMIZER})
@@ -78,9 +83,12 @@ def compile_program(graph: Graph) -> Program:
         targets=graph.targets,
         microbatches=graph.microbatches,
         placement=_placement(graph),
-        replicas=max((len(n.devices) for n in graph.nodes if n.kind in SCHEDULED_KINDS), default=1),
+        replicas=max(
+            (len(n.devices) // _degree(graph, n.segment) for n in graph.nodes if n.kind in SCHEDULED_KINDS), default=1
+        ),
         replication=graph.replication,
         buckets=graph.buckets,
+        sharding=graph.sharding,
     )
     verify(program)
     return program
@@ -219,14 +227,25 @@ def _buckets(graph: Graph) -> dict:
     return {b.id: b for b in graph.buckets}
 
 
+def _degree(graph: Graph, segment: str | None) -> int:
+    """The tensor-parallel degree of ``segment`` (1 unless it is sharded)."""
+    for sh in graph.sharding:
+        if sh.segment == segment:
+            return sh.degree
+    return 1
+
+
 def _replicas(graph: Graph) -> list[int]:
     """Each rank's position in the device groups of the compute it runs (its replica index);
-    a rank must hold the same position in all of them."""
+    a rank must hold the same position in all of them. The ranks of a tensor-parallel group
+    share one replica index: they see the same data."""
     position: dict[int, tuple[int, str]] = {}
     for n in graph.nodes:
         if n.kind not in SCHEDULED_KINDS:
             continue
+        degree = _degree(graph, n.segment)
         for j, d in enumerate(n.devices):
+            j //= degree
             seen = position.setdefault(d, (j, n.id))
             if seen[0] != j:
                 raise SchedulingError(
@@ -310,6 +329,11 @@ def _instruction(
         bucket = _buckets(graph)[n.value]
         meta = TensorMeta((bucket.padded_numel,), bucket.dtype)
         communicator = None if n.kind is NodeKind.FREE else group_communicator(n.stream, n.devices)
+    if n.kind is NodeKind.COMPUTE and n.phase is not None:
+        # A tensor-parallel segment's compute issues all-reduces on its group inside.
+        sh = next((sh for sh in graph.sharding if sh.segment == n.segment and sh.collectives), None)
+        if sh is not None:
+            communicator = tp_communicator(sh.devices)
     if p2p:
         value = graph.value_by_name.get(n.value or "")
         if value is None:

@@ -9,7 +9,7 @@ them to know which instruction unblocks which.
 
 from __future__ import annotations
 
-from piper_ir import NodeKind, Program
+from piper_ir import Instruction, NodeKind, Program
 
 COLLECTIVE_KINDS = frozenset(
     {
@@ -42,12 +42,18 @@ def p2p_sequences(program: Program) -> tuple[dict[Channel, list[int]], dict[Chan
     return sends, recvs
 
 
+def is_collective(ins: Instruction) -> bool:
+    """A collective, or compute that issues collectives inside (a tensor-parallel segment's
+    F/B/BI/BW names its group's communicator): every member must reach it."""
+    return ins.kind in COLLECTIVE_KINDS or (ins.kind is NodeKind.COMPUTE and ins.communicator is not None)
+
+
 def collective_sequences(program: Program) -> dict[str, dict[int, list[int]]]:
     """Per communicator and member rank, the indices of that rank's collectives on it."""
     out: dict[str, dict[int, list[int]]] = {}
     for plan in program.ranks:
         for i, ins in enumerate(plan.instructions):
-            if ins.kind in COLLECTIVE_KINDS:
+            if is_collective(ins):
                 out.setdefault(ins.communicator or "", {}).setdefault(plan.rank, []).append(i)
     return out
 

@@ -10,7 +10,8 @@ Checks, in this order (the first failure raises):
 3. point-to-point: per (communicator, src, dst) the (value, microbatch, meta) sequence that
    src sends equals the one dst receives (``DeadlockError``);
 4. collectives: every member of a communicator issues the same collectives in the same order
-   (``DeadlockError``);
+   (``DeadlockError``); a tensor-parallel segment's compute counts as a collective on its
+   group's communicator;
 5. progress: walking every rank's list with buffered SENDs, blocking RECVs and blocking
    collectives finishes (``DeadlockError`` naming each stuck rank's blocked instruction).
 
@@ -24,11 +25,11 @@ from collections import deque
 from piper_ir import DeadlockError, Instruction, NodeKind, Program, SchedulingError
 from piper_scheduler.diagnostics import describe, excerpts
 from piper_scheduler.matching import (
-    COLLECTIVE_KINDS,
     Channel,
     Slot,
     collective_sequences,
     collective_slots,
+    is_collective,
     p2p_sequences,
     recv_partners,
 )
@@ -71,7 +72,7 @@ def _check_structure(program: Program) -> None:
             seen[ins.id] = i
             if ins.kind in (NodeKind.SEND, NodeKind.RECV):
                 _check_p2p_fields(program, comms, r, i, ins)
-            elif ins.kind in COLLECTIVE_KINDS:
+            elif is_collective(ins):
                 comm = comms.get(ins.communicator or "")
                 if comm is None or r not in comm.ranks:
                     _fail(
@@ -222,7 +223,7 @@ def _check_progress(program: Program, partners: dict[Slot, Slot]) -> None:
                 if pc[src] <= j:
                     waiting.setdefault((src, j), []).append(r)
                     break
-            elif ins.kind in COLLECTIVE_KINDS:
+            elif is_collective(ins):
                 key = coll[(r, i)]
                 if r not in at_collective:
                     at_collective.add(r)

@@ -86,7 +86,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         t = x.size(1)
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.n_heads, self.d_head)).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = self.qkv(x).unflatten(-1, (3, -1, self.d_head)).permute(2, 0, 3, 1, 4).unbind(0)
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.d_head))
         # narrow, not mask[:t, :t]: fx cannot trace a slice whose bound is a traced size.
         scores = scores.masked_fill(self.mask.narrow(0, 0, t).narrow(1, 0, t), float("-inf"))

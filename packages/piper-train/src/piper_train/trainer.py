@@ -1,6 +1,7 @@
 """The front door: one call from (model, example batch, loss, strategy) to a running trainer.
 
-``Trainer`` composes the packages: capture (piper-directives) -> strategy -> memory planning
+``Trainer`` composes the packages: capture (piper-directives) -> strategy -> tensor-parallel
+rewrite of sharded segments' code (``shard_modules``) -> memory planning
 (piper-memory: ZeRO reductions, gathers and frees) -> compile and verify (piper-scheduler)
 -> execute on Ray (piper-runtime). Everything in between is a
 ``piper_ir`` value, available as ``trainer.graph`` and ``trainer.program``.
@@ -13,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from piper_directives import Strategy, build_schedule, capture
+from piper_directives import Strategy, build_schedule, capture, shard_modules
 from piper_ir import DirectiveError, Graph, Program
 from piper_memory import check_budget, plan_memory
 from piper_runtime import OptimizerSpec, Runtime, StepResult
@@ -59,7 +60,9 @@ class Trainer:
         if not isinstance(strategy, Strategy):
             strategy = strategy(pipeline_stages(captured.graph))
         self.strategy = strategy
-        self.graph = plan_memory(strategy.apply(captured.graph))
+        # Tensor-parallel segments get their code rewritten (column/row-parallel Linears).
+        graph, modules = shard_modules(strategy.apply(captured.graph), captured.modules)
+        self.graph = plan_memory(graph)
         self.program: Program = compile_program(self.graph)
         optimizer = optimizer or OptimizerSpec()
         if memory_budget_bytes is not None:
@@ -73,7 +76,7 @@ class Trainer:
         )
         self.runtime = Runtime(
             self.program,
-            captured.modules,
+            modules,
             optimizer=optimizer,
             address=address,
             step_timeout_s=step_timeout_s,

@@ -1,0 +1,340 @@
+"""Megatron-style tensor parallelism as a rewrite of the captured segments' code (torch side).
+
+``shard_modules(graph, modules)`` takes a graph after ``Strategy.apply`` (its
+``Graph.sharding`` names the tensor-parallel segments, ``piper_directives.shard``) and the
+captured segment modules, and returns both rewritten:
+
+- In each sharded segment's ``torch.fx`` graph, every ``nn.Linear`` whose output reaches
+  exactly one other ``nn.Linear`` through non-Linear operations only (and nowhere else: not
+  the segment's outputs), where those operations mix in no other activation, forms a
+  *column-parallel* / *row-parallel* pair: attention's qkv and output projections, an MLP's
+  two Linears. The column Linear's weight (and bias) is cut on its output features, the row
+  Linear's weight on its input features; every rank of the group computes its heads / hidden
+  units, and the row Linear's partial products are summed by an all-reduce before its bias
+  is added (Megatron's ``g``). The column Linear's input passes through Megatron's ``f``
+  (identity forward, all-reduce of the gradient in backward).
+- The column Linear's output may be reshaped only by ``unflatten(-1, (..., -1, d_head))``:
+  the ``-1`` marks the axis cut across ranks (the heads) and the factors before it are
+  groups (``(3, -1, d_head)``: q, k and v, cut separately). This is the convention a user's
+  attention block follows to be tensor-sharded; it also keeps the code free of a hard-coded
+  head count, so the same code runs on a shard.
+- ``Graph.sharding`` gets each segment's ``params`` (``ParamShard``: name, dim, groups) and
+  its forward collective count.
+
+Errors (``DirectiveError`` naming the ``Shard``): a TP degree that does not divide the heads or
+the hidden size, a column output reshaped another way, and a ``Shard`` whose regions hold no
+Linear pair. The rewritten code is run once on one rank's shard of the weights (collectives
+unbound, i.e. identity) to check it accepts the shard's shapes.
+
+The collectives call a ``TensorParallelComm`` submodule (``piper_tp``) that the runtime binds
+to the process group of the segment's ``tp`` communicator (``bind_communicator``); weights
+are cut by the runtime from ``Sharding.params``, so the modules here hold full weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import operator
+from collections.abc import Mapping
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from piper_ir import DirectiveError, Graph, ParamShard, SegmentRole, Sharding
+
+COMM = "piper_tp"
+_RESHAPES = {"view", "reshape", "unflatten", "flatten", "split", "chunk", "unbind"}
+
+
+class TensorParallelComm(nn.Module):
+    """The group a tensor-parallel segment's collectives run on; unbound (the default) it
+    is the identity, as for one rank holding everything."""
+
+    def __init__(self, degree: int) -> None:
+        super().__init__()
+        self.degree = degree
+        self.group: object | None = None
+        self.bound = False
+
+    def bind_communicator(self, group: object | None) -> None:
+        """Called by the runtime with the segment's ``tp`` process group (None: the world)."""
+        self.group = group
+        self.bound = True
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.bound:
+            return t
+        t = t.contiguous().clone()
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def forward(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        return (_CopyToGroup if op == "f" else _ReduceFromGroup).apply(x, self)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["group"], state["bound"] = None, False  # a process group never travels
+        return state
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Megatron's ``f``: identity forward, all-reduce of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: TensorParallelComm) -> torch.Tensor:  # noqa: ANN001
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        return ctx.comm.all_reduce(grad), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """Megatron's ``g``: all-reduce forward (summing the row-parallel partial products),
+    identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: TensorParallelComm) -> torch.Tensor:  # noqa: ANN001
+        return comm.all_reduce(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        return grad, None
+
+
+@attrs.frozen
+class _Pair:
+    col: torch.fx.Node
+    row: torch.fx.Node
+    groups: int
+
+
+def shard_modules(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph, dict[str, nn.Module]]:
+    """``graph`` with each ``Sharding``'s ``params`` and ``collectives`` filled in, and the
+    segment modules with tensor-parallel code (module doc). Unsharded segments keep their
+    modules; the given modules are not changed."""
+    out = dict(modules)
+    if not graph.sharding:
+        return graph, out
+    records: list[Sharding] = []
+    pairs_by_origin: dict[str | None, int] = {}
+    for sh in graph.sharding:
+        seg = graph.segment_by_id[sh.segment]
+        module = modules[sh.segment]
+        pairs_by_origin.setdefault(sh.origin, 0)
+        if seg.role is SegmentRole.LOSS or not isinstance(module, torch.fx.GraphModule):
+            records.append(sh)
+            continue
+        gm, params, count = _rewrite(module, sh)
+        pairs_by_origin[sh.origin] += count
+        if count:
+            _check_shapes(graph, sh, gm, params)
+            out[sh.segment] = gm
+        records.append(attrs.evolve(sh, params=params, collectives=count))
+    for origin, count in pairs_by_origin.items():
+        if not count:
+            raise DirectiveError(
+                "the regions it matches hold no column-/row-parallel Linear pair (a Linear whose output "
+                "reaches exactly one other Linear), so there is nothing to shard",
+                directive=origin,
+            )
+    return attrs.evolve(graph, sharding=tuple(records)), out
+
+
+def _rewrite(module: torch.fx.GraphModule, sh: Sharding) -> tuple[torch.fx.GraphModule, tuple[ParamShard, ...], int]:
+    gm = torch.fx.GraphModule(module, copy.deepcopy(module.graph), class_name=type(module).__name__)
+    pairs = _find_pairs(gm, sh)
+    if not pairs:
+        return module, (), 0
+    gm.add_submodule(COMM, TensorParallelComm(sh.degree))
+    g = gm.graph
+    params: list[ParamShard] = []
+    for pair in pairs:
+        col_mod: nn.Linear = gm.get_submodule(pair.col.target)
+        row_mod: nn.Linear = gm.get_submodule(pair.row.target)
+        params.append(ParamShard(f"{pair.col.target}.weight", 0, pair.groups))
+        if col_mod.bias is not None:
+            params.append(ParamShard(f"{pair.col.target}.bias", 0, pair.groups))
+        params.append(ParamShard(f"{pair.row.target}.weight", 1, 1))
+        with g.inserting_before(pair.col):
+            f = g.call_module(COMM, (pair.col.args[0], "f"))
+        pair.col.args = (f, *pair.col.args[1:])
+        with g.inserting_before(pair.row):
+            weight = g.get_attr(f"{pair.row.target}.weight")
+            partial = g.call_function(F.linear, (pair.row.args[0], weight))
+            result = g.call_module(COMM, (partial, "g"))
+            if row_mod.bias is not None:
+                bias = g.get_attr(f"{pair.row.target}.bias")
+                result = g.call_function(operator.add, (result, bias))
+        pair.row.replace_all_uses_with(result)
+        g.erase_node(pair.row)
+    g.lint()
+    gm.recompile()
+    return gm, tuple(params), len(pairs)
+
+
+def _find_pairs(gm: torch.fx.GraphModule, sh: Sharding) -> list[_Pair]:
+    linears = [
+        n for n in gm.graph.nodes
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear)
+    ]
+    linear_set = set(linears)
+    rows: set[torch.fx.Node] = set()
+    pairs: list[_Pair] = []
+    free: dict[torch.fx.Node, bool] = {}
+    for col in linears:
+        if col in rows:
+            continue
+        region, reached, escapes = _region(col, linear_set)
+        if escapes or len(reached) != 1:
+            continue
+        row = reached.pop()
+        if row in rows or not _closed(col, region, row, free):
+            continue
+        groups = _groups(gm, col, sh)
+        col_mod, row_mod = gm.get_submodule(col.target), gm.get_submodule(row.target)
+        if groups == 1 and col_mod.out_features % sh.degree:
+            raise DirectiveError(
+                f"tensor-parallel degree {sh.degree} does not divide the hidden size {col_mod.out_features} "
+                f"of {col.target} -> {row.target}",
+                directive=sh.origin,
+            )
+        if row_mod.in_features % sh.degree:
+            raise DirectiveError(
+                f"tensor-parallel degree {sh.degree} does not divide the input features ({row_mod.in_features}) "
+                f"of row-parallel {row.target}",
+                directive=sh.origin,
+            )
+        rows.add(row)
+        pairs.append(_Pair(col, row, groups))
+    return pairs
+
+
+def _region(col: torch.fx.Node, linears: set[torch.fx.Node]) -> tuple[set[torch.fx.Node], set[torch.fx.Node], bool]:
+    """The nodes reachable from ``col`` without passing a Linear, the Linears reached, and
+    whether the region reaches the segment's outputs."""
+    region: set[torch.fx.Node] = set()
+    reached: set[torch.fx.Node] = set()
+    escapes = False
+    todo = list(col.users)
+    while todo:
+        n = todo.pop()
+        if n in region or n in reached:
+            continue
+        if n.op == "output":
+            escapes = True
+        elif n in linears:
+            reached.add(n)
+        else:
+            region.add(n)
+            todo.extend(n.users)
+    return region, reached, escapes
+
+
+def _closed(col: torch.fx.Node, region: set[torch.fx.Node], row: torch.fx.Node, free: dict) -> bool:
+    """Whether the region between ``col`` and ``row`` mixes in no other activation: every
+    input of its nodes is in the region, ``col``, or computed from attributes and sizes only."""
+    inside = region | {col}
+    for n in [*region, row]:
+        for a in n.all_input_nodes:
+            if a not in inside and not _data_free(a, free):
+                return False
+    return row.args[0] in inside and len(row.all_input_nodes) == 1
+
+
+def _data_free(n: torch.fx.Node, memo: dict) -> bool:
+    """Whether ``n`` depends on no activation (only on attributes, constants and sizes)."""
+    if n not in memo:
+        if n.op == "get_attr":
+            memo[n] = True
+        elif n.op == "placeholder":
+            memo[n] = False
+        elif n.op == "call_method" and n.target == "size":
+            memo[n] = True
+        else:
+            memo[n] = all(_data_free(a, memo) for a in n.all_input_nodes)
+    return memo[n]
+
+
+def _groups(gm: torch.fx.GraphModule, col: torch.fx.Node, sh: Sharding) -> int:
+    """How many blocks the column Linear's output features form (1, or e.g. 3 for fused
+    q/k/v), from the ``unflatten(-1, (..., -1, d_head))`` that may follow it."""
+    out = gm.get_submodule(col.target).out_features
+    for user in col.users:
+        if not (user.op in ("call_method", "call_function") and _name(user.target) in _RESHAPES):
+            continue
+        sizes = user.args[2] if len(user.args) > 2 else user.kwargs.get("sizes")
+        dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim")
+        if _name(user.target) != "unflatten" or dim != -1 or not isinstance(sizes, tuple | list) or sizes.count(-1) != 1:
+            raise DirectiveError(
+                f"the output of column-parallel {col.target} is reshaped by {user.format_node()}; reshape it "
+                "only with unflatten(-1, (..., -1, d_head)), the -1 marking the head axis that ranks split",
+                directive=sh.origin,
+            )
+        k = list(sizes).index(-1)
+        if not all(isinstance(s, int) for s in sizes):
+            raise DirectiveError(
+                f"the output of column-parallel {col.target} is unflattened to {sizes}: sizes must be constants",
+                directive=sh.origin,
+            )
+        groups, inner = math.prod(sizes[:k]), math.prod(sizes[k + 1 :])
+        heads, rest = divmod(out, groups * inner)
+        if rest:
+            raise DirectiveError(
+                f"{out} output features of {col.target} do not unflatten to {tuple(sizes)}", directive=sh.origin
+            )
+        if heads % sh.degree:
+            raise DirectiveError(
+                f"tensor-parallel degree {sh.degree} does not divide the {heads} heads of {col.target} "
+                f"({out} features as {tuple(sizes)})",
+                directive=sh.origin,
+            )
+        return groups
+    return 1
+
+
+def _name(target: object) -> str:
+    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
+
+
+def shard_tensor(t: torch.Tensor, spec: ParamShard, degree: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of the full tensor ``t`` (a copy)."""
+    return torch.cat([t.narrow(spec.dim, a, n) for a, n in spec.pieces(t.shape[spec.dim], degree, rank)], spec.dim)
+
+
+def _check_shapes(graph: Graph, sh: Sharding, gm: torch.fx.GraphModule, params: tuple[ParamShard, ...]) -> None:
+    """Run the rewritten code on rank 0's shard of the weights (collectives unbound)."""
+    seg = graph.segment_by_id[sh.segment]
+    probe = copy.deepcopy(gm)
+    with torch.no_grad():
+        for spec in params:
+            p = probe.get_parameter(spec.name)
+            p.data = shard_tensor(p.data, spec, sh.degree, 0)
+        args = []
+        for name in seg.inputs:
+            meta = graph.value_by_name[name].meta
+            dtype = getattr(torch, meta.dtype)
+            args.append(torch.randn(meta.shape, dtype=dtype) if dtype.is_floating_point else torch.zeros(meta.shape, dtype=dtype))
+        try:
+            outs = probe(*args)
+        except Exception as err:
+            raise DirectiveError(
+                f"segment {seg.id}'s code does not run on a tensor-parallel shard of its weights: {err} "
+                "(a hard-coded head count or hidden size?)",
+                directive=sh.origin,
+            ) from err
+    outs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
+    for name, o in zip(seg.outputs, outs, strict=True):
+        want = graph.value_by_name[name].meta.shape
+        if tuple(o.shape) != tuple(want):
+            raise DirectiveError(
+                f"segment {seg.id}'s output {name} has shape {tuple(o.shape)} on a tensor-parallel shard, "
+                f"not {tuple(want)}",
+                directive=sh.origin,
+            )
