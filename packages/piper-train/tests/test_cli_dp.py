@@ -51,3 +51,25 @@ def test_memory_budget_fails_at_compile_time(tmp_path, capsys: pytest.CaptureFix
     assert code == 2
     assert "exceeds the per-rank budget of 1048 B" in err
     assert "rank 0:" in err and "rank 1:" in err and "gathered parameters" in err
+
+
+def test_tp_composes_with_a_schedule_and_a_strategy_file() -> None:
+    from piper_directives import Shard
+
+    args = argparse.Namespace(dp=1, zero=0, tp=2)
+    built = _replicated(args, lambda stages: one_f_one_b(2, 4, stages=stages))(2)
+    assert [d.devices for d in built.directives if isinstance(d, Place)] == [(0, 1), (2, 3)]
+    assert [d.devices for d in built.directives if isinstance(d, Shard)] == [(0, 1), (2, 3)]
+    from_file = _replicated(args, Strategy.from_json(one_f_one_b(2, 4).to_json()))
+    assert isinstance(from_file, Strategy) and sum(isinstance(d, Shard) for d in from_file.directives) == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["check", "--tp", "0"], "--tp must be >= 1"), (["train", "--tp", "2", "--dp", "2"], "not supported yet")],
+)
+def test_bad_tp_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    assert err.value.code == 2
+    assert message in capsys.readouterr().err

@@ -25,6 +25,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default: 4)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline; devices = pp x dp (default: 1)")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO level with --dp > 1 (default: 0)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per pipeline stage (Megatron-style Shard); devices = pp x tp (default: 1)")
     p.add_argument("--memory-budget-mb", type=float, default=None,
                    help="fail at compile time if a rank's estimated memory exceeds this many MiB")
     p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw"], help="(default: adamw)")
@@ -74,8 +76,15 @@ def _strategy(args: argparse.Namespace):  # noqa: ANN202
 
 
 def _replicated(args: argparse.Namespace, strategy):  # noqa: ANN001, ANN202
-    """``_strategy``'s result with ``--dp``/``--zero`` applied (``data_parallel``): a library
-    schedule or the user's own pipeline-only strategy file alike."""
+    """``_strategy``'s result with ``--tp`` (``tensor_parallel``) or ``--dp``/``--zero``
+    (``data_parallel``) applied: a library schedule or the user's own pipeline-only strategy
+    file alike."""
+    if getattr(args, "tp", 1) > 1:
+        from piper_directives import tensor_parallel
+
+        if isinstance(strategy, Strategy):
+            return tensor_parallel(strategy, args.tp)
+        return lambda stages: tensor_parallel(strategy(stages), args.tp)
     if args.dp == 1 and args.zero == 0:
         return strategy
     from piper_directives import data_parallel
@@ -104,7 +113,7 @@ def _train(args: argparse.Namespace) -> int:
 
     workload = load_workload(args.model, stages=_model_stages(args), seed=args.seed)
     _say(args, f"piper train: model {args.model}, {args.strategy or args.schedule}, pp={args.pp}, dp={args.dp}, "
-               f"zero={args.zero}, microbatches={args.microbatches}, {args.steps} steps")
+               f"tp={args.tp}, zero={args.zero}, microbatches={args.microbatches}, {args.steps} steps")
     started = time.perf_counter()
     with Trainer(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
                  _replicated(args, _strategy(args)), optimizer=_optimizer(args), address=args.address,
@@ -121,8 +130,8 @@ def _train(args: argparse.Namespace) -> int:
     steady = times[1:] or times
     summary = {
         "command": "train", "model": args.model, "schedule": None if args.strategy else args.schedule,
-        "strategy": str(args.strategy) if args.strategy else None, "pp": len(trainer.program.ranks) // trainer.program.replicas,
-        "dp": trainer.program.replicas, "zero": args.zero,
+        "strategy": str(args.strategy) if args.strategy else None, "pp": len(trainer.program.ranks) // (trainer.program.replicas * args.tp),
+        "dp": trainer.program.replicas, "tp": args.tp, "zero": args.zero,
         "microbatches": trainer.program.microbatches, "steps": args.steps, "losses": losses,
         "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
         "mean_step_seconds": sum(steady) / len(steady) if steady else None,
@@ -141,7 +150,7 @@ def _check(args: argparse.Namespace) -> int:
 
     workload = load_workload(args.model, stages=_model_stages(args), seed=args.seed)
     _say(args, f"piper check: model {args.model}, {args.strategy or args.schedule}, pp={args.pp}, dp={args.dp}, "
-               f"zero={args.zero}, microbatches={args.microbatches}, {args.steps} steps vs single-device training")
+               f"tp={args.tp}, zero={args.zero}, microbatches={args.microbatches}, {args.steps} steps vs single-device training")
     report = run_check(workload, _replicated(args, _strategy(args)), steps=args.steps, optimizer=_optimizer(args),
                        rtol=args.rtol, atol=args.atol, address=args.address, log=lambda s: _say(args, s),
                        memory_budget_bytes=_budget(args))
@@ -368,9 +377,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("rtol", "atol"):
         if getattr(args, name, 0) < 0:
             parser.error(f"--{name} must be >= 0")
-    for name in ("pp", "microbatches", "steps", "dp"):
+    for name in ("pp", "microbatches", "steps", "dp", "tp"):
         if getattr(args, name, 1) < 1:
             parser.error(f"--{name} must be >= 1")
+    if getattr(args, "tp", 1) > 1 and getattr(args, "dp", 1) > 1:
+        parser.error("--tp with --dp (data x tensor parallelism) is not supported yet")
     if getattr(args, "zero", 0) and getattr(args, "dp", 1) < 2:
         parser.error("--zero shards over data-parallel replicas: it needs --dp 2 or more")
     if getattr(args, "memory_budget_mb", None) is not None and args.memory_budget_mb <= 0:

@@ -86,6 +86,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         t = x.size(1)
+        # -1, not n_heads: the head axis is what tensor parallelism (Shard) splits, so the
+        # same code runs on a shard of the heads (the convention shard_modules relies on).
         q, k, v = self.qkv(x).unflatten(-1, (3, -1, self.d_head)).permute(2, 0, 3, 1, 4).unbind(0)
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.d_head))
         # narrow, not mask[:t, :t]: fx cannot trace a slice whose bound is a traced size.
