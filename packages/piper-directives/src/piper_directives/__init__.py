@@ -1,7 +1,8 @@
 """piper-directives: annotations, graph capture, directive rewrites and the schedule library.
 
-Only ``capture`` (and ``CapturedModel``, ``LossModule``) need torch; they are imported on
-first use, so directive programs and schedules can be built and applied without torch.
+Only ``capture`` (and ``CapturedModel``, ``LossModule``) and ``shard_modules`` (the
+tensor-parallel code rewrite) need torch; they are imported on first use, so directive
+programs and schedules can be built and applied without torch.
 """
 
 from importlib.metadata import PackageNotFoundError, version
