@@ -23,14 +23,11 @@ import torch
 import torch.fx
 
 from piper_directives.annotate import Scope, current_scopes, tracing
+from piper_directives.training_graph import training_graph
 from piper_ir import (
     CaptureError,
     CodeRef,
-    Edge,
     Graph,
-    Node,
-    NodeKind,
-    Phase,
     Segment,
     SegmentRole,
     Tags,
@@ -292,7 +289,6 @@ def _build(
     values: dict[str, Value] = {}
     segments: list[Segment] = []
     modules: dict[str, torch.nn.Module] = {}
-    seg_inputs: dict[str, tuple[str, ...]] = {}
     owner: dict[str, str] = {}  # parameter name -> segment id
 
     def add_value(node_name: str, name: str) -> None:
@@ -317,7 +313,6 @@ def _build(
             add_value(out_node.name, name)
             outs.append(name)
             producer[name] = seg_id
-        seg_inputs[seg_id] = tuple(value_of[a.name] for a in part.inputs)
         scopes = segment_scopes[index]
         sub = part.module
         params = tuple(
@@ -337,7 +332,7 @@ def _build(
                 id=seg_id,
                 role=SegmentRole.STAGE,
                 tags=Tags(tuple((s.tag, s.index) for s in scopes)),
-                inputs=seg_inputs[seg_id],
+                inputs=tuple(value_of[a.name] for a in part.inputs),
                 outputs=tuple(outs),
                 params=params,
                 code=CodeRef(CODE_FORMAT, 1, digest),
@@ -372,7 +367,6 @@ def _build(
         Segment(LOSS, SegmentRole.LOSS, Tags(), tuple(model_outputs) + tuple(target_names), (), (), None)
     )
     modules[LOSS] = loss_module
-    seg_inputs[LOSS] = tuple(model_outputs) + tuple(target_names)
 
     # Gradient values: one per value that carries a gradient between segments.
     for name in list(values):
@@ -380,42 +374,5 @@ def _build(
         if meta.requires_grad and name in producer:
             values[f"grad:{name}"] = Value(f"grad:{name}", meta)
 
-    graph = _training_graph(segments, values, producer, seg_inputs, inputs, target_names)
+    graph = training_graph(segments, list(values.values()), [f"input:{i}" for i in range(len(inputs))], target_names)
     return CapturedModel(graph=validate(graph), modules=modules, batch_size=batch)
-
-
-def _training_graph(
-    segments: list[Segment],
-    values: dict[str, Value],
-    producer: dict[str, str],
-    seg_inputs: dict[str, tuple[str, ...]],
-    inputs: tuple[torch.Tensor, ...],
-    targets: list[str],
-) -> Graph:
-    nodes: list[Node] = []
-    edges: list[Edge] = []
-    for seg in segments:
-        nodes.append(Node(f"F.{seg.id}", NodeKind.COMPUTE, seg.id, Phase.F, tags=seg.tags))
-        nodes.append(Node(f"B.{seg.id}", NodeKind.COMPUTE, seg.id, Phase.B, tags=seg.tags))
-        edges.append(Edge(f"F.{seg.id}", f"B.{seg.id}"))
-        if seg.params:
-            nodes.append(Node(f"OPT.{seg.id}", NodeKind.OPTIMIZER, seg.id, Phase.OPT, tags=seg.tags))
-            edges.append(Edge(f"B.{seg.id}", f"OPT.{seg.id}"))
-    for seg in segments:
-        seen: set[str] = set()
-        for v in seg_inputs[seg.id]:
-            src = producer.get(v)
-            if src is None or v in seen:
-                continue
-            seen.add(v)
-            edges.append(Edge(f"F.{src}", f"F.{seg.id}", value=v))
-            if values[v].meta.requires_grad:
-                edges.append(Edge(f"B.{seg.id}", f"B.{src}", value=f"grad:{v}"))
-    return Graph(
-        segments=tuple(segments),
-        values=tuple(values.values()),
-        nodes=tuple(nodes),
-        edges=tuple(edges),
-        inputs=tuple(f"input:{i}" for i in range(len(inputs))),
-        targets=tuple(targets),
-    )

@@ -14,7 +14,8 @@ This module imports only ``piper_ir``.
 
 from __future__ import annotations
 
-from piper_ir import Edge, Graph, Node, NodeKind, Phase, Segment, SegmentRole, Tags, TensorMeta, Value
+from piper_directives.training_graph import training_graph
+from piper_ir import Graph, Segment, SegmentRole, Tags, TensorMeta, Value
 
 LOSS = "loss"
 
@@ -69,24 +70,4 @@ def synthetic_graph(
     # capture adds gradient values after all others, in value order, for produced values.
     values += [Value(f"grad:v:s{k}", activation) for k in range(count)]
 
-    nodes: list[Node] = []
-    edges: list[Edge] = []
-    for seg in segments:
-        nodes.append(Node(f"F.{seg.id}", NodeKind.COMPUTE, seg.id, Phase.F, tags=seg.tags))
-        nodes.append(Node(f"B.{seg.id}", NodeKind.COMPUTE, seg.id, Phase.B, tags=seg.tags))
-        edges.append(Edge(f"F.{seg.id}", f"B.{seg.id}"))
-        if seg.params:
-            nodes.append(Node(f"OPT.{seg.id}", NodeKind.OPTIMIZER, seg.id, Phase.OPT, tags=seg.tags))
-            edges.append(Edge(f"B.{seg.id}", f"OPT.{seg.id}"))
-    for prev, seg in zip(segments, segments[1:], strict=False):  # the chain, loss last
-        src, v = prev.id, f"v:{prev.id}"
-        edges.append(Edge(f"F.{src}", f"F.{seg.id}", value=v))
-        edges.append(Edge(f"B.{seg.id}", f"B.{src}", value=f"grad:{v}"))
-    return Graph(
-        segments=tuple(segments),
-        values=tuple(values),
-        nodes=tuple(nodes),
-        edges=tuple(edges),
-        inputs=("input:0",),
-        targets=("target:0",),
-    )
+    return training_graph(segments, values, ["input:0"], ["target:0"])
