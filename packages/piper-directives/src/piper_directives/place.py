@@ -12,13 +12,13 @@ the model's output.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 
 from piper_directives.source import user_location
-from piper_ir import DirectiveError, Edge, Filter, Graph, NodeKind, SegmentRole
+from piper_ir import DirectiveError, Edge, Filter, Graph, NodeKind, Segment, SegmentRole
 
 if TYPE_CHECKING:
     from piper_directives.replicate import Replicate
@@ -177,3 +177,31 @@ def insert_communication(graph: Graph, streams: dict[str, str]) -> Graph:
             pairs[key] = (sid, rid)
         edges.append(Edge(pairs[key][1], e.dst, value=e.value))
     return attrs.evolve(graph, nodes=tuple(nodes), edges=tuple(edges))
+
+
+def placement_groups(graph: Graph) -> dict[str, tuple[int, ...]]:
+    """The device group of every placed segment."""
+    group: dict[str, tuple[int, ...]] = {}
+    for n in graph.nodes:
+        if n.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER) and n.segment is not None:
+            group.setdefault(n.segment, n.devices)
+    return group
+
+
+def segments_on_group(graph: Graph, directive, group: dict[str, tuple[int, ...]]) -> Iterator[Segment]:  # noqa: ANN001
+    """The segments ``directive.filter`` matches, each checked, as it is yielded, to be placed
+    on exactly ``directive.devices`` (a ``Replicate`` or ``Shard`` describes a placement)."""
+    matched = [s for s in graph.segments if _segment_matches(directive.filter, s)]
+    if not matched:
+        raise DirectiveError(f"filter {directive.filter} matches no annotated region", directive=str(directive))
+    kind = type(directive).__name__
+    for seg in matched:
+        placed = group.get(seg.id, ())
+        if placed != directive.devices:
+            raise DirectiveError(
+                f"segment {seg.id} ({seg.tags}) is placed on {list(placed)}, but {kind} names "
+                f"{list(directive.devices)}; the devices must be the placement group, in the same order",
+                directive=str(directive),
+                nodes=[f"F.{seg.id}"],
+            )
+        yield seg

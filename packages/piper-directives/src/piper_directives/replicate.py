@@ -27,9 +27,9 @@ from collections.abc import Sequence
 
 import attrs
 
-from piper_directives.place import _segment_matches, _to_filter
+from piper_directives.place import _to_filter, placement_groups, segments_on_group
 from piper_directives.source import user_location
-from piper_ir import Bucket, DirectiveError, Filter, Graph, NodeKind, Replication, Segment, SegmentRole, Value
+from piper_ir import Bucket, DirectiveError, Filter, Graph, Replication, Segment, SegmentRole, Value
 
 ZERO_LEVELS = (0, 1, 2, 3)
 DEFAULT_BUCKET_MB = 25.0
@@ -88,26 +88,15 @@ class Replicate:
 
 def replicate_all(graph: Graph, replicates: Sequence[Replicate]) -> Graph:
     """Record ``Graph.replication`` and ``Graph.buckets`` and shard the batch (module doc)."""
-    group = _placement(graph)
+    group = placement_groups(graph)
     chosen: dict[str, Replicate] = {}
     for rep in replicates:
-        matched = [s for s in graph.segments if _segment_matches(rep.filter, s)]
-        if not matched:
-            raise DirectiveError(f"filter {rep.filter} matches no annotated region", directive=str(rep))
         if len(rep.devices) < 2:
             raise DirectiveError(
                 f"Replicate needs a device group of at least two devices, got {list(rep.devices)}",
                 directive=str(rep),
             )
-        for seg in matched:
-            placed = group.get(seg.id, ())
-            if placed != rep.devices:
-                raise DirectiveError(
-                    f"segment {seg.id} ({seg.tags}) is placed on {list(placed)}, but Replicate names "
-                    f"{list(rep.devices)}; the devices must be the placement group, in the same order",
-                    directive=str(rep),
-                    nodes=[f"F.{seg.id}"],
-                )
+        for seg in segments_on_group(graph, rep, group):
             earlier = chosen.get(seg.id)
             if earlier is not None and _settings(earlier) != _settings(rep):
                 raise DirectiveError(
@@ -169,14 +158,6 @@ def make_buckets(seg: Segment, bucket_bytes: int, shards: int) -> list[Bucket]:
 
 def _settings(rep: Replicate) -> tuple:
     return (rep.zero, rep.bucket_bytes, rep.reduce_stream, rep.gather_stream)
-
-
-def _placement(graph: Graph) -> dict[str, tuple[int, ...]]:
-    group: dict[str, tuple[int, ...]] = {}
-    for n in graph.nodes:
-        if n.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER) and n.segment is not None:
-            group.setdefault(n.segment, n.devices)
-    return group
 
 
 def _shard_values(graph: Graph, replicas: int, replicates: Sequence[Replicate]) -> tuple[Value, ...]:

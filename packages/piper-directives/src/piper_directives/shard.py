@@ -26,9 +26,9 @@ from collections.abc import Sequence
 
 import attrs
 
-from piper_directives.place import _segment_matches, _to_filter
+from piper_directives.place import _to_filter, placement_groups, segments_on_group
 from piper_directives.source import user_location
-from piper_ir import DirectiveError, Filter, Graph, NodeKind, Sharding
+from piper_ir import DirectiveError, Filter, Graph, Sharding
 
 KINDS = ("tp",)
 
@@ -73,21 +73,10 @@ def shard_all(graph: Graph, shards: Sequence[Shard], replicated: Sequence[object
     strategy's ``Replicate`` directives, refused on a sharded segment."""
     if not shards:
         return graph
-    group = _placement(graph)
+    group = placement_groups(graph)
     chosen: dict[str, Shard] = {}
     for shard in shards:
-        matched = [s for s in graph.segments if _segment_matches(shard.filter, s)]
-        if not matched:
-            raise DirectiveError(f"filter {shard.filter} matches no annotated region", directive=str(shard))
-        for seg in matched:
-            placed = group.get(seg.id, ())
-            if placed != shard.devices:
-                raise DirectiveError(
-                    f"segment {seg.id} ({seg.tags}) is placed on {list(placed)}, but Shard names "
-                    f"{list(shard.devices)}; the devices must be the placement group, in the same order",
-                    directive=str(shard),
-                    nodes=[f"F.{seg.id}"],
-                )
+        for seg in segments_on_group(graph, shard, group):
             chosen.setdefault(seg.id, shard)
     loss = graph.loss_segment()
     if loss.id not in chosen:  # the loss runs, replicated, on the group of its producer
@@ -118,14 +107,6 @@ def shard_all(graph: Graph, shards: Sequence[Shard], replicated: Sequence[object
 
 def sharded_segments(graph: Graph) -> dict[str, Sharding]:
     return {s.segment: s for s in graph.sharding}
-
-
-def _placement(graph: Graph) -> dict[str, tuple[int, ...]]:
-    group: dict[str, tuple[int, ...]] = {}
-    for n in graph.nodes:
-        if n.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER) and n.segment is not None:
-            group.setdefault(n.segment, n.devices)
-    return group
 
 
 def tensor_parallel(strategy, tp: int):  # noqa: ANN001, ANN201 - Strategy in, Strategy out
