@@ -1,22 +1,44 @@
 """Per-rank memory estimates of a compiled ``Program`` (pure IR, no torch).
 
-For each rank: bytes of the parameters of the segments it runs, of their gradients, of the
-optimizer state, and the peak bytes of activations held between a forward and its backward.
-Activations are counted at segment boundaries only (the ``Segment.outputs`` value metas of
-each forward, already split per microbatch): the IR does not describe a segment's interior,
-so the figure is a lower bound that is exact in its *shape* across schedules (GPipe holds M
-microbatches, 1F1B at most the number of stages).
+``estimate_memory`` replays each rank's sequential instruction order and tracks what a runtime
+that carries the plan out holds after every instruction (and inside each collective), in the
+categories ``piper_runtime.memory.RankMemory`` measures:
 
-With data parallelism (``Program.replication``, N replicas of a segment) the model state
-follows the ZeRO level: optimizer state is one shard (``Bucket.shard_numel``) from zero 1,
-gradients from zero 2, parameters from zero 3. Two transient buffers are counted besides:
-``grad_buffer_bytes`` (zero >= 2: the full gradients of one segment, alive during a backward
-until its reduce-scatter) and ``materialized_bytes`` (zero 3: one segment's gathered
-parameters, since ``plan_memory`` frees a chain before it gathers the next). Both are the
-largest such segment on the rank. ``check_budget`` compares the total with a per-rank budget.
+- *parameters*: the parameters of every segment the rank runs (1/degree of each parameter a
+  tensor-parallel ``Sharding`` lists); one shard (``Bucket.shard_numel``, padded) per bucket
+  of a ZeRO-3 segment;
+- *gradients*: a stage segment's full gradients from its first weight-gradient pass (``B`` or
+  ``BW``) until the optimizer step; with ZeRO >= 1 a bucket's full gradients are dropped at its
+  reduce-scatter and its gradient shard lives from then until the step. ``grad_bytes`` is the
+  lasting part (full, or one shard from ZeRO-2), ``grad_buffer_bytes`` the peak of the full
+  gradients on top of it (ZeRO-2/3: one backward's gradients waiting for their
+  reduce-scatter; the plan reduce-scatters after the pass, so this is a whole segment's
+  gradients, however small the buckets);
+- *optimizer state*: 0x the parameter bytes for ``"sgd"`` (no momentum), 2x for
+  ``"adam"``/``"adamw"``; one shard from ZeRO-1. Counted as resident all step (the steady
+  state: after the first step the state lives between steps);
+- *communication*: gathered parameters (ZeRO-3, ``MATERIALIZE`` to ``FREE``; their peak is also
+  ``materialized_bytes``), collective buffers (a flattened bucket for ``ALL_REDUCE``, the
+  flattened bucket and the output shard for ``REDUCE_SCATTER``, a copy of the shard for
+  ``ALL_GATHER``), and point-to-point buffers: every sent tensor until the end of the step, a
+  receive's buffer from when it is posted (two receives ahead) until the compute that reads it;
+- *activations*: what a forward keeps until its backward (``B``, or ``BW`` after a split
+  backward), per microbatch. The IR does not describe a segment's interior, so by default
+  this is the segment's outputs (``Segment.outputs`` value metas, one replica's shard of one
+  microbatch), a lower bound that is exact in its *shape* across schedules (GPipe holds M
+  microbatches, 1F1B at most the number of stages). ``activation_bytes`` (segment id -> bytes
+  one forward keeps, e.g. profiled once on one device) replaces it per segment.
+
+``peak_bytes`` is the largest simultaneous sum of all five over the order, the figure a
+per-rank budget has to hold; ``total_bytes`` (model state plus activations, each at its own
+peak, without communication) is kept for summaries. ``check_budget`` compares the larger of
+the two with a per-rank budget.
 """
 
 from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping
 
 import attrs
 
@@ -24,10 +46,23 @@ from piper_ir import Bucket, MemoryPlanError, NodeKind, Phase, Program, SegmentR
 
 # Optimizer state per parameter byte (Adam/AdamW keep two moments).
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "adam": 2, "adamw": 2}
+# How many receives ahead a runtime posts its receive buffers (piper_runtime.worker does two).
+RECV_AHEAD = 2
+_BUCKET_KINDS = {
+    NodeKind.ALL_REDUCE,
+    NodeKind.REDUCE_SCATTER,
+    NodeKind.ALL_GATHER,
+    NodeKind.MATERIALIZE,
+    NodeKind.FREE,
+}
 
 
 @attrs.frozen
 class MemoryEstimate:
+    """One rank's estimate. The first seven fields are per-category peaks (see the module
+    docstring); ``communication_bytes`` is the peak of the communication buffers (gathered
+    parameters included) and ``peak_bytes`` the peak of everything at one moment."""
+
     rank: int
     param_bytes: int
     grad_bytes: int
@@ -35,6 +70,10 @@ class MemoryEstimate:
     peak_activation_bytes: int
     materialized_bytes: int = 0
     grad_buffer_bytes: int = 0
+    communication_bytes: int = 0
+    # A function of the fields above and the order; left out of equality so an estimate
+    # compares by its categories.
+    peak_bytes: int = attrs.field(default=0, eq=False)
 
     @property
     def model_state_bytes(self) -> int:
@@ -51,6 +90,23 @@ class MemoryEstimate:
     def total_bytes(self) -> int:
         return self.model_state_bytes + self.peak_activation_bytes
 
+    @property
+    def required_bytes(self) -> int:
+        """What ``check_budget`` compares with the budget."""
+        return max(self.total_bytes, self.peak_bytes)
+
+    def categories(self) -> dict[str, int]:
+        """The peaks in ``piper_runtime.memory.RankMemory``'s categories (gathered parameters
+        are communication there, the full gradients awaiting reduction are gradients)."""
+        return {
+            "parameters": self.param_bytes,
+            "gradients": self.grad_bytes + self.grad_buffer_bytes,
+            "optimizer_state": self.optimizer_state_bytes,
+            "communication": self.communication_bytes,
+            "activations": self.peak_activation_bytes,
+            "total": self.peak_bytes,
+        }
+
     def describe(self) -> str:
         parts = [
             ("parameters", self.param_bytes),
@@ -59,59 +115,41 @@ class MemoryEstimate:
             ("gathered parameters", self.materialized_bytes),
             ("unreduced gradients", self.grad_buffer_bytes),
             ("activations", self.peak_activation_bytes),
+            ("communication", self.communication_bytes),
         ]
-        return ", ".join(f"{name} {_mib(b)}" for name, b in parts if b)
+        text = ", ".join(f"{name} {_mib(b)}" for name, b in parts if b)
+        return text + (f"; at most {_mib(self.peak_bytes)} at once" if self.peak_bytes else "")
 
 
-def estimate_memory(program: Program, optimizer: str = "adamw") -> dict[int, MemoryEstimate]:
-    """Rank -> ``MemoryEstimate`` for ``program`` trained with ``optimizer``
-    ("sgd", "adam" or "adamw")."""
+def estimate_memory(
+    program: Program, optimizer: str = "adamw", *, activation_bytes: Mapping[str, int] | None = None
+) -> dict[int, MemoryEstimate]:
+    """Rank -> ``MemoryEstimate`` for ``program`` trained with ``optimizer`` ("sgd", "adam" or
+    "adamw"); ``activation_bytes`` optionally gives, per segment id, the bytes one forward of
+    one microbatch (one replica's shard) keeps for its backward."""
     if optimizer not in OPTIMIZER_STATE_FACTOR:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZER_STATE_FACTOR)}")
-    factor = OPTIMIZER_STATE_FACTOR[optimizer]
-    zero = {r.segment: r.zero for r in program.replication}
-    buckets: dict[str, list[Bucket]] = {}
-    for b in program.buckets:
-        buckets.setdefault(b.segment, []).append(b)
-    out: dict[int, MemoryEstimate] = {}
-    for plan in program.ranks:
-        params = grads = state = gathered = unreduced = 0
-        for seg_id in plan.segments():
-            seg = program.segment_by_id[seg_id]
-            full = sum(meta.nbytes() for _, meta in seg.params)
-            level = zero.get(seg_id, 0) if seg_id in buckets else 0
-            shard = sum(_bytes(b, b.shard_numel) for b in buckets.get(seg_id, ()))
-            padded = sum(_bytes(b, b.padded_numel) for b in buckets.get(seg_id, ()))
-            params += shard if level >= 3 else full
-            if level >= 3:
-                gathered = max(gathered, padded)
-            if seg.role is not SegmentRole.STAGE:
-                continue
-            grads += shard if level >= 2 else full
-            if level >= 2:
-                unreduced = max(unreduced, padded)
-            state += factor * (shard if level >= 1 else full)
-        out[plan.rank] = MemoryEstimate(
-            rank=plan.rank,
-            param_bytes=params,
-            grad_bytes=grads,
-            optimizer_state_bytes=state,
-            peak_activation_bytes=_peak_activations(program, plan.rank),
-            materialized_bytes=gathered,
-            grad_buffer_bytes=unreduced,
-        )
-    return out
+    return {
+        plan.rank: _RankReplay(program, plan.rank, OPTIMIZER_STATE_FACTOR[optimizer], activation_bytes).run()
+        for plan in program.ranks
+    }
 
 
-def check_budget(program: Program, budget_bytes: int, optimizer: str = "adamw") -> dict[int, MemoryEstimate]:
+def check_budget(
+    program: Program,
+    budget_bytes: int,
+    optimizer: str = "adamw",
+    *,
+    activation_bytes: Mapping[str, int] | None = None,
+) -> dict[int, MemoryEstimate]:
     """The estimates of ``program``; ``MemoryPlanError`` naming every rank whose estimate
-    exceeds ``budget_bytes``, with its breakdown."""
+    (``MemoryEstimate.required_bytes``) exceeds ``budget_bytes``, with its breakdown."""
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int | float) or budget_bytes <= 0:
         raise MemoryPlanError(f"the memory budget must be a positive number of bytes, got {budget_bytes!r}")
-    estimates = estimate_memory(program, optimizer)
-    over = [e for e in estimates.values() if e.total_bytes > budget_bytes]
+    estimates = estimate_memory(program, optimizer, activation_bytes=activation_bytes)
+    over = [e for e in estimates.values() if e.required_bytes > budget_bytes]
     if over:
-        lines = [f"rank {e.rank}: {_mib(e.total_bytes)} ({e.describe()})" for e in over]
+        lines = [f"rank {e.rank}: {_mib(e.required_bytes)} ({e.describe()})" for e in over]
         raise MemoryPlanError(
             f"the estimated memory of {len(over)} rank(s) exceeds the per-rank budget of {_mib(budget_bytes)}:\n    "
             + "\n    ".join(lines)
@@ -130,22 +168,146 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**16 else f"{int(nbytes)} B"
 
 
-def _peak_activations(program: Program, rank: int) -> int:
-    """Max over the rank's sequential order of the bytes of forwards not yet backwarded."""
-    live: dict[tuple[str, int | None], int] = {}
-    current = peak = 0
-    for ins in program.plan(rank).instructions:
-        if ins.kind is not NodeKind.COMPUTE:
-            continue
-        key = (ins.segment, ins.microbatch)
+class _RankReplay:
+    """Walks one rank's instructions, tracking live bytes per category (see the module
+    docstring); ``run`` returns the peaks."""
+
+    def __init__(
+        self, program: Program, rank: int, factor: int, activation_bytes: Mapping[str, int] | None
+    ) -> None:
+        self.program = program
+        self.instructions = program.plan(rank).instructions
+        self.rank = rank
+        zero = {r.segment: r.zero for r in program.replication}
+        buckets: dict[str, list[Bucket]] = {}
+        for b in program.buckets:
+            buckets.setdefault(b.segment, []).append(b)
+        self.buckets = buckets
+        # Lasting state, and per segment what a weight-gradient pass makes: the full
+        # gradients, one entry per bucket (or one for an unreplicated segment).
+        self.params = self.state = self.lasting_grads = 0
+        self.full: dict[str, dict[str, int]] = {}  # segment -> {bucket or segment: full bytes}
+        self.bucket = {b.id: b for b in program.buckets}
+        # Tensor parallelism (Program.sharding): a listed parameter is cut ``degree`` ways.
+        tp_cut = {(sh.segment, p.name): sh.degree for sh in program.sharding for p in sh.params}
+        self.zero: dict[str, int] = {}
+        for seg_id in program.plan(rank).segments():
+            seg = program.segment_by_id[seg_id]
+            level = zero.get(seg_id, 0) if seg_id in buckets else 0
+            self.zero[seg_id] = level
+            full = sum(meta.nbytes() // tp_cut.get((seg_id, name), 1) for name, meta in seg.params)
+            shard = sum(_bytes(b, b.shard_numel) for b in buckets.get(seg_id, ()))
+            self.params += shard if level >= 3 else full
+            if seg.role is not SegmentRole.STAGE or not seg.params:
+                continue
+            self.state += factor * (shard if level >= 1 else full)
+            self.lasting_grads += shard if level >= 2 else full
+            if seg_id in buckets:
+                self.full[seg_id] = {b.id: _bytes(b, b.numel) for b in buckets[seg_id]}
+            else:
+                self.full[seg_id] = {seg_id: full}
+        self.activation_bytes = dict(activation_bytes or {})
+        self.recv_positions = [k for k, ins in enumerate(self.instructions) if ins.kind is NodeKind.RECV]
+        # Live things.
+        self.grads: dict[str, int] = {}  # bucket/segment -> full gradient bytes held
+        self.grad_shards: dict[str, int] = {}  # bucket -> gradient shard bytes held
+        self.gathered: dict[str, int] = {}  # bucket -> gathered parameter bytes
+        self.acts: dict[tuple[str, int | None], int] = {}
+        self.sent = 0
+        self.received: dict[tuple[str, int | None], int] = {}  # value waiting for its reader
+        self.peaks = dict.fromkeys(("grads", "full", "comm", "acts", "gathered", "total"), 0)
+
+    def _forward_bytes(self, seg_id: str) -> int:
+        if seg_id in self.activation_bytes:
+            return int(self.activation_bytes[seg_id])
+        seg = self.program.segment_by_id[seg_id]
+        values = self.program.value_by_name
+        return sum(values[v].meta.nbytes() for v in seg.outputs if v in values)
+
+    def _sample(self, position: int, transient: int = 0) -> None:
+        full = sum(self.grads.values())
+        grads = full + sum(self.grad_shards.values())
+        gathered = sum(self.gathered.values())
+        posted = [ins.meta.nbytes() if ins.meta is not None else 0 for ins in self._pending_recvs(position)]
+        comm = gathered + transient + self.sent + sum(self.received.values()) + sum(posted)
+        acts = sum(self.acts.values())
+        peaks = self.peaks
+        peaks["grads"] = max(peaks["grads"], grads)
+        peaks["full"] = max(peaks["full"], grads - self.lasting_grads)
+        peaks["gathered"] = max(peaks["gathered"], gathered)
+        peaks["comm"] = max(peaks["comm"], comm)
+        peaks["acts"] = max(peaks["acts"], acts)
+        peaks["total"] = max(peaks["total"], self.params + self.state + grads + comm + acts)
+
+    def _pending_recvs(self, position: int) -> list:
+        """The receives posted but not yet carried out when instruction ``position`` is done:
+        the next ``RECV_AHEAD`` after it."""
+        at = bisect.bisect_right(self.recv_positions, position)
+        return [self.instructions[k] for k in self.recv_positions[at : at + RECV_AHEAD]]
+
+    def run(self) -> MemoryEstimate:
+        self._sample(-1)
+        for k, ins in enumerate(self.instructions):
+            kind = ins.kind
+            if kind is NodeKind.COMPUTE:
+                self._compute(ins)
+            elif kind is NodeKind.OPTIMIZER:
+                for key in self.full.get(ins.segment, {}):
+                    self.grads.pop(key, None)
+                    self.grad_shards.pop(key, None)
+            elif kind is NodeKind.SEND:
+                self.sent += ins.meta.nbytes() if ins.meta is not None else 0
+            elif kind is NodeKind.RECV:
+                self.received[(ins.value, ins.microbatch)] = ins.meta.nbytes() if ins.meta is not None else 0
+            elif kind in _BUCKET_KINDS:
+                self._bucket_op(k, ins)
+            elif kind is NodeKind.FREE:
+                self.gathered.pop(ins.value, None)
+            self._sample(k)
+        p = self.peaks
+        return MemoryEstimate(
+            rank=self.rank,
+            param_bytes=self.params,
+            grad_bytes=self.lasting_grads,
+            optimizer_state_bytes=self.state,
+            peak_activation_bytes=p["acts"],
+            materialized_bytes=p["gathered"],
+            grad_buffer_bytes=max(0, p["grads"] - self.lasting_grads),
+            communication_bytes=p["comm"],
+            peak_bytes=p["total"],
+        )
+
+    def _bucket_op(self, k: int, ins) -> None:  # noqa: ANN001 - an Instruction
+        b = self.bucket.get(ins.value)
+        if b is None:
+            raise MemoryPlanError(f"rank {self.rank}: {ins.id} names {ins.value!r}, which is not a bucket")
+        padded, shard = _bytes(b, b.padded_numel), _bytes(b, b.shard_numel)
+        if ins.kind is NodeKind.ALL_REDUCE:  # the flattened gradients, reduced in place
+            self._sample(k - 1, padded)
+        elif ins.kind is NodeKind.REDUCE_SCATTER:  # flattened gradients in, one shard out
+            self._sample(k - 1, padded + shard)
+            self.grads.pop(b.id, None)
+            self.grad_shards[b.id] = shard
+        elif ins.kind is NodeKind.ALL_GATHER:  # a copy of the updated shard in, the parameters out
+            self._sample(k - 1, shard)
+        elif ins.kind is NodeKind.MATERIALIZE:
+            self.gathered[b.id] = padded
+        else:  # FREE
+            self.gathered.pop(b.id, None)
+
+    def _compute(self, ins) -> None:  # noqa: ANN001 - an Instruction
+        seg = self.program.segment_by_id[ins.segment]
+        mb = ins.microbatch
+        key = (seg.id, mb)
         if ins.phase is Phase.F:
-            seg = program.segment_by_id[ins.segment]
-            size = sum(
-                program.value_by_name[v].meta.nbytes() for v in seg.outputs if v in program.value_by_name
-            )
-            live[key] = live.get(key, 0) + size
-            current += size
-            peak = max(peak, current)
-        elif ins.phase in (Phase.B, Phase.BW):  # BI keeps what BW still needs
-            current -= live.pop(key, 0)
-    return peak
+            for name in seg.inputs:  # a received input becomes the forward's saved input
+                self.received.pop((name, mb), None)
+            self.acts[key] = self.acts.get(key, 0) + self._forward_bytes(seg.id)
+            return
+        if ins.phase in (Phase.B, Phase.BI):
+            for name in seg.outputs:
+                self.received.pop(("grad:" + name, mb), None)
+        if ins.phase in (Phase.B, Phase.BW):  # BI keeps what BW still needs
+            self.acts.pop(key, None)
+            for bucket_or_seg, nbytes in self.full.get(seg.id, {}).items():
+                self.grads[bucket_or_seg] = nbytes
