@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from piper_directives import Place, Shard, Split, Strategy, expert_parallel, one_f_one_b
+from piper_directives import Place, Replicate, Shard, Split, Strategy, expert_parallel, one_f_one_b
 from piper_ir import NodeKind
 from piper_runtime import OptimizerSpec
 from piper_train.check import run_check
@@ -77,3 +77,17 @@ def test_pp2_ep2_1f1b_matches_single_device():
     program = report.program
     assert (program.world_size, program.replicas) == (4, 2)
     assert {c.id for c in program.communicators} >= {"ep:0-1", "ep:2-3", "dp:0-1", "dp:2-3", "pp.fwd", "pp.bwd"}
+
+
+def test_ep2_with_zero1_on_non_expert_weights_matches_single_device():
+    workload = build_model("moe", stages=1, seed=4, dtype=torch.float64)
+    _assert_uneven(workload)
+    strategy = Strategy([
+        Split(2), Place({"PP": 0}, (0, 1)), Replicate({"PP": 0}, (0, 1), zero=1), Shard({"PP": 0}, (0, 1), kind="ep"),
+    ])
+    report = run_check(workload, strategy, optimizer=ADAMW, rtol=RTOL, atol=ATOL)
+    assert report.ok, report.failures()
+    program = report.program
+    assert {(r.segment, r.zero) for r in program.replication} >= {("s0", 1)}
+    assert all(b.shards == 2 for b in program.buckets)
+    assert not {p.name for sh in program.sharding for p in sh.params} & {n for b in program.buckets for n in b.params}
