@@ -6,7 +6,17 @@ import pytest
 import torch
 from torch import nn
 
-from piper_directives import Place, Shard, Split, Strategy, annotate, capture, expert_parallel, one_f_one_b, shard_modules
+from piper_directives import (
+    Place,
+    Shard,
+    Split,
+    Strategy,
+    annotate,
+    capture,
+    expert_parallel,
+    one_f_one_b,
+    shard_modules,
+)
 from piper_directives.expert_code import ExpertParallelComm
 from piper_ir import DirectiveError, from_json, to_json
 
@@ -30,7 +40,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Experts(num, d) for _ in range(blocks))
 
     def forward(self, x):
-        for router, experts in zip(self.routers, self.experts):
+        for router, experts in zip(self.routers, self.experts, strict=True):
             with annotate("PP"):
                 gate, ids = router(x).max(dim=-1)
                 order = torch.argsort(ids, stable=True)

@@ -177,7 +177,7 @@ def _rewrite(module: torch.fx.GraphModule, sh: Sharding) -> tuple[torch.fx.Graph
         call.args = (parts[0], parts[1], *call.args[2:])
         with g.inserting_after(call):
             combined = g.call_module(comm, ("combine", call, *parts[2:]))
-        call.replace_all_uses_with(combined, delete_user_cb=lambda user: user is not combined)
+        call.replace_all_uses_with(combined, delete_user_cb=lambda user, keep=combined: user is not keep)
     g.lint()
     gm.recompile()
     return gm, tuple(params), len(calls)

@@ -1,4 +1,7 @@
-"""``Shard``: tensor parallelism over the device group a ``Place`` made.
+"""``Shard``: tensor (``kind="tp"``) or expert (``kind="ep"``) parallelism over the device
+group a ``Place`` made. This docstring describes ``tp``; for ``ep`` (the group stays
+data-parallel for the non-expert weights) see ``_shard_experts`` and
+docs/ir-conventions.md, section 9.
 
 ``Shard(filter, devices, kind="tp")`` says that the regions matched by ``filter``, placed on
 ``devices``, run SPMD as one tensor-parallel group: every rank of the group sees the *same*
