@@ -4,7 +4,8 @@ The MoE model (``build_model("moe")``: per region a projection and a residual Mo
 a top-2 softmax router over 4 experts and a shared expert) runs with EP=2 (each rank a
 data-parallel replica of the router, projections and shared expert, holding 2 of the 4
 experts; tokens dispatched and combined with uneven all-to-alls) and composed with PP=2
-under 1F1B. The oracle is ``piper_train.check.run_check`` over 3 AdamW steps in fp64: every
+under 1F1B and DualPipeV, with EP=4 (one expert per rank) and with ZeRO-1 on the
+non-expert weights. The oracle is ``piper_train.check.run_check`` over 3 AdamW steps in fp64: every
 microbatch loss, every gradient (expert gradients gathered to full stacked weights) and
 every parameter after the last step. The routing of the test data is checked to be uneven,
 so the all-to-alls really move different amounts per rank.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from piper_directives import Place, Replicate, Shard, Split, Strategy, expert_parallel, one_f_one_b
+from piper_directives import Place, Replicate, Shard, Split, Strategy, dualpipev, expert_parallel, one_f_one_b
 from piper_ir import NodeKind
 from piper_runtime import OptimizerSpec
 from piper_train.check import run_check
@@ -91,3 +92,21 @@ def test_ep2_with_zero1_on_non_expert_weights_matches_single_device():
     assert {(r.segment, r.zero) for r in program.replication} >= {("s0", 1)}
     assert all(b.shards == 2 for b in program.buckets)
     assert not {p.name for sh in program.sharding for p in sh.params} & {n for b in program.buckets for n in b.params}
+
+
+def test_ep4_one_expert_per_rank_matches_single_device():
+    workload = build_model("moe", stages=1, seed=3, dtype=torch.float64)
+    _assert_uneven(workload)  # with one expert per rank, uneven per-expert counts = uneven splits
+    devices = (0, 1, 2, 3)
+    strategy = Strategy([Split(2), Place({"PP": 0}, devices), Shard({"PP": 0}, devices, kind="ep")])
+    report = run_check(workload, strategy, optimizer=ADAMW, rtol=RTOL, atol=ATOL)
+    assert report.ok, report.failures()
+    assert (report.program.world_size, report.program.replicas) == (4, 4)
+
+
+def test_pp2_ep2_dualpipev_matches_single_device():
+    workload = build_model("moe", stages=4, seed=5, dtype=torch.float64)
+    _assert_uneven(workload)
+    report = run_check(workload, expert_parallel(dualpipev(2, 4), 2), optimizer=ADAMW, rtol=RTOL, atol=ATOL)
+    assert report.ok, report.failures()
+    assert {c.id for c in report.program.communicators} >= {"ep:0-1", "ep:2-3"}
