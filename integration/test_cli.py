@@ -59,6 +59,15 @@ def test_check_a_user_factory_with_two_regions_per_rank():
     assert "largest grad  difference" in done.stderr and "PASS" in done.stderr
 
 
+def test_check_moe_with_expert_parallelism():
+    done = piper("check", "--model", "moe", "--pp", "2", "--ep", "2", "--microbatches", "2", "--steps", "2",
+                 "--optimizer", "sgd", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["ok"], report
+    assert "ep=2" in done.stderr and "PASS" in done.stderr
+
+
 def test_check_fails_on_a_real_difference():
     done = piper("check", "--model", f"{USER_MODEL}:noisy", "--pp", "5", "--microbatches", "2", "--steps", "1")
     assert done.returncode == 1, done.stderr

@@ -195,7 +195,7 @@ def test_replicate_with_shard_is_not_supported_yet() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"devices": (0,)}, "at least two devices"), ({"devices": (0, 1), "kind": "ep"}, "kind must be one of")],
+    [({"devices": (0,)}, "at least two devices"), ({"devices": (0, 1), "kind": "xp"}, "kind must be one of")],
 )
 def test_bad_shard_arguments(kwargs: dict, message: str) -> None:
     with pytest.raises(DirectiveError, match=message):

@@ -73,3 +73,29 @@ def test_bad_tp_flags(argv: list[str], message: str, capsys: pytest.CaptureFixtu
         main(argv)
     assert err.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_ep_composes_with_a_schedule_and_a_strategy_file() -> None:
+    from piper_directives import Shard
+
+    args = argparse.Namespace(dp=1, zero=0, tp=1, ep=2)
+    built = _replicated(args, lambda stages: one_f_one_b(2, 4, stages=stages))(2)
+    assert [d.devices for d in built.directives if isinstance(d, Place)] == [(0, 1), (2, 3)]
+    assert [(d.devices, d.kind) for d in built.directives if isinstance(d, Shard)] == [((0, 1), "ep"), ((2, 3), "ep")]
+    from_file = _replicated(args, Strategy.from_json(one_f_one_b(2, 4).to_json()))
+    assert isinstance(from_file, Strategy) and sum(isinstance(d, Shard) for d in from_file.directives) == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["check", "--ep", "0"], "--ep must be >= 1"),
+        (["train", "--ep", "2", "--dp", "2"], "--ep combines with --pp only"),
+        (["train", "--ep", "2", "--tp", "2"], "--ep combines with --pp only"),
+    ],
+)
+def test_bad_ep_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    assert err.value.code == 2
+    assert message in capsys.readouterr().err

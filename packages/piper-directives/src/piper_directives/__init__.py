@@ -23,7 +23,7 @@ from piper_directives.schedules import (
     rank_actions,
     zb1p,
 )
-from piper_directives.shard import Shard, shard_all, tensor_parallel
+from piper_directives.shard import Shard, expert_parallel, shard_all, tensor_parallel
 from piper_directives.split import Split
 from piper_directives.split_backward import requested_splits, split_backward
 from piper_directives.strategy import Directive, Strategy, apply_strategy
@@ -53,5 +53,5 @@ __all__ = [
     "SCHEDULES", "CapturedModel", "Directive", "LossModule", "Order", "Place", "Replicate", "Shard", "Split", "Strategy",
     "annotate", "apply_strategy", "build_schedule", "capture", "data_parallel", "dualpipe", "dualpipev", "gpipe",
     "insert_communication", "interleaved_1f1b", "one_f_one_b", "place_all", "rank_actions", "replicate_all",
-    "requested_splits", "shard_all", "shard_modules", "split_backward", "strategy_from_torch_csv", "strategy_to_torch_csv", "tensor_parallel", "zb1p",
+    "expert_parallel", "requested_splits", "shard_all", "shard_modules", "split_backward", "strategy_from_torch_csv", "strategy_to_torch_csv", "tensor_parallel", "zb1p",
 ]

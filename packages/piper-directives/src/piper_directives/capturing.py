@@ -71,6 +71,11 @@ class _ScopeTracer(torch.fx.Tracer):
         node.meta["piper_scopes"] = current_scopes()
         return node
 
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        # An expert module (``piper_experts = True``) stays one call, so the expert-parallel
+        # rewrite (piper_directives.expert_code) can route tokens around it.
+        return bool(getattr(m, "piper_experts", False)) or super().is_leaf_module(m, module_qualified_name)
+
 
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 

@@ -107,7 +107,9 @@ def replicate_all(graph: Graph, replicates: Sequence[Replicate]) -> Graph:
             chosen[seg.id] = rep
     replication: list[Replication] = []
     buckets: list[Bucket] = []
-    sharded = {s.segment for s in graph.sharding}  # tensor-parallel groups: no replicas to sync
+    # Tensor-parallel groups have no replicas to sync; expert-parallel ones are data-parallel
+    # replicas (their experts leave the buckets once known: expert_code.shard_experts).
+    sharded = {s.segment for s in graph.sharding if s.kind == "tp"}
     for seg in graph.segments:
         devices = group.get(seg.id, ())
         if len(devices) < 2 or seg.id in sharded:

@@ -1,4 +1,7 @@
-"""``Shard``: tensor parallelism over the device group a ``Place`` made.
+"""``Shard``: tensor (``kind="tp"``) or expert (``kind="ep"``) parallelism over the device
+group a ``Place`` made. This docstring describes ``tp``; for ``ep`` (the group stays
+data-parallel for the non-expert weights) see ``_shard_experts`` and
+docs/ir-conventions.md, section 9.
 
 ``Shard(filter, devices, kind="tp")`` says that the regions matched by ``filter``, placed on
 ``devices``, run SPMD as one tensor-parallel group: every rank of the group sees the *same*
@@ -28,9 +31,9 @@ import attrs
 
 from piper_directives.place import _to_filter, placement_groups, segments_on_group
 from piper_directives.source import user_location
-from piper_ir import DirectiveError, Filter, Graph, Sharding
+from piper_ir import DirectiveError, Filter, Graph, SegmentRole, Sharding
 
-KINDS = ("tp",)
+KINDS = ("tp", "ep")
 
 
 def _devices(value: object) -> tuple[int, ...]:
@@ -39,9 +42,12 @@ def _devices(value: object) -> tuple[int, ...]:
 
 @attrs.frozen
 class Shard:
-    """Run the regions matched by ``filter`` (placed on ``devices``) tensor-parallel over
-    ``devices``: Megatron-style column/row-parallel Linear pairs, attention heads and MLP
-    hidden units split across the group."""
+    """Run the regions matched by ``filter`` (placed on ``devices``) sharded over ``devices``.
+
+    ``kind="tp"``: tensor-parallel, Megatron-style column/row-parallel Linear pairs,
+    attention heads and MLP hidden units split across the group. ``kind="ep"``: expert
+    parallel, the ranks are data-parallel replicas of everything but the experts, each
+    holding ``E / N`` experts, tokens routed to them with all-to-alls."""
 
     filter: Filter = attrs.field(converter=_to_filter)
     devices: tuple[int, ...] = attrs.field(converter=_devices)
@@ -51,7 +57,7 @@ class Shard:
     def __attrs_post_init__(self) -> None:
         if self.kind not in KINDS:
             raise DirectiveError(
-                f"kind must be one of {list(KINDS)}, got {self.kind!r} (expert parallelism is not built yet)",
+                f"kind must be one of {list(KINDS)}, got {self.kind!r}",
                 directive=str(self),
             )
         if len(self.devices) < 2:
@@ -70,9 +76,16 @@ class Shard:
 
 def shard_all(graph: Graph, shards: Sequence[Shard], replicated: Sequence[object] = ()) -> Graph:
     """Record ``Graph.sharding`` for ``shards`` (module doc); ``replicated`` are the
-    strategy's ``Replicate`` directives, refused on a sharded segment."""
+    strategy's ``Replicate`` directives, refused on a tensor-parallel segment."""
     if not shards:
         return graph
+    kinds = {s.kind for s in shards}
+    if len(kinds) > 1:
+        raise DirectiveError(
+            "tensor and expert parallelism in one strategy are not supported yet", directive=str(shards[0])
+        )
+    if kinds == {"ep"}:
+        return _shard_experts(graph, shards)
     group = placement_groups(graph)
     chosen: dict[str, Shard] = {}
     for shard in shards:
@@ -99,6 +112,24 @@ def shard_all(graph: Graph, shards: Sequence[Shard], replicated: Sequence[object
         )
     sharding = tuple(
         Sharding(seg.id, chosen[seg.id].devices, chosen[seg.id].kind, chosen[seg.id].degree, origin=str(chosen[seg.id]))
+        for seg in graph.segments
+        if seg.id in chosen
+    )
+    return attrs.evolve(graph, sharding=sharding)
+
+
+def _shard_experts(graph: Graph, shards: Sequence[Shard]) -> Graph:
+    """Expert parallelism: one ``Sharding(kind="ep")`` per matched stage segment. The group
+    stays a data-parallel group for everything else (``replicate_all`` replicates it, the
+    batch is sharded), so the loss and unsharded segments need nothing here."""
+    group = placement_groups(graph)
+    chosen: dict[str, Shard] = {}
+    for shard in shards:
+        for seg in segments_on_group(graph, shard, group):
+            if seg.role is SegmentRole.STAGE:
+                chosen.setdefault(seg.id, shard)
+    sharding = tuple(
+        Sharding(seg.id, chosen[seg.id].devices, "ep", chosen[seg.id].degree, origin=str(chosen[seg.id]))
         for seg in graph.segments
         if seg.id in chosen
     )
@@ -141,3 +172,36 @@ def tensor_parallel(strategy, tp: int):  # noqa: ANN001, ANN201 - Strategy in, S
             out.append(d)
     return Strategy([*out, *shards])
 
+
+
+def expert_parallel(strategy, ep: int):  # noqa: ANN001, ANN201 - Strategy in, Strategy out
+    """``strategy``, a pipeline-only program over ``pp`` devices, with every region run
+    expert-parallel over ``ep`` adjacent devices: ``Place(filter, (r,))`` becomes
+    ``Place(filter, (r*ep, ..., r*ep + ep - 1))`` plus a ``Shard(kind="ep")`` over that group
+    (the group is data-parallel for the non-expert weights; its all-to-alls stay within a
+    stage's adjacent ranks). Split and Order stay as they are."""
+    from piper_directives.place import Place
+    from piper_directives.replicate import Replicate
+    from piper_directives.strategy import Strategy
+
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise DirectiveError(f"expert_parallel: ep must be a positive int, got {ep!r}")
+    if ep == 1:
+        return strategy
+    out: list = []
+    shards: list = []
+    for d in strategy.directives:
+        if isinstance(d, Place):
+            if len(d.devices) != 1:
+                raise DirectiveError(
+                    "expert_parallel: the strategy is already replicated or sharded (a Place names several devices)",
+                    directive=str(d),
+                )
+            group = tuple(d.devices[0] * ep + j for j in range(ep))
+            out.append(Place(d.filter, group, d.stream, where=d.where))
+            shards.append(Shard(d.filter, group, kind="ep", where=d.where))
+        elif isinstance(d, Replicate | Shard):
+            raise DirectiveError("expert_parallel: the strategy already has a Replicate or Shard", directive=str(d))
+        else:
+            out.append(d)
+    return Strategy([*out, *shards])

@@ -117,11 +117,16 @@ class _Pair:
 
 def shard_modules(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph, dict[str, nn.Module]]:
     """``graph`` with each ``Sharding``'s ``params`` and ``collectives`` filled in, and the
-    segment modules with tensor-parallel code (module doc). Unsharded segments keep their
+    segment modules with tensor-parallel code (module doc); expert-parallel shardings go
+    to ``piper_directives.expert_code.shard_experts``. Unsharded segments keep their
     modules; the given modules are not changed."""
     out = dict(modules)
     if not graph.sharding:
         return graph, out
+    if any(sh.kind == "ep" for sh in graph.sharding):
+        from piper_directives.expert_code import shard_experts
+
+        return shard_experts(graph, modules)
     records: list[Sharding] = []
     pairs_by_origin: dict[str | None, int] = {}
     for sh in graph.sharding:

@@ -202,11 +202,16 @@ class ParamShard:
 
 @attrs.frozen
 class Sharding:
-    """A segment run SPMD on a tensor-parallel group (``Shard``): every rank of ``devices``
-    sees the same data and holds a shard of the parameters listed in ``params`` (the others
-    are replicated and stay equal without communication). ``collectives`` counts the
-    all-reduces one forward issues on the group's ``tp`` communicator (backward issues its
-    own, in the same order on every member); 0 for a segment with nothing to shard.
+    """A segment run SPMD on a sharded group (``Shard``).
+
+    ``kind="tp"``: tensor parallelism; every rank of ``devices`` sees the same data and holds
+    a shard of the parameters listed in ``params`` (the others are replicated and stay equal
+    without communication). ``collectives`` counts the all-reduces one forward issues on the
+    group's ``tp`` communicator (backward issues its own, in the same order on every member);
+    0 for a segment with nothing to shard. ``kind="ep"``: expert parallelism; the ranks are
+    data-parallel replicas (a ``Replication`` keeps the rest in sync), ``params`` are the
+    expert parameters (cut on dimension 0) and ``collectives`` counts the expert calls, each
+    issuing its all-to-alls on the group's ``ep`` communicator.
     """
 
     segment: str

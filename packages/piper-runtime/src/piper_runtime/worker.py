@@ -217,12 +217,17 @@ class RankWorker:
             raise ExecutionError(f"rank {rank}: no module for segments {missing}", ranks=(rank,))
         self._modules = {s: modules[s].to(self.device) for s in mine}
         self._setup_sharding(mine)
+        self._expert_params = {
+            sh.segment: tuple(spec.name for spec in sh.params) for sh in program.sharding if sh.kind == "ep"
+        }
         self._setup_buckets(mine)
         self._optimizers = {}
         for sid in mine:
             if self._zero.get(sid, 0) >= 1:
                 # Only this replica's shards are trained here: the optimizer state is sharded.
                 params = [b.shard for b in self._buckets.values() if b.bucket.segment == sid]
+                module = self._modules[sid]
+                params += [module.get_parameter(n) for n in self._expert_params.get(sid, ())]
             else:
                 params = [p for p in self._modules[sid].parameters() if p.requires_grad]
             if program.segment_by_id[sid].role is SegmentRole.STAGE and params:
@@ -294,18 +299,18 @@ class RankWorker:
                     p.data = shard_tensor(p.data, spec, sh.degree, tp_rank)
 
     def _bind_tensor_parallel(self, mine: tuple[str, ...]) -> None:
-        """Hand each tensor-parallel segment's module the process group of its ``tp``
+        """Hand each sharded segment's module the process group of its ``tp`` (or ``ep``)
         communicator: every submodule with a ``bind_communicator`` method gets it."""
         for sh in self.program.sharding:
             if sh.segment not in mine or not sh.collectives:
                 continue
             comm = next(
-                (c for c in self.program.communicators if c.traffic == "tp" and tuple(c.ranks) == tuple(sh.devices)),
+                (c for c in self.program.communicators if c.traffic == sh.kind and tuple(c.ranks) == tuple(sh.devices)),
                 None,
             )
             if comm is None:
                 raise ExecutionError(
-                    f"rank {self.rank}: no tp communicator over {list(sh.devices)} for segment {sh.segment}",
+                    f"rank {self.rank}: no {sh.kind} communicator over {list(sh.devices)} for segment {sh.segment}",
                     ranks=(self.rank,),
                 )
             bound = 0
@@ -339,7 +344,8 @@ class RankWorker:
             self._zero[sid] = rep.zero
             replica = rep.devices.index(rank)
             named = dict(self._modules[sid].named_parameters())
-            covered: set[str] = set()
+            # Expert-parallel parameters live on one rank each: no bucket, no reduction.
+            covered: set[str] = set(self._expert_params.get(sid, ()))
             for bucket in program.buckets:
                 if bucket.segment != sid:
                     continue
@@ -589,6 +595,11 @@ class RankWorker:
                     g = b.shard.grad
                     g = torch.zeros_like(b.shard) if g is None else g
                     st.grad_shards[b.bucket.id] = (b.replica, g.detach().to("cpu", copy=True))
+                module = self._modules[ins.segment]
+                for qname in self._expert_params.get(ins.segment, ()):
+                    g = module.get_parameter(qname).grad
+                    if g is not None:
+                        st.grads[qname] = g.detach().to("cpu", copy=True)
             else:
                 for qname, p in self._modules[ins.segment].named_parameters():
                     if p.grad is not None:

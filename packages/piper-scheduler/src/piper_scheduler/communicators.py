@@ -11,7 +11,8 @@ another), ranks in replica order, traffic ``dp``. A stream's instructions run in
 so one communicator per stream keeps its collectives in one order on every member.
 
 Tensor-parallel segments (``Graph.sharding``) get one communicator per device group,
-``tp:<r0>-<r1>-...`` (traffic ``tp``): the all-reduces inside their compute run on it. Every
+``tp:<r0>-<r1>-...`` (traffic ``tp``): the all-reduces inside their compute run on it;
+expert-parallel ones get ``ep:<r0>-<r1>-...`` (traffic ``ep``) for their all-to-alls. Every
 compute instruction of such a segment that issues collectives names it.
 """
 
@@ -42,15 +43,17 @@ def group_communicator(stream: str, devices: Sequence[int]) -> str:
     return f"{prefix}:{'-'.join(map(str, devices))}"
 
 
-def tp_communicator(devices: Sequence[int]) -> str:
-    """The communicator id of a tensor-parallel group's collectives."""
-    return f"tp:{'-'.join(map(str, devices))}"
+def tp_communicator(devices: Sequence[int], kind: str = "tp") -> str:
+    """The communicator id of a sharded group's collectives inside compute: ``tp:...`` for
+    tensor parallelism, ``ep:...`` for the all-to-alls of expert parallelism."""
+    return f"{kind}:{'-'.join(map(str, devices))}"
 
 
 def communicators_for(graph: Graph) -> tuple[Communicator, ...]:
     """One communicator per traffic class the graph's SEND nodes use, in a fixed order, then
     one per (stream, device group) of its collectives, in order of first use in the graph,
-    then one per tensor-parallel group whose segments issue collectives."""
+    then one per tensor- or expert-parallel group whose segments issue collectives (traffic
+    ``tp`` or ``ep``)."""
     used = {communicator_for(n.value or "") for n in graph.nodes if n.kind is NodeKind.SEND}
     ranks = tuple(range(graph.world_size))
     out = [Communicator(c, ranks, _TRAFFIC[c]) for c in (PP_FWD, PP_BWD) if c in used]
@@ -59,9 +62,9 @@ def communicators_for(graph: Graph) -> tuple[Communicator, ...]:
         if n.kind in GROUP_COMM_KINDS:
             groups.setdefault(group_communicator(n.stream, n.devices), n.devices)
     out += [Communicator(c, ranks, "dp") for c, ranks in groups.items()]
-    tp: dict[str, tuple[int, ...]] = {}
+    tp: dict[str, tuple[tuple[int, ...], str]] = {}
     for sh in graph.sharding:
         if sh.collectives:
-            tp.setdefault(tp_communicator(sh.devices), sh.devices)
-    out += [Communicator(c, ranks, "tp") for c, ranks in tp.items()]
+            tp.setdefault(tp_communicator(sh.devices, sh.kind), (sh.devices, sh.kind))
+    out += [Communicator(c, ranks, kind) for c, (ranks, kind) in tp.items()]
     return tuple(out)

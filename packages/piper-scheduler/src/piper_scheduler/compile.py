@@ -228,9 +228,10 @@ def _buckets(graph: Graph) -> dict:
 
 
 def _degree(graph: Graph, segment: str | None) -> int:
-    """The tensor-parallel degree of ``segment`` (1 unless it is sharded)."""
+    """The tensor-parallel degree of ``segment`` (1 unless it is tensor-sharded; the ranks
+    of an expert-parallel group are data-parallel replicas)."""
     for sh in graph.sharding:
-        if sh.segment == segment:
+        if sh.segment == segment and sh.kind == "tp":
             return sh.degree
     return 1
 
@@ -330,10 +331,11 @@ def _instruction(
         meta = TensorMeta((bucket.padded_numel,), bucket.dtype)
         communicator = None if n.kind is NodeKind.FREE else group_communicator(n.stream, n.devices)
     if n.kind is NodeKind.COMPUTE and n.phase is not None:
-        # A tensor-parallel segment's compute issues all-reduces on its group inside.
+        # A tensor-parallel segment's compute issues all-reduces on its group inside, an
+        # expert-parallel one all-to-alls.
         sh = next((sh for sh in graph.sharding if sh.segment == n.segment and sh.collectives), None)
         if sh is not None:
-            communicator = tp_communicator(sh.devices)
+            communicator = tp_communicator(sh.devices, sh.kind)
     if p2p:
         value = graph.value_by_name.get(n.value or "")
         if value is None:

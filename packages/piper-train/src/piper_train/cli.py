@@ -16,7 +16,7 @@ from piper_runtime import OptimizerSpec
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="lm", help="mlp, transformer, lm, or path/to/file.py:factory (default: lm)")
+    p.add_argument("--model", default="lm", help="mlp, transformer, lm, moe, or path/to/file.py:factory (default: lm)")
     p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="pipeline schedule (default: 1f1b)")
     p.add_argument("--strategy", type=Path, help=_STRATEGY_HELP)
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (default: 2)")
@@ -27,6 +27,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO level with --dp > 1 (default: 0)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks per pipeline stage (Megatron-style Shard); devices = pp x tp (default: 1)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks per pipeline stage (Shard kind='ep': data-parallel for non-expert "
+                        "weights, experts split across the group); devices = pp x ep (default: 1)")
     p.add_argument("--memory-budget-mb", type=float, default=None,
                    help="fail at compile time if a rank's estimated memory exceeds this many MiB")
     p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw"], help="(default: adamw)")
@@ -76,9 +79,15 @@ def _strategy(args: argparse.Namespace):  # noqa: ANN202
 
 
 def _replicated(args: argparse.Namespace, strategy):  # noqa: ANN001, ANN202
-    """``_strategy``'s result with ``--tp`` (``tensor_parallel``) or ``--dp``/``--zero``
-    (``data_parallel``) applied: a library schedule or the user's own pipeline-only strategy
-    file alike."""
+    """``_strategy``'s result with ``--tp`` (``tensor_parallel``), ``--ep``
+    (``expert_parallel``) or ``--dp``/``--zero`` (``data_parallel``) applied: a library
+    schedule or the user's own pipeline-only strategy file alike."""
+    if getattr(args, "ep", 1) > 1:
+        from piper_directives import expert_parallel
+
+        if isinstance(strategy, Strategy):
+            return expert_parallel(strategy, args.ep)
+        return lambda stages: expert_parallel(strategy(stages), args.ep)
     if getattr(args, "tp", 1) > 1:
         from piper_directives import tensor_parallel
 
@@ -113,7 +122,7 @@ def _train(args: argparse.Namespace) -> int:
 
     workload = load_workload(args.model, stages=_model_stages(args), seed=args.seed)
     _say(args, f"piper train: model {args.model}, {args.strategy or args.schedule}, pp={args.pp}, dp={args.dp}, "
-               f"tp={args.tp}, zero={args.zero}, microbatches={args.microbatches}, {args.steps} steps")
+               f"tp={args.tp}, ep={args.ep}, zero={args.zero}, microbatches={args.microbatches}, {args.steps} steps")
     started = time.perf_counter()
     with Trainer(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
                  _replicated(args, _strategy(args)), optimizer=_optimizer(args), address=args.address,
@@ -131,7 +140,7 @@ def _train(args: argparse.Namespace) -> int:
     summary = {
         "command": "train", "model": args.model, "schedule": None if args.strategy else args.schedule,
         "strategy": str(args.strategy) if args.strategy else None, "pp": len(trainer.program.ranks) // (trainer.program.replicas * args.tp),
-        "dp": trainer.program.replicas, "tp": args.tp, "zero": args.zero,
+        "dp": trainer.program.replicas // args.ep, "tp": args.tp, "ep": args.ep, "zero": args.zero,
         "microbatches": trainer.program.microbatches, "steps": args.steps, "losses": losses,
         "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
         "mean_step_seconds": sum(steady) / len(steady) if steady else None,
@@ -150,7 +159,7 @@ def _check(args: argparse.Namespace) -> int:
 
     workload = load_workload(args.model, stages=_model_stages(args), seed=args.seed)
     _say(args, f"piper check: model {args.model}, {args.strategy or args.schedule}, pp={args.pp}, dp={args.dp}, "
-               f"tp={args.tp}, zero={args.zero}, microbatches={args.microbatches}, {args.steps} steps vs single-device training")
+               f"tp={args.tp}, ep={args.ep}, zero={args.zero}, microbatches={args.microbatches}, {args.steps} steps vs single-device training")
     report = run_check(workload, _replicated(args, _strategy(args)), steps=args.steps, optimizer=_optimizer(args),
                        rtol=args.rtol, atol=args.atol, address=args.address, log=lambda s: _say(args, s),
                        memory_budget_bytes=_budget(args))
@@ -377,11 +386,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("rtol", "atol"):
         if getattr(args, name, 0) < 0:
             parser.error(f"--{name} must be >= 0")
-    for name in ("pp", "microbatches", "steps", "dp", "tp"):
+    for name in ("pp", "microbatches", "steps", "dp", "tp", "ep"):
         if getattr(args, name, 1) < 1:
             parser.error(f"--{name} must be >= 1")
     if getattr(args, "tp", 1) > 1 and getattr(args, "dp", 1) > 1:
         parser.error("--tp with --dp (data x tensor parallelism) is not supported yet")
+    if getattr(args, "ep", 1) > 1 and (getattr(args, "dp", 1) > 1 or getattr(args, "tp", 1) > 1 or getattr(args, "zero", 0)):
+        parser.error("--ep combines with --pp only (expert parallelism nested in --dp, with --tp or --zero is not wired up yet)")
     if getattr(args, "zero", 0) and getattr(args, "dp", 1) < 2:
         parser.error("--zero shards over data-parallel replicas: it needs --dp 2 or more")
     if getattr(args, "memory_budget_mb", None) is not None and args.memory_budget_mb <= 0:

@@ -172,6 +172,93 @@ class TinyTransformer(nn.Module):
         return _group(regions, pp)
 
 
+class Experts(nn.Module):
+    """``num_experts`` small MLPs with stacked weights (leading dimension = expert).
+
+    The convention an expert module follows to be expert-sharded (``Shard(kind="ep")``):
+    ``piper_experts = True``; ``forward(tokens (n, d), expert_ids (n,))`` returns ``(n, d_out)``,
+    token ``i`` processed by expert ``expert_ids[i]``, with no other data mixed in; every
+    parameter has the experts on dimension 0. Capture keeps such a module as one call, and
+    the EP rewrite feeds it only the tokens routed to this rank's experts, with local ids.
+    """
+
+    piper_experts = True
+
+    def __init__(self, num_experts: int, d_model: int, d_hidden: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.randn(num_experts, d_model, d_hidden) / math.sqrt(d_model))
+        self.b1 = nn.Parameter(torch.zeros(num_experts, d_hidden))
+        self.w2 = nn.Parameter(torch.randn(num_experts, d_hidden, d_model) / math.sqrt(d_hidden))
+
+    def forward(self, tokens: Tensor, expert_ids: Tensor) -> Tensor:
+        # Each token meets its expert's weights (gathered per token): no Python loop over
+        # experts, so fx traces it and a shard with fewer experts runs the same code.
+        h = torch.bmm(tokens.unsqueeze(1), self.w1[expert_ids]).squeeze(1) + self.b1[expert_ids]
+        return torch.bmm(F.gelu(h).unsqueeze(1), self.w2[expert_ids]).squeeze(1)
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts feed-forward layer: a router picks the top-``k`` of
+    ``num_experts`` experts per token (softmax gates over the chosen logits), tokens are
+    sorted by expert and processed by ``Experts``, and the gated results are summed back per
+    token; an optional shared expert (a plain MLP) sees every token."""
+
+    def __init__(self, d_model: int, d_hidden: int, num_experts: int, k: int, shared: bool) -> None:
+        super().__init__()
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"top-k must be in 1..{num_experts}, got {k}")
+        self.k = k
+        self.router = nn.Linear(d_model, num_experts, bias=False)
+        self.experts = Experts(num_experts, d_model, d_hidden)
+        self.shared = (
+            nn.Sequential(nn.Linear(d_model, d_hidden), nn.GELU(), nn.Linear(d_hidden, d_model)) if shared else None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.flatten(0, -2)  # (tokens, d)
+        top, chosen = self.router(flat).topk(self.k, dim=-1)  # (tokens, k)
+        gates = torch.softmax(top, dim=-1).flatten()
+        ids = chosen.flatten()  # (tokens * k,): token t's j-th choice at t * k + j
+        order = torch.argsort(ids, stable=True)  # dispatch order: sorted by expert
+        token = torch.div(order, self.k, rounding_mode="floor")
+        out = self.experts(flat[token], ids[order]) * gates[order].unsqueeze(-1)
+        y = torch.zeros_like(flat).index_add(0, token, out)
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        return y.view_as(x)
+
+
+class MoEModel(nn.Module):
+    """``(batch, d_in) -> (batch, d_out)`` regression through ``n_stages`` regions, each an
+    input (or previous) projection plus a residual ``MoE`` layer; one region per stage."""
+
+    def __init__(
+        self, d_in: int, d_model: int, d_out: int, n_stages: int, num_experts: int = 4, k: int = 2, shared: bool = True
+    ) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "proj": nn.Linear(d_in if i == 0 else d_model, d_model),
+                    "moe": MoE(d_model, 2 * d_model, num_experts, k, shared),
+                }
+            )
+            for i in range(n_stages)
+        )
+        self.out = nn.Linear(d_model, d_out)
+
+    def forward(self, x: Tensor) -> Tensor:
+        last = len(self.blocks) - 1
+        for i, block in enumerate(self.blocks):
+            with _annotate("PP"):
+                h = torch.tanh(block["proj"](x))
+                x = h + block["moe"](h)
+                if i == last:
+                    x = self.out(x)
+        return x
+
+
 def _init_weights(module: nn.Module) -> None:
     # Small (GPT-2 style) initial weights make the initial logits nearly uniform, so the
     # first loss is close to ln(vocab).
@@ -250,7 +337,18 @@ def _byte_lm(stages: int, seed: int) -> Built:
     return TinyTransformer(256, 64, 4, stages, seq_len), lm_loss, batches
 
 
-MODELS = {"mlp": _mlp, "transformer": _random_tokens, "lm": _byte_lm}
+def _moe(stages: int, seed: int) -> Built:
+    d_in, d_out, batch = 16, 8, 16
+    teacher = torch.randn(d_in, d_out, generator=torch.Generator().manual_seed(_mix(seed, -1)))
+
+    def batches(step: int) -> Batch:
+        x = torch.randn(batch, d_in, generator=torch.Generator().manual_seed(_mix(seed, step)))
+        return (x,), (torch.sin(x @ teacher / math.sqrt(d_in)),)
+
+    return MoEModel(d_in, 16, d_out, stages, num_experts=4, k=2, shared=True), F.mse_loss, batches
+
+
+MODELS = {"mlp": _mlp, "transformer": _random_tokens, "lm": _byte_lm, "moe": _moe}
 
 
 def build_model(name: str, *, stages: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> ModelSpec:
@@ -258,6 +356,8 @@ def build_model(name: str, *, stages: int, seed: int = 0, dtype: torch.dtype = t
 
     - ``mlp``: regression with MSE, float32 inputs (16, 32) -> (16, 8).
     - ``transformer``: tiny causal LM on random tokens (vocab 64, d 64, 4 heads, seq 16, batch 8).
+    - ``moe``: regression with MSE through mixture-of-experts regions (16 -> 8, batch 16,
+      4 experts of width 32, top-2 routing, a shared expert).
     - ``lm``: byte-level LM on the standard library's source (vocab 256, d 64, 4 heads,
       seq 64, batch 16); one block per stage.
 

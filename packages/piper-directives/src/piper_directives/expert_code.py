@@ -1,0 +1,216 @@
+"""Expert parallelism as a rewrite of the captured segments' code (torch side).
+
+``shard_experts(graph, modules)`` takes a graph after ``Strategy.apply`` whose
+``Graph.sharding`` holds ``kind="ep"`` records (``piper_directives.shard``) and the captured
+segment modules, and returns both rewritten (docs/ir-conventions.md, section 9):
+
+- In each expert-parallel segment's ``torch.fx`` graph, every call of an *expert module*
+  (``piper_experts = True``, kept as one call by capture: ``experts(tokens, expert_ids)``,
+  every parameter with the experts on dimension 0) becomes
+
+      d = piper_ep_<k>("dispatch", tokens, expert_ids)  # all-to-all of counts, then tokens
+      y = experts(d[0], d[1])                         # this rank's experts, local ids
+      out = piper_ep_<k>("combine", y, *d[2:])        # the reverse all-to-all, caller's order
+
+  ``dispatch`` sorts the tokens by expert, counts them per expert (``bincount``), exchanges the per-expert counts
+  with one all-to-all, then sends each rank the tokens of its experts with an uneven
+  ``all_to_all_single`` (rank ``r`` of ``N`` holds experts ``r*E/N .. (r+1)*E/N - 1``);
+  the received tokens' ids follow from the counts, made local. ``combine`` returns the
+  results to their senders and restores the caller's token order. Both are autograd functions whose backward is
+  the reverse all-to-all.
+- ``Sharding.params`` gets ``ParamShard(name, 0)`` for every expert parameter (rank ``r``
+  keeps its block of experts) and ``collectives`` the number of expert calls.
+- The segment's data-parallel buckets (``Graph.buckets``) are rebuilt without the expert
+  parameters: only the replicated weights are reduced over the group; each expert lives on
+  one rank, and its gradient already sums every rank's tokens through the all-to-all.
+
+Errors (``DirectiveError`` naming the ``Shard``): an expert count the group size does not
+divide; a ``Shard(kind="ep")`` whose regions call no expert module; an expert parameter
+without the experts on dimension 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections.abc import Mapping
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+
+from piper_directives.replicate import make_buckets
+from piper_ir import DirectiveError, Graph, ParamShard, SegmentRole, Sharding
+
+COMM = "piper_ep"
+
+
+class ExpertParallelComm(nn.Module):
+    """The all-to-alls of one expert-parallel group. Unbound (the default) it is one rank
+    holding every expert: dispatch and combine are identities."""
+
+    def __init__(self, degree: int, num_experts: int) -> None:
+        super().__init__()
+        self.degree = degree
+        self.num_experts = num_experts
+        self.group: object | None = None
+        self.bound = False
+
+    def bind_communicator(self, group: object | None) -> None:
+        """Called by the runtime with the segment's ``ep`` process group (None: the world)."""
+        self.group = group
+        self.bound = True
+
+    def forward(self, op: str, *args: torch.Tensor) -> tuple[torch.Tensor, ...] | torch.Tensor:
+        if op == "dispatch":
+            return self.dispatch(*args)
+        return self.combine(*args)
+
+    def dispatch(self, tokens: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(received tokens, their local expert ids, send splits, receive splits, the
+        permutation that restores the caller's token order)``."""
+        if not self.bound:
+            counts = torch.bincount(ids, minlength=self.num_experts)
+            return tokens, ids, counts, counts, torch.arange(len(ids))
+        n, local = self.degree, self.num_experts // self.degree
+        order = torch.argsort(ids, stable=True)  # the tokens for rank r: one contiguous run
+        counts = torch.bincount(ids, minlength=self.num_experts)
+        # Exchange per-expert counts first: rank r learns how many tokens each rank sends
+        # to each of its experts, hence its receive splits and the ids of what arrives.
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts.contiguous(), group=self.group)
+        send = counts.view(n, local).sum(1)
+        per_source = received.view(n, local)  # [source rank, local expert]
+        recv = per_source.sum(1)
+        out = _AllToAll.apply(tokens[order], send.tolist(), recv.tolist(), self.group)
+        local_ids = torch.arange(local).repeat(n).repeat_interleave(per_source.flatten())
+        return out, local_ids, send, recv, torch.argsort(order)
+
+    def combine(self, y: torch.Tensor, send: torch.Tensor, recv: torch.Tensor, restore: torch.Tensor) -> torch.Tensor:
+        """The expert outputs back on the ranks that sent the tokens, in their order."""
+        if not self.bound:
+            return y
+        return _AllToAll.apply(y, recv.tolist(), send.tolist(), self.group)[restore]
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["group"], state["bound"] = None, False  # a process group never travels
+        return state
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits; backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: object) -> torch.Tensor:  # noqa: ANN001
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:  # noqa: ANN001
+        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+def shard_experts(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph, dict[str, nn.Module]]:
+    """``graph`` with each ep ``Sharding``'s ``params`` and ``collectives`` filled in and the
+    expert parameters out of the buckets, and the segment modules rewritten (module doc)."""
+    out = dict(modules)
+    records: list[Sharding] = []
+    found: dict[str | None, int] = {}
+    experts_of: dict[str, set[str]] = {}
+    for sh in graph.sharding:
+        if sh.kind != "ep":
+            records.append(sh)
+            continue
+        found.setdefault(sh.origin, 0)
+        module = modules[sh.segment]
+        if graph.segment_by_id[sh.segment].role is SegmentRole.LOSS or not isinstance(module, torch.fx.GraphModule):
+            records.append(sh)
+            continue
+        gm, params, count = _rewrite(module, sh)
+        found[sh.origin] += count
+        if count:
+            out[sh.segment] = gm
+            experts_of[sh.segment] = {p.name for p in params}
+        records.append(attrs.evolve(sh, params=params, collectives=count))
+    for origin, count in found.items():
+        if not count:
+            raise DirectiveError(
+                "the regions it matches call no expert module (an nn.Module with piper_experts = True, "
+                "called as experts(tokens, expert_ids)), so there is nothing to shard across experts",
+                directive=origin,
+            )
+    return attrs.evolve(graph, sharding=tuple(records), buckets=_buckets(graph, experts_of)), out
+
+
+def _rewrite(module: torch.fx.GraphModule, sh: Sharding) -> tuple[torch.fx.GraphModule, tuple[ParamShard, ...], int]:
+    gm = torch.fx.GraphModule(module, copy.deepcopy(module.graph), class_name=type(module).__name__)
+    calls = [
+        n for n in gm.graph.nodes
+        if n.op == "call_module" and getattr(gm.get_submodule(n.target), "piper_experts", False)
+    ]
+    if not calls:
+        return module, (), 0
+    g = gm.graph
+    params: list[ParamShard] = []
+    for k, call in enumerate(calls):
+        experts = gm.get_submodule(call.target)
+        num = _num_experts(experts, call.target, sh)
+        if num % sh.degree:
+            raise DirectiveError(
+                f"the expert-parallel group of {sh.degree} ranks does not divide the {num} experts of {call.target}",
+                directive=sh.origin,
+            )
+        comm = f"{COMM}_{k}"
+        gm.add_submodule(comm, ExpertParallelComm(sh.degree, num))
+        params.extend(ParamShard(f"{call.target}.{name}", 0) for name, _ in experts.named_parameters())
+        tokens, ids = call.args[0], call.args[1]
+        with g.inserting_before(call):
+            dispatch = g.call_module(comm, ("dispatch", tokens, ids))
+            parts = [g.call_function(operator.getitem, (dispatch, i)) for i in range(5)]
+        call.args = (parts[0], parts[1], *call.args[2:])
+        with g.inserting_after(call):
+            combined = g.call_module(comm, ("combine", call, *parts[2:]))
+        call.replace_all_uses_with(combined, delete_user_cb=lambda user, keep=combined: user is not keep)
+    g.lint()
+    gm.recompile()
+    return gm, tuple(params), len(calls)
+
+
+def _num_experts(experts: nn.Module, name: str, sh: Sharding) -> int:
+    sizes = {p.shape[0] if p.dim() else 0 for p in experts.parameters()}
+    declared = getattr(experts, "num_experts", None)
+    if len(sizes) != 1 or (declared is not None and sizes != {declared}):
+        raise DirectiveError(
+            f"expert module {name}: every parameter must hold the experts on dimension 0 "
+            f"(num_experts={declared}, leading sizes {sorted(sizes)})",
+            directive=sh.origin,
+        )
+    return sizes.pop()
+
+
+def _buckets(graph: Graph, experts_of: Mapping[str, set[str]]) -> tuple:
+    """``graph.buckets`` with each expert-parallel segment's buckets rebuilt over its
+    replicated (non-expert) parameters only."""
+    if not experts_of:
+        return graph.buckets
+    replication = {r.segment: r for r in graph.replication}
+    out = []
+    for b in graph.buckets:
+        if b.segment not in experts_of:
+            out.append(b)
+    for sid, names in experts_of.items():
+        rep = replication.get(sid)
+        if rep is None:
+            continue
+        seg = graph.segment_by_id[sid]
+        kept = attrs.evolve(seg, params=tuple((n, m) for n, m in seg.params if n not in names))
+        out.extend(make_buckets(kept, rep.bucket_bytes, len(rep.devices) if rep.zero >= 1 else 1))
+    order = {s.id: i for i, s in enumerate(graph.segments)}
+    return tuple(sorted(out, key=lambda b: order[b.segment]))

@@ -1,0 +1,129 @@
+"""``Shard(kind="ep")`` (expert parallelism): IR records, the code rewrite, error messages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from piper_directives import (
+    Place,
+    Shard,
+    Split,
+    Strategy,
+    annotate,
+    capture,
+    expert_parallel,
+    one_f_one_b,
+    shard_modules,
+)
+from piper_directives.expert_code import ExpertParallelComm
+from piper_ir import DirectiveError, from_json, to_json
+
+
+class Experts(nn.Module):
+    piper_experts = True
+
+    def __init__(self, num: int, d: int) -> None:
+        super().__init__()
+        self.num_experts = num
+        self.w = nn.Parameter(torch.randn(num, d, d))
+
+    def forward(self, tokens, ids):
+        return torch.bmm(tokens.unsqueeze(1), self.w[ids]).squeeze(1)
+
+
+class MoE(nn.Module):
+    def __init__(self, num: int = 4, d: int = 8, blocks: int = 2) -> None:
+        super().__init__()
+        self.routers = nn.ModuleList(nn.Linear(d, num) for _ in range(blocks))
+        self.experts = nn.ModuleList(Experts(num, d) for _ in range(blocks))
+
+    def forward(self, x):
+        for router, experts in zip(self.routers, self.experts, strict=True):
+            with annotate("PP"):
+                gate, ids = router(x).max(dim=-1)
+                order = torch.argsort(ids, stable=True)
+                y = experts(x[order], ids[order]) * gate[order].unsqueeze(-1)
+                x = x + torch.zeros_like(x).index_add(0, order, y)
+        return x
+
+
+class Dense(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with annotate("PP"):
+            return self.lin(x)
+
+
+def _capture(model: nn.Module):
+    torch.manual_seed(0)
+    return capture(model, (torch.randn(8, 8),), (torch.randn(8, 8),), nn.functional.mse_loss)
+
+
+def test_expert_parallel_records_experts_and_keeps_them_out_of_the_buckets() -> None:
+    captured = _capture(MoE())
+    graph, modules = shard_modules(expert_parallel(one_f_one_b(2, 2), 2).apply(captured.graph), captured.modules)
+    assert [(s.segment, s.devices, s.kind, s.degree) for s in graph.sharding] == [
+        ("s0", (0, 1), "ep", 2), ("s1", (2, 3), "ep", 2)
+    ]
+    assert [p.name for p in graph.sharding[0].params] == ["experts.0.w"]
+    assert graph.sharding[0].collectives == 1
+    # The group is data-parallel for the rest: replicated, batch sharded, router in a bucket.
+    assert {r.segment for r in graph.replication} == {"s0", "s1", "loss"}
+    assert [b.params for b in graph.buckets] == [("routers.0.weight", "routers.0.bias"), ("routers.1.weight", "routers.1.bias")]
+    assert graph.value_by_name["input:0"].meta.shape == (2, 8)  # 8 samples / 2 microbatches / 2 replicas
+    assert isinstance(modules["s0"].get_submodule("piper_ep_0"), ExpertParallelComm)
+    assert from_json(to_json(graph)) == graph
+
+
+def test_unbound_rewrite_computes_what_the_original_does() -> None:
+    captured = _capture(MoE(blocks=1))
+    strategy = Strategy([Place({"PP": 0}, (0, 1)), Shard({"PP": 0}, (0, 1), kind="ep")])
+    _, modules = shard_modules(strategy.apply(captured.graph), captured.modules)
+    x = torch.randn(6, 8)
+    torch.testing.assert_close(modules["s0"](x)[0], captured.modules["s0"](x)[0], rtol=0, atol=0)
+
+
+def test_group_must_divide_the_expert_count() -> None:
+    captured = _capture(MoE(num=3, blocks=1))
+    strategy = Strategy([Place({"PP": 0}, (0, 1)), Shard({"PP": 0}, (0, 1), kind="ep")])
+    with pytest.raises(DirectiveError, match="group of 2 ranks does not divide the 3 experts of experts.0") as err:
+        shard_modules(strategy.apply(captured.graph), captured.modules)
+    assert "kind='ep'" in str(err.value)
+
+
+def test_filter_matching_no_region() -> None:
+    captured = _capture(MoE(blocks=1))
+    shard = Shard({"PP": 4}, (0, 1), kind="ep")
+    with pytest.raises(DirectiveError, match=r"filter \{PP: 4\} matches no annotated region") as err:
+        Strategy([Place({"PP": 0}, (0, 1)), shard]).apply(captured.graph)
+    assert "Shard({PP: 4}" in str(err.value)
+
+
+def test_region_without_an_expert_module() -> None:
+    captured = _capture(Dense())
+    strategy = Strategy([Place({"PP": 0}, (0, 1)), Shard({"PP": 0}, (0, 1), kind="ep")])
+    with pytest.raises(DirectiveError, match="call no expert module"):
+        shard_modules(strategy.apply(captured.graph), captured.modules)
+
+
+def test_tensor_and_expert_parallelism_do_not_mix_yet() -> None:
+    captured = _capture(MoE())
+    strategy = Strategy([
+        Split(2), Place({"PP": 0}, (0, 1)), Place({"PP": 1}, (2, 3)),
+        Shard({"PP": 0}, (0, 1), kind="ep"), Shard({"PP": 1}, (2, 3)),
+    ])
+    with pytest.raises(DirectiveError, match="tensor and expert parallelism in one strategy"):
+        strategy.apply(captured.graph)
+
+
+def test_expert_parallel_refuses_replicated_strategies() -> None:
+    with pytest.raises(DirectiveError, match="already replicated or sharded"):
+        expert_parallel(expert_parallel(one_f_one_b(2, 2), 2), 2)
+    with pytest.raises(DirectiveError, match="ep must be a positive int"):
+        expert_parallel(one_f_one_b(2, 2), 0)
+    assert expert_parallel(one_f_one_b(2, 2), 1) == one_f_one_b(2, 2)
