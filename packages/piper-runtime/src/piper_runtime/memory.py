@@ -30,6 +30,7 @@ import attrs
 import torch
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication", "activations")
+MODEL_STATE = CATEGORIES[:3]
 
 
 @attrs.frozen
@@ -51,12 +52,12 @@ class RankMemory:
         return self.parameters + self.gradients + self.optimizer_state
 
 
-def storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+def storage_key(t: torch.Tensor) -> tuple[int, int] | None:
     """What identifies ``t``'s storage (``None`` for an empty one)."""
     storage = t.untyped_storage()
     if storage.nbytes() == 0:
         return None
-    return (str(t.device), storage.data_ptr())
+    return (t.get_device(), storage.data_ptr())
 
 
 class MemoryTracker:
@@ -64,7 +65,7 @@ class MemoryTracker:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.excluded: set[tuple[str, int]] = set()
+        self.excluded: set[tuple[int, int]] = set()
         self.reset()
 
     def reset(self, excluded: Iterable[torch.Tensor] = ()) -> None:
@@ -72,24 +73,45 @@ class MemoryTracker:
         self.peaks = dict.fromkeys(CATEGORIES, 0)
         self.peak_total = 0
         self.excluded = {k for t in excluded if (k := storage_key(t)) is not None}
+        self._model_state: tuple[dict[str, int], set[tuple[int, int]]] = (dict.fromkeys(MODEL_STATE, 0), set())
 
-    def sample(self, held: Mapping[str, Iterable[torch.Tensor | None]]) -> None:
-        """Count what is held now: category -> tensors (``None`` entries are skipped)."""
-        seen = set(self.excluded)
+    def sample(self, held: Mapping[str, Iterable[torch.Tensor | None]], *, model_state: bool = True) -> None:
+        """Count what is held now: category -> tensors (``None`` entries are skipped).
+
+        With ``model_state=False`` the model-state categories (``MODEL_STATE``) are taken
+        from the previous sample instead of ``held``: counting every parameter, gradient and
+        optimizer tensor after every instruction dominated the cost of a step.
+        """
+        if model_state:
+            seen = set(self.excluded)
+            sizes = {c: self._count(held.get(c, ()), seen) for c in MODEL_STATE}
+            self._model_state = (sizes, seen - self.excluded)
+        sizes, model_keys = self._model_state
+        seen = self.excluded | model_keys
         total = 0
         for category in CATEGORIES:
-            size = 0
-            for t in held.get(category, ()):
-                if t is None:
-                    continue
-                key = storage_key(t)
-                if key is None or key in seen:
-                    continue
-                seen.add(key)
-                size += t.untyped_storage().nbytes()
+            size = sizes[category] if category in MODEL_STATE else self._count(held.get(category, ()), seen)
             self.peaks[category] = max(self.peaks[category], size)
             total += size
         self.peak_total = max(self.peak_total, total)
+
+    @staticmethod
+    def _count(tensors: Iterable[torch.Tensor | None], seen: set[tuple[int, int]]) -> int:
+        """Bytes of the storages of ``tensors`` not in ``seen`` (which it extends)."""
+        size = 0
+        for t in tensors:
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
+            if nbytes == 0:
+                continue
+            key = (t.get_device(), storage.data_ptr())  # get_device: -1 on the CPU
+            if key in seen:
+                continue
+            seen.add(key)
+            size += nbytes
+        return size
 
     def result(self) -> RankMemory:
         return RankMemory(self.rank, **self.peaks, total=self.peak_total)

@@ -59,7 +59,14 @@ from piper_runtime.optim import OptimizerSpec
 from piper_runtime.results import InstructionTiming, StepOutput
 
 GRAD_PREFIX = "grad:"
-RECV_LOOKAHEAD = 2  # receives posted ahead of the instruction that needs them
+RECV_LOOKAHEAD = 2
+
+
+def _KEEPS_MODEL_STATE(ins: Instruction) -> bool:  # noqa: N802 - a predicate table, read like a constant
+    """Instructions that never change parameters, gradients or optimizer state."""
+    return ins.kind in (NodeKind.SEND, NodeKind.RECV, NodeKind.MARKER) or (
+        ins.kind is NodeKind.COMPUTE and ins.phase is Phase.F
+    )  # receives posted ahead of the instruction that needs them
 Key = tuple[str, int]  # (value name, microbatch)
 
 # Instruction kinds this executor carries out; anything else is rejected at setup.
@@ -233,6 +240,7 @@ class RankWorker:
             if program.segment_by_id[sid].role is SegmentRole.STAGE and params:
                 self._optimizers[sid] = optimizer.build(params)
         self._memory = MemoryTracker(rank)
+        self._all_params = [p for m in self._modules.values() for p in m.parameters()]  # for sampling
         for ins in self.plan.instructions:  # before joining the group: fail fast
             if ins.kind in _BUCKET_KINDS:
                 self._check_bucket_instruction(ins)
@@ -442,7 +450,9 @@ class RankWorker:
             for key in self._frees.get(k, ()):
                 st.values.pop(key, None)
                 st.received.discard(key)
-            self._sample(st)
+            # Model state (parameters, gradients, optimizer state) changes only in backward,
+            # optimizer and bucket instructions: forwards and transfers reuse its last count.
+            self._sample(st, model_state=not _KEEPS_MODEL_STATE(ins))
         try:
             for work, _tensor in st.sends:
                 work.wait()
@@ -656,20 +666,26 @@ class RankWorker:
 
     # -- memory accounting ----------------------------------------------------------------------
 
-    def _sample(self, st: _StepState, *buffers: torch.Tensor) -> None:
-        """Record what this rank holds now; ``buffers`` are a collective's live buffers."""
-        gathered = {id(p) for b in self._buckets.values() if b.zero == 3 for p in b.params}
-        params = [p for m in self._modules.values() for p in m.parameters() if id(p) not in gathered]
-        shards = [b.shard for b in self._buckets.values() if b.shard is not None]
-        grads = [p.grad for m in self._modules.values() for p in m.parameters()]
-        grads += [s.grad for s in shards]
-        state = [
-            t
-            for opt in self._optimizers.values()
-            for per_param in opt.state.values()
-            for t in per_param.values()
-            if isinstance(t, torch.Tensor)
-        ]
+    def _sample(self, st: _StepState, *buffers: torch.Tensor, model_state: bool = True) -> None:
+        """Record what this rank holds now; ``buffers`` are a collective's live buffers.
+        With ``model_state=False`` the parameters, gradients and optimizer state counted at
+        the previous sample are taken as unchanged."""
+        held: dict[str, list] = {}
+        if model_state:
+            gathered = {id(p) for b in self._buckets.values() if b.zero == 3 for p in b.params}
+            params = [p for p in self._all_params if id(p) not in gathered]
+            shards = [b.shard for b in self._buckets.values() if b.shard is not None]
+            grads = [p.grad for p in self._all_params]
+            grads += [s.grad for s in shards]
+            held["parameters"] = params + shards
+            held["gradients"] = grads
+            held["optimizer_state"] = [
+                t
+                for opt in self._optimizers.values()
+                for per_param in opt.state.values()
+                for t in per_param.values()
+                if isinstance(t, torch.Tensor)
+            ]
         comm = [b.flat for b in self._buckets.values() if b.zero == 3]
         comm += [t for _work, t in st.posted.values()] + [t for _work, t in st.sends]
         comm += [st.values[k] for k in st.received if k in st.values]
@@ -682,15 +698,9 @@ class RankWorker:
             acts += outs
             acts += grads_ or []
         acts += [t for k, t in st.values.items() if k not in st.received]
-        self._memory.sample(
-            {
-                "parameters": params + shards,
-                "gradients": grads,
-                "optimizer_state": state,
-                "communication": comm,
-                "activations": acts,
-            }
-        )
+        held["communication"] = comm
+        held["activations"] = acts
+        self._memory.sample(held, model_state=model_state)
 
     def _send(self, ins: Instruction, st: _StepState) -> None:
         t = st.get(ins.value, ins.microbatch).detach().contiguous()
