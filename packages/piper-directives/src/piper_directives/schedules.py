@@ -375,9 +375,9 @@ def dualpipe(pp: int, microbatches: int, *, stages: int | None = None, tag: str 
             f"dualpipe: needs an even number of microbatches, at least 2 * pp = {2 * pp}; got {microbatches}"
         )
     raise DirectiveError(
-        "dualpipe is not implemented yet: it needs mirrored stage replicas whose gradients are "
-        "all-reduced across the mirror pair, and the runtime has no collectives yet; "
-        "use dualpipev (same bubble, V placement, no replicas)"
+        "dualpipe is not implemented yet: its mirrored stage replicas run one region on two ranks "
+        "in mirrored orders, which one SPMD node per device group cannot express (the two ranks' "
+        "Orders would form a cycle); use dualpipev (same bubble, V placement, no replicas)"
     )
 
 
