@@ -146,32 +146,7 @@ def tensor_parallel(strategy, tp: int):  # noqa: ANN001, ANN201 - Strategy in, S
     ``Place(filter, (r*tp, ..., r*tp + tp - 1))`` plus a ``Shard`` over that group (tensor
     parallelism innermost, as Megatron lays it out: its all-reduces are the most frequent
     traffic). Split and Order stay as they are."""
-    from piper_directives.place import Place
-    from piper_directives.replicate import Replicate
-    from piper_directives.strategy import Strategy
-
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise DirectiveError(f"tensor_parallel: tp must be a positive int, got {tp!r}")
-    if tp == 1:
-        return strategy
-    out: list = []
-    shards: list = []
-    for d in strategy.directives:
-        if isinstance(d, Place):
-            if len(d.devices) != 1:
-                raise DirectiveError(
-                    "tensor_parallel: the strategy is already replicated or sharded (a Place names several devices)",
-                    directive=str(d),
-                )
-            group = tuple(d.devices[0] * tp + j for j in range(tp))
-            out.append(Place(d.filter, group, d.stream, where=d.where))
-            shards.append(Shard(d.filter, group, where=d.where))
-        elif isinstance(d, Replicate | Shard):
-            raise DirectiveError("tensor_parallel: the strategy already has a Replicate or Shard", directive=str(d))
-        else:
-            out.append(d)
-    return Strategy([*out, *shards])
-
+    return _shard_every_stage(strategy, tp, "tp", "tensor_parallel")
 
 
 def expert_parallel(strategy, ep: int):  # noqa: ANN001, ANN201 - Strategy in, Strategy out
@@ -180,13 +155,17 @@ def expert_parallel(strategy, ep: int):  # noqa: ANN001, ANN201 - Strategy in, S
     ``Place(filter, (r*ep, ..., r*ep + ep - 1))`` plus a ``Shard(kind="ep")`` over that group
     (the group is data-parallel for the non-expert weights; its all-to-alls stay within a
     stage's adjacent ranks). Split and Order stay as they are."""
+    return _shard_every_stage(strategy, ep, "ep", "expert_parallel")
+
+
+def _shard_every_stage(strategy, degree: int, kind: str, name: str):  # noqa: ANN001, ANN202
     from piper_directives.place import Place
     from piper_directives.replicate import Replicate
     from piper_directives.strategy import Strategy
 
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise DirectiveError(f"expert_parallel: ep must be a positive int, got {ep!r}")
-    if ep == 1:
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise DirectiveError(f"{name}: {kind} must be a positive int, got {degree!r}")
+    if degree == 1:
         return strategy
     out: list = []
     shards: list = []
@@ -194,14 +173,14 @@ def expert_parallel(strategy, ep: int):  # noqa: ANN001, ANN201 - Strategy in, S
         if isinstance(d, Place):
             if len(d.devices) != 1:
                 raise DirectiveError(
-                    "expert_parallel: the strategy is already replicated or sharded (a Place names several devices)",
+                    f"{name}: the strategy is already replicated or sharded (a Place names several devices)",
                     directive=str(d),
                 )
-            group = tuple(d.devices[0] * ep + j for j in range(ep))
+            group = tuple(d.devices[0] * degree + j for j in range(degree))
             out.append(Place(d.filter, group, d.stream, where=d.where))
-            shards.append(Shard(d.filter, group, kind="ep", where=d.where))
+            shards.append(Shard(d.filter, group, kind=kind, where=d.where))
         elif isinstance(d, Replicate | Shard):
-            raise DirectiveError("expert_parallel: the strategy already has a Replicate or Shard", directive=str(d))
+            raise DirectiveError(f"{name}: the strategy already has a Replicate or Shard", directive=str(d))
         else:
             out.append(d)
     return Strategy([*out, *shards])
