@@ -41,6 +41,7 @@ from piper_ir import (
 )
 from piper_runtime import OptimizerSpec, Runtime
 from piper_runtime.memory import RankMemory
+from piper_runtime.testing import with_stream_events
 from piper_runtime.worker import RankWorker
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -133,7 +134,7 @@ def dp_program(zero: int) -> Program:
     )
     return Program(
         world_size=N,
-        ranks=tuple(RankPlan(r, dp_plan(zero), replica=r) for r in range(N)),
+        ranks=tuple(RankPlan(r, with_stream_events(dp_plan(zero)), replica=r) for r in range(N)),
         communicators=(Communicator(DP, (0, 1), "dp"),),
         segments=segments,
         values=values,
@@ -194,6 +195,7 @@ def test_zero_matches_single_device(ray_cluster, zero: int) -> None:
 
 F32 = 4
 PARAM_BYTES = (D_OUT * D_IN + D_OUT) * F32  # 80: weight 15 + bias 5 elements
+WEIGHT_BYTES = D_OUT * D_IN * F32  # 60: the larger bucket
 SHARD_BYTES = (8 + 3) * F32  # 44: this replica's shards of the padded buckets (16 and 6 elements)
 PADDED_BYTES = (16 + 6) * F32  # 88: both buckets gathered in full, padding included
 Y_BYTES = SHARD * D_OUT * F32  # 40: one microbatch shard of the Linear's output
@@ -234,18 +236,22 @@ def test_zero0_memory_matches_hand_count(ray_cluster) -> None:
 
 def _check_model_state(zero: int, memory: tuple[RankMemory, ...]) -> None:
     """Optimizer state is sharded from ZeRO-1 on, gradients between microbatches from ZeRO-2
-    on (one microbatch's full gradients exist until reduce-scattered), parameters from
-    ZeRO-3 on, where the gathered buckets count as communication buffers."""
+    on, parameters from ZeRO-3 on, where the gathered buckets count as communication buffers.
+    From ZeRO-2 on each bucket is reduce-scattered as soon as the backward completes it (the
+    bias first, then the weight), so the full gradients of at most one bucket exist at a
+    time: the weight's 15 elements, never both buckets' 20."""
     params, grads, state = {
         0: (PARAM_BYTES, PARAM_BYTES, 2 * PARAM_BYTES),
         1: (PADDED_BYTES, PARAM_BYTES, 2 * SHARD_BYTES),  # the shard is a view of the params
-        2: (PADDED_BYTES, PARAM_BYTES + SHARD_BYTES, 2 * SHARD_BYTES),
-        3: (SHARD_BYTES, PARAM_BYTES + SHARD_BYTES, 2 * SHARD_BYTES),
+        2: (PADDED_BYTES, WEIGHT_BYTES + SHARD_BYTES, 2 * SHARD_BYTES),
+        3: (SHARD_BYTES, WEIGHT_BYTES + SHARD_BYTES, 2 * SHARD_BYTES),
     }[zero]
     for m in memory:
         assert (m.parameters, m.gradients, m.optimizer_state) == (params, grads, state + 2 * F32)
-        if zero == 3:  # both buckets gathered, plus the weight's flat gradient and its shard
-            assert m.communication == PADDED_BYTES + 16 * F32 + 8 * F32
+        if zero == 3:
+            # Both buckets gathered, plus both reductions in flight when the weight's starts:
+            # the flat gradients (6 and 16 elements) and their output shards (3 and 8).
+            assert m.communication == PADDED_BYTES + (6 + 3 + 16 + 8) * F32
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ from piper_ir import (
     Value,
 )
 from piper_runtime import OptimizerSpec, Runtime
+from piper_runtime.testing import with_stream_events
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -161,10 +162,10 @@ def pp_dp_program() -> Program:
     return Program(
         world_size=4,
         ranks=(
-            RankPlan(0, stage0(0), replica=0),
-            RankPlan(1, stage0(1), replica=1),
-            RankPlan(2, stage1(2), replica=0),
-            RankPlan(3, stage1(3), replica=1),
+            RankPlan(0, with_stream_events(stage0(0)), replica=0),
+            RankPlan(1, with_stream_events(stage0(1)), replica=1),
+            RankPlan(2, with_stream_events(stage1(2)), replica=0),
+            RankPlan(3, with_stream_events(stage1(3)), replica=1),
         ),
         communicators=(
             Communicator("pp.fwd", (0, 1, 2, 3), "activations"),

@@ -31,6 +31,7 @@ from piper_ir import (
     Value,
 )
 from piper_runtime import OptimizerSpec, Runtime
+from piper_runtime.testing import with_stream_events
 
 # The segment modules below live in this test module, which the workers cannot import.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -132,7 +133,7 @@ def gpipe_program() -> Program:
     r1.append(compute("s1", Phase.OPT))
     return Program(
         world_size=2,
-        ranks=(RankPlan(0, r0), RankPlan(1, r1)),
+        ranks=(RankPlan(0, with_stream_events(r0)), RankPlan(1, with_stream_events(r1))),
         communicators=(
             Communicator("pp.fwd", (0, 1), "activations"),
             Communicator("pp.bwd", (0, 1), "gradients"),

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import time
 from collections.abc import Mapping
 
 import attrs
@@ -56,11 +57,15 @@ class ExpertParallelComm(nn.Module):
         self.degree = degree
         self.num_experts = num_experts
         self.group: object | None = None
+        self.backward_group: object | None = None
         self.bound = False
+        self.collective_times: list[float] = []  # seconds of each all-to-all (runtime reads)
 
-    def bind_communicator(self, group: object | None) -> None:
-        """Called by the runtime with the segment's ``ep`` process group (None: the world)."""
+    def bind_communicator(self, group: object | None, backward_group: object | None = None) -> None:
+        """Called by the runtime with the segment's ``ep`` process group (None: the world)
+        and the group for the all-to-alls of backward passes (default: the same)."""
         self.group = group
+        self.backward_group = group if backward_group is None else backward_group
         self.bound = True
 
     def forward(self, op: str, *args: torch.Tensor) -> tuple[torch.Tensor, ...] | torch.Tensor:
@@ -80,11 +85,13 @@ class ExpertParallelComm(nn.Module):
         # Exchange per-expert counts first: rank r learns how many tokens each rank sends
         # to each of its experts, hence its receive splits and the ids of what arrives.
         received = torch.empty_like(counts)
+        start = time.perf_counter()
         dist.all_to_all_single(received, counts.contiguous(), group=self.group)
+        self.collective_times.append(time.perf_counter() - start)
         send = counts.view(n, local).sum(1)
         per_source = received.view(n, local)  # [source rank, local expert]
         recv = per_source.sum(1)
-        out = _AllToAll.apply(tokens[order], send.tolist(), recv.tolist(), self.group)
+        out = _AllToAll.apply(tokens[order], send.tolist(), recv.tolist(), self)
         local_ids = torch.arange(local).repeat(n).repeat_interleave(per_source.flatten())
         return out, local_ids, send, recv, torch.argsort(order)
 
@@ -92,28 +99,36 @@ class ExpertParallelComm(nn.Module):
         """The expert outputs back on the ranks that sent the tokens, in their order."""
         if not self.bound:
             return y
-        return _AllToAll.apply(y, recv.tolist(), send.tolist(), self.group)[restore]
+        return _AllToAll.apply(y, recv.tolist(), send.tolist(), self)[restore]
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["group"], state["bound"] = None, False  # a process group never travels
+        state["group"], state["backward_group"], state["bound"] = None, None, False  # groups never travel
+        state["collective_times"] = []
         return state
 
 
 class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with uneven splits; backward is the reverse all-to-all."""
+    """``all_to_all_single`` with uneven splits; backward is the reverse all-to-all, on
+    ``backward_group`` (a forward and a backward may run at once on two threads)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: object) -> torch.Tensor:  # noqa: ANN001
-        ctx.send, ctx.recv, ctx.group = send, recv, group
+    def forward(  # noqa: ANN001
+        ctx, x: torch.Tensor, send: list[int], recv: list[int], comm: ExpertParallelComm
+    ) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.comm = send, recv, comm
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        start = time.perf_counter()
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=comm.group)
+        comm.collective_times.append(time.perf_counter() - start)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:  # noqa: ANN001
         out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        start = time.perf_counter()
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.comm.backward_group)
+        ctx.comm.collective_times.append(time.perf_counter() - start)
         return out, None, None, None
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import math
 import operator
+import time
 from collections.abc import Mapping
 
 import attrs
@@ -59,18 +60,24 @@ class TensorParallelComm(nn.Module):
         super().__init__()
         self.degree = degree
         self.group: object | None = None
+        self.backward_group: object | None = None
         self.bound = False
+        self.collective_times: list[float] = []  # seconds of each all-reduce (runtime reads)
 
-    def bind_communicator(self, group: object | None) -> None:
-        """Called by the runtime with the segment's ``tp`` process group (None: the world)."""
+    def bind_communicator(self, group: object | None, backward_group: object | None = None) -> None:
+        """Called by the runtime with the segment's ``tp`` process group (None: the world)
+        and the group for the collectives of backward passes (default: the same)."""
         self.group = group
+        self.backward_group = group if backward_group is None else backward_group
         self.bound = True
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, backward: bool = False) -> torch.Tensor:
         if not self.bound:
             return t
         t = t.contiguous().clone()
-        dist.all_reduce(t, group=self.group)
+        start = time.perf_counter()
+        dist.all_reduce(t, group=self.backward_group if backward else self.group)
+        self.collective_times.append(time.perf_counter() - start)
         return t
 
     def forward(self, x: torch.Tensor, op: str) -> torch.Tensor:
@@ -78,7 +85,8 @@ class TensorParallelComm(nn.Module):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["group"], state["bound"] = None, False  # a process group never travels
+        state["group"], state["backward_group"], state["bound"] = None, None, False  # groups never travel
+        state["collective_times"] = []
         return state
 
 
@@ -92,7 +100,7 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
-        return ctx.comm.all_reduce(grad), None
+        return ctx.comm.all_reduce(grad, backward=True), None
 
 
 class _ReduceFromGroup(torch.autograd.Function):

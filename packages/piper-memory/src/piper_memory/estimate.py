@@ -8,18 +8,19 @@ categories ``piper_runtime.memory.RankMemory`` measures:
   tensor-parallel ``Sharding`` lists); one shard (``Bucket.shard_numel``, padded) per bucket
   of a ZeRO-3 segment;
 - *gradients*: a stage segment's full gradients from its first weight-gradient pass (``B`` or
-  ``BW``) until the optimizer step; with ZeRO >= 1 a bucket's full gradients are dropped at its
-  reduce-scatter and its gradient shard lives from then until the step. ``grad_bytes`` is the
-  lasting part (full, or one shard from ZeRO-2), ``grad_buffer_bytes`` the peak of the full
-  gradients on top of it (ZeRO-2/3: one backward's gradients waiting for their
-  reduce-scatter; the plan reduce-scatters after the pass, so this is a whole segment's
-  gradients, however small the buckets);
+  ``BW``) until the optimizer step; with ZeRO 1 a bucket's full gradients are dropped at its
+  reduce-scatter and its gradient shard lives from then until the step. With ZeRO 2/3 the
+  runtime reduce-scatters each bucket during the pass as soon as its gradients are complete
+  (``piper_runtime.buckets``; last bucket first, ``EARLY_IN_FLIGHT`` reductions running at
+  most, the rest finishing at their ``REDUCE_SCATTER``), so the full gradients of one bucket
+  exist at a time. ``grad_bytes`` is the lasting part (full, or one shard from ZeRO-2),
+  ``grad_buffer_bytes`` the peak of the full gradients on top of it;
 - *optimizer state*: 0x the parameter bytes for ``"sgd"`` (no momentum), 2x for
   ``"adam"``/``"adamw"``; one shard from ZeRO-1. Counted as resident all step (the steady
   state: after the first step the state lives between steps);
 - *communication*: gathered parameters (ZeRO-3, ``MATERIALIZE`` to ``FREE``; their peak is also
   ``materialized_bytes``), collective buffers (a flattened bucket for ``ALL_REDUCE``, the
-  flattened bucket and the output shard for ``REDUCE_SCATTER``, a copy of the shard for
+  flattened bucket and the output shard for a reduce-scatter while it runs, a copy of the shard for
   ``ALL_GATHER``), and point-to-point buffers: every sent tensor until the end of the step, a
   receive's buffer from when it is posted (two receives ahead) until the compute that reads it;
 - *activations*: what a forward keeps until its backward (``B``, or ``BW`` after a split
@@ -48,6 +49,8 @@ from piper_ir import Bucket, MemoryPlanError, NodeKind, Phase, Program, SegmentR
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "adam": 2, "adamw": 2}
 # How many receives ahead a runtime posts its receive buffers (piper_runtime.worker does two).
 RECV_AHEAD = 2
+# ZeRO-2/3 reduce-scatters a backward leaves running (piper_runtime.buckets.IN_FLIGHT).
+EARLY_IN_FLIGHT = 2
 _BUCKET_KINDS = {
     NodeKind.ALL_REDUCE,
     NodeKind.REDUCE_SCATTER,
@@ -191,6 +194,8 @@ class _RankReplay:
         # Tensor parallelism (Program.sharding): a listed parameter is cut ``degree`` ways.
         tp_cut = {(sh.segment, p.name): sh.degree for sh in program.sharding for p in sh.params}
         self.zero: dict[str, int] = {}
+        self.early: set[str] = set()  # zero-2/3 segments reduce-scattered during the backward
+        self.inflight: dict[str, int] = {}  # bucket -> buffers of its running reduce-scatter
         for seg_id in program.plan(rank).segments():
             seg = program.segment_by_id[seg_id]
             level = zero.get(seg_id, 0) if seg_id in buckets else 0
@@ -204,6 +209,8 @@ class _RankReplay:
             self.lasting_grads += shard if level >= 2 else full
             if seg_id in buckets:
                 self.full[seg_id] = {b.id: _bytes(b, b.numel) for b in buckets[seg_id]}
+                if level >= 2:
+                    self.early.add(seg_id)
             else:
                 self.full[seg_id] = {seg_id: full}
         self.activation_bytes = dict(activation_bytes or {})
@@ -216,6 +223,7 @@ class _RankReplay:
         self.sent = 0
         self.received: dict[tuple[str, int | None], int] = {}  # value waiting for its reader
         self.peaks = dict.fromkeys(("grads", "full", "comm", "acts", "gathered", "total"), 0)
+        self.position = -1  # the instruction being replayed
 
     def _forward_bytes(self, seg_id: str) -> int:
         if seg_id in self.activation_bytes:
@@ -230,6 +238,7 @@ class _RankReplay:
         gathered = sum(self.gathered.values())
         posted = [ins.meta.nbytes() if ins.meta is not None else 0 for ins in self._pending_recvs(position)]
         comm = gathered + transient + self.sent + sum(self.received.values()) + sum(posted)
+        comm += sum(self.inflight.values())
         acts = sum(self.acts.values())
         peaks = self.peaks
         peaks["grads"] = max(peaks["grads"], grads)
@@ -249,6 +258,7 @@ class _RankReplay:
         self._sample(-1)
         for k, ins in enumerate(self.instructions):
             kind = ins.kind
+            self.position = k
             if kind is NodeKind.COMPUTE:
                 self._compute(ins)
             elif kind is NodeKind.OPTIMIZER:
@@ -284,6 +294,9 @@ class _RankReplay:
         padded, shard = _bytes(b, b.padded_numel), _bytes(b, b.shard_numel)
         if ins.kind is NodeKind.ALL_REDUCE:  # the flattened gradients, reduced in place
             self._sample(k - 1, padded)
+        elif ins.kind is NodeKind.REDUCE_SCATTER and b.segment in self.early:
+            self.inflight.pop(b.id, None)  # started by the backward; now it has finished
+            self.grad_shards[b.id] = shard
         elif ins.kind is NodeKind.REDUCE_SCATTER:  # flattened gradients in, one shard out
             self._sample(k - 1, padded + shard)
             self.grads.pop(b.id, None)
@@ -307,7 +320,28 @@ class _RankReplay:
         if ins.phase in (Phase.B, Phase.BI):
             for name in seg.outputs:
                 self.received.pop(("grad:" + name, mb), None)
-        if ins.phase in (Phase.B, Phase.BW):  # BI keeps what BW still needs
+        if ins.phase in (Phase.B, Phase.BW) and seg.id in self.early:
+            self._early_reduce_scatter(seg.id)
+            self.acts.pop(key, None)
+        elif ins.phase in (Phase.B, Phase.BW):  # BI keeps what BW still needs
             self.acts.pop(key, None)
             for bucket_or_seg, nbytes in self.full.get(seg.id, {}).items():
                 self.grads[bucket_or_seg] = nbytes
+
+    def _early_reduce_scatter(self, seg_id: str) -> None:
+        """A zero-2/3 weight-gradient pass: each bucket, last first, is complete, starts its
+        reduce-scatter (sampled with its full gradients and every running reduction's
+        buffers) and loses its full gradients; the oldest of more than ``EARLY_IN_FLIGHT``
+        running reductions is waited for (its shard is then the bucket's gradient shard)."""
+        running: list[Bucket] = []
+        for b in reversed(self.buckets[seg_id]):
+            nbytes = _bytes(b, b.padded_numel) + _bytes(b, b.shard_numel)
+            self.grads[b.id] = _bytes(b, b.numel)
+            self._sample(self.position - 1, nbytes)
+            self.grads.pop(b.id)
+            self.inflight[b.id] = nbytes
+            running.append(b)
+            while len(running) > EARLY_IN_FLIGHT:
+                done = running.pop(0)
+                self.inflight.pop(done.id)
+                self.grad_shards[done.id] = _bytes(done, done.shard_numel)

@@ -26,6 +26,7 @@ class StepOutput:
     seconds: float = 0.0  # wall time of the step inside the worker
     grad_shards: dict[str, tuple[int, torch.Tensor]] | None = None
     memory: RankMemory | None = None
+    collective_seconds: float = 0.0  # inside the collectives that compute issues (TP, EP)
 
 
 @attrs.frozen
@@ -53,3 +54,5 @@ class StepResult:
     timings: tuple[InstructionTiming, ...] = ()  # every rank's, with ``profile=True``
     worker_seconds: tuple[float, ...] = ()  # each rank's time inside its step
     memory: tuple[RankMemory, ...] = ()
+    # Each rank's time inside the tensor- and expert-parallel collectives of its compute.
+    collective_seconds: tuple[float, ...] = ()

@@ -38,7 +38,9 @@ class Runtime:
     ``modules`` maps segment ids to the ``nn.Module`` running each segment (see
     docs/ir-conventions.md, section 6); each rank receives only the modules of the segments
     in its plan. Use as a context manager, or call ``shutdown``; actors are also killed when
-    the runtime is garbage collected or the interpreter exits.
+    the runtime is garbage collected or the interpreter exits. ``threads`` runs each rank's
+    logical streams on threads of their own (the default); ``False`` walks each rank's plan
+    sequentially, the same plan on one stream.
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class Runtime:
         backend: str = "cpu",
         step_timeout_s: float = 120.0,
         setup_timeout_s: float = 120.0,
+        threads: bool = True,
     ) -> None:
         self.program = program
         self.step_timeout_s = step_timeout_s
@@ -91,6 +94,7 @@ class Runtime:
                 optimizer or OptimizerSpec(),
                 backend,
                 min(setup_timeout_s, 60.0),
+                threads,
             )
             for rank, w in enumerate(self._workers)
         ]
@@ -287,7 +291,13 @@ def _merge(outputs: list[StepOutput], program: Program, keep_grads: bool) -> Ste
     timings = tuple(t for out in outputs for t in out.timings)
     memory = tuple(out.memory for out in outputs if out.memory is not None)
     return StepResult(
-        losses, sum(losses) / len(losses), grads, timings, tuple(out.seconds for out in outputs), memory
+        losses,
+        sum(losses) / len(losses),
+        grads,
+        timings,
+        tuple(out.seconds for out in outputs),
+        memory,
+        tuple(out.collective_seconds for out in outputs),
     )
 
 

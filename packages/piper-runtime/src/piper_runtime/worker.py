@@ -1,11 +1,15 @@
 """The per-rank executor: walks one rank's instruction list, one step at a time.
 
 ``RankWorker`` is a plain class; the runtime wraps it with ``ray.remote`` (one actor per
-rank). It runs the instructions of its ``RankPlan`` sequentially. Because the plan is a valid
-sequential order, the cross-stream events (``waits``/``record``) are satisfied by
-construction and are not consulted. Point-to-point traffic goes through
-``torch.distributed``: sends are non-blocking (waited for at the end of the step), receives
-block.
+rank). By default each logical stream of its ``RankPlan`` runs on a thread of its own, with
+the cross-stream events honoured (``piper_runtime.streams``), so gloo communication proceeds
+while compute runs and the two chunks of an overlapped slot run side by side. With
+``threads=False`` (or when a collective communicator is shared by two streams) it walks the
+list sequentially, where the events are satisfied by construction. Every communicator gets a
+process group of its own; the tensor- and expert-parallel collectives inside backward passes
+get a second one, so a forward and a backward running concurrently never share a group.
+Point-to-point traffic goes through ``torch.distributed``: sends are non-blocking (waited for
+at the end of the step), receives are posted ahead and block when their data is needed.
 
 Each segment runs as its own autograd graph: a segment's floating inputs that need
 gradients are detached leaves, so its backward stops at its boundary and yields
@@ -28,6 +32,9 @@ parameters are cut into ``Bucket``s, laid out by ``piper_memory.store.BucketLayo
   gradients, reduce-scatters them and adds the result into the shard's ``.grad`` (the full
   ``.grad`` is dropped). ``ALL_GATHER`` gathers the updated shards straight into the flat
   buffer, i.e. into the module's parameters.
+- zero 2/3: each bucket is reduce-scattered during the backward that produces its gradients,
+  from parameter hooks (``piper_runtime.buckets.EarlyReduceScatter``); ``REDUCE_SCATTER``
+  waits for that reduction and adds it into the gradient shard.
 - zero 3: the flat buffer's storage is released (resized to zero bytes) except between a
   ``MATERIALIZE`` (storage back, all-gather into it) and its ``FREE``. Because the module's
   parameters, and any view of them autograd saved, share that one storage, a backward after
@@ -39,10 +46,14 @@ A ``MemoryTracker`` samples what the worker holds after every instruction (see
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import inspect
 import os
+import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -50,13 +61,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from piper_ir import Bucket, ExecutionError, Instruction, NodeKind, Phase, Program, SegmentRole
-from piper_memory.store import BucketLayout, accumulate_grad, shard_tensor
+from piper_ir import ExecutionError, Instruction, NodeKind, Phase, Program, SegmentRole
+from piper_memory.store import accumulate_grad, shard_tensor
 from piper_runtime.backend import Backend, resolve_backend
 from piper_runtime.batch import split_microbatches
+from piper_runtime.buckets import BucketState, EarlyReduceScatter, all_gather_flat, reduce_scatter_flat
 from piper_runtime.memory import MemoryTracker
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.results import InstructionTiming, StepOutput
+from piper_runtime.streams import lanes_share_a_communicator, run_streams
 
 GRAD_PREFIX = "grad:"
 RECV_LOOKAHEAD = 2
@@ -89,53 +102,6 @@ _BUCKET_KINDS = {
     NodeKind.MATERIALIZE,
     NodeKind.FREE,
 }
-# The non-deprecated names of the flat collectives (torch >= 2.13), else the older ones.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class _BucketState:
-    """One bucket of a segment on this rank: its layout, the module's parameters in bucket
-    order and, with zero >= 1, the flat full buffer they are views of and this replica's
-    parameter shard (what the optimizer steps; its ``.grad`` is the gradient shard)."""
-
-    def __init__(self, bucket: Bucket, params: list[nn.Parameter], zero: int, replica: int) -> None:
-        self.bucket = bucket
-        self.layout = BucketLayout(bucket, [tuple(p.shape) for p in params])
-        self.params = params
-        self.zero = zero
-        self.replica = replica
-        self.flat: torch.Tensor | None = None
-        self.shard: nn.Parameter | None = None
-        if zero >= 1:
-            with torch.no_grad():
-                self.flat = self.layout.flatten([p.detach() for p in params])
-                shard = self.layout.shard(self.flat, replica)
-                # Zero 1/2: the shard is a view of the full parameters, so the optimizer
-                # updates them in place and no second copy exists. Zero 3: the full buffer
-                # comes and goes, the shard is the parameters' only lasting copy.
-                self.shard = nn.Parameter(shard.clone() if zero == 3 else shard)
-                for p, view in zip(params, self.layout.unflatten(self.flat), strict=True):
-                    p.data = view
-            if zero == 3:
-                self.release()
-
-    @property
-    def materialized(self) -> bool:
-        return self.flat is not None and self.flat.untyped_storage().nbytes() > 0
-
-    def release(self) -> None:
-        """Drop the full parameters' memory (zero 3); the views keep their shapes."""
-        self.flat.untyped_storage().resize_(0)
-
-    def allocate(self) -> None:
-        """Give the flat buffer its memory back (uninitialised) before gathering into it."""
-        storage = self.flat.untyped_storage()
-        nbytes = self.flat.numel() * self.flat.element_size()
-        if storage.nbytes() != nbytes:
-            storage.resize_(nbytes)
-
-
 _COMPUTE_PHASES = {Phase.F, Phase.B, Phase.BI, Phase.BW}
 
 
@@ -160,6 +126,8 @@ class _StepState:
         # (segment, microbatch) -> the tensors autograd saved for its backward (for accounting)
         self.autograd_saved: dict[Key, list[torch.Tensor]] = {}
         self.grad_shards: dict[str, tuple[int, torch.Tensor]] = {}
+        self.lock = threading.RLock()  # shared by the stream threads
+        self.reads_left: dict[Key, int] = {}  # value -> instructions still to read it
 
     def get(self, name: str, mb: int) -> torch.Tensor:
         if name in self.batch:
@@ -171,21 +139,29 @@ class _StepState:
 
     def add_grad(self, name: str, mb: int, grad: torch.Tensor) -> None:
         """Gradients may have several contributions (local and received): they are summed."""
-        prev = self.values.get((name, mb))
-        self.values[(name, mb)] = grad if prev is None else prev + grad
-        self.received.discard((name, mb))  # a received buffer is no longer what is held
+        with self.lock:
+            prev = self.values.get((name, mb))
+            self.values[(name, mb)] = grad if prev is None else prev + grad
+            self.received.discard((name, mb))  # a received buffer is no longer what is held
 
 
 class RankWorker:
     """Executes one rank of a ``Program``; used as a Ray actor by ``Runtime``."""
 
     def __init__(self) -> None:
+        faulthandler.enable(all_threads=True)  # a crash in native code shows every thread
         torch.set_num_threads(1)
         self.rank = -1
         self._modules: dict[str, nn.Module] = {}
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
-        self._buckets: dict[str, _BucketState] = {}
+        self._buckets: dict[str, BucketState] = {}
+        self._reducers: dict[str, EarlyReduceScatter] = {}
+        # Held while parameter gradients are written or read (backward passes, the optimizer,
+        # bucket operations, accounting): autograd writes ``.grad`` without the GIL, so no
+        # other thread may read or replace one meanwhile. Collectives run outside it.
+        self._grads_lock = threading.RLock()
         self._step = 0
+        self._st: _StepState | None = None
 
     def ping(self) -> int:
         return os.getpid()
@@ -201,9 +177,12 @@ class RankWorker:
         optimizer: OptimizerSpec,
         backend: str = "cpu",
         timeout_s: float = 60.0,
+        threads: bool = True,
     ) -> None:
-        """Join the process group, keep this rank's segment modules, build the optimizers."""
+        """Join the process group, keep this rank's segment modules, build the optimizers.
+        ``threads``: one thread per stream (else one sequential walk of the plan)."""
         self.rank = rank
+        self.timeout_s = timeout_s
         self.program = program
         self.plan = program.plan(rank)
         self.backend: Backend = resolve_backend(backend)
@@ -254,18 +233,31 @@ class RankWorker:
                 timeout=timedelta(seconds=timeout_s),
             )
         # One tag per communicator keeps, e.g., activations and gradients between the same two
-        # ranks in separate FIFO channels. Every rank creates the sub-groups in program order,
-        # as new_group requires.
+        # ranks in separate FIFO channels. Every communicator gets a process group of its own
+        # (threads must never issue collectives on one group concurrently), tensor- and
+        # expert-parallel ones a second one for the collectives of backward passes, and every
+        # zero-2/3 device group one for the early reduce-scatters. Every rank creates all of
+        # them in program order, as new_group requires.
         self._tags: dict[str, int] = {}
         self._groups: dict[str, Any] = {}
+        self._backward_groups: dict[str, Any] = {}
         for i, comm in enumerate(program.communicators):
             self._tags[comm.id] = i + 1
-            if sorted(comm.ranks) == list(range(world_size)):
-                self._groups[comm.id] = None  # the default (world) group
-            else:
-                self._groups[comm.id] = dist.new_group(sorted(comm.ranks))
+            self._groups[comm.id] = dist.new_group(sorted(comm.ranks))
+            if comm.traffic in ("tp", "ep"):
+                self._backward_groups[comm.id] = dist.new_group(sorted(comm.ranks))
+        early_groups: dict[tuple[int, ...], Any] = {}
+        for rep in program.replication:
+            if rep.zero >= 2 and len(rep.devices) > 1 and rep.devices not in early_groups:
+                early_groups[rep.devices] = dist.new_group(sorted(rep.devices))
         self._bind_tensor_parallel(mine)
-        self._frees = _free_after(program, self.plan.instructions)
+        self._setup_early_reduce_scatter(early_groups)
+        self._reads = _reads_of(program, self.plan.instructions)
+        self._read_counts: dict[Key, int] = {}
+        for keys in self._reads.values():
+            for key in keys:
+                self._read_counts[key] = self._read_counts.get(key, 0) + 1
+        self.threads = threads and not lanes_share_a_communicator(self.plan.instructions)
         self._recv_positions = [
             k for k, ins in enumerate(self.plan.instructions) if ins.kind is NodeKind.RECV
         ]
@@ -325,7 +317,10 @@ class RankWorker:
             for m in self._modules[sh.segment].modules():
                 bind = getattr(m, "bind_communicator", None)
                 if callable(bind):
-                    bind(self._groups[comm.id])
+                    if "backward_group" in inspect.signature(bind).parameters:
+                        bind(self._groups[comm.id], backward_group=self._backward_groups[comm.id])
+                    else:
+                        bind(self._groups[comm.id])
                     bound += 1
             if not bound:
                 raise ExecutionError(
@@ -371,7 +366,7 @@ class RankWorker:
                         ranks=(rank,),
                     )
                 covered.update(bucket.params)
-                self._buckets[bucket.id] = _BucketState(
+                self._buckets[bucket.id] = BucketState(
                     bucket, [named[n] for n in bucket.params], rep.zero, replica
                 )
             uncovered = [n for n, p in named.items() if p.requires_grad and n not in covered]
@@ -380,6 +375,20 @@ class RankWorker:
                     f"rank {rank}: parameters {uncovered} of replicated segment {sid} are in no bucket",
                     ranks=(rank,),
                 )
+
+    def _setup_early_reduce_scatter(self, groups: Mapping[tuple[int, ...], Any]) -> None:
+        """Zero 2/3: reduce-scatter each bucket from gradient hooks during the backward."""
+        self._reducers = {}
+        for rep in self.program.replication:
+            buckets = [b for b in self._buckets.values() if b.bucket.segment == rep.segment]
+            if rep.devices in groups and buckets:
+                self._reducers[rep.segment] = EarlyReduceScatter(
+                    buckets, groups[rep.devices], threading.RLock(), self._sample_buffers
+                )
+
+    def _sample_buffers(self, buffers: list[torch.Tensor]) -> None:
+        if self._st is not None:
+            self._sample(self._st, *buffers)
 
     def _check_bucket_instruction(self, ins: Instruction) -> None:
         where = f"rank {self.rank}, instruction {ins.id} ({ins.kind.value})"
@@ -430,29 +439,39 @@ class RankWorker:
             for name, t in batch.items()
         }
         st = _StepState(chunks, keep_grads)
+        st.reads_left = dict(self._read_counts)
+        self._st = st
         self._memory.reset(excluded=[t for ts in chunks.values() for t in ts])
         self._sample(st)
-        for k, ins in enumerate(self.plan.instructions):
+
+        def execute(k: int, ins: Instruction) -> None:
             t0 = time.perf_counter() if profile else 0.0
             try:
                 self._post_recvs(k, st)
                 self._handlers[ins.kind](ins, st)
             except Exception as exc:
-                # Keep posted receives and unfinished sends referenced: destroying pending
-                # gloo work could take the process down before the error reaches the driver
-                # (which tears every rank down anyway).
-                self._abandoned = st
                 raise self._error(f"instruction {ins.id} ({ins.short()})", exc, ins.id) from None
             if profile:
-                timings.append(
-                    InstructionTiming(self.rank, ins.id, t0 - started, time.perf_counter() - started)
-                )
-            for key in self._frees.get(k, ()):
-                st.values.pop(key, None)
-                st.received.discard(key)
+                timings.append(InstructionTiming(self.rank, ins.id, t0 - started, time.perf_counter() - started))
+            self._release_reads(k, st)
             # Model state (parameters, gradients, optimizer state) changes only in backward,
             # optimizer and bucket instructions: forwards and transfers reuse its last count.
             self._sample(st, model_state=not _KEEPS_MODEL_STATE(ins))
+
+        try:
+            if self.threads:
+                run_streams(self.plan.instructions, execute, timeout_s=self.timeout_s)
+            else:
+                for k, ins in enumerate(self.plan.instructions):
+                    execute(k, ins)
+        except BaseException:
+            # Keep posted receives and unfinished sends referenced: destroying pending gloo
+            # work could take the process down before the error reaches the driver (which
+            # tears every rank down anyway).
+            self._abandoned = st
+            raise
+        finally:
+            self._st = None
         try:
             for work, _tensor in st.sends:
                 work.wait()
@@ -462,11 +481,34 @@ class RankWorker:
             self.rank,
             tuple(sorted(st.losses.items())),
             st.grads if keep_grads else None,
-            tuple(timings),
+            tuple(sorted(timings, key=lambda t: t.start)),
             time.perf_counter() - started,
             st.grad_shards if keep_grads else None,
             self._memory.result(),
+            self._collective_seconds(),
         )
+
+    def _collective_seconds(self) -> float:
+        """Seconds this step spent in collectives issued inside compute (modules that keep
+        ``collective_times``, as the tensor- and expert-parallel rewrites do); resets them."""
+        total = 0.0
+        for module in self._modules.values():
+            for m in module.modules():
+                times = getattr(m, "collective_times", None)
+                if isinstance(times, list):
+                    total += sum(times)
+                    times.clear()
+        return total
+
+    def _release_reads(self, k: int, st: _StepState) -> None:
+        """Forget the values instruction ``k`` was the last to read."""
+        with st.lock:
+            for key in self._reads.get(k, ()):
+                left = st.reads_left[key] - 1
+                st.reads_left[key] = left
+                if left == 0:
+                    st.values.pop(key, None)
+                    st.received.discard(key)
 
     def _error(self, where: str, exc: BaseException, node: str | None = None) -> ExecutionError:
         tb = "".join(traceback.format_exception(exc))
@@ -478,13 +520,12 @@ class RankWorker:
         )
 
     def _compute(self, ins: Instruction, st: _StepState) -> None:
-        run = {
-            Phase.F: self._forward,
-            Phase.B: self._backward,
-            Phase.BI: self._backward_input,
-            Phase.BW: self._backward_weight,
-        }[ins.phase]
-        run(ins, st)
+        if ins.phase is Phase.F:
+            self._forward(ins, st)
+            return
+        run = {Phase.B: self._backward, Phase.BI: self._backward_input, Phase.BW: self._backward_weight}[ins.phase]
+        with self._grads_lock:
+            run(ins, st)
 
     def _forward(self, ins: Instruction, st: _StepState) -> None:
         seg = self.program.segment_by_id[ins.segment]
@@ -556,7 +597,8 @@ class RankWorker:
         mb = ins.microbatch
         args, tensors, grads = self._backward_roots(ins, st)
         if tensors:
-            torch.autograd.backward(tensors, grads)
+            with self._reducing(seg.id):
+                torch.autograd.backward(tensors, grads)
         st.autograd_saved.pop((seg.id, mb), None)
         for name, a in zip(seg.inputs, args, strict=True):
             if a.requires_grad:
@@ -592,10 +634,29 @@ class RankWorker:
         if tensors and params:
             # ``inputs=params`` restricts the pass to what the weight gradients need; without
             # retain_graph the saved tensors are freed as the pass goes.
-            torch.autograd.backward(tensors, grads, inputs=params)
+            with self._reducing(ins.segment):
+                torch.autograd.backward(tensors, grads, inputs=params)
         st.autograd_saved.pop(key, None)
 
+    @contextlib.contextmanager
+    def _reducing(self, segment: str) -> Iterator[None]:
+        """Around a weight-gradient pass: a zero-2/3 segment's buckets are reduce-scattered
+        as their gradients complete, and whatever is left when the pass ends."""
+        reducer = self._reducers.get(segment)
+        if reducer is None:
+            yield
+            return
+        reducer.begin()
+        try:
+            yield
+        finally:
+            reducer.finish()
+
     def _optimize(self, ins: Instruction, st: _StepState) -> None:
+        with self._grads_lock:
+            self._step_optimizer(ins, st)
+
+    def _step_optimizer(self, ins: Instruction, st: _StepState) -> None:
         opt = self._optimizers.get(ins.segment)
         if opt is None:
             return
@@ -619,31 +680,35 @@ class RankWorker:
 
     # -- data-parallel buckets ------------------------------------------------------------------
 
-    def _segment_buckets(self, segment: str) -> list[_BucketState]:
+    def _segment_buckets(self, segment: str) -> list[BucketState]:
         return [b for b in self._buckets.values() if b.bucket.segment == segment]
 
     def _all_reduce(self, ins: Instruction, st: _StepState) -> None:
         """Zero 0: sum the bucket's gradients over the group, in place of the local ones."""
         b = self._buckets[ins.value]
-        flat = b.layout.flatten([p.grad for p in b.params])
-        self._sample(st, flat)
+        with self._grads_lock:
+            flat = b.layout.flatten([p.grad for p in b.params])
+            self._sample(st, flat)
         dist.all_reduce(flat, group=self._groups[ins.communicator])
-        for p, g in zip(b.params, b.layout.unflatten(flat), strict=True):
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
+        with self._grads_lock:
+            for p, g in zip(b.params, b.layout.unflatten(flat), strict=True):
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
 
     def _reduce_scatter(self, ins: Instruction, st: _StepState) -> None:
         """Zero >= 1: reduce the full gradients, add this replica's shard into the gradient
-        shard and drop the full gradients (ZeRO-2/3 keep only shards between microbatches)."""
+        shard and drop the full gradients (ZeRO-2/3 keep only shards between microbatches).
+        With zero 2/3 the backward already started the reduction: wait for it."""
         b = self._buckets[ins.value]
-        flat = b.layout.flatten([p.grad for p in b.params])
-        shard = torch.empty(b.bucket.shard_numel, dtype=flat.dtype, device=flat.device)
-        self._sample(st, flat, shard)
-        _reduce_scatter(shard, flat, group=self._groups[ins.communicator])
-        for p in b.params:
-            p.grad = None
+        reducer = self._reducers.get(b.bucket.segment)
+        if reducer is not None:
+            reducer.wait(b.bucket.id)
+            return
+        with self._grads_lock:
+            flat, shard = b.take_gradients(sample=lambda flat, shard: self._sample(st, flat, shard))
+        reduce_scatter_flat(shard, flat, group=self._groups[ins.communicator])
         accumulate_grad(b.shard, shard)
 
     def _all_gather(self, ins: Instruction, st: _StepState) -> None:
@@ -652,13 +717,13 @@ class RankWorker:
         # The shard is a view of the output buffer: gather from a copy of it.
         shard = b.shard.detach().clone()
         self._sample(st, shard)
-        _all_gather(b.flat, shard, group=self._groups[ins.communicator])
+        all_gather_flat(b.flat, shard, group=self._groups[ins.communicator])
 
     def _materialize(self, ins: Instruction, st: _StepState) -> None:
         """Zero 3: gather the bucket's parameters for a chain of uses."""
         b = self._buckets[ins.value]
         b.allocate()
-        _all_gather(b.flat, b.shard.detach(), group=self._groups[ins.communicator])
+        all_gather_flat(b.flat, b.shard.detach(), group=self._groups[ins.communicator])
 
     def _free(self, ins: Instruction, st: _StepState) -> None:
         """Zero 3: drop the gathered parameters (the shard stays)."""
@@ -670,37 +735,41 @@ class RankWorker:
         """Record what this rank holds now; ``buffers`` are a collective's live buffers.
         With ``model_state=False`` the parameters, gradients and optimizer state counted at
         the previous sample are taken as unchanged."""
-        held: dict[str, list] = {}
-        if model_state:
-            gathered = {id(p) for b in self._buckets.values() if b.zero == 3 for p in b.params}
-            params = [p for p in self._all_params if id(p) not in gathered]
-            shards = [b.shard for b in self._buckets.values() if b.shard is not None]
-            grads = [p.grad for p in self._all_params]
-            grads += [s.grad for s in shards]
-            held["parameters"] = params + shards
-            held["gradients"] = grads
-            held["optimizer_state"] = [
-                t
-                for opt in self._optimizers.values()
-                for per_param in opt.state.values()
-                for t in per_param.values()
-                if isinstance(t, torch.Tensor)
-            ]
-        comm = [b.flat for b in self._buckets.values() if b.zero == 3]
-        comm += [t for _work, t in st.posted.values()] + [t for _work, t in st.sends]
-        comm += [st.values[k] for k in st.received if k in st.values]
-        comm += buffers
-        acts = [t for ts in st.autograd_saved.values() for t in ts]
-        for args, outs in st.saved.values():
-            acts += args
-            acts += outs
-        for outs, grads_ in st.pending_bw.values():
-            acts += outs
-            acts += grads_ or []
-        acts += [t for k, t in st.values.items() if k not in st.received]
-        held["communication"] = comm
-        held["activations"] = acts
-        self._memory.sample(held, model_state=model_state)
+        with self._grads_lock if model_state else contextlib.nullcontext(), st.lock:
+            held: dict[str, list] = {}
+            if model_state:
+                gathered = {id(p) for b in self._buckets.values() if b.zero == 3 for p in b.params}
+                params = [p for p in self._all_params if id(p) not in gathered]
+                shards = [b.shard for b in self._buckets.values() if b.shard is not None]
+                grads = [p.grad for p in self._all_params]
+                grads += [s.grad for s in shards]
+                held["parameters"] = params + shards
+                held["gradients"] = grads
+                held["optimizer_state"] = [
+                    t
+                    for opt in self._optimizers.values()
+                    for per_param in list(opt.state.values())
+                    for t in list(per_param.values())
+                    if isinstance(t, torch.Tensor)
+                ]
+            # Other threads change these dicts: ``list(...)`` copies each one atomically.
+            comm = [b.flat for b in self._buckets.values() if b.zero == 3]
+            comm += [t for _work, t in list(st.posted.values())] + [t for _work, t in list(st.sends)]
+            values = list(st.values.items())
+            received = set(st.received)
+            comm += [t for k, t in values if k in received]
+            comm += buffers
+            acts = [t for ts in list(st.autograd_saved.values()) for t in ts]
+            for args, outs in list(st.saved.values()):
+                acts += args
+                acts += outs
+            for outs, grads_ in list(st.pending_bw.values()):
+                acts += outs
+                acts += grads_ or []
+            acts += [t for k, t in values if k not in received]
+            held["communication"] = comm
+            held["activations"] = acts
+            self._memory.sample(held, model_state=model_state)
 
     def _send(self, ins: Instruction, st: _StepState) -> None:
         t = st.get(ins.value, ins.microbatch).detach().contiguous()
@@ -717,6 +786,10 @@ class RankWorker:
         one peer on one communicator are posted in plan order, which the verifier proved is
         the order the peer sends in."""
         recvs = self._recv_positions
+        with st.lock:
+            self._post_recvs_locked(position, st, recvs)
+
+    def _post_recvs_locked(self, position: int, st: _StepState, recvs: list[int]) -> None:
         while st.posted_upto < len(recvs) and (
             st.posted_upto < st.consumed + RECV_LOOKAHEAD or recvs[st.posted_upto] <= position
         ):
@@ -768,9 +841,10 @@ class RankWorker:
             dist.destroy_process_group()
 
 
-def _free_after(program: Program, instructions: tuple[Instruction, ...]) -> dict[int, list[Key]]:
-    """Instruction index -> the (value, microbatch) entries last read there (freed after it)."""
-    last: dict[Key, int] = {}
+def _reads_of(program: Program, instructions: tuple[Instruction, ...]) -> dict[int, list[Key]]:
+    """Instruction index -> the (value, microbatch) entries it reads; a value is dropped once
+    every instruction that reads it has run (in whatever order the stream threads run them)."""
+    reads_at: dict[int, list[Key]] = {}
     for k, ins in enumerate(instructions):
         mb = ins.microbatch
         if ins.kind is NodeKind.COMPUTE and ins.phase is Phase.F:
@@ -783,12 +857,9 @@ def _free_after(program: Program, instructions: tuple[Instruction, ...]) -> dict
             reads = [ins.value]
         else:
             reads = []
-        for name in reads:
-            last[(name, mb)] = k
-    frees: dict[int, list[Key]] = {}
-    for key, k in last.items():
-        frees.setdefault(k, []).append(key)
-    return frees
+        if reads:
+            reads_at[k] = [(name, mb) for name in reads]
+    return reads_at
 
 
 def _resolve(value: Any) -> torch.Tensor:

@@ -9,7 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from piper_scheduler.compile import compile_program
 from piper_scheduler.costs import CostModel
-from piper_scheduler.simulate import simulate
+from piper_scheduler.simulate import measured_timeline, simulate
 from piper_scheduler.timeline import Interval, Timeline
 from piper_scheduler.trace import plot_gantt, to_chrome_trace
 from piper_scheduler.verify import verify
@@ -24,6 +24,7 @@ __all__ = [
     "Interval",
     "Timeline",
     "compile_program",
+    "measured_timeline",
     "plot_gantt",
     "simulate",
     "to_chrome_trace",

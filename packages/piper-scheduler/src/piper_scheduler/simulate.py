@@ -14,6 +14,7 @@ not change the result (a dataflow fixpoint, computed with a worklist).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 from piper_ir import DeadlockError, NodeKind, Phase, Program, SchedulingError, SegmentRole
 from piper_scheduler.costs import CostModel
@@ -122,11 +123,29 @@ def simulate(program: Program, costs: CostModel | None = None) -> Timeline:
     return _timeline(program, start, end)
 
 
+def measured_timeline(program: Program, spans: Iterable[tuple[int, str, float, float]]) -> Timeline:
+    """The ``Timeline`` of a real run of ``program``: ``spans`` are ``(rank, instruction id,
+    start, end)`` as a runtime measured them (``piper_runtime.InstructionTiming``, each
+    rank's clock starting at its step); instructions without a span are left out. It plots
+    with ``plot_gantt`` like a simulated one."""
+    index = {(plan.rank, ins.id): (plan.rank, i) for plan in program.ranks for i, ins in enumerate(plan.instructions)}
+    start: dict[Slot, float] = {}
+    end: dict[Slot, float] = {}
+    for rank, ident, s, e in spans:
+        slot = index.get((rank, ident))
+        if slot is None:
+            raise ValueError(f"rank {rank} has no instruction {ident!r}")
+        start[slot], end[slot] = s, e
+    return _timeline(program, start, end)
+
+
 def _timeline(program: Program, start: dict[Slot, float], end: dict[Slot, float]) -> Timeline:
     intervals: list[Interval] = []
     busy = [0.0] * program.world_size
     for plan in program.ranks:
         for i, ins in enumerate(plan.instructions):
+            if (plan.rank, i) not in start:
+                continue
             s, e = start[(plan.rank, i)], end[(plan.rank, i)]
             intervals.append(
                 Interval(

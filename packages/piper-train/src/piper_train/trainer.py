@@ -38,6 +38,7 @@ class Trainer:
 
     ``memory_budget_bytes``: when given, compile fails with ``MemoryPlanError`` (before any
     worker starts) if a rank's estimated memory (``piper_memory.estimate_memory``) exceeds it.
+    ``threads=False`` runs each rank's plan sequentially instead of one thread per stream.
     """
 
     def __init__(
@@ -53,6 +54,7 @@ class Trainer:
         step_timeout_s: float = 300.0,
         memory_budget_bytes: int | None = None,
         log: Callable[[str], None] | None = None,
+        threads: bool = True,
     ) -> None:
         say = log or (lambda _: None)
         started = time.perf_counter()
@@ -80,6 +82,7 @@ class Trainer:
             optimizer=optimizer,
             address=address,
             step_timeout_s=step_timeout_s,
+            threads=threads,
         )
 
     @classmethod

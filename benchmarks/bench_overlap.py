@@ -1,0 +1,132 @@
+"""Expert all-to-all hidden under compute: DualPipeV vs 1F1B vs interleaved 1F1B, PP=2 x EP=2.
+
+One mixture-of-experts model (4 regions, each a projection plus a residual MoE layer with 4
+experts, top-2, a shared expert) trained with each schedule on 4 Ray workers (pipeline of 2
+ranks, each stage expert-parallel over 2), SGD. Every schedule runs twice on the same plan:
+with one thread per stream (the runtime's default: the two chunks of an overlapped F&B slot
+run side by side, transfers and collectives on their own threads) and sequentially ("one
+stream"). Reported per run: the median over steps of the slowest rank's time inside its step
+and the mean over ranks of the time spent inside the expert all-to-alls. "Hidden" is the
+share of the sequential run's all-to-all time that threading removed from the step:
+``(sequential step - threaded step) / sequential all-to-all time``.
+
+    .venv/bin/python benchmarks/bench_overlap.py [--microbatches 8] [--batch 1024] [--steps 8]
+        [--png docs/overlap/dualpipev-ep.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from piper_directives import build_schedule, expert_parallel  # noqa: E402
+from piper_runtime import OptimizerSpec  # noqa: E402
+from piper_scheduler import measured_timeline, plot_gantt  # noqa: E402
+from piper_train.models import MoEModel  # noqa: E402
+from piper_train.trainer import Trainer  # noqa: E402
+
+PP, EP, REGIONS = 2, 2, 4
+SCHEDULES = ("dualpipev", "1f1b", "interleaved_1f1b")
+
+
+def _data(batch: int, d_in: int, d_out: int):  # noqa: ANN202
+    teacher = torch.randn(d_in, d_out, generator=torch.Generator().manual_seed(7))
+
+    def batches(step: int) -> tuple[tuple[torch.Tensor], tuple[torch.Tensor]]:
+        x = torch.randn(batch, d_in, generator=torch.Generator().manual_seed(100 + step))
+        return (x,), (torch.sin(x @ teacher / math.sqrt(d_in)),)
+
+    return batches
+
+
+def run(schedule: str, threads: bool, args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    model = MoEModel(args.d_in, args.d_model, args.d_out, REGIONS, num_experts=4, k=2, shared=True)
+    batches = _data(args.batch, args.d_in, args.d_out)
+    inputs, targets = batches(0)
+
+    def strategy(stages: int):  # noqa: ANN202
+        return expert_parallel(build_schedule(schedule, PP, args.microbatches, stages=stages), EP)
+
+    inside, a2a, timings = [], [], None
+    with Trainer(
+        model, inputs, targets, F.mse_loss, strategy, optimizer=OptimizerSpec("sgd", 0.01), threads=threads
+    ) as trainer:
+        for step in range(args.warmup + args.steps):
+            profile = step == args.warmup + args.steps - 1
+            result = trainer.runtime.step(*batches(step), profile=profile)
+            if step >= args.warmup:
+                inside.append(max(result.worker_seconds))
+                a2a.append(statistics.mean(result.collective_seconds))
+            if profile:
+                timings, program = result.timings, trainer.program
+    return {"step": statistics.median(inside), "a2a": statistics.median(a2a), "timings": timings, "program": program}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--d-in", type=int, default=64)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--d-out", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--png", type=Path, help="write the Gantt chart of a threaded DualPipeV step")
+    args = parser.parse_args()
+
+    print(
+        f"MoE d_model={args.d_model}, 4 experts top-2 + shared, {REGIONS} regions, batch {args.batch}, "
+        f"{args.microbatches} microbatches; PP={PP} x EP={EP}; median of {args.steps} steps after {args.warmup}"
+    )
+    results: dict[tuple[str, bool], dict] = {}
+    for schedule in SCHEDULES:
+        for threads in (True, False):
+            started = time.perf_counter()
+            results[(schedule, threads)] = r = run(schedule, threads, args)
+            mode = "threads" if threads else "one stream"
+            print(
+                f"  {schedule:17s} {mode:10s} step {r['step'] * 1e3:7.1f} ms, all-to-all {r['a2a'] * 1e3:6.1f} ms "
+                f"({time.perf_counter() - started:.0f} s)",
+                flush=True,
+            )
+
+    print()
+    print("| schedule | one stream ms | threads ms | speed-up | all-to-all ms (one stream) | hidden |")
+    print("|---|---|---|---|---|---|")
+    for schedule in SCHEDULES:
+        seq, thr = results[(schedule, False)], results[(schedule, True)]
+        hidden = (seq["step"] - thr["step"]) / seq["a2a"] if seq["a2a"] else float("nan")
+        print(
+            f"| {schedule} | {seq['step'] * 1e3:.1f} | {thr['step'] * 1e3:.1f} | {seq['step'] / thr['step']:.2f} | "
+            f"{seq['a2a'] * 1e3:.1f} | {hidden:.0%} |"
+        )
+    base = results[("1f1b", True)]["step"]
+    print()
+    print("throughput relative to 1F1B (threads): " + ", ".join(
+        f"{s} {base / results[(s, True)]['step']:.2f}" for s in SCHEDULES
+    ))
+    if args.png:
+        r = results[("dualpipev", True)]
+        spans = [(t.rank, t.instruction, t.start * 1e3, t.end * 1e3) for t in r["timings"]]
+        args.png.parent.mkdir(parents=True, exist_ok=True)
+        plot_gantt(
+            measured_timeline(r["program"], spans),
+            args.png,
+            title=f"DualPipeV, PP={PP} x EP={EP}, measured step (ms; each rank's clock from its step start)",
+        )
+        print(f"wrote {args.png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Run one rank's plan with one thread per logical stream.
+
+Each stream's instructions (``RankPlan.stream_order``) run in plan order on a thread of their
+own (a *lane*); an instruction first waits for the events in its ``waits``, which the
+instructions of other lanes record when they finish. The receives of a stream that only
+transfers get a lane of their own, so a receive waiting for its data never holds up a send
+queued behind it. Gloo and torch
+kernels release the GIL, so communication really proceeds while another lane computes.
+
+The compute instructions of one overlapped slot (the same ``Instruction.overlap`` number,
+DualPipe's forward + backward pair) run concurrently, the second on a helper thread, when they
+belong to different microbatches: while one chunk waits in its all-to-all the other computes.
+
+Deadlock freedom carries over from the sequential order the verifier proved: every event
+points to an earlier instruction of the list, so the earliest unfinished instruction of a rank
+is always at the head of its stream with everything it waits for done, exactly as in the
+sequential run (splitting a stream's receives off keeps it: a receive never depends on a send
+of its own stream). What must not happen is two threads issuing collectives on one process
+group (their order could differ between ranks; point-to-point messages are matched by tag and
+peer instead): ``lanes_share_a_communicator`` finds plans where a collective communicator is
+used by more than one lane, which the worker then runs sequentially.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+
+from piper_ir import Instruction, NodeKind, Phase
+
+POLL_S = 0.05
+
+
+class _Aborted(Exception):
+    """Another thread failed: stop quietly, the first failure is what gets reported."""
+
+
+_P2P = (NodeKind.SEND, NodeKind.RECV)
+
+
+def assign_lanes(instructions: Sequence[Instruction]) -> list[str]:
+    """The lane (thread) of each instruction: its stream, except that the receives of a
+    stream holding only sends and receives get a lane of their own. (In a stream that also
+    computes, a receive's readers rely on stream order rather than on an event.)"""
+    mixed = {ins.stream for ins in instructions if ins.kind not in _P2P}
+    return [
+        f"{ins.stream}/recv" if ins.kind is NodeKind.RECV and ins.stream not in mixed else ins.stream
+        for ins in instructions
+    ]
+
+
+def overlap_groups(instructions: Sequence[Instruction], lanes: Sequence[str], lane: str) -> list[list[int]]:
+    """``lane``'s instruction indices, in order, grouped: a forward and a backward chunk of one
+    overlapped slot, on different microbatches and consecutive in the lane, form one group
+    (run concurrently; their collectives use different process groups)."""
+    groups: list[list[int]] = []
+    for k, ins in enumerate(instructions):
+        if lanes[k] != lane:
+            continue
+        last = groups[-1] if groups else None
+        if (
+            last is not None
+            and ins.overlap is not None
+            and ins.kind is NodeKind.COMPUTE
+            and len(last) == 1
+            and instructions[last[0]].overlap == ins.overlap
+            and instructions[last[0]].microbatch != ins.microbatch
+            and (instructions[last[0]].phase is Phase.F) != (ins.phase is Phase.F)
+        ):
+            last.append(k)
+        else:
+            groups.append([k])
+    return groups
+
+
+def lanes_share_a_communicator(instructions: Sequence[Instruction]) -> bool:
+    """Whether some collective communicator (of a group operation, or of the collectives
+    inside a compute instruction) would be used by two lanes: run such a plan sequentially."""
+    owner: dict[str, str] = {}
+    for ins, lane in zip(instructions, assign_lanes(instructions), strict=True):
+        comm = ins.communicator
+        if ins.kind not in _P2P and comm is not None and owner.setdefault(comm, lane) != lane:
+            return True
+    return False
+
+
+def run_streams(
+    instructions: Sequence[Instruction],
+    execute: Callable[[int, Instruction], None],
+    *,
+    timeout_s: float,
+) -> None:
+    """Run ``execute(k, instruction)`` for every instruction, one thread per lane, honouring
+    ``waits``/``record``. Raises the first exception any thread raised (the others stop at
+    their next instruction); an event not recorded within ``timeout_s`` is an error."""
+    events = {ins.record: threading.Event() for ins in instructions if ins.record}
+    failures: list[BaseException] = []
+    abort = threading.Event()
+
+    def wait_for(ins: Instruction) -> None:
+        for name in ins.waits:
+            event = events.get(name)
+            if event is None:
+                raise RuntimeError(f"instruction {ins.id} waits for event {name!r}, which nothing records")
+            deadline = time.monotonic() + timeout_s
+            while not event.wait(POLL_S):
+                if abort.is_set():
+                    raise _Aborted
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"instruction {ins.id} waited {timeout_s:g} s for event {name!r}")
+
+    def run_one(k: int) -> None:
+        ins = instructions[k]
+        wait_for(ins)
+        if abort.is_set():
+            raise _Aborted
+        execute(k, ins)
+        if ins.record:
+            events[ins.record].set()
+
+    def guarded(work: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                work()
+            except _Aborted:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - reported by the caller
+                failures.append(exc)
+                abort.set()
+
+        return run
+
+    def run_group(group: list[int]) -> None:
+        helpers = [
+            threading.Thread(target=guarded(partial(run_one, k)), name=f"piper-overlap-{k}", daemon=True)
+            for k in group[1:]
+        ]
+        for t in helpers:
+            t.start()
+        run_one(group[0])
+        for t in helpers:
+            while t.is_alive():
+                t.join(POLL_S)
+                if abort.is_set():
+                    raise _Aborted
+
+    def run_lane(groups: list[list[int]]) -> None:
+        for group in groups:
+            if abort.is_set():
+                raise _Aborted
+            if len(group) == 1:
+                run_one(group[0])
+            else:
+                run_group(group)
+
+    lanes = assign_lanes(instructions)
+    threads = []
+    for lane in dict.fromkeys(lanes):
+        groups = overlap_groups(instructions, lanes, lane)
+        threads.append(
+            threading.Thread(target=guarded(partial(run_lane, groups)), name=f"piper-{lane}", daemon=True)
+        )
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive() and not abort.is_set():
+            t.join(POLL_S)
+        if abort.is_set():
+            break
+    if failures:
+        raise failures[0]
