@@ -224,8 +224,13 @@ class RankWorker:
             raise ExecutionError(f"rank {rank}: no module for segments {missing}", ranks=(rank,))
         self._modules = {s: modules[s].to(self.device) for s in mine}
         self._setup_sharding(mine)
+        # Expert parameters no bucket on this rank covers (each expert on one rank of its
+        # group, no data-parallel replicas of the group) are trained where they live.
+        bucketed = {(b.segment, n) for b in program.buckets if not b.devices or rank in b.devices for n in b.params}
         self._expert_params = {
-            sh.segment: tuple(spec.name for spec in sh.params) for sh in program.sharding if sh.kind == "ep"
+            sh.segment: tuple(spec.name for spec in sh.params if (sh.segment, spec.name) not in bucketed)
+            for sh in program.sharding
+            if sh.kind == "ep"
         }
         self._setup_buckets(mine)
         self._optimizers = {}
@@ -312,13 +317,14 @@ class RankWorker:
         for sh in self.program.sharding:
             if sh.segment not in mine or not sh.collectives:
                 continue
+            group = sh.group_of(self.rank)  # this rank's shard group (data x tensor: one of several)
             comm = next(
-                (c for c in self.program.communicators if c.traffic == sh.kind and tuple(c.ranks) == tuple(sh.devices)),
+                (c for c in self.program.communicators if c.traffic == sh.kind and tuple(c.ranks) == group),
                 None,
             )
             if comm is None:
                 raise ExecutionError(
-                    f"rank {self.rank}: no {sh.kind} communicator over {list(sh.devices)} for segment {sh.segment}",
+                    f"rank {self.rank}: no {sh.kind} communicator over {list(group)} for segment {sh.segment}",
                     ranks=(self.rank,),
                 )
             bound = 0
@@ -350,12 +356,13 @@ class RankWorker:
                     ranks=(rank,),
                 )
             self._zero[sid] = rep.zero
-            replica = rep.devices.index(rank)
             named = dict(self._modules[sid].named_parameters())
             # Expert-parallel parameters live on one rank each: no bucket, no reduction.
             covered: set[str] = set(self._expert_params.get(sid, ()))
             for bucket in program.buckets:
-                if bucket.segment != sid:
+                # A bucket of one shard position lives on the ranks holding that shard.
+                group = bucket.devices or rep.devices
+                if bucket.segment != sid or rank not in group:
                     continue
                 missing = [n for n in bucket.params if n not in named]
                 if missing:
@@ -364,15 +371,15 @@ class RankWorker:
                         "module does not have",
                         ranks=(rank,),
                     )
-                if rep.zero >= 1 and bucket.shards != len(rep.devices):
+                if rep.zero >= 1 and bucket.shards != len(group):
                     raise ExecutionError(
                         f"rank {rank}: bucket {bucket.id} has {bucket.shards} shards, segment {sid} "
-                        f"(zero={rep.zero}) has {len(rep.devices)} replicas",
+                        f"(zero={rep.zero}) has {len(group)} replicas",
                         ranks=(rank,),
                     )
                 covered.update(bucket.params)
                 self._buckets[bucket.id] = _BucketState(
-                    bucket, [named[n] for n in bucket.params], rep.zero, replica
+                    bucket, [named[n] for n in bucket.params], rep.zero, group.index(rank)
                 )
             uncovered = [n for n, p in named.items() if p.requires_grad and n not in covered]
             if uncovered:
