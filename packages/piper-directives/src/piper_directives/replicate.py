@@ -12,9 +12,13 @@ communication is inserted. Requires a placed graph. Guarantees:
 - ``Graph.buckets``: each replicated segment's parameters, in ``Segment.params`` order, cut
   into buckets of at most ``bucket_bytes`` (a parameter larger than that is a bucket alone;
   a dtype change starts a new bucket), ids ``bucket:<segment>:<k>``, ``shards = N`` for
-  zero >= 1, else 1;
+  zero >= 1, else 1; a segment that is also tensor- or expert-sharded over groups smaller
+  than its device group gets per-position buckets on the ranks holding each shard
+  (``segment_buckets``; sections 8-9), refined torch-side once the cut is known;
 - every value with a batch dimension describes one shard of one microbatch: its meta is
-  divided by N (``TensorMeta.split``); a batch that does not divide evenly is refused.
+  divided by N, or by N / degree for data x tensor parallelism (ranks of one tensor-parallel
+  group share a shard) (``TensorMeta.split``); a batch that does not divide evenly is
+  refused.
 
 The gradient reductions, gathers and frees themselves are inserted later, by
 ``piper_memory.plan_memory``, once the compute order is fixed.
