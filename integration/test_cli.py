@@ -68,6 +68,16 @@ def test_check_moe_with_expert_parallelism():
     assert "ep=2" in done.stderr and "PASS" in done.stderr
 
 
+def test_check_moe_with_expert_parallelism_nested_in_data_parallelism():
+    """--ep 2 --dp 2 --zero 1 on 4 ranks: experts split over (0, 1) and (2, 3), each expert
+    reduced over the two ranks holding it, the rest ZeRO-1 over all four."""
+    done = piper("check", "--model", "moe", "--pp", "1", "--ep", "2", "--dp", "2", "--zero", "1",
+                 "--microbatches", "2", "--steps", "2", "--optimizer", "sgd", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout)["ok"]
+    assert "dp=2, tp=1, ep=2, zero=1" in done.stderr and "PASS" in done.stderr
+
+
 def test_check_fails_on_a_real_difference():
     done = piper("check", "--model", f"{USER_MODEL}:noisy", "--pp", "5", "--microbatches", "2", "--steps", "1")
     assert done.returncode == 1, done.stderr

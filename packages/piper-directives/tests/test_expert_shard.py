@@ -8,6 +8,7 @@ from torch import nn
 
 from piper_directives import (
     Place,
+    Replicate,
     Shard,
     Split,
     Strategy,
@@ -121,9 +122,34 @@ def test_tensor_and_expert_parallelism_do_not_mix_yet() -> None:
         strategy.apply(captured.graph)
 
 
-def test_expert_parallel_refuses_replicated_strategies() -> None:
-    with pytest.raises(DirectiveError, match="already replicated or sharded"):
+def test_expert_parallel_refuses_sharded_strategies() -> None:
+    with pytest.raises(DirectiveError, match="already has a Shard"):
         expert_parallel(expert_parallel(one_f_one_b(2, 2), 2), 2)
     with pytest.raises(DirectiveError, match="ep must be a positive int"):
         expert_parallel(one_f_one_b(2, 2), 0)
     assert expert_parallel(one_f_one_b(2, 2), 1) == one_f_one_b(2, 2)
+
+
+def test_data_x_expert_parallel_reduces_experts_over_their_holders() -> None:
+    """DP=2 x EP=2 x PP=2: stage 0 on (0, 1, 4, 5), experts split over (0, 1) and over
+    (4, 5); the router is data-parallel over all four, each expert block over the two ranks
+    holding it; the batch is cut among all four."""
+    captured = _capture(MoE())
+    strategy = expert_parallel(one_f_one_b(2, 2, dp=2, zero=2), 2)
+    graph, _ = shard_modules(strategy.apply(captured.graph), captured.modules)
+    sh = graph.sharding[0]
+    assert (sh.segment, sh.devices, sh.degree, sh.groups()) == ("s0", (0, 1, 4, 5), 2, ((0, 1), (4, 5)))
+    assert [(b.id, b.params, b.devices, b.shards, b.numel) for b in graph.buckets if b.segment == "s0"] == [
+        ("bucket:s0:0", ("routers.0.weight", "routers.0.bias"), (), 4, 4 * 8 + 4),
+        ("bucket:s0:ep0:0", ("experts.0.w",), (0, 4), 2, 2 * 8 * 8),
+        ("bucket:s0:ep1:0", ("experts.0.w",), (1, 5), 2, 2 * 8 * 8),
+    ]
+    assert graph.value_by_name["input:0"].meta.shape == (1, 8)  # 8 samples / 2 microbatches / 4 replicas
+    assert from_json(to_json(graph)) == graph
+
+
+def test_expert_parallel_zero_adds_replicates() -> None:
+    strategy = expert_parallel(one_f_one_b(1, 2), 2, zero=1)
+    assert [d for d in strategy.directives if isinstance(d, Replicate)] == [Replicate({"PP": 0}, (0, 1), zero=1)]
+    with pytest.raises(DirectiveError, match="zero= is for a strategy without Replicate"):
+        expert_parallel(one_f_one_b(1, 2, dp=2), 2, zero=1)

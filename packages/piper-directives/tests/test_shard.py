@@ -186,25 +186,82 @@ def test_unsharded_group_next_to_a_sharded_one() -> None:
         strategy.apply(captured.graph)
 
 
-def test_replicate_with_shard_is_not_supported_yet() -> None:
+def test_replicate_on_a_tensor_parallel_group_without_replicas() -> None:
     captured = _capture(Model(blocks=1))
     strategy = Strategy([Place({"PP": 0}, (0, 1)), Shard({"PP": 0}, (0, 1)), Replicate({"PP": 0}, (0, 1))])
-    with pytest.raises(DirectiveError, match="not supported yet"):
+    with pytest.raises(DirectiveError, match="tensor-parallel group that has no data-parallel replicas"):
         strategy.apply(captured.graph)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"devices": (0,)}, "at least two devices"), ({"devices": (0, 1), "kind": "xp"}, "kind must be one of")],
+    [
+        ({"devices": (0,)}, "at least two devices"),
+        ({"devices": (0, 1), "kind": "xp"}, "kind must be one of"),
+        ({"devices": (0, 1, 2, 3), "degree": 3}, "degree must be an int >= 2 that divides the 4 devices"),
+        ({"devices": (0, 1, 2, 3), "degree": 1}, "degree must be an int >= 2"),
+    ],
 )
 def test_bad_shard_arguments(kwargs: dict, message: str) -> None:
     with pytest.raises(DirectiveError, match=message):
         Shard({"PP": 0}, **kwargs)
 
 
-def test_tensor_parallel_refuses_replicated_strategies() -> None:
-    with pytest.raises(DirectiveError, match="already replicated or sharded"):
+def test_tensor_parallel_refuses_sharded_strategies() -> None:
+    with pytest.raises(DirectiveError, match="already has a Shard"):
         tensor_parallel(tensor_parallel(one_f_one_b(2, 2), 2), 2)
     with pytest.raises(DirectiveError, match="tp must be a positive int"):
         tensor_parallel(one_f_one_b(2, 2), 0)
     assert tensor_parallel(one_f_one_b(2, 2), 1) == one_f_one_b(2, 2)
+
+
+def test_data_x_tensor_parallel_records_holders_buckets_and_batch_shards() -> None:
+    """DP=2 x TP=2 x PP=2: ``tensor_parallel`` over a data-parallel 1F1B. Stage 0's group is
+    (0, 1, 4, 5): TP groups (0, 1) and (4, 5), replicas of each other; ranks 0 and 4 hold
+    shard 0 and reduce it, 1 and 5 shard 1. Every bucket is one position's, with the shard's
+    sizes; the batch is cut among the two replicas only."""
+    captured = _capture(Model())
+    strategy = tensor_parallel(one_f_one_b(2, 2, dp=2, zero=1), 2)
+    graph, _ = shard_modules(strategy.apply(captured.graph), captured.modules)
+    by_seg = {sh.segment: sh for sh in graph.sharding}
+    s0 = by_seg["s0"]
+    assert (s0.devices, s0.degree) == ((0, 1, 4, 5), 2)
+    assert s0.groups() == ((0, 1), (4, 5)) and (s0.holders(0), s0.holders(1)) == ((0, 4), (1, 5))
+    assert {(r.segment, r.devices, r.zero) for r in graph.replication} == {
+        ("s0", (0, 1, 4, 5), 1), ("s1", (2, 3, 6, 7), 1), ("loss", (2, 3, 6, 7), 0)
+    }
+    full = sum(m.numel() for _, m in graph.segment_by_id["s0"].params)
+    cut = sum(m.numel() for n, m in graph.segment_by_id["s0"].params if n in {p.name for p in s0.params})
+    s0_buckets = [b for b in graph.buckets if b.segment == "s0"]
+    assert [(b.id, b.devices, b.shards) for b in s0_buckets] == [
+        ("bucket:s0:tp0:0", (0, 4), 2), ("bucket:s0:tp1:0", (1, 5), 2)
+    ]
+    assert all(b.numel == full - cut // 2 for b in s0_buckets)
+    assert graph.value_by_name["input:0"].meta.shape == (1, 5, 16)  # 4 samples / 2 microbatches / 2 replicas
+    assert from_json(to_json(graph)) == graph
+    assert Strategy.from_json(strategy.to_json()) == strategy
+    assert '"degree": 2' in strategy.to_json()
+
+
+def test_data_x_tensor_parallel_compiles_to_per_group_communicators() -> None:
+    from piper_memory import plan_memory
+    from piper_scheduler import compile_program
+
+    captured = _capture(Model(blocks=1))
+    graph, _ = shard_modules(tensor_parallel(one_f_one_b(1, 2, dp=2, zero=3), 2).apply(captured.graph), captured.modules)
+    program = compile_program(plan_memory(graph))
+    assert (program.replicas, [p.replica for p in program.ranks]) == (2, [0, 0, 1, 1])
+    assert {c.id for c in program.communicators} == {"tp:0-1", "tp:2-3", "dp:0-2", "dp:1-3"}
+    for plan in program.ranks:
+        comms = {i.communicator for i in plan.instructions if i.communicator}
+        assert comms == {f"tp:{'0-1' if plan.rank < 2 else '2-3'}", f"dp:{'0-2' if plan.rank % 2 == 0 else '1-3'}"}
+
+
+def test_shards_of_different_degrees_are_refused() -> None:
+    captured = _capture(Model())
+    strategy = Strategy([
+        Place({"PP": 0}, (0, 1, 2, 3)), Place({"PP": 1}, (4, 5, 6, 7)),
+        Shard({"PP": 0}, (0, 1, 2, 3), degree=2), Shard({"PP": 1}, (4, 5, 6, 7)),
+    ])
+    with pytest.raises(DirectiveError, match=r"Shards of different degrees \[2, 4\]"):
+        strategy.apply(captured.graph)

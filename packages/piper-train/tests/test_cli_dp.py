@@ -66,7 +66,10 @@ def test_tp_composes_with_a_schedule_and_a_strategy_file() -> None:
 
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [(["check", "--tp", "0"], "--tp must be >= 1"), (["train", "--tp", "2", "--dp", "2"], "not supported yet")],
+    [
+        (["check", "--tp", "0"], "--tp must be >= 1"),
+        (["train", "--tp", "2", "--zero", "1"], "--zero shards over data-parallel replicas"),
+    ],
 )
 def test_bad_tp_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as err:
@@ -90,8 +93,8 @@ def test_ep_composes_with_a_schedule_and_a_strategy_file() -> None:
     ("argv", "message"),
     [
         (["check", "--ep", "0"], "--ep must be >= 1"),
-        (["train", "--ep", "2", "--dp", "2"], "--ep combines with --pp only"),
-        (["train", "--ep", "2", "--tp", "2"], "--ep combines with --pp only"),
+        (["train", "--ep", "2", "--tp", "2"], "--ep with --tp (tensor and expert parallelism in one strategy) "
+                                              "is not supported yet"),
     ],
 )
 def test_bad_ep_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -99,3 +102,27 @@ def test_bad_ep_flags(argv: list[str], message: str, capsys: pytest.CaptureFixtu
         main(argv)
     assert err.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_tp_and_ep_compose_with_dp_and_zero() -> None:
+    """--dp first (replica j of stage r on r + j * pp), then --tp/--ep widen every device d to
+    d * k .. d * k + k - 1: the shard groups are adjacent, replicas of them further apart."""
+    from piper_directives import Shard
+
+    def built(**flags: int) -> Strategy:
+        args = argparse.Namespace(**{"dp": 1, "zero": 0, "tp": 1, "ep": 1, **flags})
+        return _replicated(args, lambda stages: one_f_one_b(2, 4, stages=stages))(2)
+
+    tp = built(dp=2, zero=1, tp=2)
+    assert [d.devices for d in tp.directives if isinstance(d, Place)] == [(0, 1, 4, 5), (2, 3, 6, 7)]
+    assert [(d.devices, d.zero) for d in tp.directives if isinstance(d, Replicate)] == [
+        ((0, 1, 4, 5), 1), ((2, 3, 6, 7), 1)
+    ]
+    assert {(d.kind, d.degree) for d in tp.directives if isinstance(d, Shard)} == {("tp", 2)}
+    ep = built(dp=2, zero=2, ep=2)
+    assert [(d.devices, d.kind, d.degree) for d in ep.directives if isinstance(d, Shard)] == [
+        ((0, 1, 4, 5), "ep", 2), ((2, 3, 6, 7), "ep", 2)
+    ]
+    assert {d.zero for d in ep.directives if isinstance(d, Replicate)} == {2}
+    alone = built(zero=1, ep=2)  # ZeRO over the expert-parallel group, which is data-parallel
+    assert [(d.devices, d.zero) for d in alone.directives if isinstance(d, Replicate)] == [((0, 1), 1), ((2, 3), 1)]

@@ -20,9 +20,11 @@ segment modules, and returns both rewritten (docs/ir-conventions.md, section 9):
   the reverse all-to-all.
 - ``Sharding.params`` gets ``ParamShard(name, 0)`` for every expert parameter (rank ``r``
   keeps its block of experts) and ``collectives`` the number of expert calls.
-- The segment's data-parallel buckets (``Graph.buckets``) are rebuilt without the expert
-  parameters: only the replicated weights are reduced over the group; each expert lives on
-  one rank, and its gradient already sums every rank's tokens through the all-to-all.
+- The segment's data-parallel buckets (``Graph.buckets``) are rebuilt: the replicated
+  weights are reduced over the whole group. Within one expert-parallel group each expert
+  lives on one rank, and its gradient already sums the group's tokens through the
+  all-to-all; when the group is one of several data-parallel replicas (``Sharding.degree <
+  len(devices)``), each expert's gradient is further reduced over the ranks holding it.
 
 Errors (``DirectiveError`` naming the ``Shard``): an expert count the group size does not
 divide; a ``Shard(kind="ep")`` whose regions call no expert module; an expert parameter
@@ -42,7 +44,7 @@ import torch.distributed as dist
 import torch.fx
 from torch import nn
 
-from piper_directives.replicate import make_buckets
+from piper_directives.replicate import segment_buckets
 from piper_ir import DirectiveError, Graph, ParamShard, SegmentRole, Sharding
 
 COMM = "piper_ep"
@@ -161,7 +163,8 @@ def shard_experts(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph
                 "called as experts(tokens, expert_ids)), so there is nothing to shard across experts",
                 directive=origin,
             )
-    return attrs.evolve(graph, sharding=tuple(records), buckets=_buckets(graph, experts_of)), out
+    graph = attrs.evolve(graph, sharding=tuple(records))
+    return attrs.evolve(graph, buckets=_buckets(graph, experts_of)), out
 
 
 def _rewrite(module: torch.fx.GraphModule, sh: Sharding) -> tuple[torch.fx.GraphModule, tuple[ParamShard, ...], int]:
@@ -211,21 +214,20 @@ def _num_experts(experts: nn.Module, name: str, sh: Sharding) -> int:
 
 
 def _buckets(graph: Graph, experts_of: Mapping[str, set[str]]) -> tuple:
-    """``graph.buckets`` with each expert-parallel segment's buckets rebuilt over its
-    replicated (non-expert) parameters only."""
+    """``graph.buckets`` with each expert-parallel segment's buckets rebuilt now that its
+    expert parameters are known (``replicate.segment_buckets``): the replicated weights over
+    the whole group, the experts, when the group is also data-parallel, over the ranks that
+    hold the same experts."""
     if not experts_of:
         return graph.buckets
     replication = {r.segment: r for r in graph.replication}
-    out = []
-    for b in graph.buckets:
-        if b.segment not in experts_of:
-            out.append(b)
+    sharding = {s.segment: s for s in graph.sharding}
+    out = [b for b in graph.buckets if b.segment not in experts_of]
     for sid, names in experts_of.items():
         rep = replication.get(sid)
         if rep is None:
             continue
         seg = graph.segment_by_id[sid]
-        kept = attrs.evolve(seg, params=tuple((n, m) for n, m in seg.params if n not in names))
-        out.extend(make_buckets(kept, rep.bucket_bytes, len(rep.devices) if rep.zero >= 1 else 1))
+        out.extend(segment_buckets(seg, rep, sharding[sid], frozenset(names)))
     order = {s.id: i for i, s in enumerate(graph.segments)}
     return tuple(sorted(out, key=lambda b: order[b.segment]))

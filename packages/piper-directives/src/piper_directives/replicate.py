@@ -12,9 +12,13 @@ communication is inserted. Requires a placed graph. Guarantees:
 - ``Graph.buckets``: each replicated segment's parameters, in ``Segment.params`` order, cut
   into buckets of at most ``bucket_bytes`` (a parameter larger than that is a bucket alone;
   a dtype change starts a new bucket), ids ``bucket:<segment>:<k>``, ``shards = N`` for
-  zero >= 1, else 1;
+  zero >= 1, else 1; a segment that is also tensor- or expert-sharded over groups smaller
+  than its device group gets per-position buckets on the ranks holding each shard
+  (``segment_buckets``; sections 8-9), refined torch-side once the cut is known;
 - every value with a batch dimension describes one shard of one microbatch: its meta is
-  divided by N (``TensorMeta.split``); a batch that does not divide evenly is refused.
+  divided by N, or by N / degree for data x tensor parallelism (ranks of one tensor-parallel
+  group share a shard) (``TensorMeta.split``); a batch that does not divide evenly is
+  refused.
 
 The gradient reductions, gathers and frees themselves are inserted later, by
 ``piper_memory.plan_memory``, once the compute order is fixed.
@@ -29,7 +33,7 @@ import attrs
 
 from piper_directives.place import _to_filter, placement_groups, segments_on_group
 from piper_directives.source import user_location
-from piper_ir import Bucket, DirectiveError, Filter, Graph, Replication, Segment, SegmentRole, Value
+from piper_ir import Bucket, DirectiveError, Filter, Graph, Replication, Segment, SegmentRole, Sharding, Value
 
 ZERO_LEVELS = (0, 1, 2, 3)
 DEFAULT_BUCKET_MB = 25.0
@@ -107,12 +111,12 @@ def replicate_all(graph: Graph, replicates: Sequence[Replicate]) -> Graph:
             chosen[seg.id] = rep
     replication: list[Replication] = []
     buckets: list[Bucket] = []
-    # Tensor-parallel groups have no replicas to sync; expert-parallel ones are data-parallel
-    # replicas (their experts leave the buckets once known: expert_code.shard_experts).
-    sharded = {s.segment for s in graph.sharding if s.kind == "tp"}
+    sharding = {s.segment: s for s in graph.sharding}
     for seg in graph.segments:
         devices = group.get(seg.id, ())
-        if len(devices) < 2 or seg.id in sharded:
+        sh = sharding.get(seg.id)
+        # A tensor-parallel group without replicas has nothing to keep in sync.
+        if len(devices) < 2 or (sh is not None and sh.kind == "tp" and sh.degree == len(devices)):
             continue
         rep = chosen.get(seg.id)
         record = (
@@ -122,10 +126,15 @@ def replicate_all(graph: Graph, replicates: Sequence[Replicate]) -> Graph:
         )
         replication.append(record)
         if seg.role is SegmentRole.STAGE:
-            buckets.extend(make_buckets(seg, record.bucket_bytes, len(devices) if record.zero >= 1 else 1))
+            # What is cut is known once the code is (shard_code / expert_code rebuild these).
+            buckets.extend(segment_buckets(seg, record, sh))
     if not replication:
         return graph
-    replicas = len(replication[0].devices)  # place_all checked every multi-device group has this size
+    # Ranks of one tensor-parallel group see the same data: the batch is cut among the
+    # groups. place_all checked every multi-device group has one size, shard_all one degree.
+    first = replication[0]
+    sh = sharding.get(first.segment)
+    replicas = len(first.devices) // (sh.degree if sh is not None and sh.kind == "tp" else 1)
     return attrs.evolve(
         graph,
         values=_shard_values(graph, replicas, replicates),
@@ -134,16 +143,56 @@ def replicate_all(graph: Graph, replicates: Sequence[Replicate]) -> Graph:
     )
 
 
-def make_buckets(seg: Segment, bucket_bytes: int, shards: int) -> list[Bucket]:
-    """``seg``'s parameters in order, cut into buckets of at most ``bucket_bytes``."""
+def segment_buckets(
+    seg: Segment, rep: Replication, sharding: Sharding | None = None, cut: frozenset[str] = frozenset()
+) -> list[Bucket]:
+    """The buckets of replicated segment ``seg``. Without ``sharding``: its parameters over
+    the whole group. With a ``Sharding`` of ``degree < len(devices)`` (data x tensor or data x
+    expert parallelism), a parameter is reduced among its data-parallel replicas only: the
+    ranks that hold the same copy and compute on different data. Those are the ranks at one
+    position of every shard group (``Sharding.holders``) for every parameter of a ``tp``
+    segment (a tensor-parallel group is one replica) and for the parameters in ``cut`` of an
+    ``ep`` segment (the experts); such buckets come per position, ``bucket:<seg>:<kind><t>:<k>``
+    on ``devices=holders(t)``, with the shard's sizes (``Sharding.local_meta``). An ``ep``
+    segment's other parameters are data-parallel over the whole group; its ``cut`` ones, when
+    ``degree == len(devices)``, live on one rank each and get no bucket."""
+    def shards(n: int) -> int:
+        return n if rep.zero >= 1 else 1
+
+    if sharding is None:
+        return make_buckets(seg, rep.bucket_bytes, shards(len(rep.devices)))
+    per_position = set(cut) if sharding.kind == "ep" else {name for name, _ in seg.params}
+    out: list[Bucket] = []
+    if sharding.kind == "ep":
+        whole = attrs.evolve(seg, params=tuple((n, m) for n, m in seg.params if n not in cut))
+        out += make_buckets(whole, rep.bucket_bytes, shards(len(rep.devices)))
+    if sharding.degree < len(sharding.devices):
+        local = attrs.evolve(
+            seg, params=tuple((n, sharding.local_meta(n, m)) for n, m in seg.params if n in per_position)
+        )
+        for t in range(sharding.degree):
+            holders = sharding.holders(t)
+            out += make_buckets(local, rep.bucket_bytes, shards(len(holders)), f"{sharding.kind}{t}", holders)
+    return out
+
+
+def make_buckets(
+    seg: Segment, bucket_bytes: int, shards: int, tag: str = "", devices: tuple[int, ...] = ()
+) -> list[Bucket]:
+    """``seg``'s parameters in order, cut into buckets of at most ``bucket_bytes``; ids
+    ``bucket:<seg>:<k>`` (``bucket:<seg>:<tag>:<k>`` with a ``tag``), reduced over
+    ``devices`` (empty: the segment's whole group)."""
     out: list[Bucket] = []
     names: list[str] = []
     numel = nbytes = 0
     dtype: str | None = None
+    prefix = f"bucket:{seg.id}:{tag + ':' if tag else ''}"
 
     def close() -> None:
         if names:
-            out.append(Bucket(f"bucket:{seg.id}:{len(out)}", seg.id, tuple(names), numel, shards, dtype or "float32"))
+            out.append(
+                Bucket(f"{prefix}{len(out)}", seg.id, tuple(names), numel, shards, dtype or "float32", devices)
+            )
 
     for name, meta in seg.params:
         size = meta.nbytes()

@@ -3,20 +3,25 @@ group a ``Place`` made. This docstring describes ``tp``; for ``ep`` (the group s
 data-parallel for the non-expert weights) see ``_shard_experts`` and
 docs/ir-conventions.md, section 9.
 
-``Shard(filter, devices, kind="tp")`` says that the regions matched by ``filter``, placed on
-``devices``, run SPMD as one tensor-parallel group: every rank of the group sees the *same*
-data (not a batch shard, as with ``Replicate``) and holds a shard of the weights
-(docs/ir-conventions.md, section 8).
+``Shard(filter, devices, kind="tp", degree=len(devices))`` says that the regions matched by
+``filter``, placed on ``devices``, run SPMD in tensor-parallel groups of ``degree``
+consecutive ranks of ``devices``: every rank of one such group sees the *same* data (not a
+batch shard, as with ``Replicate``) and holds a shard of the weights (docs/ir-conventions.md,
+section 8). With ``degree < len(devices)`` the ``len(devices) / degree`` groups are
+data-parallel replicas of each other (DP x TP): ``devices`` is replica-major, the ranks at
+one position of every group hold the same shard and reduce its gradients (a ``Replicate`` on
+the same devices sets the ZeRO level).
 
 ``shard_all(graph, shards)`` runs inside ``place_all``, after the placement and before
 ``replicate_all``. Requires a placed graph. Guarantees:
 
-- one ``Sharding(segment, devices, "tp", degree=len(devices))`` per matched segment in
+- one ``Sharding(segment, devices, "tp", degree)`` per matched segment in
   ``Graph.sharding``, with ``origin`` naming the directive; the loss segment, when it sits on
-  a sharded group, gets one too (it runs replicated on the group);
-- every segment placed on several devices is sharded (data parallelism and tensor
-  parallelism do not mix yet: a group is one or the other), so ``replicate_all`` records no
-  ``Replication`` for them and the batch is not sharded.
+  a sharded group, gets one too (it runs replicated on each tensor-parallel group);
+- every segment placed on several devices is sharded, all with one degree (a group is
+  tensor-parallel, or data x tensor parallel with the same number of replicas everywhere);
+  ``replicate_all`` records a ``Replication`` only where ``degree < len(devices)``, and the
+  batch is cut into ``len(devices) / degree`` shards.
 
 *What* is cut (``Sharding.params``) and the collectives inside a segment are decided
 torch-side, from the segment's code, by ``piper_directives.shard_code.shard_modules``;
@@ -52,6 +57,7 @@ class Shard:
     filter: Filter = attrs.field(converter=_to_filter)
     devices: tuple[int, ...] = attrs.field(converter=_devices)
     kind: str = "tp"
+    degree: int = attrs.field(default=attrs.Factory(lambda self: len(self.devices), takes_self=True))
     where: str = attrs.field(factory=user_location, eq=False)
 
     def __attrs_post_init__(self) -> None:
@@ -65,24 +71,36 @@ class Shard:
                 f"Shard needs a device group of at least two devices, got {list(self.devices)}",
                 directive=str(self),
             )
-
-    @property
-    def degree(self) -> int:
-        return len(self.devices)
+        d = self.degree
+        if isinstance(d, bool) or not isinstance(d, int) or d < 2 or len(self.devices) % d:
+            raise DirectiveError(
+                f"degree must be an int >= 2 that divides the {len(self.devices)} devices (the size of each "
+                f"shard group; the groups are data-parallel replicas), got {d!r}",
+                directive=str(self),
+            )
 
     def __str__(self) -> str:
-        return f"Shard({self.filter}, devices={list(self.devices)}, kind={self.kind!r}) at {self.where}"
+        degree = "" if self.degree == len(self.devices) else f", degree={self.degree}"
+        return f"Shard({self.filter}, devices={list(self.devices)}, kind={self.kind!r}{degree}) at {self.where}"
 
 
 def shard_all(graph: Graph, shards: Sequence[Shard], replicated: Sequence[object] = ()) -> Graph:
     """Record ``Graph.sharding`` for ``shards`` (module doc); ``replicated`` are the
-    strategy's ``Replicate`` directives, refused on a tensor-parallel segment."""
+    strategy's ``Replicate`` directives, refused on a tensor-parallel group without
+    data-parallel replicas (``degree == len(devices)``)."""
     if not shards:
         return graph
     kinds = {s.kind for s in shards}
     if len(kinds) > 1:
         raise DirectiveError(
             "tensor and expert parallelism in one strategy are not supported yet", directive=str(shards[0])
+        )
+    degrees = {s.degree for s in shards}
+    if len(degrees) > 1:
+        raise DirectiveError(
+            f"Shards of different degrees {sorted(degrees)} in one strategy: every shard group has the "
+            "same size, so every group has the same number of data-parallel replicas",
+            directive=str(shards[0]),
         )
     if kinds == {"ep"}:
         return _shard_experts(graph, shards)
@@ -101,15 +119,20 @@ def shard_all(graph: Graph, shards: Sequence[Shard], replicated: Sequence[object
         if len(devices) > 1 and seg.id not in chosen:
             raise DirectiveError(
                 f"segment {seg.id} ({seg.tags}) is placed on {list(devices)} without a Shard while other "
-                "groups are tensor-parallel; data and tensor parallelism in one strategy are not supported yet",
+                "groups are tensor-parallel; shard every multi-device group (data x tensor parallelism: "
+                "Shard(..., degree=k) over the whole group, plus a Replicate for the ZeRO level)",
                 directive=str(shards[0]),
                 nodes=[f"F.{seg.id}"],
             )
+    pure = {s.devices for s in chosen.values() if s.degree == len(s.devices)}
     for rep in replicated:
-        raise DirectiveError(
-            "Replicate together with Shard (data x tensor parallelism) is not supported yet",
-            directive=str(rep),
-        )
+        if getattr(rep, "devices", None) in pure:
+            raise DirectiveError(
+                "Replicate on a tensor-parallel group that has no data-parallel replicas (its Shard's degree "
+                "is the group size); for data x tensor parallelism place the regions on dp x tp devices and "
+                "give the Shard degree=tp",
+                directive=str(rep),
+            )
     sharding = tuple(
         Sharding(seg.id, chosen[seg.id].devices, chosen[seg.id].kind, chosen[seg.id].degree, origin=str(chosen[seg.id]))
         for seg in graph.segments
@@ -141,24 +164,29 @@ def sharded_segments(graph: Graph) -> dict[str, Sharding]:
 
 
 def tensor_parallel(strategy, tp: int):  # noqa: ANN001, ANN201 - Strategy in, Strategy out
-    """``strategy``, a pipeline-only program over ``pp`` devices, with every region run
-    tensor-parallel over ``tp`` adjacent devices: ``Place(filter, (r,))`` becomes
-    ``Place(filter, (r*tp, ..., r*tp + tp - 1))`` plus a ``Shard`` over that group (tensor
-    parallelism innermost, as Megatron lays it out: its all-reduces are the most frequent
-    traffic). Split and Order stay as they are."""
+    """``strategy``, a pipeline program (optionally data-parallel, from ``data_parallel``),
+    with every region run tensor-parallel over ``tp`` adjacent devices: device ``d`` becomes
+    ``d*tp, ..., d*tp + tp - 1``, so ``Place(filter, (r,))`` becomes ``Place(filter, (r*tp,
+    ..., r*tp + tp - 1))`` plus a ``Shard`` over that group (tensor parallelism innermost, as
+    Megatron lays it out: its all-reduces are the most frequent traffic). A data-parallel
+    group ``(d0, d1, ...)`` becomes ``(d0*tp, ..., d0*tp + tp - 1, d1*tp, ...)`` with a
+    ``Shard(degree=tp)`` and its ``Replicate`` moved onto it: DP x TP. Split and Order stay."""
     return _shard_every_stage(strategy, tp, "tp", "tensor_parallel")
 
 
-def expert_parallel(strategy, ep: int):  # noqa: ANN001, ANN201 - Strategy in, Strategy out
-    """``strategy``, a pipeline-only program over ``pp`` devices, with every region run
-    expert-parallel over ``ep`` adjacent devices: ``Place(filter, (r,))`` becomes
-    ``Place(filter, (r*ep, ..., r*ep + ep - 1))`` plus a ``Shard(kind="ep")`` over that group
-    (the group is data-parallel for the non-expert weights; its all-to-alls stay within a
-    stage's adjacent ranks). Split and Order stay as they are."""
-    return _shard_every_stage(strategy, ep, "ep", "expert_parallel")
+def expert_parallel(strategy, ep: int, *, zero: int | None = None):  # noqa: ANN001, ANN201 - Strategy in, Strategy out
+    """``strategy``, a pipeline program (optionally data-parallel, from ``data_parallel``),
+    with every region run expert-parallel over ``ep`` adjacent devices, laid out as in
+    ``tensor_parallel``, with a ``Shard(kind="ep", degree=ep)``. Each expert-parallel group is
+    data-parallel for the non-expert weights, and so are data-parallel replicas of it: the
+    non-expert weights are reduced over the whole group (``ep * dp`` ranks), each expert's
+    over the ``dp`` ranks holding it; the all-to-alls stay within ``ep`` adjacent ranks.
+    ``zero`` (only for a strategy without ``Replicate``) adds one per group with that ZeRO
+    level for the non-expert weights. Split and Order stay as they are."""
+    return _shard_every_stage(strategy, ep, "ep", "expert_parallel", zero=zero)
 
 
-def _shard_every_stage(strategy, degree: int, kind: str, name: str):  # noqa: ANN001, ANN202
+def _shard_every_stage(strategy, degree: int, kind: str, name: str, *, zero: int | None = None):  # noqa: ANN001, ANN202
     from piper_directives.place import Place
     from piper_directives.replicate import Replicate
     from piper_directives.strategy import Strategy
@@ -166,21 +194,29 @@ def _shard_every_stage(strategy, degree: int, kind: str, name: str):  # noqa: AN
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
         raise DirectiveError(f"{name}: {kind} must be a positive int, got {degree!r}")
     if degree == 1:
+        if zero:
+            raise DirectiveError(f"{name}: ZeRO-{zero} shards over replicas; it needs {kind} >= 2")
         return strategy
+    has_replicate = any(isinstance(d, Replicate) for d in strategy.directives)
+    if zero is not None and has_replicate:
+        raise DirectiveError(f"{name}: zero= is for a strategy without Replicate; this one has its own")
+
+    def widen(devices: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(d * degree + j for d in devices for j in range(degree))
+
     out: list = []
     shards: list = []
     for d in strategy.directives:
         if isinstance(d, Place):
-            if len(d.devices) != 1:
-                raise DirectiveError(
-                    f"{name}: the strategy is already replicated or sharded (a Place names several devices)",
-                    directive=str(d),
-                )
-            group = tuple(d.devices[0] * degree + j for j in range(degree))
+            group = widen(d.devices)
             out.append(Place(d.filter, group, d.stream, where=d.where))
-            shards.append(Shard(d.filter, group, kind=kind, where=d.where))
-        elif isinstance(d, Replicate | Shard):
-            raise DirectiveError(f"{name}: the strategy already has a Replicate or Shard", directive=str(d))
+            shards.append(Shard(d.filter, group, kind=kind, degree=degree, where=d.where))
+            if zero is not None:
+                out.append(Replicate(d.filter, group, zero, where=d.where))
+        elif isinstance(d, Replicate):
+            out.append(attrs.evolve(d, devices=widen(d.devices)))
+        elif isinstance(d, Shard):
+            raise DirectiveError(f"{name}: the strategy already has a Shard", directive=str(d))
         else:
             out.append(d)
     return Strategy([*out, *shards])

@@ -46,6 +46,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from piper_directives.replicate import segment_buckets
 from piper_ir import DirectiveError, Graph, ParamShard, SegmentRole, Sharding
 
 COMM = "piper_tp"
@@ -157,7 +158,24 @@ def shard_modules(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph
                 "reaches exactly one other Linear), so there is nothing to shard",
                 directive=origin,
             )
-    return attrs.evolve(graph, sharding=tuple(records)), out
+    graph = attrs.evolve(graph, sharding=tuple(records))
+    return attrs.evolve(graph, buckets=_local_buckets(graph)), out
+
+
+def _local_buckets(graph: Graph) -> tuple:
+    """``graph.buckets`` with the buckets of data x tensor parallel segments rebuilt on the
+    shard's sizes (``replicate.segment_buckets``), now that what is cut is known."""
+    replication = {r.segment: r for r in graph.replication}
+    sharding = {s.segment: s for s in graph.sharding if s.segment in replication}
+    if not sharding:
+        return graph.buckets
+    out = [b for b in graph.buckets if b.segment not in sharding]
+    for sid, sh in sharding.items():
+        seg = graph.segment_by_id[sid]
+        if seg.role is SegmentRole.STAGE:
+            out.extend(segment_buckets(seg, replication[sid], sh))
+    order = {s.id: i for i, s in enumerate(graph.segments)}
+    return tuple(sorted(out, key=lambda b: order[b.segment]))
 
 
 def _rewrite(module: torch.fx.GraphModule, sh: Sharding) -> tuple[torch.fx.GraphModule, tuple[ParamShard, ...], int]:

@@ -75,7 +75,8 @@ def _encode(d: Directive) -> dict[str, Any]:
         return {"op": "replicate", "filter": d.filter.as_dict(), "devices": list(d.devices), "zero": d.zero,
                 "bucket_mb": d.bucket_mb, "reduce_stream": d.reduce_stream, "gather_stream": d.gather_stream}
     if isinstance(d, Shard):
-        return {"op": "shard", "filter": d.filter.as_dict(), "devices": list(d.devices), "kind": d.kind}
+        out = {"op": "shard", "filter": d.filter.as_dict(), "devices": list(d.devices), "kind": d.kind}
+        return out if d.degree == len(d.devices) else {**out, "degree": d.degree}
     return {"op": "order", "name": d.name, "slots": [[f.as_dict() for f in slot] for slot in d.slots]}
 
 
@@ -83,7 +84,7 @@ _FIELDS = {
     "split": {"microbatches"},
     "place": {"filter", "devices", "stream"},
     "replicate": {"filter", "devices", "zero", "bucket_mb", "reduce_stream", "gather_stream"},
-    "shard": {"filter", "devices", "kind"},
+    "shard": {"filter", "devices", "kind", "degree"},
     "order": {"slots", "name"},
 }
 _REQUIRED = {"split": {"microbatches"}, "place": {"filter", "devices"}, "replicate": {"filter", "devices"},
@@ -117,7 +118,9 @@ def _decode(item: object, where: str) -> Directive:
                 where=where,
             )
         if op == "shard":
-            return Shard(_filter(item["filter"], where), _devices(item["devices"], where), item.get("kind", "tp"), where=where)
+            devices = _devices(item["devices"], where)
+            return Shard(_filter(item["filter"], where), devices, item.get("kind", "tp"),
+                         item.get("degree", len(devices)), where=where)
         slots = item["slots"]
         if not isinstance(slots, list) or not slots:
             raise DirectiveError(f"{where}: slots must be a non-empty list")

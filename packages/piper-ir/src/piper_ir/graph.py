@@ -158,6 +158,13 @@ class Bucket:
 
     A bucket replicated over ``shards`` devices is padded to a multiple of ``shards``; replica
     ``j`` owns the range ``[j * shard_numel, (j + 1) * shard_numel)`` when it is sharded.
+
+    ``devices``: the ranks that hold this bucket and reduce it among themselves, in replica
+    order; empty means the whole group of the segment's ``Replication``. A segment that is
+    also tensor- or expert-sharded (a ``Sharding`` with ``degree`` smaller than its group)
+    holds different parameter shards on the ranks of one shard group, so each shard
+    position gets its own buckets over the ranks that hold the same shard (numel counts the
+    shard's elements).
     """
 
     id: str
@@ -166,6 +173,7 @@ class Bucket:
     numel: int
     shards: int = 1
     dtype: str = "float32"
+    devices: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     @property
     def shard_numel(self) -> int:
@@ -212,6 +220,11 @@ class Sharding:
     data-parallel replicas (a ``Replication`` keeps the rest in sync), ``params`` are the
     expert parameters (cut on dimension 0) and ``collectives`` counts the expert calls, each
     issuing its all-to-alls on the group's ``ep`` communicator.
+
+    ``degree`` may be smaller than ``len(devices)``: the segment is then also data-parallel.
+    ``devices`` is replica-major: consecutive runs of ``degree`` ranks are the shard groups
+    (``group_of``; each has its own ``tp``/``ep`` communicator), and the ranks at one
+    position of every run hold the same shard (``holders``) and reduce its gradients.
     """
 
     segment: str
@@ -221,6 +234,33 @@ class Sharding:
     params: tuple[ParamShard, ...] = attrs.field(default=(), converter=tuple)
     collectives: int = 0
     origin: str | None = None
+
+    def group_of(self, rank: int) -> tuple[int, ...]:
+        """The shard group of ``rank``: ``devices`` cut into consecutive runs of ``degree``
+        ranks (the whole of ``devices`` unless the segment is also data-parallel)."""
+        i = self.devices.index(rank) // self.degree * self.degree
+        return self.devices[i : i + self.degree]
+
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """Every shard group, in order."""
+        return tuple(self.devices[i : i + self.degree] for i in range(0, len(self.devices), self.degree))
+
+    def position(self, rank: int) -> int:
+        """Which shard ``rank`` holds (its position in its shard group)."""
+        return self.devices.index(rank) % self.degree
+
+    def holders(self, position: int) -> tuple[int, ...]:
+        """The ranks holding shard ``position``, one per data-parallel replica, in order."""
+        return self.devices[position :: self.degree]
+
+    def local_meta(self, name: str, meta: TensorMeta) -> TensorMeta:
+        """The meta of one rank's shard of parameter ``name`` (``meta`` if it is not cut)."""
+        spec = next((p for p in self.params if p.name == name), None)
+        if spec is None:
+            return meta
+        shape = list(meta.shape)
+        shape[spec.dim] //= self.degree
+        return attrs.evolve(meta, shape=tuple(shape))
 
 
 @attrs.frozen

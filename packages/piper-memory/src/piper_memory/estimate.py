@@ -184,7 +184,8 @@ class _RankReplay:
         zero = {r.segment: r.zero for r in program.replication}
         buckets: dict[str, list[Bucket]] = {}
         for b in program.buckets:
-            buckets.setdefault(b.segment, []).append(b)
+            if not b.devices or rank in b.devices:  # a shard position's buckets live on its holders
+                buckets.setdefault(b.segment, []).append(b)
         self.buckets = buckets
         # Lasting state, and per segment what a weight-gradient pass makes: the full
         # gradients, one entry per bucket (or one for an unreplicated segment).

@@ -3,7 +3,8 @@
 Requires a graph after ``Order`` (docs/ir-conventions.md, sections 1-4) whose
 ``Graph.replication`` and ``Graph.buckets`` were recorded by ``Replicate`` (section 7).
 Guarantees, per bucket ``b`` of each replicated segment ``s`` on group ``G`` (every new node on
-``devices=G`` with ``segment=s``, ``value=b.id`` and ``s``'s tags):
+``devices=G`` with ``segment=s``, ``value=b.id`` and ``s``'s tags; ``devices=b.devices`` for a
+bucket of one shard position of a data x tensor/expert parallel segment, sections 8-9):
 
 - zero 0: ``allreduce.<b>`` after every weight-gradient pass (``B``/``BW``) of ``s``, before
   ``OPT.s``: one reduction per step per bucket, after the last microbatch;
@@ -95,8 +96,9 @@ class _Builder:
 
     def _node(self, nid: str, kind: NodeKind, rep: Replication, bucket: Bucket, stream: str, mb: int | None = None) -> str:
         seg = self.graph.segment_by_id[rep.segment]
+        devices = bucket.devices or rep.devices  # a shard's replicas, or the whole group
         self.nodes.append(
-            Node(nid, kind, rep.segment, None, mb, seg.tags, rep.devices, stream, bucket.id, origin=rep.origin or ORIGIN)
+            Node(nid, kind, rep.segment, None, mb, seg.tags, devices, stream, bucket.id, origin=rep.origin or ORIGIN)
         )
         return nid
 
@@ -189,7 +191,7 @@ class _Builder:
                         self._after(use, free, "gathered parameters live until the chain's last use")
                     if k > 0:
                         self._after(f"free.{b.id}.{k - 1}", mat, "one gathered copy of a bucket at a time")
-                    for d in rep.devices:
+                    for d in b.devices or rep.devices:
                         self._wait_for_previous(mat, run[0], d, by_segment, chains)
 
     def _wait_for_previous(self, mat: str, first: str, rank: int, by_segment: dict, chains: dict) -> None:
@@ -223,4 +225,5 @@ class _Builder:
         if last is not None:
             _, seg, k = last
             for b in by_segment[seg][1]:
-                self._after(f"free.{b.id}.{k}", mat, "free the previous chain's parameters first")
+                if not b.devices or rank in b.devices:
+                    self._after(f"free.{b.id}.{k}", mat, "free the previous chain's parameters first")

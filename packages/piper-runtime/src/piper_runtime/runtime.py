@@ -302,27 +302,42 @@ def _merge(outputs: list[StepOutput], program: Program, keep_grads: bool) -> Ste
 
 
 def _unshard(program: Program, shards: Mapping[str, Mapping[int, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Full tensors by parameter name from every replica's shard of each bucket's flat buffer."""
+    """Full tensors by parameter name from every replica's shard of each bucket's flat buffer.
+    A bucket of one shard position (``Bucket.devices``, data x tensor/expert parallelism)
+    holds that position's pieces of the cut parameters: they are put together with the other
+    positions' by ``_unshard_tp``."""
     buckets = {b.id: b for b in program.buckets}
+    sharding = {s.segment: s for s in program.sharding}
     out: dict[str, torch.Tensor] = {}
+    pieces: dict[int, dict[str, torch.Tensor]] = {}  # a rank holding the position -> its pieces
     for bucket_id, per_replica in shards.items():
         bucket = buckets[bucket_id]
-        layout = BucketLayout.from_metas(bucket, dict(program.segment_by_id[bucket.segment].params))
+        metas = dict(program.segment_by_id[bucket.segment].params)
+        sh = sharding.get(bucket.segment) if bucket.devices else None
+        if sh is not None:
+            metas = {name: sh.local_meta(name, meta) for name, meta in metas.items()}
+        layout = BucketLayout.from_metas(bucket, metas)
         flat = layout.assemble(per_replica)
+        cut = {spec.name for spec in sh.params} if sh is not None else set()
         for name, view in zip(bucket.params, layout.unflatten(flat), strict=True):
-            out[name] = view.clone()
+            if name in cut:
+                pieces.setdefault(bucket.devices[0], {})[name] = view.clone()
+            else:
+                out.setdefault(name, view.clone())  # uncut: every position holds the same
+    out.update(_unshard_tp(program, list(pieces.items())))
     return out
 
 
 def _unshard_tp(
     program: Program, per_rank: Sequence[tuple[int, Mapping[str, torch.Tensor]]]
 ) -> dict[str, torch.Tensor]:
-    """Full tensors of tensor-parallel parameters from each rank's shard (``Sharding.params``)."""
+    """Full tensors of tensor-parallel parameters from each rank's shard (``Sharding.params``);
+    the ranks at one position of several data-parallel replicas hold equal shards."""
     out: dict[str, torch.Tensor] = {}
     for sh in program.sharding:
         for spec in sh.params:
             pieces = {
-                sh.devices.index(rank) % sh.degree: held[spec.name]
+                sh.position(rank): held[spec.name]
                 for rank, held in per_rank
                 if rank in sh.devices and spec.name in held
             }

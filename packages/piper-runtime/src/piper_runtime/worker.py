@@ -155,7 +155,8 @@ class RankWorker:
         self._modules: dict[str, nn.Module] = {}
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
         self._buckets: dict[str, BucketState] = {}
-        self._reducers: dict[str, EarlyReduceScatter] = {}
+        self._reducers: dict[str, list[EarlyReduceScatter]] = {}  # segment -> one per group
+        self._reducer_of: dict[str, EarlyReduceScatter] = {}  # bucket id -> its reducer
         # Held while parameter gradients are written or read (backward passes, the optimizer,
         # bucket operations, accounting): autograd writes ``.grad`` without the GIL, so no
         # other thread may read or replace one meanwhile. Collectives run outside it.
@@ -203,8 +204,13 @@ class RankWorker:
             raise ExecutionError(f"rank {rank}: no module for segments {missing}", ranks=(rank,))
         self._modules = {s: modules[s].to(self.device) for s in mine}
         self._setup_sharding(mine)
+        # Expert parameters no bucket on this rank covers (each expert on one rank of its
+        # group, no data-parallel replicas of the group) are trained where they live.
+        bucketed = {(b.segment, n) for b in program.buckets if not b.devices or rank in b.devices for n in b.params}
         self._expert_params = {
-            sh.segment: tuple(spec.name for spec in sh.params) for sh in program.sharding if sh.kind == "ep"
+            sh.segment: tuple(spec.name for spec in sh.params if (sh.segment, spec.name) not in bucketed)
+            for sh in program.sharding
+            if sh.kind == "ep"
         }
         self._setup_buckets(mine)
         self._optimizers = {}
@@ -247,9 +253,12 @@ class RankWorker:
             if comm.traffic in ("tp", "ep"):
                 self._backward_groups[comm.id] = dist.new_group(sorted(comm.ranks))
         early_groups: dict[tuple[int, ...], Any] = {}
-        for rep in program.replication:
-            if rep.zero >= 2 and len(rep.devices) > 1 and rep.devices not in early_groups:
-                early_groups[rep.devices] = dist.new_group(sorted(rep.devices))
+        zero = {rep.segment: rep for rep in program.replication}
+        for bucket in program.buckets:
+            rep = zero.get(bucket.segment)
+            group = bucket.devices or (rep.devices if rep else ())
+            if rep is not None and rep.zero >= 2 and len(group) > 1 and group not in early_groups:
+                early_groups[group] = dist.new_group(sorted(group))
         self._bind_tensor_parallel(mine)
         self._setup_early_reduce_scatter(early_groups)
         self._reads = _reads_of(program, self.plan.instructions)
@@ -304,13 +313,14 @@ class RankWorker:
         for sh in self.program.sharding:
             if sh.segment not in mine or not sh.collectives:
                 continue
+            group = sh.group_of(self.rank)  # this rank's shard group (data x tensor: one of several)
             comm = next(
-                (c for c in self.program.communicators if c.traffic == sh.kind and tuple(c.ranks) == tuple(sh.devices)),
+                (c for c in self.program.communicators if c.traffic == sh.kind and tuple(c.ranks) == group),
                 None,
             )
             if comm is None:
                 raise ExecutionError(
-                    f"rank {self.rank}: no {sh.kind} communicator over {list(sh.devices)} for segment {sh.segment}",
+                    f"rank {self.rank}: no {sh.kind} communicator over {list(group)} for segment {sh.segment}",
                     ranks=(self.rank,),
                 )
             bound = 0
@@ -345,12 +355,13 @@ class RankWorker:
                     ranks=(rank,),
                 )
             self._zero[sid] = rep.zero
-            replica = rep.devices.index(rank)
             named = dict(self._modules[sid].named_parameters())
             # Expert-parallel parameters live on one rank each: no bucket, no reduction.
             covered: set[str] = set(self._expert_params.get(sid, ()))
             for bucket in program.buckets:
-                if bucket.segment != sid:
+                # A bucket of one shard position lives on the ranks holding that shard.
+                group = bucket.devices or rep.devices
+                if bucket.segment != sid or rank not in group:
                     continue
                 missing = [n for n in bucket.params if n not in named]
                 if missing:
@@ -359,15 +370,15 @@ class RankWorker:
                         "module does not have",
                         ranks=(rank,),
                     )
-                if rep.zero >= 1 and bucket.shards != len(rep.devices):
+                if rep.zero >= 1 and bucket.shards != len(group):
                     raise ExecutionError(
                         f"rank {rank}: bucket {bucket.id} has {bucket.shards} shards, segment {sid} "
-                        f"(zero={rep.zero}) has {len(rep.devices)} replicas",
+                        f"(zero={rep.zero}) has {len(group)} replicas",
                         ranks=(rank,),
                     )
                 covered.update(bucket.params)
                 self._buckets[bucket.id] = BucketState(
-                    bucket, [named[n] for n in bucket.params], rep.zero, replica
+                    bucket, [named[n] for n in bucket.params], rep.zero, group.index(rank)
                 )
             uncovered = [n for n, p in named.items() if p.requires_grad and n not in covered]
             if uncovered:
@@ -378,13 +389,17 @@ class RankWorker:
 
     def _setup_early_reduce_scatter(self, groups: Mapping[tuple[int, ...], Any]) -> None:
         """Zero 2/3: reduce-scatter each bucket from gradient hooks during the backward."""
-        self._reducers = {}
-        for rep in self.program.replication:
-            buckets = [b for b in self._buckets.values() if b.bucket.segment == rep.segment]
-            if rep.devices in groups and buckets:
-                self._reducers[rep.segment] = EarlyReduceScatter(
-                    buckets, groups[rep.devices], threading.RLock(), self._sample_buffers
-                )
+        self._reducers, self._reducer_of = {}, {}
+        devices = {rep.segment: rep.devices for rep in self.program.replication}
+        by_group: dict[tuple[str, tuple[int, ...]], list[BucketState]] = {}
+        for b in self._buckets.values():
+            group = b.bucket.devices or devices[b.bucket.segment]
+            if group in groups:
+                by_group.setdefault((b.bucket.segment, group), []).append(b)
+        for (segment, group), buckets in by_group.items():
+            reducer = EarlyReduceScatter(buckets, groups[group], threading.RLock(), self._sample_buffers)
+            self._reducers.setdefault(segment, []).append(reducer)
+            self._reducer_of.update((b.bucket.id, reducer) for b in buckets)
 
     def _sample_buffers(self, buffers: list[torch.Tensor]) -> None:
         if self._st is not None:
@@ -642,15 +657,14 @@ class RankWorker:
     def _reducing(self, segment: str) -> Iterator[None]:
         """Around a weight-gradient pass: a zero-2/3 segment's buckets are reduce-scattered
         as their gradients complete, and whatever is left when the pass ends."""
-        reducer = self._reducers.get(segment)
-        if reducer is None:
-            yield
-            return
-        reducer.begin()
+        reducers = self._reducers.get(segment, ())
+        for reducer in reducers:
+            reducer.begin()
         try:
             yield
         finally:
-            reducer.finish()
+            for reducer in reducers:
+                reducer.finish()
 
     def _optimize(self, ins: Instruction, st: _StepState) -> None:
         with self._grads_lock:
@@ -702,7 +716,7 @@ class RankWorker:
         shard and drop the full gradients (ZeRO-2/3 keep only shards between microbatches).
         With zero 2/3 the backward already started the reduction: wait for it."""
         b = self._buckets[ins.value]
-        reducer = self._reducers.get(b.bucket.segment)
+        reducer = self._reducer_of.get(b.bucket.id)
         if reducer is not None:
             reducer.wait(b.bucket.id)
             return

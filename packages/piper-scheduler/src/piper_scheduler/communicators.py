@@ -10,10 +10,12 @@ stream: ``dp:<r0>-<r1>-...`` for the default stream ``dp`` (``dp.<stream>:<ranks
 another), ranks in replica order, traffic ``dp``. A stream's instructions run in list order,
 so one communicator per stream keeps its collectives in one order on every member.
 
-Tensor-parallel segments (``Graph.sharding``) get one communicator per device group,
-``tp:<r0>-<r1>-...`` (traffic ``tp``): the all-reduces inside their compute run on it;
-expert-parallel ones get ``ep:<r0>-<r1>-...`` (traffic ``ep``) for their all-to-alls. Every
-compute instruction of such a segment that issues collectives names it.
+Tensor-parallel segments (``Graph.sharding``) get one communicator per shard group
+(``Sharding.groups``: the whole device group, or each run of ``degree`` ranks when the
+segment is also data-parallel), ``tp:<r0>-<r1>-...`` (traffic ``tp``): the all-reduces
+inside their compute run on it; expert-parallel ones get ``ep:<r0>-<r1>-...`` (traffic
+``ep``) for their all-to-alls. Every compute instruction of such a segment that issues
+collectives names its rank's one.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def communicators_for(graph: Graph) -> tuple[Communicator, ...]:
     tp: dict[str, tuple[tuple[int, ...], str]] = {}
     for sh in graph.sharding:
         if sh.collectives:
-            tp.setdefault(tp_communicator(sh.devices, sh.kind), (sh.devices, sh.kind))
+            for group in sh.groups():
+                tp.setdefault(tp_communicator(group, sh.kind), (group, sh.kind))
     out += [Communicator(c, ranks, kind) for c, (ranks, kind) in tp.items()]
     return tuple(out)

@@ -335,7 +335,7 @@ def _instruction(
         # expert-parallel one all-to-alls.
         sh = next((sh for sh in graph.sharding if sh.segment == n.segment and sh.collectives), None)
         if sh is not None:
-            communicator = tp_communicator(sh.devices, sh.kind)
+            communicator = tp_communicator(sh.group_of(rank), sh.kind)
     if p2p:
         value = graph.value_by_name.get(n.value or "")
         if value is None:

@@ -23,13 +23,18 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int,
                    help="annotated regions of a built-in model (default: what the schedule places on --pp ranks)")
     p.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default: 4)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline; devices = pp x dp (default: 1)")
-    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO level with --dp > 1 (default: 0)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas of the pipeline; devices = pp x dp x tp x ep (default: 1)")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="ZeRO level with --dp > 1 or --ep > 1 (for --ep: on the non-expert weights, and on "
+                        "the experts across --dp) (default: 0)")
     p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel ranks per pipeline stage (Megatron-style Shard); devices = pp x tp (default: 1)")
+                   help="tensor-parallel ranks per pipeline stage and replica (Megatron-style Shard; adjacent "
+                        "devices) (default: 1)")
     p.add_argument("--ep", type=int, default=1,
-                   help="expert-parallel ranks per pipeline stage (Shard kind='ep': data-parallel for non-expert "
-                        "weights, experts split across the group); devices = pp x ep (default: 1)")
+                   help="expert-parallel ranks per pipeline stage and replica (Shard kind='ep': data-parallel for "
+                        "non-expert weights, experts split across the group, each expert's gradient reduced "
+                        "over the --dp ranks holding it; adjacent devices) (default: 1)")
     p.add_argument("--memory-budget-mb", type=float, default=None,
                    help="fail at compile time if a rank's estimated memory exceeds this many MiB")
     p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw"], help="(default: adamw)")
@@ -79,28 +84,31 @@ def _strategy(args: argparse.Namespace):  # noqa: ANN202
 
 
 def _replicated(args: argparse.Namespace, strategy):  # noqa: ANN001, ANN202
-    """``_strategy``'s result with ``--tp`` (``tensor_parallel``), ``--ep``
-    (``expert_parallel``) or ``--dp``/``--zero`` (``data_parallel``) applied: a library
-    schedule or the user's own pipeline-only strategy file alike."""
-    if getattr(args, "ep", 1) > 1:
-        from piper_directives import expert_parallel
-
-        if isinstance(strategy, Strategy):
-            return expert_parallel(strategy, args.ep)
-        return lambda stages: expert_parallel(strategy(stages), args.ep)
-    if getattr(args, "tp", 1) > 1:
-        from piper_directives import tensor_parallel
-
-        if isinstance(strategy, Strategy):
-            return tensor_parallel(strategy, args.tp)
-        return lambda stages: tensor_parallel(strategy(stages), args.tp)
-    if args.dp == 1 and args.zero == 0:
+    """``_strategy``'s result with ``--dp``/``--zero`` (``data_parallel``) applied, then
+    ``--tp`` (``tensor_parallel``) or ``--ep`` (``expert_parallel``) on top: a library
+    schedule or the user's own pipeline-only strategy file alike. Devices are laid out
+    replica-major with the tensor- or expert-parallel ranks adjacent: stage ``r`` of replica
+    ``j`` runs on ``(r + j * pp) * k + t`` for ``t < k`` (``k`` = tp or ep)."""
+    dp, zero, tp, ep = args.dp, args.zero, getattr(args, "tp", 1), getattr(args, "ep", 1)
+    if dp == 1 and zero == 0 and tp == 1 and ep == 1:
         return strategy
-    from piper_directives import data_parallel
+
+    def compose(s: Strategy) -> Strategy:
+        from piper_directives import data_parallel, expert_parallel, tensor_parallel
+
+        if dp > 1:
+            s = data_parallel(s, dp, zero)
+        if ep > 1:
+            # An expert-parallel group is data-parallel for the non-expert weights by itself,
+            # so --zero applies even without --dp.
+            return expert_parallel(s, ep, zero=zero if dp == 1 and zero else None)
+        if tp > 1:
+            return tensor_parallel(s, tp)
+        return s if dp > 1 else data_parallel(s, dp, zero)
 
     if isinstance(strategy, Strategy):
-        return data_parallel(strategy, args.dp, args.zero)
-    return lambda stages: data_parallel(strategy(stages), args.dp, args.zero)
+        return compose(strategy)
+    return lambda stages: compose(strategy(stages))
 
 
 def _budget(args: argparse.Namespace) -> int | None:
@@ -389,12 +397,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("pp", "microbatches", "steps", "dp", "tp", "ep"):
         if getattr(args, name, 1) < 1:
             parser.error(f"--{name} must be >= 1")
-    if getattr(args, "tp", 1) > 1 and getattr(args, "dp", 1) > 1:
-        parser.error("--tp with --dp (data x tensor parallelism) is not supported yet")
-    if getattr(args, "ep", 1) > 1 and (getattr(args, "dp", 1) > 1 or getattr(args, "tp", 1) > 1 or getattr(args, "zero", 0)):
-        parser.error("--ep combines with --pp only (expert parallelism nested in --dp, with --tp or --zero is not wired up yet)")
-    if getattr(args, "zero", 0) and getattr(args, "dp", 1) < 2:
-        parser.error("--zero shards over data-parallel replicas: it needs --dp 2 or more")
+    if getattr(args, "ep", 1) > 1 and getattr(args, "tp", 1) > 1:
+        parser.error("--ep with --tp (tensor and expert parallelism in one strategy) is not supported yet")
+    if getattr(args, "zero", 0) and getattr(args, "dp", 1) < 2 and getattr(args, "ep", 1) < 2:
+        parser.error("--zero shards over data-parallel replicas: it needs --dp 2 or more (or --ep 2 or more, "
+                     "whose group is data-parallel for the non-expert weights)")
     if getattr(args, "memory_budget_mb", None) is not None and args.memory_budget_mb <= 0:
         parser.error("--memory-budget-mb must be > 0")
     try:
