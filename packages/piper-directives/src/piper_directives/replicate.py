@@ -14,7 +14,10 @@ communication is inserted. Requires a placed graph. Guarantees:
   a dtype change starts a new bucket), ids ``bucket:<segment>:<k>``, ``shards = N`` for
   zero >= 1, else 1;
 - every value with a batch dimension describes one shard of one microbatch: its meta is
-  divided by N (``TensorMeta.split``); a batch that does not divide evenly is refused.
+  divided by N, the size of the group each microbatch runs on (``TensorMeta.split``); a batch
+  that does not divide evenly is refused. A segment whose microbatches run on different
+  groups (DualPipe's mirrored replicas) is replicated over their union, which is not
+  sharded further: its replicas sum gradients of different microbatches.
 
 The gradient reductions, gathers and frees themselves are inserted later, by
 ``piper_memory.plan_memory``, once the compute order is fixed.
@@ -29,7 +32,7 @@ import attrs
 
 from piper_directives.place import _to_filter, placement_groups, segments_on_group
 from piper_directives.source import user_location
-from piper_ir import Bucket, DirectiveError, Filter, Graph, Replication, Segment, SegmentRole, Value
+from piper_ir import Bucket, DirectiveError, Filter, Graph, NodeKind, Replication, Segment, SegmentRole, Value
 
 ZERO_LEVELS = (0, 1, 2, 3)
 DEFAULT_BUCKET_MB = 25.0
@@ -125,7 +128,14 @@ def replicate_all(graph: Graph, replicates: Sequence[Replicate]) -> Graph:
             buckets.extend(make_buckets(seg, record.bucket_bytes, len(devices) if record.zero >= 1 else 1))
     if not replication:
         return graph
-    replicas = len(replication[0].devices)  # place_all checked every multi-device group has this size
+    # The batch is sharded over the group each microbatch runs on (place_all checked every
+    # multi-device group has one size). Mirrored replicas (a segment whose microbatches run on
+    # different groups, as in DualPipe) are not batch shards: they process different
+    # microbatches, so their group can be larger than the number of shards.
+    replicated = {r.segment for r in replication}
+    replicas = max(
+        len(n.devices) for n in graph.nodes if n.kind is NodeKind.COMPUTE and n.segment in replicated
+    )
     return attrs.evolve(
         graph,
         values=_shard_values(graph, replicas, replicates),
