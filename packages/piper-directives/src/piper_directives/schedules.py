@@ -434,7 +434,7 @@ def dualpipe(
         raise DirectiveError(
             f"dualpipe: {stages} annotated regions cannot form {pp} stages (need a multiple of {pp})"
         )
-    if zero >= 2:
+    if zero in (2, 3) and not isinstance(zero, bool):  # other bad values: data_parallel's message
         raise DirectiveError(
             f"dualpipe: ZeRO-{zero} is not supported (its per-microbatch reduce-scatters and parameter "
             "gathers would synchronise the mirrored replicas, which run different microbatches); use zero 0 or 1"
