@@ -78,6 +78,30 @@ def test_place_with_a_gap_in_device_numbers(three_stage):
         Strategy([Place({"PP": 0}, 0), Place({"PP": 1}, 2), Place({"PP": 2}, 2)]).apply(three_stage.graph)
 
 
+def test_place_by_microbatch_makes_mirrored_replicas(three_stage):
+    """A Place naming MB places only those microbatches; a region whose microbatches run on
+    different devices keeps its parameters (and optimizer) on all of them, replicated with
+    gradients summed and the batch not sharded (DualPipe's mirrored stages)."""
+    places = [Place({"PP": 0}, 0), Place({"PP": 1, "MB": 0}, 1), Place({"PP": 1, "MB": (1,)}, 2), Place({"PP": 2}, 2)]
+    g = Strategy([Split(2), *places]).apply(three_stage.graph)
+    assert g.node("F.s1.mb0").devices == (1,) and g.node("B.s1.mb1").devices == (2,)
+    assert g.node("OPT.s1").devices == (1, 2) and g.node("OPT.s0").devices == (0,)
+    assert [(r.segment, r.devices, r.zero) for r in g.replication] == [("s1", (1, 2), 0)]
+    assert g.value_by_name["input:0"].meta.shape == (4, 4)  # one microbatch, not sharded
+    assert {n.devices for n in g.nodes if n.segment == "loss"} == {(2,)}
+    sends = {(n.microbatch, n.devices, n.peers) for n in g.nodes if n.kind is NodeKind.SEND and n.tags.get("PP") == 0}
+    assert {(mb, d) for mb, _, d in sends} >= {(0, (1,)), (1, (2,))}
+
+
+def test_place_by_microbatch_errors(three_stage):
+    with pytest.raises(DirectiveError, match=r"not placed by any Place directive: s1 \(PP=1\) microbatches \[1\]"):
+        Strategy([Split(2), *_place3()[::2], Place({"PP": 1, "MB": 0}, 1)]).apply(three_stage.graph)
+    with pytest.raises(DirectiveError, match="segment s1 microbatch 1 is placed twice"):
+        Strategy([Split(2), *_place3(), Place({"PP": 1, "MB": (1,)}, 2)]).apply(three_stage.graph)
+    with pytest.raises(DirectiveError, match="names microbatches the graph does not have"):
+        Strategy([Split(2), *_place3(), Place({"PP": 1, "MB": 5}, 1)]).apply(three_stage.graph)
+
+
 def test_order_cycle_names_directive_and_nodes(three_stage):
     backwards = Order([{"PP": 1, "PASS": "F", "MB": 0}, {"PP": 1, "PASS": "B", "MB": 0}, {"PP": 1, "PASS": "F", "MB": 1}, {"PP": 1, "PASS": "B", "MB": 1}])
     ok = Strategy([Split(2), *_place3(), backwards]).apply(three_stage.graph)

@@ -116,3 +116,26 @@ def test_tensor_meta_split() -> None:
 def test_tensor_meta_split_without_batch_dim_is_unchanged() -> None:
     meta = TensorMeta((64, 64), "float32")
     assert meta.split(4) is meta
+
+
+def test_filter_value_sets_match_any_member() -> None:
+    assert Filter.of(MB=(0, 2)).matches(F1) and not Filter.of(MB=(0, 1)).matches(F1)
+    assert Filter.of(PP=[1, 3], PASS=("F", "B")).matches(F1)  # a list is kept as a tuple
+    assert Filter.of(PP=[1, 3]).as_dict() == {"PP": (1, 3)}
+    assert str(Filter.of(MB=(0, 1))) == "{MB: (0, 1)}"
+    assert not Filter.of(MB=(0, 2)).matches(_node(kind=NodeKind.SEND))  # absent never matches
+
+
+@pytest.mark.parametrize("bad", [{"MB": ()}, {"MB": (0, ANY)}, {"MB": (0, True)}, {"MB": (0, 1.5)}])
+def test_filter_rejects_bad_value_sets(bad: dict) -> None:
+    with pytest.raises(TypeError):
+        Filter.of(bad)
+
+
+def test_filter_value_sets_round_trip_json() -> None:
+    from piper_ir import from_json, to_json
+
+    f = Filter.of(PP=1, MB=(4, 5, 6))
+    assert from_json(to_json(f)) == f
+    with pytest.raises(TypeError):
+        Tags.of(PP=(1, 2))  # tags hold one index per annotation

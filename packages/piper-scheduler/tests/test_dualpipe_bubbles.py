@@ -9,6 +9,14 @@ table assumes. The true closed form of the simulated bubble (max over ranks of m
 busy, busy counting each pair as F&B) is ``(PP/2-1)(2B-3W)``: the table's formula at
 F&B = B = max(F, B), below it otherwise, and independent of F&B. docs/schedules.md explains.
 Plans come from the synthetic graph (no torch).
+
+DualPipe (PP stages on PP ranks, two directions of M/2 microbatches each) runs on every rank
+the eight phases DualPipeV runs on rank ``min(r, PP-1-r)`` of PP/2 ranks with M/2
+microbatches, and its mirror ranks run mirror-image programs, so with free communication its
+timeline is DualPipeV's: the same closed form ``(PP/2-1)(2B-3W)`` with PP the number of ranks,
+the table's formula at F&B = B, and PP+1 units of peak activations. The mirror pairs'
+gradient all-reduces (``plan_memory``) come after both ranks' last weight pass, which the two
+reach at the same time, so they add no idle time.
 """
 
 from __future__ import annotations
@@ -19,10 +27,11 @@ from piper_directives import build_schedule, rank_actions
 from piper_directives.order import Order
 from piper_directives.synthetic import synthetic_graph
 from piper_ir import NodeKind, from_json, to_json
+from piper_memory import plan_memory
 from piper_scheduler import CostModel, compile_program, simulate
 
 FREE_LOSS = {"loss": {"F": 0, "B": 0, "BI": 0, "BW": 0}}
-_PROGRAMS: dict[tuple[int, int], object] = {}
+_PROGRAMS: dict[tuple, object] = {}
 
 
 def _dualpipev(ranks: int, microbatches: int):  # noqa: ANN202
@@ -31,6 +40,14 @@ def _dualpipev(ranks: int, microbatches: int):  # noqa: ANN202
         graph = synthetic_graph(2 * ranks, microbatches, 1, hidden=4)
         _PROGRAMS[(ranks, microbatches)] = (strategy, compile_program(strategy.apply(graph)))
     return _PROGRAMS[(ranks, microbatches)]
+
+
+def _dualpipe(ranks: int, microbatches: int):  # noqa: ANN202
+    key = ("dualpipe", ranks, microbatches)
+    if key not in _PROGRAMS:
+        graph = build_schedule("dualpipe", ranks, microbatches).apply(synthetic_graph(ranks, microbatches, 1, hidden=4))
+        _PROGRAMS[key] = compile_program(plan_memory(graph))
+    return _PROGRAMS[key]
 
 
 def _costs(f: float, w: float, fb: float | None) -> CostModel:
@@ -107,3 +124,36 @@ def test_dualpipev_bubble_closed_form_and_memory(ranks, microbatches):
             if fb == max(f, b):  # the table's own formula, exactly
                 assert max(timeline.idle) == pytest.approx(table)
             assert list(timeline.peak_memory) == [stages + 1] * ranks
+
+
+DUALPIPE_CASES = [(2, 4), (2, 6), (4, 8), (4, 10), (4, 20), (6, 12), (8, 16)]
+
+
+@pytest.mark.parametrize(("ranks", "microbatches"), DUALPIPE_CASES)
+def test_dualpipe_bubble_closed_form_and_memory(ranks, microbatches):
+    program = _dualpipe(ranks, microbatches)
+    assert sum(ins.kind is NodeKind.ALL_REDUCE for plan in program.ranks for ins in plan.instructions) == 2 * ranks
+    for f, w in COSTS:
+        b = f + w
+        for fb in (max(f, b), (b + f + b) / 2, f + b):  # max(F,B) <= F&B <= F+B
+            timeline = simulate(program, _costs(f, w, fb))
+            table = (ranks // 2 - 1) * (fb + b - 3 * w)
+            closed_form = (ranks // 2 - 1) * (2 * b - 3 * w)
+            assert max(timeline.idle) == pytest.approx(closed_form), (f, w, fb)
+            assert max(timeline.idle) <= table + 1e-9
+            if fb == max(f, b):  # the table's own formula, exactly
+                assert max(timeline.idle) == pytest.approx(table)
+            assert list(timeline.peak_memory) == [ranks + 1] * ranks
+
+
+@pytest.mark.parametrize(("ranks", "microbatches"), [(2, 4), (4, 8), (4, 12), (6, 12)])
+def test_dualpipe_runs_dualpipev_timeline_on_half_the_ranks(ranks, microbatches):
+    """Rank r of DualPipe is busy and idle exactly like rank min(r, PP-1-r) of DualPipeV over
+    PP/2 ranks and M/2 microbatches (the same phases, mirrored)."""
+    _, v_program = _dualpipev(ranks // 2, microbatches // 2)
+    costs = _costs(2.0, 1.0, 3.5)
+    mine, theirs = simulate(_dualpipe(ranks, microbatches), costs), simulate(v_program, costs)
+    assert mine.makespan == pytest.approx(theirs.makespan)
+    for r in range(ranks):
+        h = min(r, ranks - 1 - r)
+        assert mine.busy[r] == pytest.approx(theirs.busy[h]) and mine.idle[r] == pytest.approx(theirs.idle[h])

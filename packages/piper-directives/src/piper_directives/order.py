@@ -126,14 +126,15 @@ def _check_placed(order: Order, graph: Graph) -> None:
 
 
 def _candidates(flt: Filter, index: dict, everything: list[Node]) -> list[Node]:
-    keys = flt.as_dict()
+    # Only exact values index a bucket: "*" and sets of values (tuples) scan every node.
+    keys = {k: v for k, v in flt.as_dict().items() if v != "*" and not isinstance(v, tuple)}
     phase, mb = keys.get("PASS"), keys.get("MB")
-    if phase is None or mb is None or "*" in (phase, mb):
+    if phase is None or mb is None:
         return everything
     # The narrowest bucket an exact key allows. Buckets keep graph order, so the matches come
     # out in the order a scan of every node gives, and so do the edges.
     for key, want in sorted(keys.items()):
-        if key not in ("PASS", "MB") and want != "*":
+        if key not in ("PASS", "MB"):
             return index.get((phase, mb, key, want), [])
     return index.get((phase, mb), [])
 

@@ -16,9 +16,12 @@ communication is inserted. Requires a placed graph. Guarantees:
   than its device group gets per-position buckets on the ranks holding each shard
   (``segment_buckets``; sections 8-9), refined torch-side once the cut is known;
 - every value with a batch dimension describes one shard of one microbatch: its meta is
-  divided by N, or by N / degree for data x tensor parallelism (ranks of one tensor-parallel
-  group share a shard) (``TensorMeta.split``); a batch that does not divide evenly is
-  refused.
+  divided by N, the size of the group each microbatch runs on, or by N / degree for data x
+  tensor parallelism (ranks of one tensor-parallel group share a shard)
+  (``TensorMeta.split``); a batch that does not divide evenly is refused. A segment whose
+  microbatches run on different groups (DualPipe's mirrored replicas) is replicated over
+  their union, which is not sharded further: its replicas sum gradients of different
+  microbatches.
 
 The gradient reductions, gathers and frees themselves are inserted later, by
 ``piper_memory.plan_memory``, once the compute order is fixed.
@@ -33,7 +36,18 @@ import attrs
 
 from piper_directives.place import _to_filter, placement_groups, segments_on_group
 from piper_directives.source import user_location
-from piper_ir import Bucket, DirectiveError, Filter, Graph, Replication, Segment, SegmentRole, Sharding, Value
+from piper_ir import (
+    Bucket,
+    DirectiveError,
+    Filter,
+    Graph,
+    NodeKind,
+    Replication,
+    Segment,
+    SegmentRole,
+    Sharding,
+    Value,
+)
 
 ZERO_LEVELS = (0, 1, 2, 3)
 DEFAULT_BUCKET_MB = 25.0
@@ -130,11 +144,15 @@ def replicate_all(graph: Graph, replicates: Sequence[Replicate]) -> Graph:
             buckets.extend(segment_buckets(seg, record, sh))
     if not replication:
         return graph
-    # Ranks of one tensor-parallel group see the same data: the batch is cut among the
-    # groups. place_all checked every multi-device group has one size, shard_all one degree.
-    first = replication[0]
-    sh = sharding.get(first.segment)
-    replicas = len(first.devices) // (sh.degree if sh is not None and sh.kind == "tp" else 1)
+    # The batch is sharded over the group each microbatch runs on (place_all checked every
+    # multi-device group has one size); ranks of one tensor-parallel group see the same data,
+    # so the batch is cut among the groups (shard_all checked one degree). Mirrored replicas
+    # (a segment whose microbatches run on different groups, as in DualPipe) are not batch
+    # shards: they process different microbatches, so their group can be larger.
+    replicated = {r.segment for r in replication}
+    group = max(len(n.devices) for n in graph.nodes if n.kind is NodeKind.COMPUTE and n.segment in replicated)
+    sh = sharding.get(replication[0].segment)
+    replicas = group // (sh.degree if sh is not None and sh.kind == "tp" else 1)
     return attrs.evolve(
         graph,
         values=_shard_values(graph, replicas, replicates),

@@ -7,9 +7,10 @@ Every builder returns a ``Strategy``; nothing downstream knows the schedule's na
   the last rank, inside the last stage's slots.
 - ``interleaved_1f1b``: rank r holds regions ``r, r + pp, ...`` (virtual stages).
 - ``dualpipev``: ``2 * pp`` stages in a V, rank r holds stages r and ``2pp - 1 - r``.
-- ``dualpipe``: constraints checked, then refused (needs collectives the runtime lacks).
+- ``dualpipe``: ``pp`` stages run in both directions, rank r holds stages r and ``pp - 1 - r``
+  (mirrored replicas: microbatches placed by direction, gradients summed over the pair).
 
-``zb1p`` and ``dualpipev`` name BI/BW passes in their orders, which splits those chunks'
+``zb1p``, ``dualpipe`` and ``dualpipev`` name BI/BW passes in their orders, which splits those chunks'
 backward (``split_backward``). ``docs/schedules.md`` writes a schedule from scratch.
 
 Every builder takes ``dp`` and ``zero``: ``data_parallel`` rewrites the pipeline-only program
@@ -24,11 +25,11 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 
 from piper_directives.order import Order
-from piper_directives.place import Place
+from piper_directives.place import Place, segment_group
 from piper_directives.replicate import DEFAULT_BUCKET_MB, Replicate
 from piper_directives.split import Split
 from piper_directives.strategy import Strategy
-from piper_ir import DirectiveError, Filter
+from piper_ir import MB, DirectiveError, Filter
 
 LOSS = "loss"
 
@@ -39,7 +40,9 @@ def data_parallel(strategy: Strategy, dp: int, zero: int = 0, *, bucket_mb: floa
     Each ``Place(filter, (r,))`` becomes ``Place(filter, (r, r + pp, ..., r + (dp - 1) * pp))``
     and gets a ``Replicate(filter, that group, zero, bucket_mb)``; Split and Order stay as they
     are (an Order orders each device of a group alike). Replica j of every rank thus forms the
-    j-th copy of the whole pipeline, and activations flow only within one copy.
+    j-th copy of the whole pipeline, and activations flow only within one copy. A region
+    placed per microbatch set on several ranks (``MB`` in the filter, DualPipe's mirrored
+    replicas) gets one ``Replicate`` over the union of its groups.
     """
     for what, v in (("dp", dp), ("zero", zero)):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -61,16 +64,24 @@ def data_parallel(strategy: Strategy, dp: int, zero: int = 0, *, bucket_mb: floa
             )
     pp = max((p.devices[0] for p in places), default=-1) + 1
     out: list = []
-    replicates = []
+    # Regions (the filter without MB) -> their groups and the first Place naming them. A region
+    # whose microbatches are placed on several groups (DualPipe's mirrored replicas) is
+    # replicated over the union of those groups (``place.segment_group``).
+    regions: dict[Filter, tuple[list[tuple[int, ...]], Place]] = {}
     for d in strategy.directives:
         if isinstance(d, Place):
             group = tuple(d.devices[0] + j * pp for j in range(dp))
             out.append(Place(d.filter, group, d.stream, where=d.where))
-            replicates.append(Replicate(d.filter, group, zero, bucket_mb, where=d.where))
+            key = Filter(tuple(item for item in d.filter.items if item[0] != MB))
+            regions.setdefault(key, ([], d))[0].append(group)
         elif isinstance(d, Replicate):
             raise DirectiveError("data_parallel: the strategy already has a Replicate", directive=str(d))
         else:
             out.append(d)
+    replicates = [
+        Replicate(key, segment_group(groups), zero, bucket_mb, where=first.where)
+        for key, (groups, first) in regions.items()
+    ]
     return Strategy([*out, *replicates])
 
 
@@ -158,9 +169,14 @@ def _strategy(
     rank_slots: list[list[Slot]],
     tag: str,
 ) -> Strategy:
-    n_stages = len(stage_rank)
-    per = regions // n_stages
+    per = regions // len(stage_rank)
     places = [Place(Filter.of({tag: j}), (stage_rank[j // per],)) for j in range(regions)]
+    orders = _orders(name, len(stage_rank), per, rank_slots, tag)
+    return Strategy([Split(microbatches), *places, *orders])
+
+
+def _orders(name: str, n_stages: int, per: int, rank_slots: list[list[Slot]], tag: str) -> list[Order]:
+    """One ``Order`` per rank; schedule stage k is regions ``[k * per, (k + 1) * per)``."""
     orders = []
     for r, slots in enumerate(rank_slots):
         order_slots = []
@@ -174,7 +190,7 @@ def _strategy(
                     filters.append(Filter.of({"SEG": LOSS, "PASS": "F" if phase == "F" else "B", "MB": mb}))
             order_slots.append(filters)
         orders.append(Order(order_slots, name=f"{name}.rank{r}"))
-    return Strategy([Split(microbatches), *places, *orders])
+    return orders
 
 
 def _positive(name: str, **values: object) -> None:
@@ -362,11 +378,49 @@ def dualpipev(pp: int, microbatches: int, *, stages: int | None = None, tag: str
     return _strategy("dualpipev", microbatches, stages, stage_rank, slots, tag)
 
 
-@_composes_with_dp
-def dualpipe(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
-    """DualPipe (bidirectional). Its published constraints are checked, then it is refused:
-    it needs mirrored stage replicas whose gradients are all-reduced, and the runtime has no
-    collectives yet."""
+def _dualpipe_actions(rank: int, pp: int, microbatches: int) -> list[Slot]:
+    """One rank of DeepSeek's DualPipe (``dualpipe.py``).
+
+    Rank r runs stage r of direction 0 (microbatches ``0 .. M/2 - 1``, entering at rank 0) and
+    stage ``pp - 1 - r`` of direction 1 (microbatches ``M/2 .. M - 1``, entering at rank
+    ``pp - 1``). DeepSeek's per-rank program depends only on the half rank
+    ``h = min(r, pp - 1 - r)``: its "phase 0" chunk is the stage of the direction entering at
+    the rank's own end (stage h), its "phase 1" chunk the other (stage ``pp - 1 - h``), each
+    fed M/2 microbatches, and the eight phases are exactly DualPipeV's for rank h of
+    ``pp / 2`` ranks (``dualpipev.py`` is DualPipe cut in half). So rank r replays
+    ``_dualpipev_actions(h, pp / 2, M / 2)`` with each chunk's microbatches renumbered into
+    its direction's half; ranks r and ``pp - 1 - r`` run mirrored programs.
+    """
+    h, half = min(rank, pp - 1 - rank), microbatches // 2
+    near = 0 if rank < pp // 2 else 1  # the direction that enters at this rank's end
+
+    def number(stage: int, mb: int) -> int:
+        direction = near if stage == h else 1 - near
+        return mb + direction * half
+
+    return [
+        tuple((stage, phase, number(stage, mb)) for stage, phase, mb in slot)
+        for slot in _dualpipev_actions(h, pp // 2, half)
+    ]
+
+
+def dualpipe(
+    pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP", dp: int = 1, zero: int = 0
+) -> Strategy:
+    """DualPipe (DeepSeek-V3, bidirectional): the first half of the microbatches runs stages
+    ``0 .. pp-1`` on ranks ``0 .. pp-1``, the second half runs them on ranks ``pp-1 .. 0``, so
+    rank r holds stage r and stage ``pp - 1 - r``; overlapped forward/backward pairs in the
+    steady state, zero-bubble weight passes at the ends (``_dualpipe_actions``).
+
+    Each stage thus has two *mirrored replicas* (ranks s and ``pp - 1 - s``): its
+    microbatches are placed by direction (``Place`` with an ``MB`` set), its parameters live on
+    both ranks, and their gradients are summed over the pair (an all-reduce, no batch
+    sharding) before both ranks take the same optimizer step. ``stages`` annotated regions
+    (default ``pp``) must be a multiple of ``pp``; each stage is a contiguous group of them.
+    Needs an even ``pp`` and an even number of microbatches, at least ``2 * pp``. With ``dp``
+    replicas the mirror pair times the data-parallel group keeps one segment's parameters in
+    sync (ZeRO 0 or 1; ZeRO 2 and 3 are refused).
+    """
     _positive("dualpipe", pp=pp, microbatches=microbatches)
     if pp % 2:
         raise DirectiveError(f"dualpipe: needs an even number of ranks, got pp={pp}")
@@ -374,11 +428,26 @@ def dualpipe(pp: int, microbatches: int, *, stages: int | None = None, tag: str 
         raise DirectiveError(
             f"dualpipe: needs an even number of microbatches, at least 2 * pp = {2 * pp}; got {microbatches}"
         )
-    raise DirectiveError(
-        "dualpipe is not implemented yet: its mirrored stage replicas run one region on two ranks "
-        "in mirrored orders, which one SPMD node per device group cannot express (the two ranks' "
-        "Orders would form a cycle); use dualpipev (same bubble, V placement, no replicas)"
-    )
+    stages = pp if stages is None else stages
+    _positive("dualpipe", stages=stages)
+    if stages % pp:
+        raise DirectiveError(
+            f"dualpipe: {stages} annotated regions cannot form {pp} stages (need a multiple of {pp})"
+        )
+    if zero in (2, 3) and not isinstance(zero, bool):  # other bad values: data_parallel's message
+        raise DirectiveError(
+            f"dualpipe: ZeRO-{zero} is not supported (its per-microbatch reduce-scatters and parameter "
+            "gathers would synchronise the mirrored replicas, which run different microbatches); use zero 0 or 1"
+        )
+    per, half = stages // pp, microbatches // 2
+    directions = (tuple(range(half)), tuple(range(half, microbatches)))
+    places = [
+        Place(Filter.of({tag: j, "MB": directions[d]}), (j // per if d == 0 else pp - 1 - j // per,))
+        for j in range(stages)
+        for d in (0, 1)
+    ]
+    orders = _orders("dualpipe", pp, per, [_dualpipe_actions(r, pp, microbatches) for r in range(pp)], tag)
+    return data_parallel(Strategy([Split(microbatches), *places, *orders]), dp, zero)
 
 
 SCHEDULES: dict[str, Callable[..., Strategy]] = {

@@ -51,17 +51,19 @@ def requested_splits(graph: Graph, orders: Sequence[Order]) -> dict[str, str]:
         for slot in order.slots:
             for flt in slot:
                 keys = flt.as_dict()
-                half = keys.get(PASS)
-                if half not in mentioned:
+                wanted = keys.get(PASS)
+                halves = [h for h in (wanted if isinstance(wanted, tuple) else (wanted,)) if h in mentioned]
+                if not halves:
                     continue
                 # Match the B nodes on everything but the pass: the node the filter would
                 # select once split.
                 probe = Filter(tuple(item for item in flt.items if item[0] != PASS))
                 mb = keys.get(MB)
-                candidates = fused if mb is None or mb == "*" else by_mb.get(mb, [])
+                candidates = fused if mb is None or mb == "*" or isinstance(mb, tuple) else by_mb.get(mb, [])
                 for n in candidates:
                     if probe.matches(n):
-                        mentioned[half].setdefault(n.id, str(order))  # type: ignore[index]
+                        for half in halves:
+                            mentioned[half].setdefault(n.id, str(order))  # type: ignore[index]
     bi, bw, b = (mentioned[h] for h in (*_HALVES, Phase.B.value))
     for have, lack, half, other in ((bi, bw, "BI", "BW"), (bw, bi, "BW", "BI")):
         alone = sorted(set(have) - set(lack))

@@ -30,7 +30,7 @@ from piper_directives.order import Order
 from piper_directives.place import Place
 from piper_directives.schedules import LOSS, Slot, _strategy, rank_actions
 from piper_directives.strategy import Strategy
-from piper_ir import DirectiveError
+from piper_ir import ANY, MB, DirectiveError
 
 #: torch's action letters for compute, and Piper's phase for each
 COMPUTE = {"F": "F", "B": "B", "I": "BI", "W": "BW"}
@@ -195,20 +195,31 @@ def strategy_to_torch_csv(
     the largest group size such that every slot names whole, aligned groups of regions (one
     per pass and microbatch), which is how the library's builders write stages.
     """
-    device = {}
+    # (region, microbatch) -> device; microbatch None: a Place for every microbatch. A region
+    # placed per microbatch set (DualPipe's mirrored stages) shows up in two rows, which
+    # torch's own loaders (and ``strategy_from_torch_csv``) refuse: there a stage has one rank.
+    device: dict[tuple[int, object], int] = {}
     for d in strategy.directives:
         if isinstance(d, Place) and tag in d.filter.as_dict():
-            device[int(d.filter.as_dict()[tag])] = d.devices[0]
+            keys = d.filter.as_dict()
+            mbs = keys.get(MB, ANY)
+            for mb in mbs if isinstance(mbs, tuple) else (None if mbs == ANY else mbs,):
+                device[(int(keys[tag]), mb)] = d.devices[0]
+
+    def placed(region: int, mb: object) -> int | None:
+        return device.get((region, mb), device.get((region, None)))
+
     orders = [d for d in strategy.directives if isinstance(d, Order)]
     per = regions_per_stage or _regions_per_stage(orders, tag)
     ranks: dict[int, list[str]] = {}
     for order in orders:
-        regions = [int(f.as_dict()[tag]) for slot in order.slots for f in slot if tag in f.as_dict()]
+        keys = [f.as_dict() for slot in order.slots for f in slot]
+        regions = [(int(k[tag]), k.get(MB)) for k in keys if tag in k]
         if not regions:
             continue
-        if any(r not in device for r in regions):
+        if any(placed(*r) is None for r in regions):
             raise DirectiveError(f"{order}: names {tag} regions that no Place directive places", directive=str(order))
-        owners = {device[r] for r in regions}
+        owners = {placed(*r) for r in regions}
         if len(owners) != 1:
             raise DirectiveError(
                 f"{order}: orders regions on devices {sorted(owners)}; torch's format needs one Order per rank",

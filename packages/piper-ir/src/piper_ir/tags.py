@@ -2,7 +2,8 @@
 
 A node's tags map annotation names to indices (``{"PP": 1, "EP": 3}``). Two further keys are
 always available to filters: ``PASS`` (the node's phase: F, B, BI, BW, OPT) and ``MB`` (its
-microbatch). ``"*"`` in a filter matches any value that is present.
+microbatch). ``"*"`` in a filter matches any value that is present; a tuple of values matches
+any one of them (``{"MB": (0, 1, 2)}``: the first three microbatches).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ PASS = "PASS"
 MB = "MB"
 SEG = "SEG"
 
-FilterValue = int | str
+Scalar = int | str
+FilterValue = Scalar | tuple[Scalar, ...]
 
 
 class Phase(StrEnum):
@@ -34,16 +36,36 @@ class Phase(StrEnum):
     OPT = "OPT"  # optimizer update
 
 
-def _freeze_items(value: Mapping[str, FilterValue] | tuple) -> tuple[tuple[str, FilterValue], ...]:
+def _key(key: object) -> str:
+    if not isinstance(key, str) or not key:
+        raise TypeError(f"tag names must be non-empty strings, got {key!r}")
+    return key
+
+
+def _scalar(key: str, val: object) -> Scalar:
+    if isinstance(val, bool) or not isinstance(val, int | str):
+        raise TypeError(f"tag {key!r} has value {val!r}; expected an int or a string")
+    return val
+
+
+def _freeze_items(value: Mapping[str, Scalar] | tuple) -> tuple[tuple[str, Scalar], ...]:
     items = value.items() if isinstance(value, Mapping) else value
-    out = []
-    for key, val in items:
-        if not isinstance(key, str) or not key:
-            raise TypeError(f"tag names must be non-empty strings, got {key!r}")
-        if isinstance(val, bool) or not isinstance(val, int | str):
-            raise TypeError(f"tag {key!r} has value {val!r}; expected an int or a string")
-        out.append((key, val))
-    return tuple(sorted(out))
+    return tuple(sorted((_key(k), _scalar(k, v)) for k, v in items))
+
+
+def _filter_value(key: str, val: object) -> FilterValue:
+    """A scalar, or a non-empty list/tuple of scalars without ``"*"`` (kept as a tuple)."""
+    if not isinstance(val, list | tuple):
+        return _scalar(key, val)
+    members = tuple(_scalar(key, v) for v in val)
+    if not members or ANY in members:
+        raise TypeError(f"tag {key!r} has value {val!r}; a set of values is non-empty and has no {ANY!r}")
+    return members
+
+
+def _freeze_filter(value: Mapping[str, FilterValue] | tuple) -> tuple[tuple[str, FilterValue], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple(sorted(((_key(k), _filter_value(k, v)) for k, v in items), key=lambda kv: kv[0]))
 
 
 @attrs.frozen
@@ -72,13 +94,14 @@ class Tags:
 
 @attrs.frozen
 class Filter:
-    """Selects nodes by tags, ``PASS``, ``MB`` and ``SEG`` (segment id); ``"*"`` is a wildcard.
+    """Selects nodes by tags, ``PASS``, ``MB`` and ``SEG`` (segment id); ``"*"`` is a wildcard
+    and a tuple of values matches any one of them.
 
-    An empty filter matches every compute node. Build one with ``Filter.of({"PP": 1})`` or
-    ``Filter.of(PP=1, PASS="F")``.
+    An empty filter matches every compute node. Build one with ``Filter.of({"PP": 1})``,
+    ``Filter.of(PP=1, PASS="F")`` or ``Filter.of(PP=1, MB=(0, 1))``.
     """
 
-    items: tuple[tuple[str, FilterValue], ...] = attrs.field(default=(), converter=_freeze_items)
+    items: tuple[tuple[str, FilterValue], ...] = attrs.field(default=(), converter=_freeze_filter)
 
     @classmethod
     def of(cls, mapping: Mapping[str, FilterValue] | None = None, **kwargs: FilterValue) -> Filter:
@@ -100,7 +123,10 @@ class Filter:
                 have = node.tags.get(key)
             if have is None:
                 return False
-            if want != ANY and want != have:
+            if isinstance(want, tuple):
+                if have not in want:
+                    return False
+            elif want != ANY and want != have:
                 return False
         return True
 

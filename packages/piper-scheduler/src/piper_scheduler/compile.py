@@ -84,7 +84,7 @@ def compile_program(graph: Graph) -> Program:
         microbatches=graph.microbatches,
         placement=_placement(graph),
         replicas=max(
-            (len(n.devices) // _degree(graph, n.segment) for n in graph.nodes if n.kind in SCHEDULED_KINDS), default=1
+            (len(n.devices) // _degree(graph, n.segment) for n in graph.nodes if n.kind is NodeKind.COMPUTE), default=1
         ),
         replication=graph.replication,
         buckets=graph.buckets,
@@ -239,10 +239,12 @@ def _degree(graph: Graph, segment: str | None) -> int:
 def _replicas(graph: Graph) -> list[int]:
     """Each rank's position in the device groups of the compute it runs (its replica index);
     a rank must hold the same position in all of them. The ranks of a tensor-parallel group
-    share one replica index: they see the same data."""
+    share one replica index: they see the same data. Optimizer nodes do not count: a
+    segment's optimizer runs on every device holding its parameters, which for mirrored
+    replicas (DualPipe) is larger than the group any microbatch runs on."""
     position: dict[int, tuple[int, str]] = {}
     for n in graph.nodes:
-        if n.kind not in SCHEDULED_KINDS:
+        if n.kind is not NodeKind.COMPUTE:
             continue
         degree = _degree(graph, n.segment)
         for j, d in enumerate(n.devices):
