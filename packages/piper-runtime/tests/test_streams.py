@@ -1,0 +1,120 @@
+"""The threaded executor (``piper_runtime.streams``) on hand-built instruction lists, no torch
+work and no Ray: events order lanes, overlapped slots run side by side, failures and missing
+events are reported instead of hanging."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from piper_ir import Instruction, NodeKind, Phase
+from piper_runtime.streams import assign_lanes, lanes_share_a_communicator, overlap_groups, run_streams
+
+
+def _c(ident: str, phase: Phase = Phase.F, mb: int = 0, **kw: object) -> Instruction:
+    return Instruction(ident, NodeKind.COMPUTE, segment="s", phase=phase, microbatch=mb, **kw)
+
+
+def _recorder(delays: dict[str, float] | None = None):  # noqa: ANN202
+    delays = delays or {}
+    log: list[tuple[str, str, float, float]] = []
+    lock = threading.Lock()
+
+    def execute(_k: int, ins: Instruction) -> None:
+        start = time.perf_counter()
+        time.sleep(delays.get(ins.id, 0.0))
+        with lock:
+            log.append((ins.id, threading.current_thread().name, start, time.perf_counter()))
+
+    return log, execute
+
+
+def test_events_order_instructions_across_lanes() -> None:
+    """The send waits for the slow compute that records its event; the unrelated collective on
+    the dp lane does not wait and finishes first."""
+    plan = [
+        _c("F0", record="ev.F0"),
+        Instruction("send", NodeKind.SEND, stream="pp", value="v", microbatch=0, peer=1, waits=("ev.F0",)),
+        Instruction("ar", NodeKind.ALL_REDUCE, stream="dp", value="bucket", communicator="dp:0-1"),
+    ]
+    log, execute = _recorder({"F0": 0.2})
+    run_streams(plan, execute, timeout_s=5)
+    order = [ident for ident, *_ in log]
+    assert order.index("F0") < order.index("send")
+    assert order[0] == "ar"
+    assert len({thread for _, thread, *_ in log}) == 3
+
+
+def test_receives_get_their_own_lane_unless_their_stream_computes() -> None:
+    plan = [
+        Instruction("recv", NodeKind.RECV, stream="pp", value="v", microbatch=0, peer=1),
+        Instruction("send", NodeKind.SEND, stream="pp", value="w", microbatch=0, peer=1),
+        Instruction("recv2", NodeKind.RECV, stream="compute", value="u", microbatch=0, peer=1),
+        _c("F0"),
+    ]
+    assert assign_lanes(plan) == ["pp/recv", "pp", "compute", "compute"]
+
+
+def test_overlapped_forward_and_backward_run_side_by_side() -> None:
+    plan = [_c("F1", Phase.F, 1, overlap=0), _c("B0", Phase.B, 0, overlap=0), _c("F2", Phase.F, 2)]
+    assert overlap_groups(plan, assign_lanes(plan), "compute") == [[0, 1], [2]]
+    log, execute = _recorder({"F1": 0.2, "B0": 0.2})
+    run_streams(plan, execute, timeout_s=5)
+    spans = {ident: (start, end) for ident, _, start, end in log}
+    assert spans["F1"][0] < spans["B0"][1] and spans["B0"][0] < spans["F1"][1]  # they overlap
+    assert spans["F2"][0] >= max(spans["F1"][1], spans["B0"][1])  # the lane waits for both
+
+
+def test_a_slot_on_one_microbatch_stays_sequential() -> None:
+    plan = [_c("F0", Phase.F, 0, overlap=0), _c("B0", Phase.B, 0, overlap=0)]
+    assert overlap_groups(plan, assign_lanes(plan), "compute") == [[0], [1]]
+
+
+def test_a_failure_stops_every_lane_and_is_raised() -> None:
+    plan = [
+        _c("F0", record="ev.F0"),
+        Instruction("send", NodeKind.SEND, stream="pp", value="v", microbatch=0, peer=1, waits=("ev.F0",)),
+    ]
+    ran: list[str] = []
+
+    def execute(_k: int, ins: Instruction) -> None:
+        ran.append(ins.id)
+        if ins.id == "F0":
+            raise ValueError("boom in F0")
+
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="boom in F0"):
+        run_streams(plan, execute, timeout_s=30)
+    assert ran == ["F0"]
+    assert time.perf_counter() - started < 5
+
+
+def test_an_event_nothing_records_is_an_error() -> None:
+    plan = [_c("F0", waits=("ev.missing",))]
+    with pytest.raises(RuntimeError, match="ev.missing"):
+        run_streams(plan, lambda k, ins: None, timeout_s=1)
+
+
+def test_waiting_past_the_timeout_names_the_event() -> None:
+    plan = [
+        _c("F0", record="ev.F0"),
+        Instruction("send", NodeKind.SEND, stream="pp", value="v", microbatch=0, peer=1, waits=("ev.F0",)),
+    ]
+    log, execute = _recorder({"F0": 1.0})
+    with pytest.raises(TimeoutError, match="ev.F0"):
+        run_streams(plan, execute, timeout_s=0.2)
+
+
+def test_a_collective_communicator_on_two_lanes_is_detected() -> None:
+    shared = [
+        Instruction("ar", NodeKind.ALL_REDUCE, stream="dp", value="b", communicator="dp:0-1"),
+        Instruction("ag", NodeKind.ALL_GATHER, stream="gather", value="b", communicator="dp:0-1"),
+    ]
+    assert lanes_share_a_communicator(shared)
+    p2p = [
+        Instruction("s", NodeKind.SEND, stream="pp", value="v", peer=1, communicator="pp.fwd"),
+        Instruction("r", NodeKind.RECV, stream="pp", value="v", peer=1, communicator="pp.fwd"),
+    ]
+    assert not lanes_share_a_communicator(p2p)
