@@ -44,17 +44,35 @@ def test_events_order_instructions_across_lanes() -> None:
     order = [ident for ident, *_ in log]
     assert order.index("F0") < order.index("send")
     assert order[0] == "ar"
-    assert len({thread for _, thread, *_ in log}) == 3
+    assert len({thread for _, thread, *_ in log}) == 2  # compute (with its send) and dp
 
 
-def test_receives_get_their_own_lane_unless_their_stream_computes() -> None:
+def test_transfers_join_their_producers_and_readers() -> None:
+    """A transfer-only stream's send runs on its producer's lane, its receive lazily on the
+    lane that reads it; transfers in a stream that also computes stay in it."""
     plan = [
-        Instruction("recv", NodeKind.RECV, stream="pp", value="v", microbatch=0, peer=1),
-        Instruction("send", NodeKind.SEND, stream="pp", value="w", microbatch=0, peer=1),
-        Instruction("recv2", NodeKind.RECV, stream="compute", value="u", microbatch=0, peer=1),
+        Instruction("recv", NodeKind.RECV, stream="pp", value="v", microbatch=0, peer=1, record="ev.recv"),
+        _c("F0", waits=("ev.recv",), record="ev.F0"),
+        Instruction("send", NodeKind.SEND, stream="pp", value="w", microbatch=0, peer=1, waits=("ev.F0",)),
+        Instruction("recv2", NodeKind.RECV, stream="other", value="u", microbatch=0, peer=1),
+        Instruction("ar", NodeKind.ALL_REDUCE, stream="other", value="b", communicator="dp:0-1"),
+    ]
+    assert assign_lanes(plan) == [None, "compute", "compute", "other", "other"]
+    log, execute = _recorder({"recv": 0.1})
+    run_streams(plan, execute, timeout_s=5)
+    threads = {ident: thread for ident, thread, *_ in log}
+    assert threads["recv"] == threads["F0"] == threads["send"]  # no hand-over between threads
+    assert [ident for ident, *_ in log if ident in ("recv", "F0", "send")] == ["recv", "F0", "send"]
+
+
+def test_a_receive_nothing_waits_for_still_runs() -> None:
+    plan = [
+        Instruction("recv", NodeKind.RECV, stream="pp", value="v", microbatch=0, peer=1, record="ev.recv"),
         _c("F0"),
     ]
-    assert assign_lanes(plan) == ["pp/recv", "pp", "compute", "compute"]
+    log, execute = _recorder()
+    run_streams(plan, execute, timeout_s=5)
+    assert sorted(ident for ident, *_ in log) == ["F0", "recv"]
 
 
 def test_overlapped_forward_and_backward_run_side_by_side() -> None:
@@ -100,7 +118,7 @@ def test_an_event_nothing_records_is_an_error() -> None:
 def test_waiting_past_the_timeout_names_the_event() -> None:
     plan = [
         _c("F0", record="ev.F0"),
-        Instruction("send", NodeKind.SEND, stream="pp", value="v", microbatch=0, peer=1, waits=("ev.F0",)),
+        Instruction("ar", NodeKind.ALL_REDUCE, stream="dp", value="b", communicator="dp:0-1", waits=("ev.F0",)),
     ]
     log, execute = _recorder({"F0": 1.0})
     with pytest.raises(TimeoutError, match="ev.F0"):

@@ -2,23 +2,29 @@
 
 Each stream's instructions (``RankPlan.stream_order``) run in plan order on a thread of their
 own (a *lane*); an instruction first waits for the events in its ``waits``, which the
-instructions of other lanes record when they finish. The receives of a stream that only
-transfers get a lane of their own, so a receive waiting for its data never holds up a send
-queued behind it. Gloo and torch
-kernels release the GIL, so communication really proceeds while another lane computes.
+instructions of other lanes record when they finish. Gloo and torch kernels release the GIL,
+so communication really proceeds while another lane computes.
+
+Point-to-point transfers are asynchronous in torch.distributed (``isend``/``irecv`` return at
+once), so they do not get threads of their own, which would only add a wake-up to the
+critical path of every message: a send runs on the lane of the instruction that produced its
+value, right after it, and a receive is *lazy*, carried out by the first thread that needs its
+value. (Only the transfers of a stream that holds nothing else are moved; in a stream that
+also computes, stream order is what connects them to their readers.)
 
 The compute instructions of one overlapped slot (the same ``Instruction.overlap`` number,
 DualPipe's forward + backward pair) run concurrently, the second on a helper thread, when they
 belong to different microbatches: while one chunk waits in its all-to-all the other computes.
 
 Deadlock freedom carries over from the sequential order the verifier proved: every event
-points to an earlier instruction of the list, so the earliest unfinished instruction of a rank
-is always at the head of its stream with everything it waits for done, exactly as in the
-sequential run (splitting a stream's receives off keeps it: a receive never depends on a send
-of its own stream). What must not happen is two threads issuing collectives on one process
-group (their order could differ between ranks; point-to-point messages are matched by tag and
-peer instead): ``lanes_share_a_communicator`` finds plans where a collective communicator is
-used by more than one lane, which the worker then runs sequentially.
+points to an earlier instruction of the list and each lane keeps list order, so the earliest
+unfinished instruction of a rank is always runnable, exactly as in the sequential run (a
+transfer never depends on another transfer of its own stream except through channel order,
+which the sends keep by all moving to one lane and the receives by being posted in list
+order). What must not happen is two threads issuing collectives on one process group (their
+order could differ between ranks; point-to-point messages are matched by tag and peer
+instead): ``lanes_share_a_communicator`` finds plans where a collective communicator is used
+by more than one lane, which the worker then runs sequentially.
 """
 
 from __future__ import annotations
@@ -40,18 +46,33 @@ class _Aborted(Exception):
 _P2P = (NodeKind.SEND, NodeKind.RECV)
 
 
-def assign_lanes(instructions: Sequence[Instruction]) -> list[str]:
-    """The lane (thread) of each instruction: its stream, except that the receives of a
-    stream holding only sends and receives get a lane of their own. (In a stream that also
-    computes, a receive's readers rely on stream order rather than on an event.)"""
+def assign_lanes(instructions: Sequence[Instruction]) -> list[str | None]:
+    """The lane (thread) of each instruction, ``None`` for a lazy receive (module doc): its
+    stream, except for the transfers of a stream that holds only transfers, whose receives
+    are lazy and whose sends join the one lane that produces all their values, if there is
+    one."""
     mixed = {ins.stream for ins in instructions if ins.kind not in _P2P}
-    return [
-        f"{ins.stream}/recv" if ins.kind is NodeKind.RECV and ins.stream not in mixed else ins.stream
+    recorder = {ins.record: k for k, ins in enumerate(instructions) if ins.record}
+    lanes: list[str | None] = [
+        None if ins.kind is NodeKind.RECV and ins.stream not in mixed and ins.record else ins.stream
         for ins in instructions
     ]
+    producers: dict[str, set[str | None]] = {}  # transfer-only stream -> lanes its sends wait on
+    for ins in instructions:
+        if ins.kind is NodeKind.SEND and ins.stream not in mixed:
+            found = producers.setdefault(ins.stream, set())
+            found.update(lanes[recorder[w]] for w in ins.waits if w in recorder)
+            if len(ins.waits) != 1:
+                found.add(None)  # not one producer: leave this stream's sends where they are
+    for k, ins in enumerate(instructions):
+        if ins.kind is NodeKind.SEND and ins.stream not in mixed:
+            found = producers[ins.stream]
+            if len(found) == 1 and None not in found:
+                lanes[k] = next(iter(found))
+    return lanes
 
 
-def overlap_groups(instructions: Sequence[Instruction], lanes: Sequence[str], lane: str) -> list[list[int]]:
+def overlap_groups(instructions: Sequence[Instruction], lanes: Sequence[str | None], lane: str) -> list[list[int]]:
     """``lane``'s instruction indices, in order, grouped: a forward and a backward chunk of one
     overlapped slot, on different microbatches and consecutive in the lane, form one group
     (run concurrently; their collectives use different process groups)."""
@@ -81,6 +102,8 @@ def lanes_share_a_communicator(instructions: Sequence[Instruction]) -> bool:
     owner: dict[str, str] = {}
     for ins, lane in zip(instructions, assign_lanes(instructions), strict=True):
         comm = ins.communicator
+        if lane is None:
+            continue
         if ins.kind not in _P2P and comm is not None and owner.setdefault(comm, lane) != lane:
             return True
     return False
@@ -98,9 +121,22 @@ def run_streams(
     events = {ins.record: threading.Event() for ins in instructions if ins.record}
     failures: list[BaseException] = []
     abort = threading.Event()
+    lanes = assign_lanes(instructions)
+    lazy = {ins.record: k for k, ins in enumerate(instructions) if lanes[k] is None}
+    claimed: set[int] = set()
+    claim_lock = threading.Lock()
+
+    def claim(k: int) -> bool:
+        with claim_lock:
+            mine = k not in claimed
+            claimed.add(k)
+        return mine
 
     def wait_for(ins: Instruction) -> None:
         for name in ins.waits:
+            if name in lazy and claim(lazy[name]):
+                run_one(lazy[name])  # a lazy receive: the first thread that needs it runs it
+                continue
             event = events.get(name)
             if event is None:
                 raise RuntimeError(f"instruction {ins.id} waits for event {name!r}, which nothing records")
@@ -155,19 +191,27 @@ def run_streams(
             else:
                 run_group(group)
 
-    lanes = assign_lanes(instructions)
-    threads = []
-    for lane in dict.fromkeys(lanes):
-        groups = overlap_groups(instructions, lanes, lane)
-        threads.append(
-            threading.Thread(target=guarded(partial(run_lane, groups)), name=f"piper-{lane}", daemon=True)
+    names = [lane for lane in dict.fromkeys(lanes) if lane is not None]
+    threads = [
+        threading.Thread(
+            target=guarded(partial(run_lane, overlap_groups(instructions, lanes, lane))),
+            name=f"piper-{lane}",
+            daemon=True,
         )
+        for lane in names[1:]
+    ]
     for t in threads:
         t.start()
+    if names:  # the first lane (compute, as compiled) runs on the calling thread
+        guarded(partial(run_lane, overlap_groups(instructions, lanes, names[0])))()
     for t in threads:
         while t.is_alive() and not abort.is_set():
             t.join(POLL_S)
         if abort.is_set():
             break
+    # Receives nothing on this rank waited for (a plan without readers for them) still run.
+    for k in sorted(set(lazy.values()) - claimed):
+        if not abort.is_set():
+            guarded(partial(run_one, k))()
     if failures:
         raise failures[0]

@@ -50,6 +50,7 @@ import contextlib
 import faulthandler
 import inspect
 import os
+import sys
 import threading
 import time
 import traceback
@@ -73,6 +74,7 @@ from piper_runtime.streams import lanes_share_a_communicator, run_streams
 
 GRAD_PREFIX = "grad:"
 RECV_LOOKAHEAD = 2
+SWITCH_INTERVAL_S = 0.0005  # the GIL hand-over interval with threads (Python's default: 5 ms)
 
 
 def _KEEPS_MODEL_STATE(ins: Instruction) -> bool:  # noqa: N802 - a predicate table, read like a constant
@@ -267,6 +269,10 @@ class RankWorker:
             for key in keys:
                 self._read_counts[key] = self._read_counts.get(key, 0) + 1
         self.threads = threads and not lanes_share_a_communicator(self.plan.instructions)
+        if self.threads:
+            # A thread woken by finished communication waits for the GIL at most this long
+            # (Python's default is 5 ms, longer than many of our instructions).
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._recv_positions = [
             k for k, ins in enumerate(self.plan.instructions) if ins.kind is NodeKind.RECV
         ]
