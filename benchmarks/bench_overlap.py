@@ -123,7 +123,8 @@ def main() -> None:
         plot_gantt(
             measured_timeline(r["program"], spans),
             args.png,
-            title=f"DualPipeV, PP={PP} x EP={EP}, measured step (ms; each rank's clock from its step start)",
+            title=f"DualPipeV, PP={PP} x EP={EP}, one measured step (each rank's clock from its step start)",
+            unit="ms",
         )
         print(f"wrote {args.png}")
 

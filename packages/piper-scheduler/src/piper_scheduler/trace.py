@@ -137,7 +137,9 @@ def _boxes(timeline: Timeline, chunks: dict[tuple[int, str], int]) -> list[dict[
     return boxes
 
 
-def plot_gantt(timeline: Timeline, path: str | Path, *, title: str | None = None) -> Path:
+def plot_gantt(
+    timeline: Timeline, path: str | Path, *, title: str | None = None, unit: str = "cost units"
+) -> Path:
     """Write a PNG Gantt chart in the style of pipeline papers (DualPipe, zero bubble).
 
     One row per rank; one box per stage chunk, coloured by pass (F, B, BI, BW, OPT) and
@@ -203,7 +205,7 @@ def plot_gantt(timeline: Timeline, path: str | Path, *, title: str | None = None
     ax.set_yticks(range(ranks))
     ax.set_yticklabels([f"rank {ranks - 1 - y}" for y in range(ranks)])
     ax.set_xlim(0, span)
-    ax.set_xlabel("time (cost units)")
+    ax.set_xlabel(f"time ({unit})")
     ax.set_title(title or f"makespan {timeline.makespan:g}", loc="left", fontsize=9)
     names = {Phase.F: "forward", Phase.B: "backward", Phase.BI: "backward to inputs", Phase.BW: "backward to weights",
              Phase.OPT: "optimizer"}
