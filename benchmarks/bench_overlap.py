@@ -10,7 +10,7 @@ and the mean over ranks of the time spent inside the expert all-to-alls. "Hidden
 share of the sequential run's all-to-all time that threading removed from the step:
 ``(sequential step - threaded step) / sequential all-to-all time``.
 
-    .venv/bin/python benchmarks/bench_overlap.py [--microbatches 8] [--batch 1024] [--steps 8]
+    .venv/bin/python benchmarks/bench_overlap.py [--microbatches 8] [--batch 256] [--steps 10]
         [--png docs/overlap/dualpipev-ep.png]
 """
 
@@ -76,11 +76,11 @@ def run(schedule: str, threads: bool, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--d-in", type=int, default=64)
-    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--d-out", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--png", type=Path, help="write the Gantt chart of a threaded DualPipeV step")
     args = parser.parse_args()
