@@ -27,34 +27,9 @@ ADAMW = OptimizerSpec("adamw", 1e-3)
 RTOL, ATOL = 1e-9, 1e-12
 
 
-def _router_counts(workload) -> list[list[int]]:
-    """Tokens per expert in every MoE layer on the first batch (top-2: 2 per token)."""
-    counts: list[list[int]] = []
-    hooks = [
-        block["moe"].experts.register_forward_hook(
-            lambda mod, args, out: counts.append(torch.bincount(args[1], minlength=mod.num_experts).tolist())
-        )
-        for block in workload.model.blocks
-    ]
-    try:
-        with torch.no_grad():
-            workload.model(*workload.example_inputs)
-    finally:
-        for h in hooks:
-            h.remove()
-    return counts
-
-
-def _assert_uneven(workload) -> None:
-    for layer in _router_counts(workload):
-        assert len(set(layer)) > 1, f"routing is even: {layer}"
-        # Per destination rank (experts 0-1 on rank 0, 2-3 on rank 1) as well.
-        assert layer[0] + layer[1] != layer[2] + layer[3], layer
-
-
-def test_ep2_matches_single_device():
+def test_ep2_matches_single_device(assert_uneven):
     workload = build_model("moe", stages=1, seed=3, dtype=torch.float64)
-    _assert_uneven(workload)
+    assert_uneven(workload)
     strategy = Strategy([Split(2), Place({"PP": 0}, (0, 1)), Shard({"PP": 0}, (0, 1), kind="ep")])
     report = run_check(workload, strategy, optimizer=ADAMW, rtol=RTOL, atol=ATOL)
     assert report.ok, report.failures()
@@ -70,9 +45,9 @@ def test_ep2_matches_single_device():
     assert {i.communicator for i in compute} == {"ep:0-1"}
 
 
-def test_pp2_ep2_1f1b_matches_single_device():
+def test_pp2_ep2_1f1b_matches_single_device(assert_uneven):
     workload = build_model("moe", stages=2, seed=5, dtype=torch.float64)
-    _assert_uneven(workload)
+    assert_uneven(workload)
     report = run_check(workload, expert_parallel(one_f_one_b(2, 4), 2), optimizer=ADAMW, rtol=RTOL, atol=ATOL)
     assert report.ok, report.failures()
     program = report.program
@@ -80,9 +55,9 @@ def test_pp2_ep2_1f1b_matches_single_device():
     assert {c.id for c in program.communicators} >= {"ep:0-1", "ep:2-3", "dp:0-1", "dp:2-3", "pp.fwd", "pp.bwd"}
 
 
-def test_ep2_with_zero1_on_non_expert_weights_matches_single_device():
+def test_ep2_with_zero1_on_non_expert_weights_matches_single_device(assert_uneven):
     workload = build_model("moe", stages=1, seed=4, dtype=torch.float64)
-    _assert_uneven(workload)
+    assert_uneven(workload)
     strategy = Strategy([
         Split(2), Place({"PP": 0}, (0, 1)), Replicate({"PP": 0}, (0, 1), zero=1), Shard({"PP": 0}, (0, 1), kind="ep"),
     ])
@@ -94,9 +69,9 @@ def test_ep2_with_zero1_on_non_expert_weights_matches_single_device():
     assert not {p.name for sh in program.sharding for p in sh.params} & {n for b in program.buckets for n in b.params}
 
 
-def test_ep4_one_expert_per_rank_matches_single_device():
+def test_ep4_one_expert_per_rank_matches_single_device(assert_uneven):
     workload = build_model("moe", stages=1, seed=3, dtype=torch.float64)
-    _assert_uneven(workload)  # with one expert per rank, uneven per-expert counts = uneven splits
+    assert_uneven(workload)  # with one expert per rank, uneven per-expert counts = uneven splits
     devices = (0, 1, 2, 3)
     strategy = Strategy([Split(2), Place({"PP": 0}, devices), Shard({"PP": 0}, devices, kind="ep")])
     report = run_check(workload, strategy, optimizer=ADAMW, rtol=RTOL, atol=ATOL)
@@ -104,9 +79,9 @@ def test_ep4_one_expert_per_rank_matches_single_device():
     assert (report.program.world_size, report.program.replicas) == (4, 4)
 
 
-def test_pp2_ep2_dualpipev_matches_single_device():
+def test_pp2_ep2_dualpipev_matches_single_device(assert_uneven):
     workload = build_model("moe", stages=4, seed=5, dtype=torch.float64)
-    _assert_uneven(workload)
+    assert_uneven(workload)
     report = run_check(workload, expert_parallel(dualpipev(2, 4), 2), optimizer=ADAMW, rtol=RTOL, atol=ATOL)
     assert report.ok, report.failures()
     assert {c.id for c in report.program.communicators} >= {"ep:0-1", "ep:2-3"}

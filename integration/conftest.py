@@ -1,0 +1,41 @@
+"""Fixtures shared by the integration tests (the Ray cluster fixture is in the root conftest)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+
+def router_counts(workload) -> list[list[int]]:  # noqa: ANN001 - a piper_train ModelSpec
+    """Tokens per expert in every MoE layer of the built-in MoE model on the first batch
+    (top-2: 2 per token)."""
+    counts: list[list[int]] = []
+    hooks = [
+        block["moe"].experts.register_forward_hook(
+            lambda mod, args, out: counts.append(torch.bincount(args[1], minlength=mod.num_experts).tolist())
+        )
+        for block in workload.model.blocks
+    ]
+    try:
+        with torch.no_grad():
+            workload.model(*workload.example_inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return counts
+
+
+def _assert_uneven(workload) -> None:  # noqa: ANN001
+    for layer in router_counts(workload):
+        assert len(set(layer)) > 1, f"routing is even: {layer}"
+        # Per destination rank of an EP=2 group (experts 0-1 on one rank, 2-3 on the other).
+        assert layer[0] + layer[1] != layer[2] + layer[3], layer
+
+
+@pytest.fixture
+def assert_uneven() -> Callable[..., None]:
+    """Asserts that the router sends different token counts to each expert and to each rank
+    of an EP=2 group, so the all-to-alls are genuinely uneven."""
+    return _assert_uneven
