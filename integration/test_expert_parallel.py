@@ -21,6 +21,7 @@ from piper_ir import NodeKind
 from piper_runtime import OptimizerSpec
 from piper_train.check import run_check
 from piper_train.models import build_model
+from piper_train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 ADAMW = OptimizerSpec("adamw", 1e-3)
@@ -85,3 +86,28 @@ def test_pp2_ep2_dualpipev_matches_single_device(assert_uneven):
     report = run_check(workload, expert_parallel(dualpipev(2, 4), 2), optimizer=ADAMW, rtol=RTOL, atol=ATOL)
     assert report.ok, report.failures()
     assert {c.id for c in report.program.communicators} >= {"ep:0-1", "ep:2-3"}
+
+
+def test_dualpipev_runs_paired_chunks_side_by_side():
+    """In a profiled DualPipeV step with EP the forward and backward chunk of an overlapped
+    slot run at the same time (two threads), not one after the other."""
+    workload = build_model("moe", stages=4, seed=5)
+    with Trainer(
+        workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
+        expert_parallel(dualpipev(2, 4), 2), optimizer=OptimizerSpec("sgd", 0.01),
+    ) as trainer:
+        result = trainer.runtime.step(*workload.batches(0), profile=True)
+        program = trainer.program
+    spans = {(t.rank, t.instruction): (t.start, t.end) for t in result.timings}
+    sides: dict[tuple[int, int], dict[int, list[tuple[float, float]]]] = {}
+    for plan in program.ranks:
+        for ins in plan.instructions:
+            if ins.overlap is not None:
+                slot = sides.setdefault((plan.rank, ins.overlap), {})
+                slot.setdefault(ins.microbatch, []).append(spans[(plan.rank, ins.id)])
+    assert sides and all(len(slot) == 2 for slot in sides.values())  # a forward and a backward chunk
+    overlapping = 0
+    for slot in sides.values():
+        (a0, a1), (b0, b1) = ((min(s for s, _ in v), max(e for _, e in v)) for v in slot.values())
+        overlapping += a0 < b1 and b0 < a1
+    assert overlapping >= len(sides) // 2, (overlapping, len(sides))

@@ -42,3 +42,11 @@ def test_two_regions_per_rank():
     report = run_check(workload, build_schedule("1f1b", 2, 4, stages=4), optimizer=SGD)
     assert report.ok, report.failures()
     assert [len(plan.segments()) for plan in report.program.ranks] == [2, 3]  # rank 1 also runs the loss
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb1p"])
+def test_sequential_walk_matches_single_device(schedule):
+    """``threads=False``: each rank walks its whole list on one thread (the same plan)."""
+    workload = build_model("mlp", stages=2, seed=11)
+    report = run_check(workload, build_schedule(schedule, 2, 4), optimizer=SGD, threads=False)
+    assert report.ok, report.failures()

@@ -77,7 +77,7 @@ def test_a_receive_nothing_waits_for_still_runs() -> None:
 
 def test_overlapped_forward_and_backward_run_side_by_side() -> None:
     plan = [_c("F1", Phase.F, 1, overlap=0), _c("B0", Phase.B, 0, overlap=0), _c("F2", Phase.F, 2)]
-    assert overlap_groups(plan, assign_lanes(plan), "compute") == [[0, 1], [2]]
+    assert overlap_groups(plan, assign_lanes(plan), "compute") == [[[0], [1]], [[2]]]
     log, execute = _recorder({"F1": 0.2, "B0": 0.2})
     run_streams(plan, execute, timeout_s=5)
     spans = {ident: (start, end) for ident, _, start, end in log}
@@ -85,9 +85,32 @@ def test_overlapped_forward_and_backward_run_side_by_side() -> None:
     assert spans["F2"][0] >= max(spans["F1"][1], spans["B0"][1])  # the lane waits for both
 
 
+def test_a_slot_splits_by_microbatch_with_its_loss_pass_and_sends() -> None:
+    """DualPipeV's last rank: forward chunk F3 of stage 0 (and its send) beside the loss
+    backward and stage-3 backward of microbatch 1; the next instruction is not in the slot."""
+    plan = [
+        _c("s0.F3", Phase.F, 3, overlap=0, record="ev.s0.F3"),
+        Instruction("send", NodeKind.SEND, stream="pp", value="a", microbatch=3, peer=1, waits=("ev.s0.F3",)),
+        _c("loss.B1", Phase.B, 1, overlap=0),
+        _c("s3.B1", Phase.B, 1, overlap=0),
+        _c("s3.F2", Phase.F, 2),
+    ]
+    assert overlap_groups(plan, assign_lanes(plan), "compute") == [[[0, 1], [2, 3]], [[4]]]
+
+
+def test_a_slot_whose_sides_share_collectives_stays_sequential() -> None:
+    """Backward passes with expert-parallel all-to-alls on both sides would share one group."""
+    plan = [
+        _c("s0.F3", Phase.F, 3, overlap=0),
+        _c("s0.B2", Phase.B, 3, overlap=0, communicator="ep:0-1"),
+        _c("s3.B1", Phase.B, 1, overlap=0, communicator="ep:0-1"),
+    ]
+    assert overlap_groups(plan, assign_lanes(plan), "compute") == [[[0, 1, 2]]]
+
+
 def test_a_slot_on_one_microbatch_stays_sequential() -> None:
     plan = [_c("F0", Phase.F, 0, overlap=0), _c("B0", Phase.B, 0, overlap=0)]
-    assert overlap_groups(plan, assign_lanes(plan), "compute") == [[0], [1]]
+    assert overlap_groups(plan, assign_lanes(plan), "compute") == [[[0, 1]]]
 
 
 def test_a_failure_stops_every_lane_and_is_raised() -> None:

@@ -12,9 +12,10 @@ value, right after it, and a receive is *lazy*, carried out by the first thread 
 value. (Only the transfers of a stream that holds nothing else are moved; in a stream that
 also computes, stream order is what connects them to their readers.)
 
-The compute instructions of one overlapped slot (the same ``Instruction.overlap`` number,
-DualPipe's forward + backward pair) run concurrently, the second on a helper thread, when they
-belong to different microbatches: while one chunk waits in its all-to-all the other computes.
+The two chunks of one overlapped slot (the same ``Instruction.overlap`` number, DualPipe's
+forward + backward pair, each with the loss pass and the sends of its microbatch) run
+concurrently, the backward side on a helper thread: while one chunk waits in its all-to-all
+the other computes.
 
 Deadlock freedom carries over from the sequential order the verifier proved: every event
 points to an earlier instruction of the list and each lane keeps list order, so the earliest
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
 from piper_ir import Instruction, NodeKind, Phase
@@ -72,28 +73,58 @@ def assign_lanes(instructions: Sequence[Instruction]) -> list[str | None]:
     return lanes
 
 
-def overlap_groups(instructions: Sequence[Instruction], lanes: Sequence[str | None], lane: str) -> list[list[int]]:
-    """``lane``'s instruction indices, in order, grouped: a forward and a backward chunk of one
-    overlapped slot, on different microbatches and consecutive in the lane, form one group
-    (run concurrently; their collectives use different process groups)."""
-    groups: list[list[int]] = []
-    for k, ins in enumerate(instructions):
-        if lanes[k] != lane:
+def overlap_groups(
+    instructions: Sequence[Instruction], lanes: Sequence[str | None], lane: str
+) -> list[list[list[int]]]:
+    """``lane``'s instruction indices, in order, as groups of *sides*: one side (a list run in
+    order) for an ordinary instruction, two for an overlapped slot. A slot is the run of the
+    lane's instructions from a compute instruction with an ``overlap`` number on: compute
+    with that number, and the transfers of its microbatches in between; its sides are its
+    two microbatches (the forward chunk's, with the loss forward of that microbatch, and the
+    backward chunk's), run concurrently since they do not depend on each other. A slot on
+    one microbatch or on more than two, or whose sides would both issue forward (or both
+    backward) collectives, runs as one side."""
+    mine = [k for k in range(len(instructions)) if lanes[k] == lane]
+    groups: list[list[list[int]]] = []
+    i = 0
+    while i < len(mine):
+        first = instructions[mine[i]]
+        if first.overlap is None or first.kind is not NodeKind.COMPUTE:
+            groups.append([[mine[i]]])
+            i += 1
             continue
-        last = groups[-1] if groups else None
-        if (
-            last is not None
-            and ins.overlap is not None
-            and ins.kind is NodeKind.COMPUTE
-            and len(last) == 1
-            and instructions[last[0]].overlap == ins.overlap
-            and instructions[last[0]].microbatch != ins.microbatch
-            and (instructions[last[0]].phase is Phase.F) != (ins.phase is Phase.F)
-        ):
-            last.append(k)
-        else:
-            groups.append([k])
+        run = [mine[i]]
+        seen = {first.microbatch}
+        j = i + 1
+        while j < len(mine):
+            ins = instructions[mine[j]]
+            if ins.kind is NodeKind.COMPUTE and ins.overlap == first.overlap:
+                seen.add(ins.microbatch)
+            elif ins.kind is NodeKind.COMPUTE or ins.microbatch not in seen:
+                break
+            run.append(mine[j])
+            j += 1
+        sides: dict[int | None, list[int]] = {}
+        for k in run:
+            sides.setdefault(instructions[k].microbatch, []).append(k)
+        apart = len(sides) == 2 and _passes_with_collectives(instructions, sides.values())
+        groups.append(list(sides.values()) if apart else [run])
+        i = j
     return groups
+
+
+def _passes_with_collectives(instructions: Sequence[Instruction], sides: Iterable[list[int]]) -> bool:
+    """Whether the sides' collectives inside compute (tensor/expert parallel: forward ones on
+    one process group, backward ones on another) come from forwards on one side and
+    backwards on the other, so no process group is used by both threads."""
+    seen: list[set[bool]] = []
+    for side in sides:
+        seen.append({
+            instructions[k].phase is Phase.F
+            for k in side
+            if instructions[k].kind is NodeKind.COMPUTE and instructions[k].communicator is not None
+        })
+    return all(len(a) <= 1 for a in seen) and not (seen[0] & seen[1])
 
 
 def lanes_share_a_communicator(instructions: Sequence[Instruction]) -> bool:
@@ -168,28 +199,32 @@ def run_streams(
 
         return run
 
-    def run_group(group: list[int]) -> None:
+    def run_side(side: list[int]) -> None:
+        for k in side:
+            run_one(k)
+
+    def run_group(sides: list[list[int]]) -> None:
         helpers = [
-            threading.Thread(target=guarded(partial(run_one, k)), name=f"piper-overlap-{k}", daemon=True)
-            for k in group[1:]
+            threading.Thread(target=guarded(partial(run_side, side)), name=f"piper-overlap-{side[0]}", daemon=True)
+            for side in sides[1:]
         ]
         for t in helpers:
             t.start()
-        run_one(group[0])
+        run_side(sides[0])
         for t in helpers:
             while t.is_alive():
                 t.join(POLL_S)
                 if abort.is_set():
                     raise _Aborted
 
-    def run_lane(groups: list[list[int]]) -> None:
-        for group in groups:
+    def run_lane(groups: list[list[list[int]]]) -> None:
+        for sides in groups:
             if abort.is_set():
                 raise _Aborted
-            if len(group) == 1:
-                run_one(group[0])
+            if len(sides) == 1:
+                run_side(sides[0])
             else:
-                run_group(group)
+                run_group(sides)
 
     names = [lane for lane in dict.fromkeys(lanes) if lane is not None]
     threads = [

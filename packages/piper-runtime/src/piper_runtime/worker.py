@@ -825,15 +825,16 @@ class RankWorker:
     def _recv(self, ins: Instruction, st: _StepState) -> None:
         work, t = st.posted.pop(ins.id)
         work.wait()
-        st.consumed += 1
         key = (ins.value, ins.microbatch)
-        if ins.value.startswith(GRAD_PREFIX):
-            st.add_grad(ins.value, ins.microbatch, t)
-            if st.values[key] is t:
+        with st.lock:
+            st.consumed += 1
+            if ins.value.startswith(GRAD_PREFIX):
+                st.add_grad(ins.value, ins.microbatch, t)
+                if st.values[key] is t:
+                    st.received.add(key)
+            else:
+                st.values[key] = t
                 st.received.add(key)
-        else:
-            st.values[key] = t
-            st.received.add(key)
 
     # -- state --------------------------------------------------------------------------------
 

@@ -72,14 +72,16 @@ def run_check(
     address: str | None = None,
     log: Callable[[str], None] = lambda _: None,
     memory_budget_bytes: int | None = None,
+    threads: bool = True,
 ) -> CheckReport:
     """Train ``steps`` steps both ways; compare every microbatch loss, every gradient and,
-    after the last step, every parameter."""
+    after the last step, every parameter. ``threads=False`` runs the plans sequentially."""
     optimizer = optimizer or OptimizerSpec()
     diffs: list[Difference] = []
     with Trainer(
         workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
         optimizer=optimizer, address=address, memory_budget_bytes=memory_budget_bytes, log=log,
+        threads=threads,
     ) as trainer:
         reference = ReferenceTrainer(workload.model, workload.loss_fn, optimizer, trainer.program.microbatches)
         for step in range(steps):
