@@ -13,8 +13,11 @@ categories ``piper_runtime.memory.RankMemory`` measures:
   runtime reduce-scatters each bucket during the pass as soon as its gradients are complete
   (``piper_runtime.buckets``; last bucket first, ``EARLY_IN_FLIGHT`` reductions running at
   most, the rest finishing at their ``REDUCE_SCATTER``), so the full gradients of one bucket
-  exist at a time. ``grad_bytes`` is the lasting part (full, or one shard from ZeRO-2),
-  ``grad_buffer_bytes`` the peak of the full gradients on top of it;
+  exist at a time. The pass's activations are taken as released when its buckets are
+  reduced (exact with one bucket per segment, whose reduction starts as the pass ends; with
+  several, the earlier ones start while autograd still holds part of them). ``grad_bytes``
+  is the lasting part (full, or one shard from ZeRO-2), ``grad_buffer_bytes`` the peak of
+  the full gradients on top of it;
 - *optimizer state*: 0x the parameter bytes for ``"sgd"`` (no momentum), 2x for
   ``"adam"``/``"adamw"``; one shard from ZeRO-1. Counted as resident all step (the steady
   state: after the first step the state lives between steps);
@@ -322,8 +325,10 @@ class _RankReplay:
             for name in seg.outputs:
                 self.received.pop(("grad:" + name, mb), None)
         if ins.phase in (Phase.B, Phase.BW) and seg.id in self.early:
-            self._early_reduce_scatter(seg.id)
+            # Taken as freed first: autograd releases a segment's saved activations as its
+            # backward goes, and the last bucket completes at the end of the pass.
             self.acts.pop(key, None)
+            self._early_reduce_scatter(seg.id)
         elif ins.phase in (Phase.B, Phase.BW):  # BI keeps what BW still needs
             self.acts.pop(key, None)
             for bucket_or_seg, nbytes in self.full.get(seg.id, {}).items():

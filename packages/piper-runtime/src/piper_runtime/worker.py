@@ -54,6 +54,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -126,7 +127,7 @@ class _StepState:
         self.consumed = 0  # how many of them completed
         self.received: set[Key] = set()  # values that arrived by RECV (communication buffers)
         # (segment, microbatch) -> the tensors autograd saved for its backward (for accounting)
-        self.autograd_saved: dict[Key, list[torch.Tensor]] = {}
+        self.autograd_saved: dict[Key, list[weakref.ref]] = {}
         self.grad_shards: dict[str, tuple[int, torch.Tensor]] = {}
         self.lock = threading.RLock()  # shared by the stream threads
         self.reads_left: dict[Key, int] = {}  # value -> instructions still to read it
@@ -557,13 +558,13 @@ class RankWorker:
             if t.is_floating_point() and self.program.value_by_name[name].meta.requires_grad:
                 t = t.detach().requires_grad_(True)
             args.append(t)
-        saved: list[torch.Tensor] = []
+        saved: list[weakref.ref] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             # A detached alias (not ``t`` itself: saving an op's own output would make a
             # reference cycle through its grad_fn); it shares the storage being counted.
             d = t.detach()
-            saved.append(d)
+            saved.append(weakref.ref(d))  # autograd holds ``d``; a weak reference never extends it
             return d
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -779,7 +780,7 @@ class RankWorker:
             received = set(st.received)
             comm += [t for k, t in values if k in received]
             comm += buffers
-            acts = [t for ts in list(st.autograd_saved.values()) for t in ts]
+            acts = [t for refs in list(st.autograd_saved.values()) for r in refs if (t := r()) is not None]
             for args, outs in list(st.saved.values()):
                 acts += args
                 acts += outs
