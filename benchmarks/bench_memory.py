@@ -66,21 +66,26 @@ NOTES = [
     "## Reading the results",
     "",
     "- With N = 2 replicas sharding can at most halve each part of the model state. Per rank, "
-    "P being its parameter bytes, U one segment's full gradients and S one segment's gathered "
+    "P being its parameter bytes, U one bucket's full gradients and S one segment's gathered "
     "parameters: ZeRO-0 holds 4P, ZeRO-1 3P, ZeRO-2 2.5P + U, ZeRO-3 2P + U (+ S as "
-    "communication). Here a rank has four segments, so U = S = P/4.",
+    "communication). From ZeRO-2 on each bucket is reduce-scattered during the backward as soon "
+    "as its gradients are complete, so U is one bucket, not a segment; here a rank has four "
+    "segments of one bucket each, so U = S = P/4.",
     "- ZeRO-1 gains the most, because AdamW's state is half of the model state. ZeRO-3 adds "
     "less than its parameter shard suggests: its transients (one gathered segment, one "
-    "segment's full gradients before their reduce-scatter, the flattened bucket and output "
-    "shard of that reduce-scatter) add up to about 0.9P at their peaks, though not all at once.",
+    "bucket's full gradients before their reduce-scatter, the flattened bucket and output "
+    "shard of the reduce-scatters in flight) add up to about 0.9P at their peaks, though not all "
+    "at once.",
     "- The microbatch ratio depends on how much of the budget the model state takes (table 3): "
     "at 224 MiB ZeRO-0's model state takes 194 MiB of rank 0's budget and ZeRO-3's 110 MiB (plus its transients), so ZeRO-3 fits "
     "3.3x (1F1B) and 3.4x (DualPipeV) the microbatch; at 320 MiB the ratio is 1.6x. Near "
     "208 MiB ZeRO-0 barely fits at all: its peak is the end-of-step all-reduce, whose "
     "flattened bucket is resident together with the whole model state.",
-    "- The estimate is within 0.3% of the measured peak at microbatch 4 and slightly above it "
-    "at the largest sizes (every confirmed size fits): the activation profile counts a few "
-    "tensors the runtime frees earlier.",
+    "- The estimate is within 1% of the measured peak at microbatch 4 (never below it) and "
+    "slightly above it at the largest sizes (every confirmed size fits): the activation "
+    "profile counts a few tensors the runtime frees earlier, and autograd releases a "
+    "segment's saved activations during its backward while the estimate drops them at its "
+    "end.",
     "",
 ]
 
