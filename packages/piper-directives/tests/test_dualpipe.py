@@ -13,7 +13,17 @@ from collections import Counter, deque
 
 import pytest
 
-from piper_directives import Order, Place, Replicate, Strategy, build_schedule, dualpipe, rank_actions
+from piper_directives import (
+    Order,
+    Place,
+    Replicate,
+    Shard,
+    Split,
+    Strategy,
+    build_schedule,
+    dualpipe,
+    rank_actions,
+)
 from piper_directives.synthetic import synthetic_graph
 from piper_ir import DirectiveError, NodeKind, Phase
 
@@ -208,6 +218,18 @@ def test_zero_2_on_mirrored_single_device_groups_is_refused():
     strategy = Strategy([*dualpipe(2, 4).directives, Replicate({"PP": 0}, (0, 1), zero=2)])
     with pytest.raises(DirectiveError, match=r"mirrored replicas .* on \[\[0\], \[1\]\]: ZeRO-2 shards over each group"):
         strategy.apply(synthetic_graph(2, 4, batch=2, hidden=4))
+
+
+def test_zero_3_on_a_mirrored_tensor_parallel_segment_is_refused():
+    strategy = Strategy([
+        Split(2),
+        Place({"PP": 0, "MB": 0}, (0, 1)),
+        Place({"PP": 0, "MB": 1}, (2, 3)),
+        Shard({"PP": 0}, (0, 1, 2, 3), degree=2),
+        Replicate({"PP": 0}, (0, 1, 2, 3), zero=3),
+    ])
+    with pytest.raises(DirectiveError, match="is tp-sharded: ZeRO-3 on such a segment is not supported"):
+        strategy.apply(synthetic_graph(1, 2, batch=4, hidden=4))
 
 
 def test_torch_csv_shows_each_rank_row_but_does_not_load_back():
