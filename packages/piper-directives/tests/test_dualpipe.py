@@ -13,9 +13,19 @@ from collections import Counter, deque
 
 import pytest
 
-from piper_directives import Order, Place, Strategy, build_schedule, dualpipe, rank_actions
+from piper_directives import (
+    Order,
+    Place,
+    Replicate,
+    Shard,
+    Split,
+    Strategy,
+    build_schedule,
+    dualpipe,
+    rank_actions,
+)
 from piper_directives.synthetic import synthetic_graph
-from piper_ir import NodeKind, Phase
+from piper_ir import DirectiveError, NodeKind, Phase
 
 
 def _deepseek_order(rank: int, pp: int, microbatches: int) -> list[str]:
@@ -186,11 +196,46 @@ def test_data_parallel_replicates_over_mirror_times_dp():
     assert all(b.shards == 4 for b in g.buckets)
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_2_3_shard_each_direction_over_its_own_replicas(zero):
+    """ZeRO-2/3 on mirrored replicas: one set of buckets per direction, sharded over that
+    direction's data-parallel ranks, each naming the other direction's as its mirror."""
+    g = dualpipe(2, 4, dp=2, zero=zero).apply(synthetic_graph(2, 4, batch=2, hidden=4))
+    assert {(r.segment, r.devices, r.zero) for r in g.replication if r.segment != "loss"} == {
+        ("s0", (0, 1, 2, 3), zero), ("s1", (0, 1, 2, 3), zero)
+    }
+    assert {(b.id, b.devices, b.shards, b.mirrors) for b in g.buckets} == {
+        ("bucket:s0:d0:0", (0, 2), 2, ("bucket:s0:d1:0",)),
+        ("bucket:s0:d1:0", (1, 3), 2, ("bucket:s0:d0:0",)),
+        ("bucket:s1:d0:0", (1, 3), 2, ("bucket:s1:d1:0",)),
+        ("bucket:s1:d1:0", (0, 2), 2, ("bucket:s1:d0:0",)),
+    }
+    assert len({(b.params, b.numel) for b in g.buckets if b.segment == "s0"}) == 1  # one layout
+
+
+def test_zero_2_on_mirrored_single_device_groups_is_refused():
+    """Without data parallelism each direction is one device: nothing to shard over."""
+    strategy = Strategy([*dualpipe(2, 4).directives, Replicate({"PP": 0}, (0, 1), zero=2)])
+    with pytest.raises(DirectiveError, match=r"mirrored replicas .* on \[\[0\], \[1\]\]: ZeRO-2 shards over each group"):
+        strategy.apply(synthetic_graph(2, 4, batch=2, hidden=4))
+
+
+def test_zero_3_on_a_mirrored_tensor_parallel_segment_is_refused():
+    strategy = Strategy([
+        Split(2),
+        Place({"PP": 0, "MB": 0}, (0, 1)),
+        Place({"PP": 0, "MB": 1}, (2, 3)),
+        Shard({"PP": 0}, (0, 1, 2, 3), degree=2),
+        Replicate({"PP": 0}, (0, 1, 2, 3), zero=3),
+    ])
+    with pytest.raises(DirectiveError, match="is tp-sharded: ZeRO-3 on such a segment is not supported"):
+        strategy.apply(synthetic_graph(1, 2, batch=4, hidden=4))
+
+
 def test_torch_csv_shows_each_rank_row_but_does_not_load_back():
     """Written for inspection (one row per rank, as DualPipe's figure reads); torch's format
     keeps a stage on one rank, so a mirrored stage cannot be read back."""
     from piper_directives.torch_format import strategy_from_torch_csv, strategy_to_torch_csv
-    from piper_ir import DirectiveError
 
     text = strategy_to_torch_csv(dualpipe(4, 8))
     rows = [row.split(",") for row in text.strip().splitlines()]

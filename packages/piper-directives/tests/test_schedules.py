@@ -226,7 +226,7 @@ def test_dualpipev_mixes_fused_and_split_backward():
         (lambda: dualpipe(2, 5), "even number of microbatches"),
         (lambda: dualpipe(4, 6), "at least 2 \\* pp = 8"),
         (lambda: dualpipe(2, 4, stages=3), "3 annotated regions cannot form 2 stages"),
-        (lambda: dualpipe(2, 4, dp=2, zero=2), "ZeRO-2 is not supported"),
+        (lambda: dualpipe(2, 4, dp=2, zero=4), "zero must be one of 0, 1, 2, 3, got 4"),
         (lambda: dualpipe(2, 4, zero=1), "it needs dp >= 2"),
         (lambda: build_schedule("zb2p", 2, 4), "unknown schedule 'zb2p'"),
     ],

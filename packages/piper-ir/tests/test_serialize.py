@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from piper_ir import Edge, Graph, Node, NodeKind, SerializationError, Tags, from_json, to_json
+from piper_ir import Bucket, Edge, Graph, Node, NodeKind, SerializationError, Tags, from_json, to_json
 from piper_ir.serialize import FORMAT, VERSION
 
 NODE = Node("a", NodeKind.COMPUTE, tags=Tags.of(PP=1), devices=(0, 1))
@@ -117,6 +117,16 @@ def test_missing_optional_field_takes_default() -> None:
     doc = json.loads(to_json(NODE))
     del doc["value"]["stream"]
     assert from_json(json.dumps(doc)).stream == "compute"
+
+
+def test_mirrored_bucket_round_trip_and_documents_without_mirrors() -> None:
+    """``Bucket.mirrors`` (DualPipe's per-direction ZeRO-2/3 buckets) travels; a document
+    written before the field existed reads back with none."""
+    bucket = Bucket("bucket:s0:d0:0", "s0", ("w",), 10, 2, "float64", (0, 2), ("bucket:s0:d1:0",))
+    assert from_json(to_json(bucket)) == bucket
+    doc = json.loads(to_json(bucket))
+    del doc["value"]["mirrors"]
+    assert from_json(json.dumps(doc)).mirrors == ()
 
 
 def test_unencodable_value() -> None:

@@ -146,6 +146,49 @@ def test_planning_keeps_the_compute_order(schedule: str, stages: int, mb: int, z
         assert after.ranks[0].replica == 0 and after.ranks[2].replica == 1
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+def test_dualpipe_zero_2_3_plans_each_direction_and_sums_shards_over_the_mirror(zero: int) -> None:
+    """DualPipe x DP=2: stage s runs direction 0 on (s, s+2), direction 1 on (1-s, 3-s). Each
+    direction reduce-scatters (and gathers) its own buckets over its own ranks, per microbatch;
+    the ranks holding one shard range in both directions sum its gradient before the step."""
+    placed = _placed("dualpipe", zero=zero)
+    planned = plan_memory(placed)
+    half = [f"reducescatter.bucket:s0:d0:0.mb{i}" for i in (0, 1)]
+    other = [f"reducescatter.bucket:s0:d1:0.mb{i}" for i in (2, 3)]
+    assert [planned.node(n).devices for n in half + other] == [(0, 2)] * 2 + [(1, 3)] * 2
+    for rs, mb in zip(half + other, range(4), strict=True):  # its microbatch's B or BW
+        assert [p.rsplit(".", 2)[1:] for p in _preds(planned, rs)] == [["s0", f"mb{mb}"]]
+    for j, pair in ((0, (0, 1)), (1, (2, 3))):
+        ar = planned.node(f"allreduce.bucket:s0:d0:0.{j}")
+        assert (ar.kind, ar.devices, ar.value, ar.stream) == (NodeKind.ALL_REDUCE, pair, "bucket:s0:d0:0", "dp")
+        assert _preds(planned, ar.id) == set(half + other) and _succs(planned, ar.id) == {"OPT.s0"}
+    s1 = planned.node("allreduce.bucket:s1:d0:0.0")
+    assert s1.devices == (0, 1)  # rank 1 runs s1's direction 0, rank 0 its direction 1
+    gathers = {n.id: n.devices for n in planned.nodes if n.kind is NodeKind.ALL_GATHER}
+    materialized = {n.devices for n in planned.nodes if n.kind is NodeKind.MATERIALIZE and n.segment == "s0"}
+    if zero == 2:
+        assert gathers == {
+            "allgather.bucket:s0:d0:0": (0, 2), "allgather.bucket:s0:d1:0": (1, 3),
+            "allgather.bucket:s1:d0:0": (1, 3), "allgather.bucket:s1:d1:0": (0, 2),
+        }
+    else:
+        assert not gathers and materialized == {(0, 2), (1, 3)}
+    program = compile_program(planned)  # verified: no deadlock, one collective order per group
+
+    def computes(p: Program, rank: int) -> list[str]:
+        return [i.id for i in p.ranks[rank].instructions if i.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER)]
+
+    before = compile_program(placed)
+    assert all(computes(program, r) == computes(before, r) for r in range(4))
+    est = estimate_memory(program, "adamw")
+    for rank in range(4):  # every rank holds two stages (one per direction), each sharded 2 ways
+        e = est[rank]
+        assert (e.param_bytes, e.grad_bytes, e.optimizer_state_bytes) == (
+            2 * (FULL if zero == 2 else SHARD), 2 * SHARD, 4 * SHARD
+        )
+        assert e.materialized_bytes == (FULL if zero == 3 else 0)
+
+
 def test_plan_is_pure_and_refuses_a_second_run() -> None:
     placed = _placed(zero=2)
     planned = plan_memory(placed)

@@ -21,7 +21,10 @@ communication is inserted. Requires a placed graph. Guarantees:
   (``TensorMeta.split``); a batch that does not divide evenly is refused. A segment whose
   microbatches run on different groups (DualPipe's mirrored replicas) is replicated over
   their union, which is not sharded further: its replicas sum gradients of different
-  microbatches.
+  microbatches. With zero 0/1 its buckets span the union (``shards`` = its size for zero 1);
+  with zero 2/3 each microbatch group shards them over its own ranks (``mirrored_buckets``:
+  ``bucket:<seg>:d<g>:<k>`` with ``mirrors``), which needs groups of two or more devices
+  and no tensor or expert sharding (both refused).
 
 The gradient reductions, gathers and frees themselves are inserted later, by
 ``piper_memory.plan_memory``, once the compute order is fixed.
@@ -125,6 +128,7 @@ def replicate_all(graph: Graph, replicates: Sequence[Replicate]) -> Graph:
             chosen[seg.id] = rep
     replication: list[Replication] = []
     buckets: list[Bucket] = []
+    mb_groups = microbatch_groups(graph)
     sharding = {s.segment: s for s in graph.sharding}
     for seg in graph.segments:
         devices = group.get(seg.id, ())
@@ -139,7 +143,13 @@ def replicate_all(graph: Graph, replicates: Sequence[Replicate]) -> Graph:
             else Replication(seg.id, devices, rep.zero, rep.bucket_bytes, rep.reduce_stream, rep.gather_stream, str(rep))
         )
         replication.append(record)
-        if seg.role is SegmentRole.STAGE:
+        if seg.role is not SegmentRole.STAGE:
+            continue
+        runs_on = mb_groups.get(seg.id, [])
+        if len(runs_on) > 1 and record.zero >= 2:
+            _check_mirrored_zero(seg, record, runs_on, sh, rep)
+            buckets.extend(mirrored_buckets(seg, record, runs_on))
+        else:
             # What is cut is known once the code is (shard_code / expert_code rebuild these).
             buckets.extend(segment_buckets(seg, record, sh))
     if not replication:
@@ -192,6 +202,53 @@ def segment_buckets(
             holders = sharding.holders(t)
             out += make_buckets(local, rep.bucket_bytes, shards(len(holders)), f"{sharding.kind}{t}", holders)
     return out
+
+
+def microbatch_groups(graph: Graph) -> dict[str, list[tuple[int, ...]]]:
+    """Segment id -> the distinct device groups its microbatches' compute runs on, in order
+    of the first microbatch on each: one group, or several for mirrored replicas (DualPipe:
+    direction 0's group, then direction 1's)."""
+    first: dict[str, dict[tuple[int, ...], int]] = {}
+    for n in graph.nodes:
+        if n.kind is NodeKind.COMPUTE and n.segment is not None and n.devices:
+            mb = -1 if n.microbatch is None else n.microbatch
+            seen = first.setdefault(n.segment, {})
+            seen[n.devices] = min(mb, seen.get(n.devices, mb))
+    return {seg: sorted(groups, key=groups.__getitem__) for seg, groups in first.items()}
+
+
+def mirrored_buckets(seg: Segment, rep: Replication, groups: Sequence[tuple[int, ...]]) -> list[Bucket]:
+    """ZeRO-2/3 buckets of a segment with mirrored replicas (its microbatches run on several
+    ``groups`` of one size N): each group shards ``seg``'s parameters over its own N ranks,
+    ``bucket:<seg>:d<g>:<k>`` on ``devices=groups[g]``, ``shards = N``, and names the buckets
+    of the other groups with the same layout (index ``k``) as its ``mirrors``: the ranks at one
+    position of every group hold the same shard range and sum its gradient before the step
+    (``piper_memory.plan_memory``)."""
+    per_group = [make_buckets(seg, rep.bucket_bytes, len(g), f"d{i}", g) for i, g in enumerate(groups)]
+    return [
+        attrs.evolve(b, mirrors=tuple(other[k].id for j, other in enumerate(per_group) if j != i))
+        for i, own in enumerate(per_group)
+        for k, b in enumerate(own)
+    ]
+
+
+def _check_mirrored_zero(
+    seg: Segment, rep: Replication, groups: list[tuple[int, ...]], sh: Sharding | None, directive: Replicate | None
+) -> None:
+    where = str(directive) if directive is not None else None
+    if sh is not None:
+        raise DirectiveError(
+            f"segment {seg.id} ({seg.tags}) has mirrored replicas (its microbatches run on {list(map(list, groups))}) "
+            f"and is {sh.kind}-sharded: ZeRO-{rep.zero} on such a segment is not supported; use zero 0 or 1",
+            directive=where,
+        )
+    if any(len(g) < 2 for g in groups):
+        raise DirectiveError(
+            f"segment {seg.id} ({seg.tags}) has mirrored replicas that run different microbatches on "
+            f"{list(map(list, groups))}: ZeRO-{rep.zero} shards over each group's data-parallel replicas, "
+            "which needs groups of at least two devices (more data-parallel replicas, or zero 0 or 1)",
+            directive=where,
+        )
 
 
 def make_buckets(

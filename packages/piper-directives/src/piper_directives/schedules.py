@@ -419,7 +419,10 @@ def dualpipe(
     (default ``pp``) must be a multiple of ``pp``; each stage is a contiguous group of them.
     Needs an even ``pp`` and an even number of microbatches, at least ``2 * pp``. With ``dp``
     replicas the mirror pair times the data-parallel group keeps one segment's parameters in
-    sync (ZeRO 0 or 1; ZeRO 2 and 3 are refused).
+    sync: ZeRO 0 and 1 reduce over all ``2 * dp`` devices once per step; ZeRO 2 and 3 shard
+    over each direction's ``dp`` ranks (per-microbatch reduce-scatters and parameter gathers
+    stay inside one direction) and the two mirror ranks holding one shard range sum its
+    gradient before both step it (``replicate.mirrored_buckets``).
     """
     _positive("dualpipe", pp=pp, microbatches=microbatches)
     if pp % 2:
@@ -433,11 +436,6 @@ def dualpipe(
     if stages % pp:
         raise DirectiveError(
             f"dualpipe: {stages} annotated regions cannot form {pp} stages (need a multiple of {pp})"
-        )
-    if zero in (2, 3) and not isinstance(zero, bool):  # other bad values: data_parallel's message
-        raise DirectiveError(
-            f"dualpipe: ZeRO-{zero} is not supported (its per-microbatch reduce-scatters and parameter "
-            "gathers would synchronise the mirrored replicas, which run different microbatches); use zero 0 or 1"
         )
     per, half = stages // pp, microbatches // 2
     directions = (tuple(range(half)), tuple(range(half, microbatches)))

@@ -165,6 +165,12 @@ class Bucket:
     holds different parameter shards on the ranks of one shard group, so each shard
     position gets its own buckets over the ranks that hold the same shard (numel counts the
     shard's elements).
+
+    ``mirrors``: the buckets of the same parameters, with the same layout, on the other
+    microbatch groups of a mirrored segment (DualPipe) that ZeRO-2/3 shards per group. An
+    ``ALL_REDUCE`` node on a sharded bucket (``shards > 1``) sums the gradient *shard* over
+    its devices: a member that does not hold ``value`` uses the bucket of ``value``'s
+    mirrors that it holds (docs/ir-conventions.md, section 7).
     """
 
     id: str
@@ -174,6 +180,7 @@ class Bucket:
     shards: int = 1
     dtype: str = "float32"
     devices: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    mirrors: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     @property
     def shard_numel(self) -> int:

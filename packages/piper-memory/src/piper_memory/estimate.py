@@ -22,7 +22,8 @@ categories ``piper_runtime.memory.RankMemory`` measures:
   ``"adam"``/``"adamw"``; one shard from ZeRO-1. Counted as resident all step (the steady
   state: after the first step the state lives between steps);
 - *communication*: gathered parameters (ZeRO-3, ``MATERIALIZE`` to ``FREE``; their peak is also
-  ``materialized_bytes``), collective buffers (a flattened bucket for ``ALL_REDUCE``, the
+  ``materialized_bytes``), collective buffers (a flattened bucket for ``ALL_REDUCE``, none for the in-place
+  ``ALL_REDUCE`` of a mirrored bucket's gradient shard, the
   flattened bucket and the output shard for a reduce-scatter while it runs, a copy of the shard for
   ``ALL_GATHER``), and point-to-point buffers: every sent tensor until the end of the step, a
   receive's buffer from when it is posted (two receives ahead) until the compute that reads it;
@@ -296,7 +297,11 @@ class _RankReplay:
         if b is None:
             raise MemoryPlanError(f"rank {self.rank}: {ins.id} names {ins.value!r}, which is not a bucket")
         padded, shard = _bytes(b, b.padded_numel), _bytes(b, b.shard_numel)
-        if ins.kind is NodeKind.ALL_REDUCE:  # the flattened gradients, reduced in place
+        if ins.kind is NodeKind.ALL_REDUCE and b.shards > 1:
+            # A mirrored bucket's gradient shard (``Bucket.mirrors``; ``value`` may name the
+            # mirror this rank holds, of the same layout), summed in place: nothing new held.
+            self._sample(k - 1)
+        elif ins.kind is NodeKind.ALL_REDUCE:  # the flattened gradients, reduced in place
             self._sample(k - 1, padded)
         elif ins.kind is NodeKind.REDUCE_SCATTER and b.segment in self.early:
             self.inflight.pop(b.id, None)  # started by the backward; now it has finished

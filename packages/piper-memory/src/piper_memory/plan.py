@@ -15,6 +15,13 @@ bucket of one shard position of a data x tensor/expert parallel segment, section
 - zero 3: as zero 2 without the all-gather, plus ``materialize.<b>.<k>`` / ``free.<b>.<k>``
   around chain ``k`` of uses (``F``/``B``/``BI``/``BW`` of ``s``).
 
+A segment with mirrored replicas sharded per microbatch group (DualPipe with ZeRO-2/3: its
+buckets name ``mirrors``, docs/ir-conventions.md section 7) is planned per group, each group
+with its own buckets, passes and chains as if it were a segment of its own; then one
+``allreduce.<b>.<j>`` per bucket ``b`` of the first group and shard position ``j``, on the
+sorted ranks at position ``j`` of every group, sums that shard's gradient after all their
+reduce-scatters and before ``OPT.s``.
+
 A chain is a maximal run of uses of ``s`` in the rank's compute order that no use of another
 segment with parameters interrupts: the loss (no parameters) and optimizer steps do not, so
 an ``F`` followed by its ``B`` shares one gather. The materialization of a chain waits for the
@@ -75,12 +82,26 @@ def plan_memory(graph: Graph) -> Graph:
     for rep in graph.replication:
         if not buckets.get(rep.segment):
             continue  # nothing to keep in sync (the loss, a segment without parameters)
-        builder.reductions(rep, buckets[rep.segment])
-        if rep.zero == 3:
-            zero3.append((rep, buckets[rep.segment]))
+        for unit, unit_buckets in _units(rep, buckets[rep.segment]):
+            builder.reductions(unit, unit_buckets)
+            if rep.zero == 3:
+                zero3.append((unit, unit_buckets))
+        builder.mirror_sums(rep, buckets[rep.segment])
     builder.materializations(zero3)
     edges = tuple(dict.fromkeys(builder.edges))  # one edge per (src, dst, kind), first kept
     return validate(attrs.evolve(graph, nodes=graph.nodes + tuple(builder.nodes), edges=graph.edges + edges))
+
+
+def _units(rep: Replication, buckets: list[Bucket]) -> list[tuple[Replication, list[Bucket]]]:
+    """What the ZeRO machinery runs on: the segment's whole group, or, for mirrored buckets
+    (``Bucket.mirrors``), each microbatch group with its own buckets, as if it were a
+    replicated segment of its own."""
+    if not any(b.mirrors for b in buckets):
+        return [(rep, buckets)]
+    groups: dict[tuple[int, ...], list[Bucket]] = {}
+    for b in buckets:
+        groups.setdefault(b.devices, []).append(b)
+    return [(attrs.evolve(rep, devices=g), bs) for g, bs in groups.items()]
 
 
 class _Builder:
@@ -112,10 +133,14 @@ class _Builder:
         """The weight-gradient passes of the segment in the compute order of its first
         device, and its optimizer node."""
         order = self.position[rep.devices[0]]
+        group = set(rep.devices)  # a mirrored unit's: only the passes its group runs
         grads = [
             n
             for n in self.graph.nodes
-            if n.segment == rep.segment and n.kind is NodeKind.COMPUTE and n.phase in GRAD_PHASES
+            if n.segment == rep.segment
+            and n.kind is NodeKind.COMPUTE
+            and n.phase in GRAD_PHASES
+            and group.issuperset(n.devices)
         ]
         grads.sort(key=lambda n: order.get(n.id, -1))
         opts = [n.id for n in self.graph.nodes if n.segment == rep.segment and n.kind is NodeKind.OPTIMIZER]
@@ -157,14 +182,45 @@ class _Builder:
                 ag = self._node(f"allgather.{b.id}", NodeKind.ALL_GATHER, rep, b, rep.gather_stream)
                 self._data(opt, ag)
 
+    def mirror_sums(self, rep: Replication, buckets: list[Bucket]) -> None:
+        """Mirrored buckets: position ``j`` of every group holds the same shard range; one
+        ``allreduce.<b>.<j>`` per bucket ``b`` of the first group sums that shard's gradient
+        over those ranks (sorted), after every group's reduce-scatters and before ``OPT.s``."""
+        firsts = [b for b in buckets if b.mirrors and b.devices == buckets[0].devices]
+        if not firsts:
+            return
+        by_id = {b.id: b for b in buckets}
+        _, opt = self._segment_nodes(rep)
+        seg = self.graph.segment_by_id[rep.segment]
+        scatters: dict[str, list[str]] = defaultdict(list)
+        for n in self.nodes:
+            if n.kind is NodeKind.REDUCE_SCATTER and n.segment == rep.segment:
+                scatters[n.value].append(n.id)
+        for b in firsts:
+            family = [b, *(by_id[m] for m in b.mirrors)]
+            for j in range(len(b.devices)):
+                devices = tuple(sorted(m.devices[j] for m in family))
+                nid = f"allreduce.{b.id}.{j}"
+                self.nodes.append(
+                    Node(
+                        nid, NodeKind.ALL_REDUCE, rep.segment, None, None, seg.tags, devices,
+                        rep.reduce_stream, b.id, origin=rep.origin or ORIGIN,
+                    )
+                )
+                for m in family:
+                    for rs in scatters[m.id]:
+                        self._data(rs, nid)
+                self._data(nid, opt)
+
     def materializations(self, zero3: list[tuple[Replication, list[Bucket]]]) -> None:
-        """MATERIALIZE/FREE per chain of uses, for every ZeRO-3 segment (module doc)."""
+        """MATERIALIZE/FREE per chain of uses, for every ZeRO-3 segment (module doc); a
+        mirrored segment's groups count as segments of their own (``_units``)."""
         if not zero3:
             return
-        by_segment = {rep.segment: (rep, buckets) for rep, buckets in zero3}
+        by_segment = {(rep.segment, rep.devices): (rep, buckets) for rep, buckets in zero3}
         nodes = self.graph.node_by_id
-        # Chains per segment, read off the compute order of the segment's first device.
-        chains: dict[str, list[list[str]]] = {}
+        # Chains per unit, read off the compute order of the unit's first device.
+        chains: dict[tuple[str, tuple[int, ...]], list[list[str]]] = {}
         for rep, _ in zero3:
             runs: list[list[str]] = []
             open_run = False
@@ -179,9 +235,9 @@ class _Builder:
                     runs[-1].append(nid)
                 elif n.segment in self.with_params:
                     open_run = False
-            chains[rep.segment] = runs
-        for seg, runs in chains.items():
-            rep, buckets = by_segment[seg]
+            chains[(rep.segment, rep.devices)] = runs
+        for key, runs in chains.items():
+            rep, buckets = by_segment[key]
             for k, run in enumerate(runs):
                 for b in buckets:
                     mat = self._node(f"materialize.{b.id}.{k}", NodeKind.MATERIALIZE, rep, b, rep.gather_stream)
@@ -211,19 +267,19 @@ class _Builder:
             return
         self._after(prev, mat, "gather after the compute before the chain")
         # The chain (of another ZeRO-3 segment) that was open last on this rank before ``first``.
-        last: tuple[int, str, int] | None = None
-        for seg, runs in chains.items():
-            if seg == nodes[first].segment:
+        last: tuple[int, tuple[str, tuple[int, ...]], int] | None = None
+        for key, runs in chains.items():
+            if key[0] == nodes[first].segment:
                 continue
-            rep, buckets = by_segment[seg]
+            rep, buckets = by_segment[key]
             if rank not in rep.devices:
                 continue
             for k, run in enumerate(runs):
                 end = position.get(run[-1], -1)
                 if end < i and (last is None or end > last[0]):
-                    last = (end, seg, k)
+                    last = (end, key, k)
         if last is not None:
-            _, seg, k = last
-            for b in by_segment[seg][1]:
+            _, key, k = last
+            for b in by_segment[key][1]:
                 if not b.devices or rank in b.devices:
                     self._after(f"free.{b.id}.{k}", mat, "free the previous chain's parameters first")

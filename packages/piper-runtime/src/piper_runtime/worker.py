@@ -352,6 +352,7 @@ class RankWorker:
         replication = {r.segment: r for r in program.replication}
         self._zero: dict[str, int] = {}
         self._buckets = {}
+        self._mirror_of: dict[str, str] = {}  # a mirror's bucket id -> the one this rank holds
         for sid in mine:
             rep = replication.get(sid)
             if rep is None or len(rep.devices) < 2:
@@ -384,6 +385,7 @@ class RankWorker:
                         ranks=(rank,),
                     )
                 covered.update(bucket.params)
+                self._mirror_of.update((m, bucket.id) for m in bucket.mirrors)
                 self._buckets[bucket.id] = BucketState(
                     bucket, [named[n] for n in bucket.params], rep.zero, group.index(rank)
                 )
@@ -414,7 +416,7 @@ class RankWorker:
 
     def _check_bucket_instruction(self, ins: Instruction) -> None:
         where = f"rank {self.rank}, instruction {ins.id} ({ins.kind.value})"
-        b = self._buckets.get(ins.value)
+        b = self._bucket(ins)
         if b is None:
             raise ExecutionError(
                 f"{where}: {ins.value!r} is not a bucket of a replicated segment on this rank",
@@ -428,7 +430,9 @@ class RankWorker:
                 f"{where}: unknown communicator {ins.communicator!r}", ranks=(self.rank,), nodes=(ins.id,)
             )
         needs = {
-            NodeKind.ALL_REDUCE: b.zero == 0,
+            # Zero >= 1: only a mirrored bucket's gradient shard is all-reduced (over the
+            # ranks holding its shard range in every microbatch group).
+            NodeKind.ALL_REDUCE: b.zero == 0 or bool(b.bucket.mirrors),
             NodeKind.REDUCE_SCATTER: b.zero >= 1,
             NodeKind.ALL_GATHER: b.zero in (1, 2),
             NodeKind.MATERIALIZE: b.zero == 3,
@@ -704,9 +708,21 @@ class RankWorker:
     def _segment_buckets(self, segment: str) -> list[BucketState]:
         return [b for b in self._buckets.values() if b.bucket.segment == segment]
 
+    def _bucket(self, ins: Instruction) -> BucketState | None:
+        """The bucket ``ins`` names, or the mirror of it this rank holds (``Bucket.mirrors``)."""
+        return self._buckets.get(ins.value) or self._buckets.get(self._mirror_of.get(ins.value, ""))
+
     def _all_reduce(self, ins: Instruction, st: _StepState) -> None:
-        """Zero 0: sum the bucket's gradients over the group, in place of the local ones."""
-        b = self._buckets[ins.value]
+        """Zero 0: sum the bucket's gradients over the group, in place of the local ones.
+        Zero >= 1 (a mirrored bucket): sum the gradient shard, in place."""
+        b = self._bucket(ins)
+        if b.zero >= 1:
+            with self._grads_lock:
+                if b.shard.grad is None:
+                    b.shard.grad = torch.zeros_like(b.shard)
+                grad = b.shard.grad
+            dist.all_reduce(grad, group=self._groups[ins.communicator])
+            return
         with self._grads_lock:
             flat = b.layout.flatten([p.grad for p in b.params])
             self._sample(st, flat)

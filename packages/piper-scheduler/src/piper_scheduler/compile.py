@@ -328,9 +328,11 @@ def _instruction(
     meta = None
     communicator = communicator_for(n.value or "") if p2p else None
     if n.kind in GROUP_KINDS:
-        # The flat bucket, padded to a multiple of the shards: what a collective moves.
+        # The flat bucket, padded to a multiple of the shards: what a collective moves; an
+        # all-reduce of a sharded bucket (a mirrored one's gradient shard) moves one shard.
         bucket = _buckets(graph)[n.value]
-        meta = TensorMeta((bucket.padded_numel,), bucket.dtype)
+        numel = bucket.shard_numel if n.kind is NodeKind.ALL_REDUCE else bucket.padded_numel
+        meta = TensorMeta((numel,), bucket.dtype)
         communicator = None if n.kind is NodeKind.FREE else group_communicator(n.stream, n.devices)
     if n.kind is NodeKind.COMPUTE and n.phase is not None:
         # A tensor-parallel segment's compute issues all-reduces on its group inside, an
