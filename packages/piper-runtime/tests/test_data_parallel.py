@@ -36,12 +36,11 @@ from piper_ir import (
     Segment,
     SegmentRole,
     Tags,
-    TensorMeta,
     Value,
 )
 from piper_runtime import OptimizerSpec, Runtime
 from piper_runtime.memory import RankMemory
-from piper_runtime.testing import with_stream_events
+from piper_runtime.testing import MSE, compute, tensor_meta, with_stream_events
 from piper_runtime.worker import RankWorker
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -59,26 +58,6 @@ class Stage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
         return (self.l0(x),)
-
-
-class MSE(nn.Module):
-    def forward(self, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return nn.functional.mse_loss(y, target)
-
-
-def _meta(*shape: int, grad: bool = True, batch_dim: int | None = 0) -> TensorMeta:
-    return TensorMeta(shape, "float32", batch_dim=batch_dim, requires_grad=grad)
-
-
-def _c(seg: str, phase: Phase, mb: int | None = None) -> Instruction:
-    kind = NodeKind.OPTIMIZER if phase is Phase.OPT else NodeKind.COMPUTE
-    return Instruction(
-        f"{phase.value}.{seg}" + ("" if mb is None else f".mb{mb}"),
-        kind,
-        segment=seg,
-        phase=phase,
-        microbatch=mb,
-    )
 
 
 def _coll(kind: NodeKind, name: str, bucket: str, mb: int | None = None, k: int | None = None) -> Instruction:
@@ -99,12 +78,12 @@ def _free(k: int) -> list[Instruction]:
 
 
 def _fb(mb: int) -> list[Instruction]:
-    return [_c("s0", Phase.F, mb), _c("loss", Phase.F, mb), _c("loss", Phase.B, mb), _c("s0", Phase.B, mb)]
+    return [compute("s0", Phase.F, mb), compute("loss", Phase.F, mb), compute("loss", Phase.B, mb), compute("s0", Phase.B, mb)]
 
 
 def dp_plan(zero: int) -> list[Instruction]:
     gather = [_coll(NodeKind.ALL_GATHER, "allgather", b) for b in BUCKETS]
-    opt = [_c("s0", Phase.OPT)]
+    opt = [compute("s0", Phase.OPT)]
     if zero == 0:
         return _fb(0) + _fb(1) + [_coll(NodeKind.ALL_REDUCE, "allreduce", b) for b in BUCKETS] + opt
     if zero == 1:
@@ -116,13 +95,13 @@ def dp_plan(zero: int) -> list[Instruction]:
 
 def dp_program(zero: int) -> Program:
     values = (
-        Value("input:0", _meta(SHARD, D_IN, grad=False)),
-        Value("target:0", _meta(SHARD, D_OUT, grad=False)),
-        Value("v:y", _meta(SHARD, D_OUT)),
-        Value("v:loss", _meta(batch_dim=None)),
-        Value("grad:v:y", _meta(SHARD, D_OUT)),
+        Value("input:0", tensor_meta(SHARD, D_IN, grad=False)),
+        Value("target:0", tensor_meta(SHARD, D_OUT, grad=False)),
+        Value("v:y", tensor_meta(SHARD, D_OUT)),
+        Value("v:loss", tensor_meta(batch_dim=None)),
+        Value("grad:v:y", tensor_meta(SHARD, D_OUT)),
     )
-    params = (("l0.weight", _meta(D_OUT, D_IN, batch_dim=None)), ("l0.bias", _meta(D_OUT, batch_dim=None)))
+    params = (("l0.weight", tensor_meta(D_OUT, D_IN, batch_dim=None)), ("l0.bias", tensor_meta(D_OUT, batch_dim=None)))
     segments = (
         Segment("s0", SegmentRole.STAGE, Tags.of(), ("input:0",), ("v:y",), params),
         Segment("loss", SegmentRole.LOSS, Tags.of(), ("v:y", "target:0"), ("v:loss",)),

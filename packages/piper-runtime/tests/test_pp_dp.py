@@ -31,10 +31,9 @@ from piper_ir import (
     SegmentRole,
     Tags,
     TensorMeta,
-    Value,
 )
 from piper_runtime import OptimizerSpec, Runtime
-from piper_runtime.testing import with_stream_events
+from piper_runtime.testing import MSE, compute, tensor_meta, two_stage_values, with_stream_events
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -60,38 +59,15 @@ class Stage1(nn.Module):
         return (self.l1(h),)
 
 
-class MSE(nn.Module):
-    def forward(self, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return nn.functional.mse_loss(y, target)
-
-
-def _meta(*shape: int, grad: bool = True, batch_dim: int | None = 0) -> TensorMeta:
-    return TensorMeta(shape, "float32", batch_dim=batch_dim, requires_grad=grad)
-
-
-def _c(seg: str, phase: Phase, mb: int | None = None) -> Instruction:
-    kind = NodeKind.OPTIMIZER if phase is Phase.OPT else NodeKind.COMPUTE
-    ident = f"{phase.value}.{seg}" + ("" if mb is None else f".mb{mb}")
-    return Instruction(ident, kind, segment=seg, phase=phase, microbatch=mb)
-
-
 def pp_dp_program() -> Program:
     h, y = "v:h", "v:y"
-    values = (
-        Value("input:0", _meta(SHARD, D_IN, grad=False)),
-        Value("target:0", _meta(SHARD, D_OUT, grad=False)),
-        Value(h, _meta(SHARD, D_HID)),
-        Value(y, _meta(SHARD, D_OUT)),
-        Value("v:loss", _meta(batch_dim=None)),
-        Value(f"grad:{h}", _meta(SHARD, D_HID)),
-        Value(f"grad:{y}", _meta(SHARD, D_OUT)),
-    )
+    values = two_stage_values(SHARD, D_IN, D_HID, D_OUT)
     meta = {v.name: v.meta for v in values}
 
     def params(name: str, d_in: int, d_out: int) -> tuple[tuple[str, TensorMeta], ...]:
         return (
-            (f"{name}.weight", _meta(d_out, d_in, batch_dim=None)),
-            (f"{name}.bias", _meta(d_out, batch_dim=None)),
+            (f"{name}.weight", tensor_meta(d_out, d_in, batch_dim=None)),
+            (f"{name}.bias", tensor_meta(d_out, batch_dim=None)),
         )
 
     segments = (
@@ -132,7 +108,7 @@ def pp_dp_program() -> Program:
         dp, peer = "dp:0-1", 2 + r
         ins = [coll(NodeKind.MATERIALIZE, "materialize", "s0", dp, k=0)]
         for i in range(M):
-            ins += [_c("s0", Phase.F, i), p2p(NodeKind.SEND, h, i, r, peer)]
+            ins += [compute("s0", Phase.F, i), p2p(NodeKind.SEND, h, i, r, peer)]
         ins += [
             coll(NodeKind.FREE, "free", "s0", dp, k=0),
             coll(NodeKind.MATERIALIZE, "materialize", "s0", dp, k=1),
@@ -140,24 +116,24 @@ def pp_dp_program() -> Program:
         for i in range(M):
             ins += [
                 p2p(NodeKind.RECV, f"grad:{h}", i, peer, r),
-                _c("s0", Phase.B, i),
+                compute("s0", Phase.B, i),
                 coll(NodeKind.REDUCE_SCATTER, "reducescatter", "s0", dp, mb=i),
             ]
-        return [*ins, coll(NodeKind.FREE, "free", "s0", dp, k=1), _c("s0", Phase.OPT)]
+        return [*ins, coll(NodeKind.FREE, "free", "s0", dp, k=1), compute("s0", Phase.OPT)]
 
     def stage1(r: int) -> list[Instruction]:
         dp, peer = "dp:2-3", r - 2
         ins: list[Instruction] = []
         for i in range(M):
-            ins += [p2p(NodeKind.RECV, h, i, peer, r), _c("s1", Phase.F, i), _c("loss", Phase.F, i)]
+            ins += [p2p(NodeKind.RECV, h, i, peer, r), compute("s1", Phase.F, i), compute("loss", Phase.F, i)]
         for i in range(M):
             ins += [
-                _c("loss", Phase.B, i),
-                _c("s1", Phase.B, i),
+                compute("loss", Phase.B, i),
+                compute("s1", Phase.B, i),
                 p2p(NodeKind.SEND, f"grad:{h}", i, r, peer),
                 coll(NodeKind.REDUCE_SCATTER, "reducescatter", "s1", dp, mb=i),
             ]
-        return [*ins, _c("s1", Phase.OPT), coll(NodeKind.ALL_GATHER, "allgather", "s1", dp)]
+        return [*ins, compute("s1", Phase.OPT), coll(NodeKind.ALL_GATHER, "allgather", "s1", dp)]
 
     return Program(
         world_size=4,

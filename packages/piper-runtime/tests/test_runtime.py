@@ -28,10 +28,9 @@ from piper_ir import (
     SegmentRole,
     Tags,
     TensorMeta,
-    Value,
 )
 from piper_runtime import OptimizerSpec, Runtime
-from piper_runtime.testing import with_stream_events
+from piper_runtime.testing import MSE, tensor_meta, two_stage_values, with_stream_events
 
 # The segment modules below live in this test module, which the workers cannot import.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -65,34 +64,17 @@ class Stage1(nn.Module):
         return (self.l1(h),)
 
 
-class MSE(nn.Module):
-    def forward(self, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return nn.functional.mse_loss(y, target)
-
-
-def _meta(*shape: int, grad: bool = True, batch_dim: int | None = 0) -> TensorMeta:
-    return TensorMeta(shape, "float32", batch_dim=batch_dim, requires_grad=grad)
-
-
 def _params(prefix: str, d_in: int, d_out: int) -> tuple[tuple[str, TensorMeta], ...]:
     return (
-        (f"{prefix}.weight", _meta(d_out, d_in, batch_dim=None)),
-        (f"{prefix}.bias", _meta(d_out, batch_dim=None)),
+        (f"{prefix}.weight", tensor_meta(d_out, d_in, batch_dim=None)),
+        (f"{prefix}.bias", tensor_meta(d_out, batch_dim=None)),
     )
 
 
 def gpipe_program() -> Program:
     """The hand-compiled 2-rank GPipe program (what piper_scheduler.compile would emit)."""
     h, y = "v:h", "v:y"
-    values = (
-        Value("input:0", _meta(MB, D_IN, grad=False)),
-        Value("target:0", _meta(MB, D_OUT, grad=False)),
-        Value(h, _meta(MB, D_HID)),
-        Value(y, _meta(MB, D_OUT)),
-        Value("v:loss", _meta(batch_dim=None)),
-        Value(f"grad:{h}", _meta(MB, D_HID)),
-        Value(f"grad:{y}", _meta(MB, D_OUT)),
-    )
+    values = two_stage_values(MB, D_IN, D_HID, D_OUT)
     segments = (
         Segment("s0", SegmentRole.STAGE, Tags.of(PP=0), ("input:0",), (h,), _params("l0", D_IN, D_HID)),
         Segment("s1", SegmentRole.STAGE, Tags.of(PP=1), (h,), (y,), _params("l1", D_HID, D_OUT)),

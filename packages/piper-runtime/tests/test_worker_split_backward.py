@@ -16,8 +16,6 @@ from torch import nn
 
 from piper_ir import (
     ExecutionError,
-    Instruction,
-    NodeKind,
     Phase,
     Program,
     RankPlan,
@@ -25,9 +23,9 @@ from piper_ir import (
     SegmentRole,
     Tags,
     TensorMeta,
-    Value,
 )
 from piper_runtime import OptimizerSpec
+from piper_runtime.testing import MSE, compute, tensor_meta, two_stage_values
 from piper_runtime.worker import RankWorker
 
 M, BATCH, D_IN, D_HID, D_OUT = 2, 4, 3, 5, 2
@@ -45,42 +43,20 @@ class Block(nn.Module):
         return (torch.tanh(getattr(self, self.name)(x)),)
 
 
-class MSE(nn.Module):
-    def forward(self, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return nn.functional.mse_loss(y, target)
-
-
-def _meta(*shape: int, grad: bool = True, batch_dim: int | None = 0) -> TensorMeta:
-    return TensorMeta(shape, "float32", batch_dim=batch_dim, requires_grad=grad)
-
-
-def _ins(seg: str, phase: Phase, mb: int | None = None) -> Instruction:
-    kind = NodeKind.OPTIMIZER if phase is Phase.OPT else NodeKind.COMPUTE
-    return Instruction(f"{phase.value}.{seg}" + ("" if mb is None else f".mb{mb}"), kind, segment=seg, phase=phase, microbatch=mb)
-
-
 def _program(backward: list[tuple[str, Phase, int]]) -> Program:
     mb = BATCH // M
-    values = (
-        Value("input:0", _meta(mb, D_IN, grad=False)),
-        Value("target:0", _meta(mb, D_OUT, grad=False)),
-        Value("v:h", _meta(mb, D_HID)),
-        Value("v:y", _meta(mb, D_OUT)),
-        Value("v:loss", _meta(batch_dim=None)),
-        Value("grad:v:h", _meta(mb, D_HID)),
-        Value("grad:v:y", _meta(mb, D_OUT)),
-    )
+    values = two_stage_values(mb, D_IN, D_HID, D_OUT)
 
     def params(name: str, d_in: int, d_out: int) -> tuple[tuple[str, TensorMeta], ...]:
-        return ((f"{name}.weight", _meta(d_out, d_in, batch_dim=None)), (f"{name}.bias", _meta(d_out, batch_dim=None)))
+        return ((f"{name}.weight", tensor_meta(d_out, d_in, batch_dim=None)), (f"{name}.bias", tensor_meta(d_out, batch_dim=None)))
 
     segments = (
         Segment("s0", SegmentRole.STAGE, Tags.of(PP=0), ("input:0",), ("v:h",), params("l0", D_IN, D_HID)),
         Segment("s1", SegmentRole.STAGE, Tags.of(PP=1), ("v:h",), ("v:y",), params("l1", D_HID, D_OUT)),
         Segment("loss", SegmentRole.LOSS, Tags.of(PP=1), ("v:y", "target:0"), ("v:loss",)),
     )
-    forward = [_ins(s, Phase.F, i) for i in range(M) for s in ("s0", "s1", "loss")]
-    tail = [_ins(s, p, i) for s, p, i in backward] + [_ins("s0", Phase.OPT), _ins("s1", Phase.OPT)]
+    forward = [compute(s, Phase.F, i) for i in range(M) for s in ("s0", "s1", "loss")]
+    tail = [compute(s, p, i) for s, p, i in backward] + [compute("s0", Phase.OPT), compute("s1", Phase.OPT)]
     return Program(
         world_size=1,
         ranks=(RankPlan(0, forward + tail),),

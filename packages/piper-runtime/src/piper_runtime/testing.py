@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
+import torch
+from torch import nn
 
-from piper_ir import Instruction
+from piper_ir import Instruction, NodeKind, Phase, TensorMeta, Value
 
 
 def with_stream_events(instructions: Sequence[Instruction]) -> list[Instruction]:
@@ -26,3 +28,38 @@ def with_stream_events(instructions: Sequence[Instruction]) -> list[Instruction]
         attrs.evolve(ins, waits=tuple(waits.get(ins.id, ())), record=f"ev.{ins.id}" if ins.id in recorded else None)
         for ins in instructions
     ]
+
+
+def tensor_meta(*shape: int, grad: bool = True, batch_dim: int | None = 0) -> TensorMeta:
+    """A float32 ``TensorMeta`` (batch on dimension 0 unless told otherwise)."""
+    return TensorMeta(shape, "float32", batch_dim=batch_dim, requires_grad=grad)
+
+
+def compute(segment: str, phase: Phase, microbatch: int | None = None) -> Instruction:
+    """A compute (or, for ``Phase.OPT``, optimizer) instruction with the compiler's id style,
+    ``<phase>.<segment>[.mb<i>]``."""
+    kind = NodeKind.OPTIMIZER if phase is Phase.OPT else NodeKind.COMPUTE
+    ident = f"{phase.value}.{segment}" + ("" if microbatch is None else f".mb{microbatch}")
+    return Instruction(ident, kind, segment=segment, phase=phase, microbatch=microbatch)
+
+
+class MSE(nn.Module):
+    """A loss segment's module: the mean squared error of a prediction and its target."""
+
+    def forward(self, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(y, target)
+
+
+def two_stage_values(rows: int, d_in: int, d_hidden: int, d_out: int) -> tuple[Value, ...]:
+    """The values of a two-stage MLP program on ``rows`` samples per microbatch (shard):
+    ``input:0``, ``target:0``, ``v:h`` (stage 0's output), ``v:y`` (stage 1's), ``v:loss`` and
+    the gradients ``grad:v:h``, ``grad:v:y``."""
+    return (
+        Value("input:0", tensor_meta(rows, d_in, grad=False)),
+        Value("target:0", tensor_meta(rows, d_out, grad=False)),
+        Value("v:h", tensor_meta(rows, d_hidden)),
+        Value("v:y", tensor_meta(rows, d_out)),
+        Value("v:loss", tensor_meta(batch_dim=None)),
+        Value("grad:v:h", tensor_meta(rows, d_hidden)),
+        Value("grad:v:y", tensor_meta(rows, d_out)),
+    )
