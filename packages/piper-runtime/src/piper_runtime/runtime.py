@@ -8,10 +8,12 @@ instruction and the worker's traceback).
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 import weakref
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -29,6 +31,7 @@ from piper_runtime.results import StepOutput, StepResult
 from piper_runtime.worker import RankWorker
 
 _LOOPBACK = "127.0.0.1"
+_RENDEZVOUS_PORTS_FROM = 20000  # above Ray's worker ports, below the ephemeral range
 _INLINE_BYTES = 64 * 1024  # below this, batch tensors go inline with each call
 
 
@@ -244,9 +247,30 @@ def _kill(workers: list[Any]) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A free loopback port for the process group's rendezvous. Picked outside the kernel's
+    ephemeral range, where every outgoing connection (gloo's pairs, Ray's) takes its local
+    port, so nothing can take it between this check and rank 0 listening on it (that race
+    failed a setup with EADDRINUSE), and outside Ray's worker ports (10002-19999)."""
+    low = _ephemeral_ports()[0]
+    for port in random.sample(range(_RENDEZVOUS_PORTS_FROM, low), min(64, max(0, low - _RENDEZVOUS_PORTS_FROM))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((_LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below: any free port
         s.bind((_LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's ephemeral port range (Linux; the usual default elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def _batch_reads(program: Program, rank: int) -> tuple[str, ...]:
