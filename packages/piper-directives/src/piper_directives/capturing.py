@@ -33,6 +33,7 @@ from piper_ir import (
     Tags,
     TensorMeta,
     Value,
+    grad_name,
     validate,
 )
 
@@ -377,7 +378,7 @@ def _build(
     for name in list(values):
         meta = values[name].meta
         if meta.requires_grad and name in producer:
-            values[f"grad:{name}"] = Value(f"grad:{name}", meta)
+            values[grad_name(name)] = Value(grad_name(name), meta)
 
     graph = training_graph(segments, list(values.values()), [f"input:{i}" for i in range(len(inputs))], target_names)
     return CapturedModel(graph=validate(graph), modules=modules, batch_size=batch)

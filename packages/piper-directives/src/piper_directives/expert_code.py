@@ -45,7 +45,7 @@ import torch.fx
 from torch import nn
 
 from piper_directives.replicate import segment_buckets
-from piper_ir import DirectiveError, Graph, ParamShard, SegmentRole, Sharding
+from piper_ir import DirectiveError, Graph, ParamShard, SegmentRole, Sharding, ShardKind
 
 COMM = "piper_ep"
 
@@ -142,7 +142,7 @@ def shard_experts(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph
     found: dict[str | None, int] = {}
     experts_of: dict[str, set[str]] = {}
     for sh in graph.sharding:
-        if sh.kind != "ep":
+        if sh.kind is not ShardKind.EP:
             records.append(sh)
             continue
         found.setdefault(sh.origin, 0)

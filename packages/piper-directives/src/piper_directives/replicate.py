@@ -49,6 +49,7 @@ from piper_ir import (
     Segment,
     SegmentRole,
     Sharding,
+    ShardKind,
     Value,
 )
 
@@ -134,7 +135,7 @@ def replicate_all(graph: Graph, replicates: Sequence[Replicate]) -> Graph:
         devices = group.get(seg.id, ())
         sh = sharding.get(seg.id)
         # A tensor-parallel group without replicas has nothing to keep in sync.
-        if len(devices) < 2 or (sh is not None and sh.kind == "tp" and sh.degree == len(devices)):
+        if len(devices) < 2 or (sh is not None and sh.kind is ShardKind.TP and sh.degree == len(devices)):
             continue
         rep = chosen.get(seg.id)
         record = (
@@ -162,7 +163,7 @@ def replicate_all(graph: Graph, replicates: Sequence[Replicate]) -> Graph:
     replicated = {r.segment for r in replication}
     group = max(len(n.devices) for n in graph.nodes if n.kind is NodeKind.COMPUTE and n.segment in replicated)
     sh = sharding.get(replication[0].segment)
-    replicas = group // (sh.degree if sh is not None and sh.kind == "tp" else 1)
+    replicas = group // (sh.degree if sh is not None and sh.kind is ShardKind.TP else 1)
     return attrs.evolve(
         graph,
         values=_shard_values(graph, replicas, replicates),
@@ -189,9 +190,9 @@ def segment_buckets(
 
     if sharding is None:
         return make_buckets(seg, rep.bucket_bytes, shards(len(rep.devices)))
-    per_position = set(cut) if sharding.kind == "ep" else {name for name, _ in seg.params}
+    per_position = set(cut) if sharding.kind is ShardKind.EP else {name for name, _ in seg.params}
     out: list[Bucket] = []
-    if sharding.kind == "ep":
+    if sharding.kind is ShardKind.EP:
         whole = attrs.evolve(seg, params=tuple((n, m) for n, m in seg.params if n not in cut))
         out += make_buckets(whole, rep.bucket_bytes, shards(len(rep.devices)))
     if sharding.degree < len(sharding.devices):

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from piper_directives.replicate import segment_buckets
-from piper_ir import DirectiveError, Graph, ParamShard, SegmentRole, Sharding
+from piper_ir import DirectiveError, Graph, ParamShard, SegmentRole, Sharding, ShardKind
 
 COMM = "piper_tp"
 _RESHAPES = {"view", "reshape", "unflatten", "flatten", "split", "chunk", "unbind"}
@@ -132,7 +132,7 @@ def shard_modules(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph
     out = dict(modules)
     if not graph.sharding:
         return graph, out
-    if any(sh.kind == "ep" for sh in graph.sharding):
+    if any(sh.kind is ShardKind.EP for sh in graph.sharding):
         from piper_directives.expert_code import shard_experts
 
         return shard_experts(graph, modules)

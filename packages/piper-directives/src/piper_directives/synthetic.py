@@ -15,7 +15,7 @@ This module imports only ``piper_ir``.
 from __future__ import annotations
 
 from piper_directives.training_graph import training_graph
-from piper_ir import Graph, Segment, SegmentRole, Tags, TensorMeta, Value
+from piper_ir import Graph, Segment, SegmentRole, Tags, TensorMeta, Value, grad_name
 
 LOSS = "loss"
 
@@ -68,6 +68,6 @@ def synthetic_graph(
     values.append(Value("target:0", batch_meta))
     segments.append(Segment(LOSS, SegmentRole.LOSS, Tags(), (last, "target:0"), (), (), None))
     # capture adds gradient values after all others, in value order, for produced values.
-    values += [Value(f"grad:v:s{k}", activation) for k in range(count)]
+    values += [Value(grad_name(f"v:s{k}"), activation) for k in range(count)]
 
     return training_graph(segments, values, ["input:0"], ["target:0"])

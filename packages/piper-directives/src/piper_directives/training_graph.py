@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from piper_ir import Edge, Graph, Node, NodeKind, Phase, Segment, Value
+from piper_ir import Edge, Graph, Node, NodeKind, Phase, Segment, Value, grad_name
 
 
 def training_graph(
@@ -34,7 +34,7 @@ def training_graph(
                 continue  # a batch value: read from the batch, no producer node
             edges.append(Edge(f"F.{src}", f"F.{seg.id}", value=v))
             if meta[v].requires_grad:
-                edges.append(Edge(f"B.{seg.id}", f"B.{src}", value=f"grad:{v}"))
+                edges.append(Edge(f"B.{seg.id}", f"B.{src}", value=grad_name(v)))
     return Graph(
         segments=tuple(segments),
         values=tuple(values),

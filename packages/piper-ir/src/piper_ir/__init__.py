@@ -15,7 +15,10 @@ from piper_ir.errors import (
     ValidationError,
 )
 from piper_ir.graph import (
+    BUCKET_KINDS,
     COMMUNICATION_KINDS,
+    COMPUTE_KINDS,
+    POINT_TO_POINT_KINDS,
     Bucket,
     CodeRef,
     Edge,
@@ -28,9 +31,11 @@ from piper_ir.graph import (
     Segment,
     SegmentRole,
     Sharding,
+    ShardKind,
     TensorMeta,
     Value,
 )
+from piper_ir.names import GRAD_PREFIX, grad_name, grad_of, is_grad
 from piper_ir.program import Communicator, Instruction, Program, RankPlan
 from piper_ir.serialize import from_json, to_json
 from piper_ir.summary import graph_summary, program_text
@@ -43,7 +48,8 @@ except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
-    "ANY", "MB", "PASS", "SEG", "COMMUNICATION_KINDS", "Bucket", "Replication", "CaptureError", "CodeRef", "Communicator",
+    "ANY", "MB", "PASS", "SEG", "BUCKET_KINDS", "COMMUNICATION_KINDS", "COMPUTE_KINDS", "GRAD_PREFIX",
+    "POINT_TO_POINT_KINDS", "ShardKind", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "CodeRef", "Communicator",
     "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph",
     "Instruction", "MemoryPlanError", "Node", "NodeKind", "ParamShard", "Phase", "PiperError", "Program",
     "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Sharding", "Tags",

@@ -1,13 +1,12 @@
 """The global training DAG: segments, values, nodes and edges.
 
 A ``Graph`` is an immutable value. Passes never edit one in place: they build a new graph
-(``GraphBuilder`` or ``attrs.evolve``). Cross-node invariants are checked by
+(``attrs.evolve``, or new tuples of nodes and edges). Cross-node invariants are checked by
 ``piper_ir.validate.validate``; field validators only check what one field can know alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from enum import StrEnum
 from functools import cached_property
 
@@ -44,6 +43,23 @@ COMMUNICATION_KINDS = frozenset(
 )
 
 
+# Operations of a replicated segment's device group on one parameter bucket (``Node.value`` is
+# the bucket id; docs/ir-conventions.md, section 7). Every member of the group runs them.
+BUCKET_KINDS = frozenset(
+    {NodeKind.ALL_REDUCE, NodeKind.REDUCE_SCATTER, NodeKind.ALL_GATHER, NodeKind.MATERIALIZE, NodeKind.FREE}
+)
+POINT_TO_POINT_KINDS = frozenset({NodeKind.SEND, NodeKind.RECV})
+# Nodes that run a segment's code (its passes, its optimizer step): what ``Order`` orders.
+COMPUTE_KINDS = frozenset({NodeKind.COMPUTE, NodeKind.OPTIMIZER})
+
+
+class ShardKind(StrEnum):
+    """How a ``Shard`` splits a segment over its group (``Sharding.kind``)."""
+
+    TP = "tp"  # tensor parallelism: column/row-parallel Linear pairs, same data on every rank
+    EP = "ep"  # expert parallelism: experts split over the group, tokens routed by all-to-all
+
+
 class EdgeKind(StrEnum):
     DATA = "data"  # a tensor flows from src to dst
     TEMPORAL = "temporal"  # ordering only
@@ -52,10 +68,6 @@ class EdgeKind(StrEnum):
 class SegmentRole(StrEnum):
     STAGE = "stage"  # an annotated region of the model
     LOSS = "loss"  # the loss function applied to the model output and the targets
-
-
-def _tuple_of_ints(value: Iterable[int] | None) -> tuple[int, ...] | None:
-    return None if value is None else tuple(int(v) for v in value)
 
 
 @attrs.frozen
@@ -236,7 +248,7 @@ class Sharding:
 
     segment: str
     devices: tuple[int, ...] = attrs.field(converter=tuple)
-    kind: str = "tp"
+    kind: ShardKind = attrs.field(default=ShardKind.TP, converter=ShardKind)
     degree: int = 1
     params: tuple[ParamShard, ...] = attrs.field(default=(), converter=tuple)
     collectives: int = 0
@@ -368,9 +380,6 @@ class Graph:
 
     def node(self, node_id: str) -> Node:
         return self.node_by_id[node_id]
-
-    def compute_nodes(self) -> list[Node]:
-        return [n for n in self.nodes if n.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER)]
 
     def stage_segments(self) -> list[Segment]:
         return [s for s in self.segments if s.role is SegmentRole.STAGE]

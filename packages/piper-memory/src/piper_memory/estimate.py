@@ -47,7 +47,17 @@ from collections.abc import Mapping
 
 import attrs
 
-from piper_ir import Bucket, MemoryPlanError, NodeKind, Phase, Program, SegmentRole, TensorMeta
+from piper_ir import (
+    BUCKET_KINDS,
+    Bucket,
+    MemoryPlanError,
+    NodeKind,
+    Phase,
+    Program,
+    SegmentRole,
+    TensorMeta,
+    grad_name,
+)
 
 # Optimizer state per parameter byte (Adam/AdamW keep two moments).
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "adam": 2, "adamw": 2}
@@ -55,13 +65,6 @@ OPTIMIZER_STATE_FACTOR = {"sgd": 0, "adam": 2, "adamw": 2}
 RECV_AHEAD = 2
 # ZeRO-2/3 reduce-scatters a backward leaves running (piper_runtime.buckets.IN_FLIGHT).
 EARLY_IN_FLIGHT = 2
-_BUCKET_KINDS = {
-    NodeKind.ALL_REDUCE,
-    NodeKind.REDUCE_SCATTER,
-    NodeKind.ALL_GATHER,
-    NodeKind.MATERIALIZE,
-    NodeKind.FREE,
-}
 
 
 @attrs.frozen
@@ -274,7 +277,7 @@ class _RankReplay:
                 self.sent += ins.meta.nbytes() if ins.meta is not None else 0
             elif kind is NodeKind.RECV:
                 self.received[(ins.value, ins.microbatch)] = ins.meta.nbytes() if ins.meta is not None else 0
-            elif kind in _BUCKET_KINDS:
+            elif kind in BUCKET_KINDS:
                 self._bucket_op(k, ins)
             elif kind is NodeKind.FREE:
                 self.gathered.pop(ins.value, None)
@@ -328,7 +331,7 @@ class _RankReplay:
             return
         if ins.phase in (Phase.B, Phase.BI):
             for name in seg.outputs:
-                self.received.pop(("grad:" + name, mb), None)
+                self.received.pop((grad_name(name), mb), None)
         if ins.phase in (Phase.B, Phase.BW) and seg.id in self.early:
             # Taken as freed first: autograd releases a segment's saved activations as its
             # backward goes, and the last bucket completes at the end of the pass.

@@ -42,6 +42,7 @@ from collections import defaultdict
 import attrs
 
 from piper_ir import (
+    BUCKET_KINDS,
     Bucket,
     Edge,
     EdgeKind,
@@ -57,9 +58,7 @@ from piper_ir import (
 
 USE_PHASES = frozenset({Phase.F, Phase.B, Phase.BI, Phase.BW})
 GRAD_PHASES = frozenset({Phase.B, Phase.BW})  # the passes that write parameter gradients
-PLANNED_KINDS = frozenset(
-    {NodeKind.ALL_REDUCE, NodeKind.REDUCE_SCATTER, NodeKind.ALL_GATHER, NodeKind.MATERIALIZE, NodeKind.FREE}
-)
+PLANNED_KINDS = BUCKET_KINDS
 ORIGIN = "plan_memory"
 
 

@@ -63,7 +63,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from piper_ir import ExecutionError, Instruction, NodeKind, Phase, Program, SegmentRole
+from piper_ir import (
+    BUCKET_KINDS,
+    ExecutionError,
+    Instruction,
+    NodeKind,
+    Phase,
+    Program,
+    SegmentRole,
+    ShardKind,
+    grad_name,
+    is_grad,
+)
 from piper_memory.store import accumulate_grad, shard_tensor
 from piper_runtime.backend import Backend, resolve_backend
 from piper_runtime.batch import split_microbatches
@@ -73,7 +84,6 @@ from piper_runtime.optim import OptimizerSpec
 from piper_runtime.results import InstructionTiming, StepOutput
 from piper_runtime.streams import lanes_share_a_communicator, run_streams
 
-GRAD_PREFIX = "grad:"
 RECV_LOOKAHEAD = 2
 SWITCH_INTERVAL_S = 0.0005  # the GIL hand-over interval with threads (Python's default: 5 ms)
 
@@ -92,13 +102,6 @@ _SUPPORTED = {
     NodeKind.SEND,
     NodeKind.RECV,
     NodeKind.MARKER,
-    NodeKind.ALL_REDUCE,
-    NodeKind.REDUCE_SCATTER,
-    NodeKind.ALL_GATHER,
-    NodeKind.MATERIALIZE,
-    NodeKind.FREE,
-}
-_BUCKET_KINDS = {
     NodeKind.ALL_REDUCE,
     NodeKind.REDUCE_SCATTER,
     NodeKind.ALL_GATHER,
@@ -213,7 +216,7 @@ class RankWorker:
         self._expert_params = {
             sh.segment: tuple(spec.name for spec in sh.params if (sh.segment, spec.name) not in bucketed)
             for sh in program.sharding
-            if sh.kind == "ep"
+            if sh.kind is ShardKind.EP
         }
         self._setup_buckets(mine)
         self._optimizers = {}
@@ -230,7 +233,7 @@ class RankWorker:
         self._memory = MemoryTracker(rank)
         self._all_params = [p for m in self._modules.values() for p in m.parameters()]  # for sampling
         for ins in self.plan.instructions:  # before joining the group: fail fast
-            if ins.kind in _BUCKET_KINDS:
+            if ins.kind in BUCKET_KINDS:
                 self._check_bucket_instruction(ins)
 
         if not dist.is_initialized():
@@ -253,7 +256,7 @@ class RankWorker:
         for i, comm in enumerate(program.communicators):
             self._tags[comm.id] = i + 1
             self._groups[comm.id] = dist.new_group(sorted(comm.ranks))
-            if comm.traffic in ("tp", "ep"):
+            if comm.traffic in tuple(ShardKind):
                 self._backward_groups[comm.id] = dist.new_group(sorted(comm.ranks))
         early_groups: dict[tuple[int, ...], Any] = {}
         zero = {rep.segment: rep for rep in program.replication}
@@ -610,7 +613,7 @@ class RankWorker:
             return args, list(outs), None
         tensors, grads = [], []
         for name, o in zip(seg.outputs, outs, strict=True):
-            g = st.values.get((GRAD_PREFIX + name, mb))
+            g = st.values.get((grad_name(name), mb))
             if o.requires_grad and g is not None:
                 tensors.append(o)
                 grads.append(g)
@@ -629,7 +632,7 @@ class RankWorker:
         for name, a in zip(seg.inputs, args, strict=True):
             if a.requires_grad:
                 g = a.grad if a.grad is not None else torch.zeros_like(a)
-                st.add_grad(GRAD_PREFIX + name, mb, g)
+                st.add_grad(grad_name(name), mb, g)
 
     def _backward_input(self, ins: Instruction, st: _StepState) -> None:
         """BI: gradients of the segment's inputs only; the autograd graph is kept for BW."""
@@ -643,7 +646,7 @@ class RankWorker:
                 tensors, [a for _, a in wanted], grads, retain_graph=True, allow_unused=True
             )
         for (name, a), g in zip(wanted, found, strict=True):
-            st.add_grad(GRAD_PREFIX + name, mb, g if g is not None else torch.zeros_like(a))
+            st.add_grad(grad_name(name), mb, g if g is not None else torch.zeros_like(a))
         st.pending_bw[(seg.id, mb)] = (tensors, grads)
 
     def _backward_weight(self, ins: Instruction, st: _StepState) -> None:
@@ -845,7 +848,7 @@ class RankWorker:
         key = (ins.value, ins.microbatch)
         with st.lock:
             st.consumed += 1
-            if ins.value.startswith(GRAD_PREFIX):
+            if is_grad(ins.value):
                 st.add_grad(ins.value, ins.microbatch, t)
                 if st.values[key] is t:
                     st.received.add(key)
@@ -890,7 +893,7 @@ def _reads_of(program: Program, instructions: tuple[Instruction, ...]) -> dict[i
             reads = [n for n in seg.inputs if n not in program.inputs and n not in program.targets]
         elif ins.kind is NodeKind.COMPUTE and ins.phase is not Phase.BW:
             # BW reads the output gradients that its BI kept with the retained graph.
-            reads = [GRAD_PREFIX + n for n in program.segment_by_id[ins.segment].outputs]
+            reads = [grad_name(n) for n in program.segment_by_id[ins.segment].outputs]
         elif ins.kind is NodeKind.SEND:
             reads = [ins.value]
         else:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from piper_ir import Communicator, Graph, NodeKind
+from piper_ir import Communicator, Graph, NodeKind, is_grad
 
 PP_FWD = "pp.fwd"
 PP_BWD = "pp.bwd"
@@ -31,7 +31,7 @@ _TRAFFIC = {PP_FWD: "activations", PP_BWD: "gradients"}
 
 def communicator_for(value: str) -> str:
     """The communicator id for a point-to-point transfer of ``value``."""
-    return PP_BWD if value.startswith("grad:") else PP_FWD
+    return PP_BWD if is_grad(value) else PP_FWD
 
 
 GROUP_COMM_KINDS = frozenset(

@@ -28,6 +28,8 @@ Stages, each linear in nodes + edges:
 from __future__ import annotations
 
 from piper_ir import (
+    BUCKET_KINDS,
+    COMPUTE_KINDS,
     EdgeKind,
     Graph,
     Instruction,
@@ -37,6 +39,7 @@ from piper_ir import (
     Program,
     RankPlan,
     SchedulingError,
+    ShardKind,
     TensorMeta,
     find_cycle,
     rank_orders,
@@ -50,13 +53,11 @@ from piper_scheduler.communicators import (
 )
 from piper_scheduler.verify import verify
 
-SCHEDULED_KINDS = frozenset({NodeKind.COMPUTE, NodeKind.OPTIMIZER})
+SCHEDULED_KINDS = COMPUTE_KINDS
 PASS_THROUGH_KINDS = frozenset({NodeKind.SEND, NodeKind.RECV, NodeKind.MARKER})
 # Operations of a replicated segment's device group on one bucket (docs/ir-conventions.md,
 # section 7); every member of ``devices`` gets the instruction.
-GROUP_KINDS = frozenset(
-    {NodeKind.ALL_REDUCE, NodeKind.REDUCE_SCATTER, NodeKind.ALL_GATHER, NodeKind.MATERIALIZE, NodeKind.FREE}
-)
+GROUP_KINDS = BUCKET_KINDS
 OVERLAP_PHASES = frozenset({Phase.F, Phase.B, Phase.BI})
 
 Channel = tuple[str, int, int]
@@ -231,7 +232,7 @@ def _degree(graph: Graph, segment: str | None) -> int:
     """The tensor-parallel degree of ``segment`` (1 unless it is tensor-sharded; the ranks
     of an expert-parallel group are data-parallel replicas)."""
     for sh in graph.sharding:
-        if sh.segment == segment and sh.kind == "tp":
+        if sh.segment == segment and sh.kind is ShardKind.TP:
             return sh.degree
     return 1
 

@@ -20,6 +20,7 @@ from piper_ir import (
     Tags,
     TensorMeta,
     Value,
+    grad_name,
 )
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -94,7 +95,7 @@ def pipeline_graph(
                 params=((f"s{i}.weight", TensorMeta((hidden, hidden), "float32")),),
             )
         )
-        values += [Value(f"v:s{i}", meta()), Value(f"grad:v:s{i}", meta())]
+        values += [Value(f"v:s{i}", meta()), Value(grad_name(f"v:s{i}"), meta())]
     values.append(Value("v:loss", TensorMeta((), "float32", requires_grad=True)))
     segments.append(
         Segment("loss", SegmentRole.LOSS, Tags(), inputs=(f"v:s{pp - 1}", "target:0"), outputs=("v:loss",))
@@ -140,9 +141,9 @@ def pipeline_graph(
         edges.append(Edge(floss, bloss, EdgeKind.DATA))
         for i in range(pp):
             edges.append(Edge(fwd[i], bwd[i], EdgeKind.DATA))
-        edges.append(Edge(bloss, bwd[last], EdgeKind.DATA, f"grad:v:s{last}"))
+        edges.append(Edge(bloss, bwd[last], EdgeKind.DATA, grad_name(f"v:s{last}")))
         for i in range(pp - 1, 0, -1):
-            flow(bwd[i], bwd[i - 1], f"grad:v:s{i - 1}", mb, i, i - 1, Tags.of(PP=i))
+            flow(bwd[i], bwd[i - 1], grad_name(f"v:s{i - 1}"), mb, i, i - 1, Tags.of(PP=i))
     for i in range(pp):
         opt = compute(f"s{i}", Phase.OPT, None, i)
         edges.extend(Edge(f"B.s{i}.mb{mb}", opt, EdgeKind.DATA) for mb in range(m))
