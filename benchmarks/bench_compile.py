@@ -56,7 +56,7 @@ def run(pp: int, dp: int, m: int, s: int, schedule: str = "1f1b") -> dict:
     directives = strategy.directives
     times: dict[str, float] = {}
 
-    def timed(name: str, fn, *args):  # noqa: ANN001, ANN202
+    def timed(name: str, fn, *args):
         t0 = time.perf_counter()
         out = fn(*args)
         times[name] = time.perf_counter() - t0

@@ -193,7 +193,7 @@ def _check_devices(place: Place) -> None:
         seen.add(d)
 
 
-def _segment_matches(flt: Filter, seg) -> bool:  # noqa: ANN001
+def _segment_matches(flt: Filter, seg) -> bool:
     from piper_ir import Phase
 
     if seg.role is SegmentRole.LOSS and dict(flt.items).get("SEG") != seg.id:
@@ -258,7 +258,7 @@ def placement_groups(graph: Graph) -> dict[str, tuple[int, ...]]:
     return {seg: segment_group(gs) for seg, gs in groups.items()}
 
 
-def segments_on_group(graph: Graph, directive, group: dict[str, tuple[int, ...]]) -> Iterator[Segment]:  # noqa: ANN001
+def segments_on_group(graph: Graph, directive, group: dict[str, tuple[int, ...]]) -> Iterator[Segment]:
     """The segments ``directive.filter`` matches, each checked, as it is yielded, to be placed
     on exactly ``directive.devices`` (a ``Replicate`` or ``Shard`` describes a placement)."""
     matched = [s for s in graph.segments if _segment_matches(directive.filter, s)]

@@ -163,7 +163,7 @@ def sharded_segments(graph: Graph) -> dict[str, Sharding]:
     return {s.segment: s for s in graph.sharding}
 
 
-def tensor_parallel(strategy, tp: int):  # noqa: ANN001, ANN201 - Strategy in, Strategy out
+def tensor_parallel(strategy, tp: int):  # Strategy in, Strategy out
     """``strategy``, a pipeline program (optionally data-parallel, from ``data_parallel``),
     with every region run tensor-parallel over ``tp`` adjacent devices: device ``d`` becomes
     ``d*tp, ..., d*tp + tp - 1``, so ``Place(filter, (r,))`` becomes ``Place(filter, (r*tp,
@@ -174,7 +174,7 @@ def tensor_parallel(strategy, tp: int):  # noqa: ANN001, ANN201 - Strategy in, S
     return _shard_every_stage(strategy, tp, "tp", "tensor_parallel")
 
 
-def expert_parallel(strategy, ep: int, *, zero: int | None = None):  # noqa: ANN001, ANN201 - Strategy in, Strategy out
+def expert_parallel(strategy, ep: int, *, zero: int | None = None):  # Strategy in, Strategy out
     """``strategy``, a pipeline program (optionally data-parallel, from ``data_parallel``),
     with every region run expert-parallel over ``ep`` adjacent devices, laid out as in
     ``tensor_parallel``, with a ``Shard(kind="ep", degree=ep)``. Each expert-parallel group is
@@ -186,7 +186,7 @@ def expert_parallel(strategy, ep: int, *, zero: int | None = None):  # noqa: ANN
     return _shard_every_stage(strategy, ep, "ep", "expert_parallel", zero=zero)
 
 
-def _shard_every_stage(strategy, degree: int, kind: str, name: str, *, zero: int | None = None):  # noqa: ANN001, ANN202
+def _shard_every_stage(strategy, degree: int, kind: str, name: str, *, zero: int | None = None):
     from piper_directives.place import Place
     from piper_directives.replicate import Replicate
     from piper_directives.strategy import Strategy

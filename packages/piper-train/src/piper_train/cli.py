@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _strategy(args: argparse.Namespace):  # noqa: ANN202
+def _strategy(args: argparse.Namespace):
     """A ``Strategy``, or a function of the number of annotated regions that builds one."""
     if args.strategy is not None:
         try:
@@ -83,7 +83,7 @@ def _strategy(args: argparse.Namespace):  # noqa: ANN202
     return build
 
 
-def _replicated(args: argparse.Namespace, strategy):  # noqa: ANN001, ANN202
+def _replicated(args: argparse.Namespace, strategy):
     """``_strategy``'s result with ``--dp``/``--zero`` (``data_parallel``) applied, then
     ``--tp`` (``tensor_parallel``) or ``--ep`` (``expert_parallel``) on top: a library
     schedule or the user's own pipeline-only strategy file alike. Devices are laid out
@@ -189,7 +189,7 @@ def _check(args: argparse.Namespace) -> int:
 _COST_KEYS = {"F": "F", "B": "B", "BI": "BI", "BW": "BW", "W": "BW", "OPT": "OPT", "FB": "FB"}
 
 
-def _costs(text: str):  # noqa: ANN202
+def _costs(text: str):
     """``F=1,B=2,W=1[,BI=..][,OPT=..][,FB=..][,loss=0]`` as a CostModel; the loss is free unless
     given. ``FB`` is an overlapped forward+backward pair (DualPipe's F&B)."""
     from piper_scheduler import CostModel
@@ -226,7 +226,7 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the simulated step")
 
 
-def _add_scheduler_commands(sub) -> None:  # noqa: ANN001
+def _add_scheduler_commands(sub) -> None:
     simulate = sub.add_parser("simulate", help="simulate a schedule on a synthetic model (no torch work)")
     _add_schedule_args(simulate)
     simulate.add_argument("--segments-per-stage", type=int, default=1, help="segments in each region (default: 1)")
@@ -247,7 +247,7 @@ def _add_scheduler_commands(sub) -> None:  # noqa: ANN001
     _add_output_args(show)
 
 
-def _schedule_graph(args: argparse.Namespace, stages: int, segments_per_stage: int = 1,  # noqa: ANN202
+def _schedule_graph(args: argparse.Namespace, stages: int, segments_per_stage: int = 1,
                     microbatches: int | None = None):
     from piper_directives.synthetic import synthetic_graph
 
@@ -261,7 +261,7 @@ def _microbatches(strategy: Strategy, default: int) -> int:
     return next((d.microbatches for d in strategy.directives if isinstance(d, Split)), default)
 
 
-def _report(args: argparse.Namespace, program, what: str) -> int:  # noqa: ANN001
+def _report(args: argparse.Namespace, program, what: str) -> int:
     from piper_scheduler import plot_gantt, simulate, to_chrome_trace
 
     timeline = simulate(program, _costs(args.cost))
