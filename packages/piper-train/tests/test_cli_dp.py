@@ -126,3 +126,25 @@ def test_tp_and_ep_compose_with_dp_and_zero() -> None:
     assert {d.zero for d in ep.directives if isinstance(d, Replicate)} == {2}
     alone = built(zero=1, ep=2)  # ZeRO over the expert-parallel group, which is data-parallel
     assert [(d.devices, d.zero) for d in alone.directives if isinstance(d, Replicate)] == [((0, 1), 1), ((2, 3), 1)]
+
+
+def test_old_cli_composition_equals_parallelize() -> None:
+    """Transitional: the CLI's own composition (``_replicated``) against ``parallelize`` for
+    every combination the CLI accepts, before the CLI switches to ``parallelize``."""
+    from piper_directives import build_schedule, parallelize
+
+    combos = [
+        (name, pp, m, stages, dp, zero, tp, ep)
+        for name, pp, m, stages in [("gpipe", 2, 4, None), ("1f1b", 3, 6, 6), ("interleaved_1f1b", 2, 4, 8),
+                                    ("zb1p", 2, 4, None), ("dualpipe", 4, 8, 8), ("dualpipev", 2, 4, None)]
+        for dp in (1, 2, 3)
+        for zero in (0, 1, 2, 3)
+        for tp, ep in [(1, 1), (2, 1), (3, 1), (1, 2), (1, 4)]
+        if not (zero and dp < 2 and ep < 2)
+    ]
+    for name, pp, m, stages, dp, zero, tp, ep in combos:
+        old = _replicated(argparse.Namespace(dp=dp, zero=zero, tp=tp, ep=ep),
+                          lambda st, name=name, pp=pp, m=m: build_schedule(name, pp, m, stages=st))(stages)
+        new = parallelize(build_schedule(name, pp, m, stages=stages), dp=dp, zero=zero, tp=tp, ep=ep)
+        assert old == new and old.to_json() == new.to_json()
+        assert build_schedule(name, pp, m, stages=stages, dp=dp, zero=zero, tp=tp, ep=ep) == new
