@@ -3,9 +3,9 @@ the user wrote (Python values or a JSON document) into filters and device groups
 
 Each directive class (``Split``, ``Place``, ``Shard``, ``Replicate``, ``Order``) defines its
 own JSON form: a class attribute ``op`` (the ``"op"`` of its JSON object), ``to_json()`` and
-``from_json(item, where)``. Its JSON fields are its attrs fields but ``where``; those without
-a default are required (``json_fields``), so the strategy checks any directive's document the
-same way.
+``from_json(fields, where)``, given the object's fields but ``op``. Its JSON fields are its
+attrs fields but ``where``; those without a default are required (``json_fields``), so
+``Strategy.from_json`` checks every directive's object the same way before ``from_json``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import Any
 import attrs
 
 from piper_ir import DirectiveError, Filter
+
+JsonObject = dict[str, Any]
 
 _PACKAGE_DIR = os.path.dirname(__file__)
 
@@ -67,6 +69,3 @@ def devices_from_json(value: object, where: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise DirectiveError(f"{where}: devices must be an int or a list of ints, got {value!r}")
     return tuple(value)
-
-
-JsonObject = dict[str, Any]
