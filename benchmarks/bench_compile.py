@@ -6,7 +6,8 @@ other devices, so the compiler works on one replica's pipeline: the work grows w
 PP x M x S (nodes and edges), not with the device count PP x DP. Stages timed:
 
 - ``split``, ``place``, ``order``, ``validate``: the directive passes, as ``Strategy.apply``
-  runs them (the Orders through ``apply_orders``: one cycle search for all of them);
+  runs them (``place``: ``place_all`` then ``insert_communication``; the Orders through
+  ``apply_orders``: one cycle search for all of them);
 - ``compile``: ``compile_program`` (it validates its input and verifies its output);
 - ``verify``: ``verify`` alone on the compiled program (already included in ``compile``);
 - ``memory``: ``piper_memory.estimate_memory`` on the program.
@@ -26,8 +27,9 @@ import platform
 import time
 from pathlib import Path
 
+from piper_directives.communication import insert_communication
 from piper_directives.order import Order, apply_orders
-from piper_directives.place import Place, place_all
+from piper_directives.place import Place, place_all, send_streams
 from piper_directives.schedules import build_schedule
 from piper_directives.split import Split
 from piper_directives.synthetic import synthetic_graph
@@ -56,7 +58,7 @@ def run(pp: int, dp: int, m: int, s: int, schedule: str = "1f1b") -> dict:
     directives = strategy.directives
     times: dict[str, float] = {}
 
-    def timed(name: str, fn, *args):  # noqa: ANN001, ANN202
+    def timed(name: str, fn, *args):
         t0 = time.perf_counter()
         out = fn(*args)
         times[name] = time.perf_counter() - t0
@@ -64,7 +66,8 @@ def run(pp: int, dp: int, m: int, s: int, schedule: str = "1f1b") -> dict:
 
     (split,) = [d for d in directives if isinstance(d, Split)]
     g = timed("split", split.apply, graph)
-    g = timed("place", place_all, g, [d for d in directives if isinstance(d, Place)])
+    places = [d for d in directives if isinstance(d, Place)]
+    g = timed("place", lambda g: insert_communication(place_all(g, places), send_streams(g, places)), g)
     g = timed("order", apply_orders, g, [d for d in directives if isinstance(d, Order)])
     g = timed("validate", validate, g)
     program = timed("compile", compile_program, g)

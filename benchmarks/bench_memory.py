@@ -38,14 +38,14 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-import torch  # noqa: E402
+import torch
 
-from piper_directives import build_schedule, capture  # noqa: E402
-from piper_ir import Program  # noqa: E402
-from piper_memory import MemoryEstimate, estimate_memory, plan_memory  # noqa: E402
-from piper_runtime import OptimizerSpec, Runtime  # noqa: E402
-from piper_scheduler import compile_program  # noqa: E402
-from piper_train.models import TinyTransformer, lm_loss  # noqa: E402
+from piper_directives import build_schedule, capture
+from piper_ir import Program
+from piper_memory import MemoryEstimate, estimate_memory, plan_memory
+from piper_runtime import OptimizerSpec, Runtime
+from piper_scheduler import compile_program
+from piper_train.models import TinyTransformer, lm_loss
 
 VOCAB, D_MODEL, HEADS, LAYERS, SEQ = 256, 512, 8, 8, 8
 PP, DP, MICROBATCHES = 2, 2, 4
@@ -144,7 +144,7 @@ class Bench:
         seq = torch.randint(0, VOCAB, (mb * MICROBATCHES * DP, SEQ + 1), generator=gen)
         return (seq[:, :-1],), (seq[:, 1:],)
 
-    def captured(self, mb: int):  # noqa: ANN201
+    def captured(self, mb: int):
         if mb not in self._captures:
             inputs, targets = self.batch(mb)
             self._captures[mb] = (capture(self.model, inputs, targets, lm_loss), None)
@@ -183,7 +183,7 @@ class Bench:
                 top = mid
         return lo
 
-    def measure(self, schedule: str, zero: int, mb: int):  # noqa: ANN201
+    def measure(self, schedule: str, zero: int, mb: int):
         """The runtime's per-rank memory in the second step (optimizer state resident)."""
         program, _ = self.estimate(schedule, zero, mb)
         runtime = Runtime(

@@ -26,20 +26,20 @@ from pathlib import Path
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from piper_directives import build_schedule, expert_parallel  # noqa: E402
-from piper_runtime import OptimizerSpec  # noqa: E402
-from piper_scheduler import measured_timeline, plot_gantt  # noqa: E402
-from piper_train.models import MoEModel  # noqa: E402
-from piper_train.trainer import Trainer  # noqa: E402
+from piper_directives import build_schedule, expert_parallel
+from piper_runtime import OptimizerSpec
+from piper_scheduler import measured_timeline, plot_gantt
+from piper_train.models import MoEModel
+from piper_train.trainer import Trainer
 
 PP, EP, REGIONS = 2, 2, 4
 SCHEDULES = ("dualpipev", "1f1b", "interleaved_1f1b")
 
 
-def _data(batch: int, d_in: int, d_out: int):  # noqa: ANN202
+def _data(batch: int, d_in: int, d_out: int):
     teacher = torch.randn(d_in, d_out, generator=torch.Generator().manual_seed(7))
 
     def batches(step: int) -> tuple[tuple[torch.Tensor], tuple[torch.Tensor]]:
@@ -55,7 +55,7 @@ def run(schedule: str, threads: bool, args: argparse.Namespace) -> dict:
     batches = _data(args.batch, args.d_in, args.d_out)
     inputs, targets = batches(0)
 
-    def strategy(stages: int):  # noqa: ANN202
+    def strategy(stages: int):
         return expert_parallel(build_schedule(schedule, PP, args.microbatches, stages=stages), EP)
 
     inside, a2a, timings = [], [], None

@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-from torch_pipelining import run_torch_pipeline  # noqa: E402
+from torch_pipelining import run_torch_pipeline
 
-from piper_runtime import OptimizerSpec  # noqa: E402
-from piper_train.models import build_model  # noqa: E402
-from piper_train.trainer import Trainer  # noqa: E402
+from piper_runtime import OptimizerSpec
+from piper_train.models import build_model
+from piper_train.trainer import Trainer
 
 
 def run_piper(

@@ -38,7 +38,7 @@ from piper_train import Trainer
 from piper_train.models import build_model
 
 
-def run(spec, pp: int, microbatches: int, steps: int, warmup: int):  # noqa: ANN001, ANN201
+def run(spec, pp: int, microbatches: int, steps: int, warmup: int):
     """(program, driver seconds per step, StepResults) for the timed steps."""
     with Trainer.with_schedule(spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn,
                                schedule="1f1b", pp=pp, microbatches=microbatches,
@@ -54,7 +54,7 @@ def run(spec, pp: int, microbatches: int, steps: int, warmup: int):  # noqa: ANN
         return trainer.program, driver, results
 
 
-def costs_from_run(program, results) -> tuple[CostModel, float, dict[str, float]]:  # noqa: ANN001
+def costs_from_run(program, results) -> tuple[CostModel, float, dict[str, float]]:
     """A CostModel from the run's per-instruction timings, the tail to add, and a summary."""
     by_id = {(plan.rank, ins.id): ins for plan in program.ranks for ins in plan.instructions}
     compute: dict[tuple[str, str], list[float]] = defaultdict(list)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 
-def router_counts(workload) -> list[list[int]]:  # noqa: ANN001 - a piper_train ModelSpec
+def router_counts(workload) -> list[list[int]]:  # a piper_train ModelSpec
     """Tokens per expert in every MoE layer of the built-in MoE model on the first batch
     (top-2: 2 per token)."""
     counts: list[list[int]] = []
@@ -27,7 +27,7 @@ def router_counts(workload) -> list[list[int]]:  # noqa: ANN001 - a piper_train 
     return counts
 
 
-def _assert_uneven(workload) -> None:  # noqa: ANN001
+def _assert_uneven(workload) -> None:
     for layer in router_counts(workload):
         assert len(set(layer)) > 1, f"routing is even: {layer}"
         # Per destination rank of an EP=2 group (experts 0-1 on one rank, 2-3 on the other).

@@ -2,8 +2,19 @@ import json
 
 import pytest
 
-from piper_directives import Order, Place, Split, Strategy, build_schedule, gpipe, one_f_one_b
-from piper_ir import DirectiveError, EdgeKind, Filter, NodeKind, from_json, to_json, validate
+from piper_directives import (
+    DIRECTIVES,
+    Order,
+    Place,
+    Replicate,
+    Shard,
+    Split,
+    Strategy,
+    build_schedule,
+    gpipe,
+    one_f_one_b,
+)
+from piper_ir import DirectiveError, EdgeKind, Filter, NodeKind, ShardKind, from_json, to_json, validate
 
 
 def _place3():
@@ -169,6 +180,7 @@ def test_strategy_json_round_trip_and_graph_json(three_stage):
         ("[]", "expected an object"),
         ('{"directives": [{"microbatches": 2}]}', 'with an "op" field'),
         ('{"directives": [{"op": "expert"}]}', "unknown op 'expert'"),
+        ('{"directives": [{"op": ["split"]}]}', r"unknown op \['split'\]; expected one of \['order', 'place', 'replicate', 'shard', 'split'\]"),
         ('{"directives": [{"op": "shard"}]}', r"shard needs field\(s\) \['devices', 'filter'\]"),
         ('{"directives": [{"op": "split"}]}', r"split needs field\(s\) \['microbatches'\]"),
         ('{"directives": [{"op": "split", "microbatches": 2, "chunks": 3}]}', r"has no field\(s\) \['chunks'\]"),
@@ -196,3 +208,45 @@ def test_json_program_equivalent_to_python(three_stage):
     from_py = Strategy([Split(2), *_place3(), Order([[Filter.of(PP=0, PASS="F", MB=0)], [Filter.of(PP=0, PASS="F", MB=1)]])]).apply(three_stage.graph)
     strip = lambda g: {(e.src, e.dst, e.kind) for e in g.edges}  # noqa: E731
     assert strip(from_doc) == strip(from_py)
+
+
+# One of each directive, every field away from its default where it has one.
+EVERY_DIRECTIVE = [
+    (Split(3), '{"op": "split", "microbatches": 3}'),
+    (Place({"PP": 1, "MB": (0, 2)}, (1, 3), stream="pp2"),
+     '{"op": "place", "filter": {"MB": [0, 2], "PP": 1}, "devices": [1, 3], "stream": "pp2"}'),
+    (Replicate({"PP": 0}, (0, 2), zero=2, bucket_mb=1.5, reduce_stream="r", gather_stream="g"),
+     '{"op": "replicate", "filter": {"PP": 0}, "devices": [0, 2], "zero": 2, "bucket_mb": 1.5, "reduce_stream": "r", '
+     '"gather_stream": "g"}'),
+    (Shard({"PP": 0}, (0, 1, 2, 3), kind="ep", degree=2),
+     '{"op": "shard", "filter": {"PP": 0}, "devices": [0, 1, 2, 3], "kind": "ep", "degree": 2}'),
+    (Shard({"PP": 1}, (0, 1)), '{"op": "shard", "filter": {"PP": 1}, "devices": [0, 1], "kind": "tp"}'),
+    (Order([[{"PP": 0, "PASS": "F", "MB": 0}], {"SEG": "loss"}], name="mine"),
+     '{"op": "order", "name": "mine", "slots": [[{"MB": 0, "PASS": "F", "PP": 0}], [{"SEG": "loss"}]]}'),
+]
+
+
+@pytest.mark.parametrize(("directive", "form"), EVERY_DIRECTIVE, ids=[type(d).__name__ + str(i) for i, (d, _) in enumerate(EVERY_DIRECTIVE)])
+def test_every_registered_directive_round_trips_through_its_json_form(directive, form):
+    assert json.dumps(directive.to_json()) == form
+    again = Strategy.from_json(json.dumps({"directives": [json.loads(form)]}), source="s.json")
+    assert again.directives == (directive,)
+    assert again.directives[0].where == "s.json#0"
+
+
+def test_every_directive_is_registered_once_by_its_op():
+    assert {type(d) for d, _ in EVERY_DIRECTIVE} == set(DIRECTIVES)
+    assert sorted(cls.op for cls in DIRECTIVES) == ["order", "place", "replicate", "shard", "split"]
+    strategy = Strategy([d for d, _ in EVERY_DIRECTIVE])
+    assert Strategy.from_json(strategy.to_json()) == strategy
+    with pytest.raises(DirectiveError, match=r"is not a directive \(Split, Place, Replicate, Shard or Order\)"):
+        Strategy([Split(2), "place"]).apply(None)
+
+
+def test_shard_kind_is_a_shard_kind():
+    assert Shard({"PP": 0}, (0, 1), kind="ep").kind is ShardKind.EP
+    assert Shard({"PP": 0}, (0, 1)).kind is ShardKind.TP
+    assert "kind='ep'" in str(Shard({"PP": 0}, (0, 1), kind=ShardKind.EP))
+    with pytest.raises(DirectiveError, match=r"kind must be one of \['tp', 'ep'\], got 'xp'") as err:
+        Shard({"PP": 0}, (0, 1), kind="xp")
+    assert "kind='xp'" in str(err.value)

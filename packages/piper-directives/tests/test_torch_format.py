@@ -104,7 +104,7 @@ def _torch_dump(cls, pp, m, local_stages, tmp_path, fmt="compute_only"):
         sched = getattr(schedules, cls)(stages, m)
         path = tmp_path / f"{cls}.csv"
         sched._dump_csv(str(path), format=fmt)
-    except Exception as err:  # noqa: BLE001 - private torch API; skip if it moved
+    except Exception as err:  # private torch API; skip if it moved
         pytest.skip(f"torch's schedule internals changed: {err!r}")
     return path
 

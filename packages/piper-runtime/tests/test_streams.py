@@ -17,7 +17,7 @@ def _c(ident: str, phase: Phase = Phase.F, mb: int = 0, **kw: object) -> Instruc
     return Instruction(ident, NodeKind.COMPUTE, segment="s", phase=phase, microbatch=mb, **kw)
 
 
-def _recorder(delays: dict[str, float] | None = None):  # noqa: ANN202
+def _recorder(delays: dict[str, float] | None = None):
     delays = delays or {}
     log: list[tuple[str, str, float, float]] = []
     lock = threading.Lock()

@@ -34,7 +34,7 @@ FREE_LOSS = {"loss": {"F": 0, "B": 0, "BI": 0, "BW": 0}}
 _PROGRAMS: dict[tuple, object] = {}
 
 
-def _dualpipev(ranks: int, microbatches: int):  # noqa: ANN202
+def _dualpipev(ranks: int, microbatches: int):
     if (ranks, microbatches) not in _PROGRAMS:
         strategy = build_schedule("dualpipev", ranks, microbatches)
         graph = synthetic_graph(2 * ranks, microbatches, 1, hidden=4)
@@ -42,7 +42,7 @@ def _dualpipev(ranks: int, microbatches: int):  # noqa: ANN202
     return _PROGRAMS[(ranks, microbatches)]
 
 
-def _dualpipe(ranks: int, microbatches: int):  # noqa: ANN202
+def _dualpipe(ranks: int, microbatches: int):
     key = ("dualpipe", ranks, microbatches)
     if key not in _PROGRAMS:
         graph = build_schedule("dualpipe", ranks, microbatches).apply(synthetic_graph(ranks, microbatches, 1, hidden=4))
@@ -114,7 +114,7 @@ def test_dualpipev_bubble_closed_form_and_memory(ranks, microbatches):
     _check_bubbles(program, 2 * ranks)  # PP in the table: two stages per rank
 
 
-def _check_bubbles(program, stages: int) -> None:  # noqa: ANN001 - a Program
+def _check_bubbles(program, stages: int) -> None:  # a Program
     """Max idle over ranks is ``(PP/2-1)(2B-3W)``, never above the table's
     ``(PP/2-1)(F&B+B-3W)`` and equal to it at F&B = B; peak activations PP+1 on every rank."""
     for f, w in COSTS:

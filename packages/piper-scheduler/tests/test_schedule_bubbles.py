@@ -31,7 +31,7 @@ class Regions(torch.nn.Module):
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(n))
 
-    def forward(self, x):  # noqa: ANN001, ANN201
+    def forward(self, x):
         for layer in self.layers:
             with directives.annotate("PP"):
                 x = torch.tanh(layer(x))
@@ -41,7 +41,7 @@ class Regions(torch.nn.Module):
 _GRAPHS: dict[int, object] = {}
 
 
-def _program(schedule: str, pp: int, microbatches: int, regions: int):  # noqa: ANN202
+def _program(schedule: str, pp: int, microbatches: int, regions: int):
     if regions not in _GRAPHS:
         torch.manual_seed(0)
         model = Regions(regions)

@@ -3,13 +3,26 @@ the budget fails at compile time, before any worker starts)."""
 
 from __future__ import annotations
 
-import argparse
 import json
+from pathlib import Path
 
 import pytest
 
-from piper_directives import Place, Replicate, Strategy, one_f_one_b
-from piper_train.cli import _replicated, main
+from piper_directives import Place, Replicate, Shard, Strategy, one_f_one_b
+from piper_ir import ShardKind
+from piper_train.cli import StrategyRequest, main
+from piper_train.cli.options import build_parser
+
+
+def _request(*argv: str) -> StrategyRequest:
+    """The request ``piper check ARGV`` makes."""
+    return StrategyRequest.from_args(build_parser().parse_args(["check", *argv]))
+
+
+def _file(tmp_path: Path, strategy: Strategy) -> str:
+    path = tmp_path / "strategy.json"
+    path.write_text(strategy.to_json())
+    return str(path)
 
 
 @pytest.mark.parametrize(
@@ -28,15 +41,17 @@ def test_bad_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[
     assert message in capsys.readouterr().err
 
 
-def test_dp_composes_with_a_schedule_and_a_strategy_file() -> None:
-    args = argparse.Namespace(dp=2, zero=3)
-    built = _replicated(args, lambda stages: one_f_one_b(2, 4, stages=stages))(2)
+def test_dp_composes_with_a_schedule_and_a_strategy_file(tmp_path: Path) -> None:
+    built = _request("--schedule", "1f1b", "--dp", "2", "--zero", "3").resolve(2)
+    assert built == one_f_one_b(2, 4, stages=2, dp=2, zero=3)
     assert [d.devices for d in built.directives if isinstance(d, Place)] == [(0, 2), (1, 3)]
     assert [(d.devices, d.zero) for d in built.directives if isinstance(d, Replicate)] == [((0, 2), 3), ((1, 3), 3)]
-    from_file = _replicated(args, Strategy.from_json(one_f_one_b(2, 4).to_json()))
-    assert isinstance(from_file, Strategy) and sum(isinstance(d, Replicate) for d in from_file.directives) == 2
-    plain = one_f_one_b(2, 4)
-    assert _replicated(argparse.Namespace(dp=1, zero=0), plain) is plain
+    from_file = _request("--strategy", _file(tmp_path, one_f_one_b(2, 4)), "--dp", "2", "--zero", "3").for_trainer()
+    assert from_file == built  # a JSON program is composed at once, not per model
+    schedule = _request("--dp", "2").for_trainer()
+    assert callable(schedule) and schedule(4) == one_f_one_b(2, 4, stages=4, dp=2)
+    plain = StrategyRequest(program=one_f_one_b(2, 4))
+    assert plain.for_trainer() is plain.program
 
 
 def test_memory_budget_fails_at_compile_time(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -53,15 +68,12 @@ def test_memory_budget_fails_at_compile_time(tmp_path, capsys: pytest.CaptureFix
     assert "rank 0:" in err and "rank 1:" in err and "gathered parameters" in err
 
 
-def test_tp_composes_with_a_schedule_and_a_strategy_file() -> None:
-    from piper_directives import Shard
-
-    args = argparse.Namespace(dp=1, zero=0, tp=2)
-    built = _replicated(args, lambda stages: one_f_one_b(2, 4, stages=stages))(2)
+def test_tp_composes_with_a_schedule_and_a_strategy_file(tmp_path: Path) -> None:
+    built = _request("--tp", "2").resolve(2)
     assert [d.devices for d in built.directives if isinstance(d, Place)] == [(0, 1), (2, 3)]
     assert [d.devices for d in built.directives if isinstance(d, Shard)] == [(0, 1), (2, 3)]
-    from_file = _replicated(args, Strategy.from_json(one_f_one_b(2, 4).to_json()))
-    assert isinstance(from_file, Strategy) and sum(isinstance(d, Shard) for d in from_file.directives) == 2
+    from_file = _request("--strategy", _file(tmp_path, one_f_one_b(2, 4)), "--tp", "2").for_trainer()
+    assert from_file == built
 
 
 @pytest.mark.parametrize(
@@ -78,15 +90,14 @@ def test_bad_tp_flags(argv: list[str], message: str, capsys: pytest.CaptureFixtu
     assert message in capsys.readouterr().err
 
 
-def test_ep_composes_with_a_schedule_and_a_strategy_file() -> None:
-    from piper_directives import Shard
-
-    args = argparse.Namespace(dp=1, zero=0, tp=1, ep=2)
-    built = _replicated(args, lambda stages: one_f_one_b(2, 4, stages=stages))(2)
+def test_ep_composes_with_a_schedule_and_a_strategy_file(tmp_path: Path) -> None:
+    built = _request("--ep", "2").resolve(2)
     assert [d.devices for d in built.directives if isinstance(d, Place)] == [(0, 1), (2, 3)]
-    assert [(d.devices, d.kind) for d in built.directives if isinstance(d, Shard)] == [((0, 1), "ep"), ((2, 3), "ep")]
-    from_file = _replicated(args, Strategy.from_json(one_f_one_b(2, 4).to_json()))
-    assert isinstance(from_file, Strategy) and sum(isinstance(d, Shard) for d in from_file.directives) == 2
+    assert [(d.devices, d.kind) for d in built.directives if isinstance(d, Shard)] == [
+        ((0, 1), ShardKind.EP), ((2, 3), ShardKind.EP)
+    ]
+    from_file = _request("--strategy", _file(tmp_path, one_f_one_b(2, 4)), "--ep", "2").for_trainer()
+    assert from_file == built
 
 
 @pytest.mark.parametrize(
@@ -107,11 +118,8 @@ def test_bad_ep_flags(argv: list[str], message: str, capsys: pytest.CaptureFixtu
 def test_tp_and_ep_compose_with_dp_and_zero() -> None:
     """--dp first (replica j of stage r on r + j * pp), then --tp/--ep widen every device d to
     d * k .. d * k + k - 1: the shard groups are adjacent, replicas of them further apart."""
-    from piper_directives import Shard
-
     def built(**flags: int) -> Strategy:
-        args = argparse.Namespace(**{"dp": 1, "zero": 0, "tp": 1, "ep": 1, **flags})
-        return _replicated(args, lambda stages: one_f_one_b(2, 4, stages=stages))(2)
+        return _request(*(f"--{k}={v}" for k, v in flags.items())).resolve(2)
 
     tp = built(dp=2, zero=1, tp=2)
     assert [d.devices for d in tp.directives if isinstance(d, Place)] == [(0, 1, 4, 5), (2, 3, 6, 7)]
@@ -126,3 +134,22 @@ def test_tp_and_ep_compose_with_dp_and_zero() -> None:
     assert {d.zero for d in ep.directives if isinstance(d, Replicate)} == {2}
     alone = built(zero=1, ep=2)  # ZeRO over the expert-parallel group, which is data-parallel
     assert [(d.devices, d.zero) for d in alone.directives if isinstance(d, Replicate)] == [((0, 1), 1), ((2, 3), 1)]
+
+
+
+def test_strategy_request_reads_the_file_once_and_says_what_needs_the_model(tmp_path: Path) -> None:
+    """A JSON program is read and parsed when the request is made and does not depend on the
+    model; a schedule and a torch CSV take the model's region count."""
+    json_file = _file(tmp_path, one_f_one_b(2, 4, stages=4))
+    request = _request("--strategy", json_file)
+    assert request.name == json_file and not request.needs_regions
+    Path(json_file).unlink()
+    assert request.resolve(None) == request.resolve(8) == one_f_one_b(2, 4, stages=4)
+    csv_file = tmp_path / "s.csv"
+    csv_file.write_text("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n")
+    csv = _request("--strategy", str(csv_file), "--dp", "2")
+    assert csv.needs_regions and csv.name == str(csv_file)
+    assert [d.devices for d in csv.resolve(4).directives if isinstance(d, Place)] == [(0, 2), (0, 2), (1, 3), (1, 3)]
+    assert _request("--schedule", "gpipe").name == "gpipe"
+    with pytest.raises(ValueError, match="cannot read --strategy"):
+        _request("--strategy", str(tmp_path / "missing.json"))

@@ -1,6 +1,8 @@
 """``piper simulate``, ``piper plan`` and ``piper show``, run in-process."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -125,3 +127,19 @@ def test_simulate_charges_overlapped_pairs_fb(capsys):
     fused = _json(capsys)
     assert fused["makespan"] < plain["makespan"]
     assert max(fused["idle"]) == 3.0  # (PP/2-1)(F&B+B-3W) with PP = 8 stages, F&B = B = 2
+
+
+def test_scheduling_commands_import_neither_torch_nor_ray(tmp_path):
+    """simulate, show and a synthetic plan run no processes: they leave torch and ray unimported."""
+    out = tmp_path / "p.json"
+    code = (
+        "import sys\n"
+        "from piper_train.cli import main\n"
+        f"assert main(['plan', '--synthetic', '--out', {str(out)!r}]) == 0\n"
+        f"assert main(['show', {str(out)!r}, '--json']) == 0\n"
+        "assert main(['simulate', '--schedule', 'zb1p', '--json']) == 0\n"
+        "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"

@@ -127,7 +127,7 @@ class _RegionTracer(torch.fx.Tracer):
         self.annotate = annotate
         self.outside: list[str] = []
 
-    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):  # noqa: ANN001, ANN201
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         if kind.startswith("call_") and self.annotate.depth == 0:
             self.outside.append(f"{kind} {target}")
         return super().create_node(kind, target, args, kwargs, name, type_expr)

@@ -8,13 +8,14 @@ programs and schedules can be built and applied without torch.
 from importlib.metadata import PackageNotFoundError, version
 
 from piper_directives.annotate import annotate
+from piper_directives.communication import insert_communication
 from piper_directives.order import Order
-from piper_directives.place import Place, insert_communication, place_all
+from piper_directives.parallelize import data_parallel, expert_parallel, parallelize, tensor_parallel
+from piper_directives.place import Place, place_all, send_streams
 from piper_directives.replicate import Replicate, replicate_all
 from piper_directives.schedules import (
     SCHEDULES,
     build_schedule,
-    data_parallel,
     dualpipe,
     dualpipev,
     gpipe,
@@ -23,10 +24,10 @@ from piper_directives.schedules import (
     rank_actions,
     zb1p,
 )
-from piper_directives.shard import Shard, expert_parallel, shard_all, tensor_parallel
+from piper_directives.shard import Shard, shard_all
 from piper_directives.split import Split
 from piper_directives.split_backward import requested_splits, split_backward
-from piper_directives.strategy import Directive, Strategy, apply_strategy
+from piper_directives.strategy import DIRECTIVES, Directive, Strategy, apply_strategy
 from piper_directives.torch_format import strategy_from_torch_csv, strategy_to_torch_csv
 
 _TORCH_SIDE = {"capture", "CapturedModel", "LossModule"}
@@ -50,8 +51,9 @@ except PackageNotFoundError:
     __version__ = "0.0.0"
 
 __all__ = [
-    "SCHEDULES", "CapturedModel", "Directive", "LossModule", "Order", "Place", "Replicate", "Shard", "Split", "Strategy",
-    "annotate", "apply_strategy", "build_schedule", "capture", "data_parallel", "dualpipe", "dualpipev", "gpipe",
-    "insert_communication", "interleaved_1f1b", "one_f_one_b", "place_all", "rank_actions", "replicate_all",
-    "expert_parallel", "requested_splits", "shard_all", "shard_modules", "split_backward", "strategy_from_torch_csv", "strategy_to_torch_csv", "tensor_parallel", "zb1p",
+    "DIRECTIVES", "SCHEDULES", "CapturedModel", "Directive", "LossModule", "Order", "Place", "Replicate", "Shard",
+    "Split", "Strategy", "annotate", "apply_strategy", "build_schedule", "capture", "data_parallel", "dualpipe",
+    "dualpipev", "expert_parallel", "gpipe", "insert_communication", "interleaved_1f1b", "one_f_one_b",
+    "parallelize", "place_all", "rank_actions", "replicate_all", "requested_splits", "send_streams", "shard_all",
+    "shard_modules", "split_backward", "strategy_from_torch_csv", "strategy_to_torch_csv", "tensor_parallel", "zb1p",
 ]

@@ -54,7 +54,7 @@ def tracing() -> Iterator[None]:
         _state.active, _state.stack = False, []
 
 
-class annotate:  # noqa: N801 - used like a keyword: ``with annotate("PP"):``
+class annotate:  # used like a keyword: ``with annotate("PP"):``
     """Mark the operations inside a ``with`` block as one region with ``tag``.
 
     ``index`` fixes the region's index for its tag; by default regions of one tag are

@@ -67,7 +67,7 @@ class _ScopeTracer(torch.fx.Tracer):
         super().__init__()
         self.record_stack_traces = True
 
-    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):  # noqa: ANN001, ANN201
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         node.meta["piper_scopes"] = current_scopes()
         return node

@@ -115,7 +115,7 @@ class _AllToAll(torch.autograd.Function):
     ``backward_group`` (a forward and a backward may run at once on two threads)."""
 
     @staticmethod
-    def forward(  # noqa: ANN001
+    def forward(
         ctx, x: torch.Tensor, send: list[int], recv: list[int], comm: ExpertParallelComm
     ) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.comm = send, recv, comm
@@ -126,7 +126,7 @@ class _AllToAll(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:  # noqa: ANN001
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
         start = time.perf_counter()
         dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.comm.backward_group)

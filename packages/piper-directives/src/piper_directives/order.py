@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import ClassVar
 
 import attrs
 
-from piper_directives.source import user_location
+from piper_directives.common import JsonObject, filter_from_json, user_location
 from piper_ir import DirectiveError, Edge, EdgeKind, Filter, Graph, Node, NodeKind, find_cycle
 
 
@@ -36,12 +37,26 @@ def _to_slots(value: Sequence) -> tuple[tuple[Filter, ...], ...]:
 
 @attrs.frozen
 class Order:
+    op: ClassVar[str] = "order"
+
     slots: tuple[tuple[Filter, ...], ...] = attrs.field(converter=_to_slots)
     name: str = "Order"
     where: str = attrs.field(factory=user_location, eq=False)
 
     def __str__(self) -> str:
         return f"{self.name}({len(self.slots)} slots) at {self.where}"
+
+    def to_json(self) -> JsonObject:
+        return {"op": self.op, "name": self.name, "slots": [[f.as_dict() for f in slot] for slot in self.slots]}
+
+    @classmethod
+    def from_json(cls, item: JsonObject, where: str) -> Order:
+        """``slots``: a list of slots, each a filter or a list of filters."""
+        slots = item["slots"]
+        if not isinstance(slots, list) or not slots:
+            raise DirectiveError(f"{where}: slots must be a non-empty list")
+        parsed = [[filter_from_json(f, where) for f in (s if isinstance(s, list) else [s])] for s in slots]
+        return cls(**{**item, "slots": parsed}, where=where)
 
     def apply(self, graph: Graph) -> Graph:
         _check_placed(self, graph)

@@ -4,8 +4,9 @@
 regions stay in sync (docs/ir-conventions.md, section 7). ``devices`` must be the group the
 regions are placed on; the group's size N is the data-parallel degree.
 
-``replicate_all(graph, replicates)`` runs inside ``place_all``, after the placement and before
-communication is inserted. Requires a placed graph. Guarantees:
+``replicate_all(graph, replicates)`` is the Replicate phase of ``Strategy.apply``: after
+Place and Shard (which groups are tensor-parallel decides what is replicated and how the
+batch is cut), before communication is inserted. Requires a placed graph. Guarantees:
 
 - one ``Replication`` per segment placed on several devices (``Graph.replication``): the
   matching ``Replicate``'s settings, else ``Replication(zero=0)`` with default buckets;
@@ -34,11 +35,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import ClassVar
 
 import attrs
 
-from piper_directives.place import _to_filter, placement_groups, segments_on_group
-from piper_directives.source import user_location
+from piper_directives.common import (
+    JsonObject,
+    devices_from_json,
+    filter_from_json,
+    to_devices,
+    to_filter,
+    user_location,
+)
+from piper_directives.groups import placement_groups, segments_on_group
 from piper_ir import (
     Bucket,
     DirectiveError,
@@ -56,11 +65,6 @@ from piper_ir import (
 ZERO_LEVELS = (0, 1, 2, 3)
 DEFAULT_BUCKET_MB = 25.0
 
-
-def _devices(value: object) -> tuple[int, ...]:
-    return (value,) if isinstance(value, int) else tuple(value)  # type: ignore[arg-type]
-
-
 @attrs.frozen
 class Replicate:
     """Keep the replicas of the regions matched by ``filter`` (placed on ``devices``) in sync.
@@ -71,8 +75,10 @@ class Replicate:
     ``reduce_stream``, parameter gathers on ``gather_stream``.
     """
 
-    filter: Filter = attrs.field(converter=_to_filter)
-    devices: tuple[int, ...] = attrs.field(converter=_devices)
+    op: ClassVar[str] = "replicate"
+
+    filter: Filter = attrs.field(converter=to_filter)
+    devices: tuple[int, ...] = attrs.field(converter=to_devices)
     zero: int = 0
     bucket_mb: float = DEFAULT_BUCKET_MB
     reduce_stream: str = "dp"
@@ -106,6 +112,15 @@ class Replicate:
             f"Replicate({self.filter}, devices={list(self.devices)}, zero={self.zero!r}, "
             f"bucket_mb={self.bucket_mb!r}) at {self.where}"
         )
+
+    def to_json(self) -> JsonObject:
+        return {"op": self.op, "filter": self.filter.as_dict(), "devices": list(self.devices), "zero": self.zero,
+                "bucket_mb": self.bucket_mb, "reduce_stream": self.reduce_stream, "gather_stream": self.gather_stream}
+
+    @classmethod
+    def from_json(cls, item: JsonObject, where: str) -> Replicate:
+        return cls(**{**item, "filter": filter_from_json(item["filter"], where),
+                      "devices": devices_from_json(item["devices"], where)}, where=where)
 
 
 def replicate_all(graph: Graph, replicates: Sequence[Replicate]) -> Graph:

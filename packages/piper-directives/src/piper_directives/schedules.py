@@ -13,9 +13,10 @@ Every builder returns a ``Strategy``; nothing downstream knows the schedule's na
 ``zb1p``, ``dualpipe`` and ``dualpipev`` name BI/BW passes in their orders, which splits those chunks'
 backward (``split_backward``). ``docs/schedules.md`` writes a schedule from scratch.
 
-Every builder takes ``dp`` and ``zero``: ``data_parallel`` rewrites the pipeline-only program
-so pipeline rank r, replica j runs on device ``r + j * pp`` and appends a ``Replicate`` per
-region, so each schedule composes with data parallelism and ZeRO without code of its own.
+Every builder writes the pipeline-only program and takes ``dp``, ``zero``, ``tp`` and ``ep``,
+which ``parallelize`` applies on top (pipeline rank r of replica j on device ``r + j * pp``,
+each widened to ``tp`` or ``ep`` adjacent devices), so each schedule composes with data,
+tensor and expert parallelism and ZeRO without code of its own.
 """
 
 from __future__ import annotations
@@ -25,72 +26,24 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 
 from piper_directives.order import Order
-from piper_directives.place import Place, segment_group
-from piper_directives.replicate import DEFAULT_BUCKET_MB, Replicate
+from piper_directives.parallelize import parallelize
+from piper_directives.place import Place
 from piper_directives.split import Split
 from piper_directives.strategy import Strategy
-from piper_ir import MB, DirectiveError, Filter
+from piper_ir import DirectiveError, Filter
 
 LOSS = "loss"
 
 
-def data_parallel(strategy: Strategy, dp: int, zero: int = 0, *, bucket_mb: float = DEFAULT_BUCKET_MB) -> Strategy:
-    """``strategy``, a pipeline-only program over ``pp`` devices, replicated ``dp`` times.
-
-    Each ``Place(filter, (r,))`` becomes ``Place(filter, (r, r + pp, ..., r + (dp - 1) * pp))``
-    and gets a ``Replicate(filter, that group, zero, bucket_mb)``; Split and Order stay as they
-    are (an Order orders each device of a group alike). Replica j of every rank thus forms the
-    j-th copy of the whole pipeline, and activations flow only within one copy. A region
-    placed per microbatch set on several ranks (``MB`` in the filter, DualPipe's mirrored
-    replicas) gets one ``Replicate`` over the union of its groups.
-    """
-    for what, v in (("dp", dp), ("zero", zero)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise DirectiveError(f"data_parallel: {what} must be an int, got {v!r}")
-    if dp < 1:
-        raise DirectiveError(f"data_parallel: dp must be a positive int, got {dp!r}")
-    if zero not in (0, 1, 2, 3):
-        raise DirectiveError(f"data_parallel: zero must be one of 0, 1, 2, 3, got {zero!r}")
-    if dp == 1:
-        if zero:
-            raise DirectiveError(f"data_parallel: ZeRO-{zero} shards over data-parallel replicas; it needs dp >= 2")
-        return strategy
-    places = [d for d in strategy.directives if isinstance(d, Place)]
-    for place in places:
-        if len(place.devices) != 1:
-            raise DirectiveError(
-                "data_parallel: the strategy is already replicated (a Place names several devices)",
-                directive=str(place),
-            )
-    pp = max((p.devices[0] for p in places), default=-1) + 1
-    out: list = []
-    # Regions (the filter without MB) -> their groups and the first Place naming them. A region
-    # whose microbatches are placed on several groups (DualPipe's mirrored replicas) is
-    # replicated over the union of those groups (``place.segment_group``).
-    regions: dict[Filter, tuple[list[tuple[int, ...]], Place]] = {}
-    for d in strategy.directives:
-        if isinstance(d, Place):
-            group = tuple(d.devices[0] + j * pp for j in range(dp))
-            out.append(Place(d.filter, group, d.stream, where=d.where))
-            key = Filter(tuple(item for item in d.filter.items if item[0] != MB))
-            regions.setdefault(key, ([], d))[0].append(group)
-        elif isinstance(d, Replicate):
-            raise DirectiveError("data_parallel: the strategy already has a Replicate", directive=str(d))
-        else:
-            out.append(d)
-    replicates = [
-        Replicate(key, segment_group(groups), zero, bucket_mb, where=first.where)
-        for key, (groups, first) in regions.items()
-    ]
-    return Strategy([*out, *replicates])
-
-
-def _composes_with_dp(builder: Callable[..., Strategy]) -> Callable[..., Strategy]:
-    """Give ``builder`` the keywords ``dp`` and ``zero`` (see ``data_parallel``)."""
+def _composes(builder: Callable[..., Strategy]) -> Callable[..., Strategy]:
+    """Give the pipeline-only ``builder`` the keywords ``dp``, ``zero``, ``tp`` and ``ep``
+    (``parallelize``)."""
 
     @functools.wraps(builder)
-    def build(pp: int, microbatches: int, *, dp: int = 1, zero: int = 0, **kwargs: object) -> Strategy:
-        return data_parallel(builder(pp, microbatches, **kwargs), dp, zero)
+    def build(
+        pp: int, microbatches: int, *, dp: int = 1, zero: int = 0, tp: int = 1, ep: int = 1, **kwargs: object
+    ) -> Strategy:
+        return parallelize(builder(pp, microbatches, **kwargs), dp=dp, zero=zero, tp=tp, ep=ep)
 
     return build
 
@@ -121,7 +74,7 @@ def _slot(rank: int, pp: int, stages: int, tag: str, phase: str, mb: int) -> lis
     return slot
 
 
-@_composes_with_dp
+@_composes
 def gpipe(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
     """GPipe: every rank runs all forwards, then all backwards."""
     stages = _check("gpipe", pp, microbatches, stages)
@@ -133,7 +86,7 @@ def gpipe(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "
     return Strategy([Split(microbatches), *_placement(pp, stages, tag), *orders])
 
 
-@_composes_with_dp
+@_composes
 def one_f_one_b(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
     """1F1B: ``pp - r - 1`` warm-up forwards on rank r, then one forward, one backward."""
     stages = _check("1f1b", pp, microbatches, stages)
@@ -154,14 +107,14 @@ def one_f_one_b(pp: int, microbatches: int, *, stages: int | None = None, tag: s
 # The builders below compute, per rank, a list of *slots* of *actions*. An action is
 # ``(stage, pass, microbatch)`` with pass F, B, BI or BW; a slot holding two actions is an
 # overlapped pair (DualPipe's F&B). A "stage" here is a schedule stage: a contiguous group of
-# ``regions // n_stages`` annotated regions. ``_strategy`` turns the lists into
+# ``regions // n_stages`` annotated regions. ``strategy_from_slots`` turns the lists into
 # Split + Place + Order; naming BI/BW in an Order is what splits a chunk's backward.
 
 Action = tuple[int, str, int]
 Slot = tuple[Action, ...]
 
 
-def _strategy(
+def strategy_from_slots(
     name: str,
     microbatches: int,
     regions: int,
@@ -169,6 +122,9 @@ def _strategy(
     rank_slots: list[list[Slot]],
     tag: str,
 ) -> Strategy:
+    """Split + Place + Order from per-rank slots: schedule stage ``k`` (``regions /
+    len(stage_rank)`` contiguous regions) on rank ``stage_rank[k]``, one ``Order`` per rank
+    named ``<name>.rank<r>``. ``torch_format`` builds strategies from torch's CSV with it."""
     per = regions // len(stage_rank)
     places = [Place(Filter.of({tag: j}), (stage_rank[j // per],)) for j in range(regions)]
     orders = _orders(name, len(stage_rank), per, rank_slots, tag)
@@ -244,7 +200,7 @@ def _one_f_one_b_actions(
     return slots
 
 
-@_composes_with_dp
+@_composes
 def interleaved_1f1b(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
     """Interleaved 1F1B (Narayanan et al. 2021, as torch's ``ScheduleInterleaved1F1B``).
 
@@ -268,10 +224,10 @@ def interleaved_1f1b(pp: int, microbatches: int, *, stages: int | None = None, t
         )
     v = stages // pp
     slots = [_one_f_one_b_actions(r, pp, v, microbatches, zero_bubble=False) for r in range(pp)]
-    return _strategy("interleaved_1f1b", microbatches, stages, [k % pp for k in range(stages)], slots, tag)
+    return strategy_from_slots("interleaved_1f1b", microbatches, stages, [k % pp for k in range(stages)], slots, tag)
 
 
-@_composes_with_dp
+@_composes
 def zb1p(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
     """ZB-H1 zero bubble (Qi et al. 2024; torch's ``ScheduleInterleavedZeroBubble`` with one
     stage per rank): 1F1B with every backward split into BI and BW; rank r postpones r of
@@ -284,7 +240,7 @@ def zb1p(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "P
     if microbatches < pp:
         raise DirectiveError(f"zb1p: ZB-H1 needs at least as many microbatches as ranks, got {microbatches} for pp={pp}")
     slots = [_one_f_one_b_actions(r, pp, 1, microbatches, zero_bubble=True) for r in range(pp)]
-    return _strategy("zb1p", microbatches, stages, list(range(pp)), slots, tag)
+    return strategy_from_slots("zb1p", microbatches, stages, list(range(pp)), slots, tag)
 
 
 def _dualpipev_actions(rank: int, pp: int, microbatches: int) -> list[Slot]:
@@ -352,7 +308,7 @@ def _dualpipev_actions(rank: int, pp: int, microbatches: int) -> list[Slot]:
     return slots
 
 
-@_composes_with_dp
+@_composes
 def dualpipev(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
     """DualPipeV (DeepSeek; the "cut-in-half" DualPipe): ``2 * pp`` schedule stages in a V,
     rank r holding stages r and ``2pp - 1 - r`` (the loss ends up on rank 0), overlapped
@@ -375,7 +331,7 @@ def dualpipev(pp: int, microbatches: int, *, stages: int | None = None, tag: str
         )
     stage_rank = [min(k, 2 * pp - 1 - k) for k in range(2 * pp)]
     slots = [_dualpipev_actions(r, pp, microbatches) for r in range(pp)]
-    return _strategy("dualpipev", microbatches, stages, stage_rank, slots, tag)
+    return strategy_from_slots("dualpipev", microbatches, stages, stage_rank, slots, tag)
 
 
 def _dualpipe_actions(rank: int, pp: int, microbatches: int) -> list[Slot]:
@@ -404,9 +360,8 @@ def _dualpipe_actions(rank: int, pp: int, microbatches: int) -> list[Slot]:
     ]
 
 
-def dualpipe(
-    pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP", dp: int = 1, zero: int = 0
-) -> Strategy:
+@_composes
+def dualpipe(pp: int, microbatches: int, *, stages: int | None = None, tag: str = "PP") -> Strategy:
     """DualPipe (DeepSeek-V3, bidirectional): the first half of the microbatches runs stages
     ``0 .. pp-1`` on ranks ``0 .. pp-1``, the second half runs them on ranks ``pp-1 .. 0``, so
     rank r holds stage r and stage ``pp - 1 - r``; overlapped forward/backward pairs in the
@@ -445,7 +400,7 @@ def dualpipe(
         for d in (0, 1)
     ]
     orders = _orders("dualpipe", pp, per, [_dualpipe_actions(r, pp, microbatches) for r in range(pp)], tag)
-    return data_parallel(Strategy([Split(microbatches), *places, *orders]), dp, zero)
+    return Strategy([Split(microbatches), *places, *orders])
 
 
 SCHEDULES: dict[str, Callable[..., Strategy]] = {
@@ -467,14 +422,17 @@ def build_schedule(
     tag: str = "PP",
     dp: int = 1,
     zero: int = 0,
+    tp: int = 1,
+    ep: int = 1,
 ) -> Strategy:
     """The library schedule ``name`` over ``pp`` pipeline ranks, replicated ``dp`` times with
-    ZeRO level ``zero`` (devices ``r + j * pp``; see ``data_parallel``)."""
+    ZeRO level ``zero``, each stage tensor-parallel over ``tp`` or expert-parallel over ``ep``
+    devices (``parallelize``: stage r of replica j on ``(r + j * pp) * k + t``)."""
     try:
         builder = SCHEDULES[name]
     except KeyError:
         raise DirectiveError(f"unknown schedule {name!r}; known: {', '.join(sorted(SCHEDULES))}") from None
-    return builder(pp, microbatches, stages=stages, tag=tag, dp=dp, zero=zero)
+    return parallelize(builder(pp, microbatches, stages=stages, tag=tag), dp=dp, zero=zero, tp=tp, ep=ep)
 
 
 _TORCH_LETTER = {"F": "F", "B": "B", "BI": "I", "BW": "W"}

@@ -1,7 +1,7 @@
-"""``Shard``: tensor (``kind="tp"``) or expert (``kind="ep"``) parallelism over the device
-group a ``Place`` made. This docstring describes ``tp``; for ``ep`` (the group stays
-data-parallel for the non-expert weights) see ``_shard_experts`` and
-docs/ir-conventions.md, section 9.
+"""``Shard``: tensor (``kind="tp"``, ``ShardKind.TP``) or expert (``kind="ep"``,
+``ShardKind.EP``) parallelism over the device group a ``Place`` made. This docstring
+describes ``tp``; for ``ep`` (the group stays data-parallel for the non-expert weights) see
+``_shard_experts`` and docs/ir-conventions.md, section 9.
 
 ``Shard(filter, devices, kind="tp", degree=len(devices))`` says that the regions matched by
 ``filter``, placed on ``devices``, run SPMD in tensor-parallel groups of ``degree``
@@ -12,8 +12,8 @@ data-parallel replicas of each other (DP x TP): ``devices`` is replica-major, th
 one position of every group hold the same shard and reduce its gradients (a ``Replicate`` on
 the same devices sets the ZeRO level).
 
-``shard_all(graph, shards)`` runs inside ``place_all``, after the placement and before
-``replicate_all``. Requires a placed graph. Guarantees:
+``shard_all(graph, shards)`` is the Shard phase of ``Strategy.apply``: after Place, before
+Replicate (``replicate_all`` reads ``Graph.sharding``). Requires a placed graph. Guarantees:
 
 - one ``Sharding(segment, devices, "tp", degree)`` per matched segment in
   ``Graph.sharding``, with ``origin`` naming the directive; the loss segment, when it sits on
@@ -31,18 +31,29 @@ until then ``params`` is empty.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import attrs
 
-from piper_directives.place import _to_filter, placement_groups, segments_on_group
-from piper_directives.source import user_location
-from piper_ir import DirectiveError, Filter, Graph, SegmentRole, Sharding
+from piper_directives.common import (
+    JsonObject,
+    devices_from_json,
+    filter_from_json,
+    to_devices,
+    to_filter,
+    user_location,
+)
+from piper_directives.groups import OnGroup, placement_groups, segments_on_group
+from piper_ir import DirectiveError, Filter, Graph, SegmentRole, Sharding, ShardKind
 
-KINDS = ("tp", "ep")
 
-
-def _devices(value: object) -> tuple[int, ...]:
-    return (value,) if isinstance(value, int) else tuple(value)  # type: ignore[arg-type]
+def _to_kind(value: object) -> object:
+    """attrs converter: a ``ShardKind`` (``"tp"`` or ``"ep"``); anything else is kept for
+    ``Shard.__attrs_post_init__`` to refuse with the directive named."""
+    try:
+        return ShardKind(value)
+    except (ValueError, TypeError):
+        return value
 
 
 @attrs.frozen
@@ -54,16 +65,18 @@ class Shard:
     parallel, the ranks are data-parallel replicas of everything but the experts, each
     holding ``E / N`` experts, tokens routed to them with all-to-alls."""
 
-    filter: Filter = attrs.field(converter=_to_filter)
-    devices: tuple[int, ...] = attrs.field(converter=_devices)
-    kind: str = "tp"
+    op: ClassVar[str] = "shard"
+
+    filter: Filter = attrs.field(converter=to_filter)
+    devices: tuple[int, ...] = attrs.field(converter=to_devices)
+    kind: ShardKind = attrs.field(default=ShardKind.TP, converter=_to_kind)
     degree: int = attrs.field(default=attrs.Factory(lambda self: len(self.devices), takes_self=True))
     where: str = attrs.field(factory=user_location, eq=False)
 
     def __attrs_post_init__(self) -> None:
-        if self.kind not in KINDS:
+        if not isinstance(self.kind, ShardKind):
             raise DirectiveError(
-                f"kind must be one of {list(KINDS)}, got {self.kind!r}",
+                f"kind must be one of {[k.value for k in ShardKind]}, got {self.kind!r}",
                 directive=str(self),
             )
         if len(self.devices) < 2:
@@ -81,10 +94,20 @@ class Shard:
 
     def __str__(self) -> str:
         degree = "" if self.degree == len(self.devices) else f", degree={self.degree}"
-        return f"Shard({self.filter}, devices={list(self.devices)}, kind={self.kind!r}{degree}) at {self.where}"
+        kind = self.kind.value if isinstance(self.kind, ShardKind) else self.kind
+        return f"Shard({self.filter}, devices={list(self.devices)}, kind={kind!r}{degree}) at {self.where}"
+
+    def to_json(self) -> JsonObject:
+        out = {"op": self.op, "filter": self.filter.as_dict(), "devices": list(self.devices), "kind": self.kind.value}
+        return out if self.degree == len(self.devices) else {**out, "degree": self.degree}
+
+    @classmethod
+    def from_json(cls, item: JsonObject, where: str) -> Shard:
+        return cls(**{**item, "filter": filter_from_json(item["filter"], where),
+                      "devices": devices_from_json(item["devices"], where)}, where=where)
 
 
-def shard_all(graph: Graph, shards: Sequence[Shard], replicated: Sequence[object] = ()) -> Graph:
+def shard_all(graph: Graph, shards: Sequence[Shard], replicated: Sequence[OnGroup] = ()) -> Graph:
     """Record ``Graph.sharding`` for ``shards`` (module doc); ``replicated`` are the
     strategy's ``Replicate`` directives, refused on a tensor-parallel group without
     data-parallel replicas (``degree == len(devices)``)."""
@@ -102,7 +125,7 @@ def shard_all(graph: Graph, shards: Sequence[Shard], replicated: Sequence[object
             "same size, so every group has the same number of data-parallel replicas",
             directive=str(shards[0]),
         )
-    if kinds == {"ep"}:
+    if kinds == {ShardKind.EP}:
         return _shard_experts(graph, shards)
     group = placement_groups(graph)
     chosen: dict[str, Shard] = {}
@@ -126,7 +149,7 @@ def shard_all(graph: Graph, shards: Sequence[Shard], replicated: Sequence[object
             )
     pure = {s.devices for s in chosen.values() if s.degree == len(s.devices)}
     for rep in replicated:
-        if getattr(rep, "devices", None) in pure:
+        if rep.devices in pure:
             raise DirectiveError(
                 "Replicate on a tensor-parallel group that has no data-parallel replicas (its Shard's degree "
                 "is the group size); for data x tensor parallelism place the regions on dp x tp devices and "
@@ -152,71 +175,8 @@ def _shard_experts(graph: Graph, shards: Sequence[Shard]) -> Graph:
             if seg.role is SegmentRole.STAGE:
                 chosen.setdefault(seg.id, shard)
     sharding = tuple(
-        Sharding(seg.id, chosen[seg.id].devices, "ep", chosen[seg.id].degree, origin=str(chosen[seg.id]))
+        Sharding(seg.id, chosen[seg.id].devices, ShardKind.EP, chosen[seg.id].degree, origin=str(chosen[seg.id]))
         for seg in graph.segments
         if seg.id in chosen
     )
     return attrs.evolve(graph, sharding=sharding)
-
-
-def sharded_segments(graph: Graph) -> dict[str, Sharding]:
-    return {s.segment: s for s in graph.sharding}
-
-
-def tensor_parallel(strategy, tp: int):  # noqa: ANN001, ANN201 - Strategy in, Strategy out
-    """``strategy``, a pipeline program (optionally data-parallel, from ``data_parallel``),
-    with every region run tensor-parallel over ``tp`` adjacent devices: device ``d`` becomes
-    ``d*tp, ..., d*tp + tp - 1``, so ``Place(filter, (r,))`` becomes ``Place(filter, (r*tp,
-    ..., r*tp + tp - 1))`` plus a ``Shard`` over that group (tensor parallelism innermost, as
-    Megatron lays it out: its all-reduces are the most frequent traffic). A data-parallel
-    group ``(d0, d1, ...)`` becomes ``(d0*tp, ..., d0*tp + tp - 1, d1*tp, ...)`` with a
-    ``Shard(degree=tp)`` and its ``Replicate`` moved onto it: DP x TP. Split and Order stay."""
-    return _shard_every_stage(strategy, tp, "tp", "tensor_parallel")
-
-
-def expert_parallel(strategy, ep: int, *, zero: int | None = None):  # noqa: ANN001, ANN201 - Strategy in, Strategy out
-    """``strategy``, a pipeline program (optionally data-parallel, from ``data_parallel``),
-    with every region run expert-parallel over ``ep`` adjacent devices, laid out as in
-    ``tensor_parallel``, with a ``Shard(kind="ep", degree=ep)``. Each expert-parallel group is
-    data-parallel for the non-expert weights, and so are data-parallel replicas of it: the
-    non-expert weights are reduced over the whole group (``ep * dp`` ranks), each expert's
-    over the ``dp`` ranks holding it; the all-to-alls stay within ``ep`` adjacent ranks.
-    ``zero`` (only for a strategy without ``Replicate``) adds one per group with that ZeRO
-    level for the non-expert weights. Split and Order stay as they are."""
-    return _shard_every_stage(strategy, ep, "ep", "expert_parallel", zero=zero)
-
-
-def _shard_every_stage(strategy, degree: int, kind: str, name: str, *, zero: int | None = None):  # noqa: ANN001, ANN202
-    from piper_directives.place import Place
-    from piper_directives.replicate import Replicate
-    from piper_directives.strategy import Strategy
-
-    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-        raise DirectiveError(f"{name}: {kind} must be a positive int, got {degree!r}")
-    if degree == 1:
-        if zero:
-            raise DirectiveError(f"{name}: ZeRO-{zero} shards over replicas; it needs {kind} >= 2")
-        return strategy
-    has_replicate = any(isinstance(d, Replicate) for d in strategy.directives)
-    if zero is not None and has_replicate:
-        raise DirectiveError(f"{name}: zero= is for a strategy without Replicate; this one has its own")
-
-    def widen(devices: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(d * degree + j for d in devices for j in range(degree))
-
-    out: list = []
-    shards: list = []
-    for d in strategy.directives:
-        if isinstance(d, Place):
-            group = widen(d.devices)
-            out.append(Place(d.filter, group, d.stream, where=d.where))
-            shards.append(Shard(d.filter, group, kind=kind, degree=degree, where=d.where))
-            if zero is not None:
-                out.append(Replicate(d.filter, group, zero, where=d.where))
-        elif isinstance(d, Replicate):
-            out.append(attrs.evolve(d, devices=widen(d.devices)))
-        elif isinstance(d, Shard):
-            raise DirectiveError(f"{name}: the strategy already has a Shard", directive=str(d))
-        else:
-            out.append(d)
-    return Strategy([*out, *shards])

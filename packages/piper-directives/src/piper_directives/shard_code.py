@@ -95,12 +95,12 @@ class _CopyToGroup(torch.autograd.Function):
     """Megatron's ``f``: identity forward, all-reduce of the gradient in backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: TensorParallelComm) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, x: torch.Tensor, comm: TensorParallelComm) -> torch.Tensor:
         ctx.comm = comm
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return ctx.comm.all_reduce(grad, backward=True), None
 
 
@@ -109,11 +109,11 @@ class _ReduceFromGroup(torch.autograd.Function):
     identity backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: TensorParallelComm) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, x: torch.Tensor, comm: TensorParallelComm) -> torch.Tensor:
         return comm.all_reduce(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 

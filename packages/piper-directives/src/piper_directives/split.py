@@ -1,4 +1,4 @@
-"""``Split``: divide the batch into microbatches.
+"""``Split``: divide the batch into microbatches (the first phase of ``Strategy.apply``).
 
 Requires a captured graph (``microbatches == 1``). Guarantees: every F/B node is copied per
 microbatch (ids ``<id>.mb<i>``), edges are copied per microbatch, each ``OPT`` node waits for
@@ -8,19 +8,30 @@ The runtime scales each microbatch's loss by ``1/microbatches`` exactly once.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
-from piper_directives.source import user_location
+from piper_directives.common import JsonObject, user_location
 from piper_ir import DirectiveError, Edge, Graph, Node, NodeKind, Value
 
 
 @attrs.frozen
 class Split:
+    op: ClassVar[str] = "split"
+
     microbatches: int
     where: str = attrs.field(factory=user_location, eq=False)
 
     def __str__(self) -> str:
         return f"Split(microbatches={self.microbatches}) at {self.where}"
+
+    def to_json(self) -> JsonObject:
+        return {"op": self.op, "microbatches": self.microbatches}
+
+    @classmethod
+    def from_json(cls, item: JsonObject, where: str) -> Split:
+        return cls(**item, where=where)
 
     def apply(self, graph: Graph) -> Graph:
         m = self.microbatches

@@ -28,7 +28,7 @@ import attrs
 
 from piper_directives.order import Order
 from piper_directives.place import Place
-from piper_directives.schedules import LOSS, Slot, _strategy, rank_actions
+from piper_directives.schedules import LOSS, Slot, rank_actions, strategy_from_slots
 from piper_directives.strategy import Strategy
 from piper_ir import ANY, MB, DirectiveError
 
@@ -182,7 +182,7 @@ def strategy_from_torch_csv(
             f"torch schedule: {n_stages} schedule stages cannot be cut from {regions} annotated regions "
             f"(need a multiple of {n_stages}; pass stages=)"
         )
-    return _strategy("torch_csv", microbatches, regions, [stage_rank[s] for s in range(n_stages)], rank_slots, tag)
+    return strategy_from_slots("torch_csv", microbatches, regions, [stage_rank[s] for s in range(n_stages)], rank_slots, tag)
 
 
 def strategy_to_torch_csv(

@@ -49,7 +49,7 @@ class PiperError(Exception):
         )
 
 
-def _rebuild(cls, message, directive, nodes, ranks, step):  # noqa: ANN001, ANN202
+def _rebuild(cls, message, directive, nodes, ranks, step):
     return cls(message, directive=directive, nodes=nodes, ranks=ranks, step=step)
 
 

@@ -295,7 +295,7 @@ class _RankReplay:
             peak_bytes=p["total"],
         )
 
-    def _bucket_op(self, k: int, ins) -> None:  # noqa: ANN001 - an Instruction
+    def _bucket_op(self, k: int, ins) -> None:  # an Instruction
         b = self.bucket.get(ins.value)
         if b is None:
             raise MemoryPlanError(f"rank {self.rank}: {ins.id} names {ins.value!r}, which is not a bucket")
@@ -320,7 +320,7 @@ class _RankReplay:
         else:  # FREE
             self.gathered.pop(b.id, None)
 
-    def _compute(self, ins) -> None:  # noqa: ANN001 - an Instruction
+    def _compute(self, ins) -> None:  # an Instruction
         seg = self.program.segment_by_id[ins.segment]
         mb = ins.microbatch
         key = (seg.id, mb)

@@ -193,7 +193,7 @@ def run_streams(
                 work()
             except _Aborted:
                 pass
-            except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            except BaseException as exc:  # reported by the caller
                 failures.append(exc)
                 abort.set()
 

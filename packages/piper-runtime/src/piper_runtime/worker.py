@@ -88,7 +88,7 @@ RECV_LOOKAHEAD = 2
 SWITCH_INTERVAL_S = 0.0005  # the GIL hand-over interval with threads (Python's default: 5 ms)
 
 
-def _KEEPS_MODEL_STATE(ins: Instruction) -> bool:  # noqa: N802 - a predicate table, read like a constant
+def _KEEPS_MODEL_STATE(ins: Instruction) -> bool:  # a predicate table, read like a constant
     """Instructions that never change parameters, gradients or optimizer state."""
     return ins.kind in (NodeKind.SEND, NodeKind.RECV, NodeKind.MARKER) or (
         ins.kind is NodeKind.COMPUTE and ins.phase is Phase.F

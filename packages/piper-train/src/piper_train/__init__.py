@@ -10,7 +10,7 @@ except PackageNotFoundError:
 __all__ = ["Trainer", "ReferenceTrainer", "run_check", "build_model", "load_workload"]
 
 
-def __getattr__(name: str):  # noqa: ANN202 - lazy, so `import piper_train.models` stays light
+def __getattr__(name: str):  # lazy, so `import piper_train.models` stays light
     if name == "Trainer":
         from piper_train.trainer import Trainer
 

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from piper_train.data import ByteBatches, stdlib_corpus
 
 
-def _annotate(name: str):  # noqa: ANN202 - a context manager from piper_directives
+def _annotate(name: str):  # a context manager from piper_directives
     # Imported when forward runs, not when this module is imported, so the hand-split
     # stage modules (and benchmarks using them) work without piper-directives installed.
     from piper_directives import annotate

@@ -98,13 +98,17 @@ class Trainer:
         microbatches: int,
         dp: int = 1,
         zero: int = 0,
+        tp: int = 1,
+        ep: int = 1,
         **kwargs: object,
     ) -> Trainer:
         """A trainer running a named schedule from the library over ``pp`` pipeline ranks,
-        replicated ``dp`` times with ZeRO level ``zero`` (``pp * dp`` devices)."""
+        replicated ``dp`` times with ZeRO level ``zero``, each stage tensor-parallel over
+        ``tp`` or expert-parallel over ``ep`` devices (``pp * dp * tp * ep`` devices; the
+        layout is ``piper_directives.parallelize``'s), with as many regions as the model has."""
 
         def strategy(stages: int) -> Strategy:
-            return build_schedule(schedule, pp, microbatches, stages=stages, dp=dp, zero=zero)
+            return build_schedule(schedule, pp, microbatches, stages=stages, dp=dp, zero=zero, tp=tp, ep=ep)
 
         return cls(model, example_inputs, example_targets, loss_fn, strategy, **kwargs)  # type: ignore[arg-type]
 

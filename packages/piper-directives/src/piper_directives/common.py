@@ -1,0 +1,71 @@
+"""What every directive module shares: where the user wrote a directive, and turning what
+the user wrote (Python values or a JSON document) into filters and device groups.
+
+Each directive class (``Split``, ``Place``, ``Shard``, ``Replicate``, ``Order``) defines its
+own JSON form: a class attribute ``op`` (the ``"op"`` of its JSON object), ``to_json()`` and
+``from_json(fields, where)``, given the object's fields but ``op``. Its JSON fields are its
+attrs fields but ``where``; those without a default are required (``json_fields``), so
+``Strategy.from_json`` checks every directive's object the same way before ``from_json``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import attrs
+
+from piper_ir import DirectiveError, Filter
+
+JsonObject = dict[str, Any]
+
+_PACKAGE_DIR = os.path.dirname(__file__)
+
+
+def user_location() -> str:
+    """``file:line`` of the first stack frame outside piper_directives: where the user wrote
+    the directive (errors name it)."""
+    frame = sys._getframe(1)
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE_DIR) or "<attrs generated" in frame.f_code.co_filename
+    ):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "<unknown>"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def to_filter(value: object) -> Filter:
+    """attrs converter: a ``Filter``, or a dict such as ``{"PP": 0}``."""
+    if isinstance(value, Filter):
+        return value
+    if isinstance(value, dict):
+        return Filter.of(value)
+    raise TypeError(f"expected a Filter or a dict, got {value!r}")
+
+
+def to_devices(value: object) -> tuple[int, ...]:
+    """attrs converter: one device (an int) or a sequence of them. The directive checks the
+    values, so its error can name it."""
+    return (value,) if isinstance(value, int) else tuple(value)  # type: ignore[call-overload]
+
+
+def json_fields(cls: type) -> tuple[frozenset[str], frozenset[str]]:
+    """The JSON fields of directive class ``cls`` and the required ones among them."""
+    fields = [f for f in attrs.fields(cls) if f.name != "where"]
+    return frozenset(f.name for f in fields), frozenset(f.name for f in fields if f.default is attrs.NOTHING)
+
+
+def filter_from_json(value: object, where: str) -> Filter:
+    if not isinstance(value, dict):
+        raise DirectiveError(f"{where}: a filter is an object like {{\"PP\": 0}}, got {value!r}")
+    return Filter.of(value)
+
+
+def devices_from_json(value: object, where: str) -> tuple[int, ...]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise DirectiveError(f"{where}: devices must be an int or a list of ints, got {value!r}")
+    return tuple(value)

@@ -1,0 +1,46 @@
+"""The ``piper`` command: ``piper train``, ``piper check``, ``piper simulate``, ``piper plan``
+and ``piper show``.
+
+``options`` defines the option groups and the parser, ``request`` the strategy the user
+asked for (``StrategyRequest``), ``scheduling`` the commands that run no processes
+(simulate, plan, show) and ``training`` those on Ray (train, check). Exit codes: 0 ok, 1 a
+check failed, 2 bad input (argparse's usage errors, or a ``PiperError``/``ValueError``
+printed as ``piper <command>: error: ...``), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from piper_ir import PiperError
+from piper_train.cli.options import build_parser, check_args
+from piper_train.cli.request import StrategyRequest
+from piper_train.cli.scheduling import plan_command, show_command, simulate_command
+
+__all__ = ["StrategyRequest", "main"]
+
+
+def _command(name: str) -> Callable[[argparse.Namespace], int]:
+    if name in ("train", "check"):
+        # Imported here, not at the top: train and check need torch and ray, and importing
+        # them only for these keeps `piper simulate/plan/show` (no processes) free of both.
+        from piper_train.cli import training
+
+        return training.train_command if name == "train" else training.check_command
+    return {"simulate": simulate_command, "plan": plan_command, "show": show_command}[name]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    try:
+        return _command(args.command)(args)
+    except (PiperError, ValueError) as err:
+        print(f"piper {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"piper {args.command}: interrupted", file=sys.stderr)
+        return 130

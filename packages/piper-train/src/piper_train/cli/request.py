@@ -1,0 +1,107 @@
+"""The strategy the user asked for on the command line.
+
+A pipeline program comes from a library schedule (``--schedule/--pp/--microbatches``) or a
+file (``--strategy``: a JSON directive program, or a torch.distributed.pipelining CSV); the
+parallelisms (``--dp/--zero/--tp/--ep``) go on top of it with ``parallelize``, the same
+composition ``build_schedule`` and ``Trainer.with_schedule`` use.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+
+from piper_directives import Place, Split, Strategy, build_schedule, parallelize, strategy_from_torch_csv
+from piper_ir import PiperError
+
+
+@attrs.frozen
+class StrategyRequest:
+    """What ``--schedule``/``--strategy`` and ``--dp/--zero/--tp/--ep`` ask for.
+    ``resolve(regions)`` is the ``Strategy`` for a model with that many annotated regions."""
+
+    schedule: str = "1f1b"
+    pp: int = 2
+    microbatches: int = 4
+    file: Path | None = None
+    program: Strategy | None = None  # a JSON directive program read from ``file``
+    torch_csv: str | None = None  # a torch pipelining schedule read from ``file``
+    dp: int = 1
+    zero: int = 0
+    tp: int = 1
+    ep: int = 1
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> StrategyRequest:
+        """The request of parsed arguments. ``--strategy`` is read (and a JSON program parsed)
+        now, so a file that cannot be is reported before anything runs. Commands without
+        the parallelism options get none."""
+        program = torch_csv = None
+        if args.strategy is not None:
+            try:
+                text = args.strategy.read_text()
+            except OSError as err:
+                raise ValueError(f"cannot read --strategy {args.strategy}: {err}") from None
+            if args.strategy.suffix.lower() == ".csv":
+                torch_csv = text
+            else:
+                program = Strategy.from_json(text, source=str(args.strategy))
+        return cls(
+            args.schedule, args.pp, args.microbatches, args.strategy, program, torch_csv,
+            getattr(args, "dp", 1), getattr(args, "zero", 0), getattr(args, "tp", 1), getattr(args, "ep", 1),
+        )
+
+    @property
+    def name(self) -> str:
+        """How messages name the pipeline: the file, else the schedule."""
+        return str(self.file) if self.file is not None else self.schedule
+
+    @property
+    def needs_regions(self) -> bool:
+        """Whether the pipeline depends on the model's region count (a JSON program does not)."""
+        return self.program is None
+
+    def pipeline(self, regions: int | None) -> Strategy:
+        """The pipeline program, before ``--dp/--zero/--tp/--ep``. ``regions=None``: the
+        schedule's own default (or, for a torch CSV, the file's stage count)."""
+        if self.program is not None:
+            return self.program
+        if self.torch_csv is not None:
+            # ranks and microbatches come from the file; regions default to its stage count
+            return strategy_from_torch_csv(self.torch_csv, None, None, stages=regions)
+        return build_schedule(self.schedule, self.pp, self.microbatches, stages=regions)
+
+    def resolve(self, regions: int | None) -> Strategy:
+        return parallelize(self.pipeline(regions), dp=self.dp, zero=self.zero, tp=self.tp, ep=self.ep)
+
+    def for_trainer(self) -> Strategy | Callable[[int], Strategy]:
+        """What ``Trainer`` and ``run_check`` take: ``resolve`` itself, called with the
+        captured model's region count, or, when the pipeline does not depend on it, the
+        strategy (composed now, so its errors come before the model is captured)."""
+        return self.resolve if self.needs_regions else self.resolve(None)
+
+
+def placed_regions(strategy: Strategy) -> int:
+    """How many ``PP`` regions ``strategy`` places (the schedule's default when --stages is absent)."""
+    return len({d.filter.as_dict().get("PP") for d in strategy.of(Place)} - {None})
+
+
+def split_microbatches(strategy: Strategy, default: int) -> int:
+    """The strategy's ``Split`` count (a loaded strategy fixes its own), else ``default``."""
+    return next((d.microbatches for d in strategy.of(Split)), default)
+
+
+def model_regions(args: argparse.Namespace) -> int:
+    """Regions a built-in model gets: ``--stages``, else what the schedule places on ``--pp``
+    ranks (``2 * pp`` for interleaved_1f1b and dualpipev), else ``--pp``."""
+    if args.stages:
+        return args.stages
+    if args.strategy is None:
+        try:
+            return placed_regions(build_schedule(args.schedule, args.pp, args.microbatches)) or args.pp
+        except PiperError:
+            pass  # the same call fails again later with the message the user needs
+    return args.pp

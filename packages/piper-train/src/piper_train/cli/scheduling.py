@@ -1,0 +1,132 @@
+"""``piper simulate``, ``piper plan`` and ``piper show``: scheduling without processes.
+
+None of them imports torch or ray, except ``piper plan --model``, which captures a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from piper_directives import strategy_to_torch_csv
+from piper_directives.synthetic import synthetic_graph
+from piper_ir import Graph, Program, from_json, graph_summary, program_text, to_json
+from piper_scheduler import CostModel, compile_program, plot_gantt, simulate, to_chrome_trace, verify
+from piper_train.cli.options import say
+from piper_train.cli.request import StrategyRequest, model_regions, placed_regions, split_microbatches
+
+_COST_KEYS = {"F": "F", "B": "B", "BI": "BI", "BW": "BW", "W": "BW", "OPT": "OPT", "FB": "FB"}
+
+
+def costs(text: str) -> CostModel:
+    """``F=1,B=2,W=1[,BI=..][,OPT=..][,FB=..][,loss=0]`` as a CostModel; the loss is free unless
+    given. ``FB`` is an overlapped forward+backward pair (DualPipe's F&B)."""
+    fields: dict[str, float] = {}
+    loss = 0.0
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, val = item.partition("=")
+        try:
+            number = float(val)
+        except ValueError:
+            number = -1.0
+        if not sep or number < 0 or (key not in _COST_KEYS and key != "loss"):
+            raise ValueError(f"--cost: expected KEY=NUMBER with KEY in F, B, BI, BW (or W), OPT, FB, loss; got {item!r}")
+        if key == "loss":
+            loss = number
+        else:
+            fields[_COST_KEYS[key]] = number
+    return CostModel(**fields, overrides={"loss": {"F": loss, "B": loss, "BI": loss, "BW": loss}})
+
+
+def _synthetic(args: argparse.Namespace, regions: int, microbatches: int, segments_per_region: int = 1) -> Graph:
+    return synthetic_graph(regions, microbatches or args.microbatches, segments_per_region, hidden=16, batch=1)
+
+
+def _report(args: argparse.Namespace, program: Program, what: str) -> int:
+    timeline = simulate(program, costs(args.cost))
+    summary = {
+        "what": what,
+        "ranks": program.world_size,
+        "microbatches": program.microbatches,
+        "makespan": timeline.makespan,
+        "busy": list(timeline.busy),
+        "idle": list(timeline.idle),
+        "bubble_fraction": [i / timeline.makespan if timeline.makespan else 0.0 for i in timeline.idle],
+        "peak_activations": list(timeline.peak_memory),
+    }
+    if args.trace is not None:
+        args.trace.write_text(json.dumps(to_chrome_trace(timeline)))
+        say(args, f"wrote {args.trace}")
+    if args.png is not None:
+        plot_gantt(timeline, args.png, title=f"{what}: makespan {timeline.makespan:g}")
+        say(args, f"wrote {args.png}")
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    say(args, f"{what}: makespan {timeline.makespan:g} (costs {args.cost})")
+    say(args, "rank      busy      idle  bubble  peak activations")
+    for r in range(program.world_size):
+        say(args, f"{r:>4} {timeline.busy[r]:>9g} {timeline.idle[r]:>9g} {summary['bubble_fraction'][r]:>6.1%}"
+                  f"  {timeline.peak_memory[r]:>5}")
+    return 0
+
+
+def simulate_command(args: argparse.Namespace) -> int:
+    request = StrategyRequest.from_args(args)
+    strategy = request.resolve(args.stages)
+    regions = placed_regions(strategy)
+    microbatches = split_microbatches(strategy, args.microbatches)
+    program = compile_program(strategy.apply(_synthetic(args, regions, microbatches, args.segments_per_stage)))
+    return _report(args, program, f"{request.name} pp={program.world_size} stages={regions} microbatches={microbatches}")
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    regions = model_regions(args)
+    if args.model is not None:
+        graph = _capture(args, regions)
+        strategy = StrategyRequest.from_args(args).resolve(regions)
+    else:
+        strategy = StrategyRequest.from_args(args).resolve(args.stages)
+        graph = _synthetic(args, placed_regions(strategy), split_microbatches(strategy, args.microbatches))
+    started = time.perf_counter()
+    placed = strategy.apply(graph)
+    program = compile_program(placed)
+    seconds = time.perf_counter() - started
+    args.out.write_text(to_json(program))
+    if args.torch_csv is not None:
+        args.torch_csv.write_text(strategy_to_torch_csv(strategy))
+        print(f"wrote {args.torch_csv} (torch pipelining schedule, compute actions)")
+    print(graph_summary(placed).splitlines()[0])
+    print(f"compiled {program.world_size} rank plans, {sum(len(p.instructions) for p in program.ranks)} "
+          f"instructions in {seconds:.2f} s; wrote {args.out}")
+    return 0
+
+
+def _capture(args: argparse.Namespace, regions: int) -> Graph:
+    # Imported here, not at the top: capturing a model needs torch, and importing it only
+    # for `plan --model` keeps simulate, show and a synthetic plan free of torch.
+    from piper_directives import capture
+    from piper_train.workload import load_workload
+
+    workload = load_workload(args.model, stages=regions, seed=args.seed)
+    return capture(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn).graph
+
+
+def show_command(args: argparse.Namespace) -> int:
+    try:
+        program = from_json(args.program.read_text())
+    except OSError as err:
+        raise ValueError(f"cannot read {args.program}: {err}") from None
+    if not isinstance(program, Program):
+        raise ValueError(f"{args.program} holds a {type(program).__name__}, not a Program")
+    verify(program)
+    counts: dict[str, int] = {}
+    for plan in program.ranks:
+        for ins in plan.instructions:
+            counts[ins.kind.value] = counts.get(ins.kind.value, 0) + 1
+    say(args, program_text(program))
+    say(args, f"\n{program.world_size} ranks, {program.microbatches} microbatches, "
+              f"{sum(counts.values())} instructions ({', '.join(f'{k}={v}' for k, v in sorted(counts.items()))}); "
+              f"communicators: {', '.join(f'{c.id} ({c.traffic})' for c in program.communicators) or 'none'}; verified")
+    return _report(args, program, str(args.program))
