@@ -23,7 +23,7 @@ from torch import nn
 
 from piper_ir import ExecutionError, NodeKind, Phase, PiperError, Program
 from piper_memory.store import BucketLayout, unshard_tensors
-from piper_runtime.backend import resolve_backend
+from piper_runtime.backends import backend_factory
 from piper_runtime.batch import check_batch, replica_slice
 from piper_runtime.cluster import WORKER_ENV, ensure_ray
 from piper_runtime.optim import OptimizerSpec
@@ -60,7 +60,11 @@ class Runtime:
     ) -> None:
         self.program = program
         self.step_timeout_s = step_timeout_s
-        self._backend = resolve_backend(backend)
+        # Built here too, unconnected: it says what a rank needs, and fails before any actor
+        # starts where the backend cannot run. Workers get the factory itself, so a backend
+        # registered in this process only works too.
+        factory = backend_factory(backend)
+        self._backend = factory()
         self._workers: list[Any] = []
         self._steps = 0
         needed = {s for plan in program.ranks for s in plan.segments()}
@@ -95,7 +99,7 @@ class Runtime:
                 program_ref,
                 {s: modules[s] for s in program.plan(rank).segments()},
                 optimizer or OptimizerSpec(),
-                backend,
+                factory,
                 min(setup_timeout_s, 60.0),
                 threads,
             )
