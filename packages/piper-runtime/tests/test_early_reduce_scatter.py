@@ -82,3 +82,27 @@ def test_hooks_outside_a_pass_do_nothing(group: Communicator) -> None:
     model(torch.randn(2, 4)).sum().backward()  # not between begin() and finish()
     assert all(p.grad is not None for b in buckets for p in b.params)
     assert all(b.shard.grad is None for b in buckets)
+
+
+@pytest.mark.parametrize("in_flight", [0, 1, 2])
+def test_at_most_in_flight_reductions_run_at_once(group: Communicator, in_flight: int) -> None:
+    """``ExecutionOptions.reduce_scatters_in_flight``: when a bucket is issued, at most that
+    many earlier reductions still hold their buffers (three buckets, last first)."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    buckets = []
+    for k, layer in enumerate((model[0], model[2], model[4])):
+        params = [layer.weight, layer.bias]
+        numel = sum(p.numel() for p in params)
+        bucket = Bucket(f"bucket:s:{k}", "s", ("weight", "bias"), numel, 1, **zero_residency(2))
+        buckets.append(BucketState(bucket, params, replica=0))
+    running: list[int] = []  # earlier reductions alive at each issue (2 buffers each)
+    reducer = EarlyReduceScatter(
+        buckets, group, threading.RLock(), lambda buffers: running.append(len(buffers) // 2 - 1), in_flight
+    )
+    reducer.begin()
+    model(torch.randn(5, 4)).square().sum().backward()
+    reducer.finish()
+    for b in buckets:
+        reducer.wait(b.bucket.id)
+    assert running == [min(k, in_flight) for k in range(3)]
+    assert all(b.shard.grad is not None for b in buckets)

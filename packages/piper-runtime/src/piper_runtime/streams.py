@@ -9,7 +9,7 @@ the producer's; on the CPU, where issued work is done, nothing). Gloo and torch 
 release the GIL, so communication really proceeds while another lane computes. The lanes and
 events come from a ``piper_runtime.backends.base.Streams`` (host-only ones by default).
 
-Point-to-point transfers are asynchronous in torch.distributed (``isend``/``irecv`` return at
+Point-to-point transfers are asynchronous (``Communicator.send``/``recv`` return at
 once), so they do not get threads of their own, which would only add a wake-up to the
 critical path of every message: a send runs on the lane of the instruction that produced its
 value, right after it, and a receive is *lazy*, carried out by the first thread that needs its
@@ -27,10 +27,10 @@ points to an earlier instruction of the list and each lane keeps list order, so 
 unfinished instruction of a rank is always runnable, exactly as in the sequential run (a
 transfer never depends on another transfer of its own stream except through channel order,
 which the sends keep by all moving to one lane and the receives by being posted in list
-order). What must not happen is two threads issuing collectives on one process group (their
-order could differ between ranks; point-to-point messages are matched by tag and peer
-instead): ``lanes_share_a_communicator`` finds plans where a collective communicator is used
-by more than one lane, which the worker then runs sequentially.
+order). What must not happen is two threads issuing collectives on one communicator (their
+order could differ between ranks; point-to-point messages are matched by communicator and
+peer instead): ``lanes_share_a_communicator`` finds plans where a collective communicator is
+used by more than one lane, which the worker then runs sequentially.
 """
 
 from __future__ import annotations
