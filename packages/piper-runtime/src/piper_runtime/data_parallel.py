@@ -84,7 +84,7 @@ class DataParallel:
             covered: set[str] = set(self.experts.get(sid, ()))
             for bucket in program.buckets:
                 # A bucket of one shard position lives on the ranks holding that shard.
-                group = bucket_group(program, bucket)
+                group = bucket.devices or rep.devices
                 if bucket.segment != sid or rank not in group:
                     continue
                 missing = [n for n in bucket.params if n not in named]
