@@ -3,12 +3,25 @@ uses, an unchanged compute order; estimate_memory per zero level; check_budget."
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from piper_directives import Place, Replicate, Split, Strategy, build_schedule
 from piper_directives.synthetic import synthetic_graph
-from piper_ir import EdgeKind, Graph, MemoryPlanError, NodeKind, Phase, Program, rank_orders
-from piper_memory import check_budget, estimate_memory, plan_memory
+from piper_ir import (
+    EdgeKind,
+    ExecutionOptions,
+    Graph,
+    MemoryPlanError,
+    NodeKind,
+    Phase,
+    Program,
+    Residency,
+    from_json,
+    rank_orders,
+    to_json,
+)
+from piper_memory import check_budget, estimate_memory, plan_memory, zero_residency
 from piper_scheduler import compile_program
 
 HIDDEN = 8
@@ -189,6 +202,40 @@ def test_dualpipe_zero_2_3_plans_each_direction_and_sums_shards_over_the_mirror(
         assert e.materialized_bytes == (FULL if zero == 3 else 0)
 
 
+@pytest.mark.parametrize(
+    ("zero", "homes"),
+    [
+        (0, ("full", "full", "full")),
+        (1, ("full", "full", "sharded")),
+        (2, ("full", "sharded", "sharded")),
+        (3, ("sharded", "sharded", "sharded")),
+    ],
+)
+def test_buckets_say_where_their_state_lives(zero: int, homes: tuple[str, str, str]) -> None:
+    """What the runtime reads instead of the ZeRO level: (parameters, gradients, optimizer
+    state) of every bucket, carried into the program and through its JSON form."""
+    placed = _placed(zero=zero)
+    assert {(b.params_home, b.grads_home, b.optimizer_home) for b in placed.buckets} == {("full",) * 3}
+    planned = plan_memory(placed)
+    assert planned.buckets and {(b.params_home, b.grads_home, b.optimizer_home) for b in planned.buckets} == {homes}
+    assert {k: v.value for k, v in zero_residency(zero).items()} == dict(
+        zip(("params_home", "grads_home", "optimizer_home"), homes, strict=True)
+    )
+    program = compile_program(planned)
+    assert program.buckets == planned.buckets
+    assert from_json(to_json(program)) == program
+
+
+def test_residency_follows_the_zero_ladder() -> None:
+    bucket = _placed(zero=0).buckets[0]
+    with pytest.raises(ValueError, match="parameters full, gradients sharded, optimizer state full"):
+        attrs.evolve(bucket, grads_home=Residency.SHARDED)
+    with pytest.raises(ValueError, match="parameters sharded, gradients full, optimizer state sharded"):
+        attrs.evolve(bucket, params_home="sharded", optimizer_home="sharded")
+    with pytest.raises(MemoryPlanError, match="ZeRO level 4"):
+        zero_residency(4)
+
+
 def test_plan_is_pure_and_refuses_a_second_run() -> None:
     placed = _placed(zero=2)
     planned = plan_memory(placed)
@@ -222,6 +269,30 @@ def test_estimate_divides_model_state_by_the_replicas(zero, params, grads, state
         )
         assert e.total_bytes == e.model_state_bytes + e.peak_activation_bytes
     assert est[0].peak_activation_bytes == est[2].peak_activation_bytes > 0
+
+
+def _small_buckets(schedule: str, zero: int) -> Graph:
+    """A planned 2 x 2 graph whose segments have two buckets each (weight, bias)."""
+    strategy = build_schedule(schedule, 2, 4, dp=2, zero=zero)
+    directives = [attrs.evolve(d, bucket_mb=0.003) if isinstance(d, Replicate) else d for d in strategy.directives]
+    graph = plan_memory(attrs.evolve(strategy, directives=directives).apply(synthetic_graph(2, 4, hidden=64, batch=2)))
+    assert len([b for b in graph.buckets if b.segment == "s0"]) == 2
+    return graph
+
+
+def test_the_estimate_reads_the_programs_execution_options() -> None:
+    """Receives posted ahead and early reduce-scatters in flight cost communication memory;
+    the estimate takes both from ``Program.execution`` (the runtime obeys the same)."""
+    graph = _small_buckets("1f1b", zero=2)
+
+    def comm(**options: int) -> int:
+        program = compile_program(graph, ExecutionOptions(**options))
+        assert program.execution == ExecutionOptions(**options)
+        return max(e.communication_bytes for e in estimate_memory(program).values())
+
+    assert compile_program(graph).execution == ExecutionOptions()
+    assert comm(recv_lookahead=0) < comm(recv_lookahead=2)
+    assert comm(reduce_scatters_in_flight=0) < comm(reduce_scatters_in_flight=2)
 
 
 def test_check_budget() -> None:

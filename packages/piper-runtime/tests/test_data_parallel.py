@@ -3,8 +3,9 @@
 The Programs are built by hand, following docs/ir-conventions.md section 7 (what
 ``Replicate`` + ``piper_memory.plan_memory`` + ``compile`` emit): one Linear segment ``s0``
 and the MSE loss, both replicated over ranks (0, 1), 2 microbatches, AdamW. The Linear's
-weight (15 elements) and bias (5) are two buckets, so both are padded when sharded over 2.
-Each level's plan, per rank (replica r = rank r):
+weight (15 elements) and bias (5) are two buckets, so both are padded when sharded over 2;
+each bucket says where its state lives (``piper_memory.zero_residency``, as ``plan_memory``
+fills it), which is all the runtime reads. Each level's plan, per rank (replica r = rank r):
 
 - zero 0: F/B of both microbatches, then ``allreduce`` of each bucket, then ``OPT``;
 - zero 1: ... ``reducescatter`` of each bucket once, ``OPT`` (on shards), ``allgather``;
@@ -38,6 +39,7 @@ from piper_ir import (
     Tags,
     Value,
 )
+from piper_memory import zero_residency
 from piper_runtime import OptimizerSpec, Runtime
 from piper_runtime.memory import RankMemory
 from piper_runtime.testing import MSE, compute, tensor_meta, with_stream_events
@@ -108,8 +110,8 @@ def dp_program(zero: int) -> Program:
     )
     shards = N if zero >= 1 else 1
     buckets = (
-        Bucket(BUCKETS[0], "s0", ("l0.weight",), D_OUT * D_IN, shards),
-        Bucket(BUCKETS[1], "s0", ("l0.bias",), D_OUT, shards),
+        Bucket(BUCKETS[0], "s0", ("l0.weight",), D_OUT * D_IN, shards, **zero_residency(zero)),
+        Bucket(BUCKETS[1], "s0", ("l0.bias",), D_OUT, shards, **zero_residency(zero)),
     )
     return Program(
         world_size=N,
@@ -236,12 +238,14 @@ def _check_model_state(zero: int, memory: tuple[RankMemory, ...]) -> None:
 @pytest.mark.parametrize(
     ("zero", "kind", "message"),
     [
-        (0, NodeKind.REDUCE_SCATTER, "reduce_scatter does not apply to bucket:s0:0 of a zero=0 segment"),
-        (3, NodeKind.ALL_GATHER, "all_gather does not apply to bucket:s0:0 of a zero=3 segment"),
-        (1, NodeKind.MATERIALIZE, "materialize does not apply to bucket:s0:0 of a zero=1 segment"),
+        (0, NodeKind.REDUCE_SCATTER, r"reduce_scatter does not apply to bucket:s0:0 \(parameters full, "
+         "gradients full, optimizer state full"),
+        (3, NodeKind.ALL_GATHER, r"all_gather does not apply to bucket:s0:0 \(parameters sharded"),
+        (1, NodeKind.MATERIALIZE, r"materialize does not apply to bucket:s0:0 \(parameters full, "
+         "gradients full, optimizer state sharded"),
     ],
 )
-def test_setup_rejects_collectives_the_zero_level_does_not_use(
+def test_setup_rejects_bucket_operations_the_residency_does_not_call_for(
     zero: int, kind: NodeKind, message: str
 ) -> None:
     """Checked before joining the process group, so no Ray and no peers are needed."""

@@ -7,6 +7,8 @@ ZeRO-2. Replica j of stage 0 talks only to replica j of stage 1 (rank j <-> rank
 each stage's collectives run on its own communicator (``dp:0-1``, ``dp:2-3``: process
 sub-groups). Stage 0 materializes once for its forwards and once for its backwards; stage 1
 keeps full parameters, reduce-scatters after each microbatch and re-gathers after its step.
+The buckets say so (``piper_memory.zero_residency``: where parameters, gradients and
+optimizer state live), as ``plan_memory`` would.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from piper_ir import (
     Tags,
     TensorMeta,
 )
+from piper_memory import zero_residency
 from piper_runtime import OptimizerSpec, Runtime
 from piper_runtime.testing import MSE, compute, tensor_meta, two_stage_values, with_stream_events
 
@@ -77,8 +80,8 @@ def pp_dp_program() -> Program:
     )
     # One bucket per segment: 12 + 4 = 16 (s0) and 8 + 2 = 10 (s1) elements.
     buckets = (
-        Bucket("bucket:s0:0", "s0", ("l0.weight", "l0.bias"), D_HID * D_IN + D_HID, N),
-        Bucket("bucket:s1:0", "s1", ("l1.weight", "l1.bias"), D_OUT * D_HID + D_OUT, N),
+        Bucket("bucket:s0:0", "s0", ("l0.weight", "l0.bias"), D_HID * D_IN + D_HID, N, **zero_residency(3)),
+        Bucket("bucket:s1:0", "s1", ("l1.weight", "l1.bias"), D_OUT * D_HID + D_OUT, N, **zero_residency(2)),
     )
 
     def p2p(kind: NodeKind, value: str, mb: int, src: int, dst: int) -> Instruction:

@@ -4,12 +4,15 @@ events are reported instead of hanging."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from piper_ir import Instruction, NodeKind, Phase
+from piper_runtime.backends import HostEvent
 from piper_runtime.streams import assign_lanes, lanes_share_a_communicator, overlap_groups, run_streams
 
 
@@ -159,3 +162,49 @@ def test_a_collective_communicator_on_two_lanes_is_detected() -> None:
         Instruction("r", NodeKind.RECV, stream="pp", value="v", peer=1, communicator="pp.fwd"),
     ]
     assert not lanes_share_a_communicator(p2p)
+
+
+class _DeviceStreams:
+    """``Streams`` of a device-like backend: each thread says which lane it is in, and an
+    event's device side is recorded with the lane that waits on it."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.device_waits: list[tuple[str, str]] = []  # (event, lane of the waiter)
+        self.lock = threading.Lock()
+
+    def event(self, name: str) -> HostEvent:
+        streams = self
+
+        class Event(HostEvent):
+            def wait_device(self) -> None:
+                with streams.lock:
+                    streams.device_waits.append((name, streams.local.lane))
+
+        return Event()
+
+    @contextlib.contextmanager
+    def lane(self, stream: str) -> Iterator[None]:
+        self.local.lane = stream
+        yield
+
+
+def test_work_runs_inside_its_lane_and_waits_on_the_device_side_there() -> None:
+    """What a CUDA backend relies on: every instruction runs in its stream's lane context
+    (the helper thread of an overlapped slot and a lazy receive too: the receive in the lane
+    of the thread that needs it), and a consumer lane makes the device-side wait itself."""
+    plan = [
+        Instruction("recv", NodeKind.RECV, stream="pp", value="v", microbatch=1, peer=1, record="ev.recv"),
+        _c("F1", Phase.F, 1, overlap=0, waits=("ev.recv",)),
+        _c("B0", Phase.B, 0, overlap=0, record="ev.B0"),
+        Instruction("ar", NodeKind.ALL_REDUCE, stream="dp", value="b", communicator="dp:0-1", waits=("ev.B0",)),
+    ]
+    streams = _DeviceStreams()
+    lanes: dict[str, str] = {}
+
+    def execute(_k: int, ins: Instruction) -> None:
+        lanes[ins.id] = streams.local.lane
+
+    run_streams(plan, execute, timeout_s=5, streams=streams)
+    assert lanes == {"recv": "compute", "F1": "compute", "B0": "compute", "ar": "dp"}
+    assert streams.device_waits == [("ev.B0", "dp")]  # the lazy receive ran on its reader's lane

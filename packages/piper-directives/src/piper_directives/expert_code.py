@@ -36,11 +36,11 @@ from __future__ import annotations
 import copy
 import operator
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import attrs
 import torch
-import torch.distributed as dist
 import torch.fx
 from torch import nn
 
@@ -48,6 +48,21 @@ from piper_directives.replicate import segment_buckets
 from piper_ir import DirectiveError, Graph, ParamShard, SegmentRole, Sharding, ShardKind
 
 COMM = "piper_ep"
+
+
+class AllToAll(Protocol):
+    """What ``ExpertParallelComm`` needs of a communicator (the runtime's provide it)."""
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: Sequence[int] | None = None,
+        input_splits: Sequence[int] | None = None,
+    ) -> None:
+        """Member ``i`` sends ``input_splits[j]`` rows of ``input`` (in order) to member ``j``
+        and receives ``output_splits[j]`` rows from it into ``output``; ``None``: even."""
+        ...
 
 
 class ExpertParallelComm(nn.Module):
@@ -58,17 +73,20 @@ class ExpertParallelComm(nn.Module):
         super().__init__()
         self.degree = degree
         self.num_experts = num_experts
-        self.group: object | None = None
-        self.backward_group: object | None = None
-        self.bound = False
+        self.comm: AllToAll | None = None
+        self.backward_comm: AllToAll | None = None
         self.collective_times: list[float] = []  # seconds of each all-to-all (runtime reads)
 
-    def bind_communicator(self, group: object | None, backward_group: object | None = None) -> None:
-        """Called by the runtime with the segment's ``ep`` process group (None: the world)
-        and the group for the all-to-alls of backward passes (default: the same)."""
-        self.group = group
-        self.backward_group = group if backward_group is None else backward_group
-        self.bound = True
+    @property
+    def bound(self) -> bool:
+        return self.comm is not None
+
+    def bind_communicator(self, comm: AllToAll, backward_comm: AllToAll | None = None) -> None:
+        """Called by the runtime with the communicator of the segment's ``ep`` group and the
+        one for the all-to-alls of backward passes (default: the same), so a forward and a
+        backward running at once on two threads never share one."""
+        self.comm = comm
+        self.backward_comm = comm if backward_comm is None else backward_comm
 
     def forward(self, op: str, *args: torch.Tensor) -> tuple[torch.Tensor, ...] | torch.Tensor:
         if op == "dispatch":
@@ -88,7 +106,7 @@ class ExpertParallelComm(nn.Module):
         # to each of its experts, hence its receive splits and the ids of what arrives.
         received = torch.empty_like(counts)
         start = time.perf_counter()
-        dist.all_to_all_single(received, counts.contiguous(), group=self.group)
+        self.comm.all_to_all(received, counts.contiguous())
         self.collective_times.append(time.perf_counter() - start)
         send = counts.view(n, local).sum(1)
         per_source = received.view(n, local)  # [source rank, local expert]
@@ -105,14 +123,14 @@ class ExpertParallelComm(nn.Module):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["group"], state["backward_group"], state["bound"] = None, None, False  # groups never travel
+        state["comm"], state["backward_comm"] = None, None  # communicators never travel
         state["collective_times"] = []
         return state
 
 
 class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with uneven splits; backward is the reverse all-to-all, on
-    ``backward_group`` (a forward and a backward may run at once on two threads)."""
+    """An all-to-all with uneven splits; backward is the reverse all-to-all, on
+    ``backward_comm`` (a forward and a backward may run at once on two threads)."""
 
     @staticmethod
     def forward(
@@ -121,7 +139,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.send, ctx.recv, ctx.comm = send, recv, comm
         out = x.new_empty((sum(recv), *x.shape[1:]))
         start = time.perf_counter()
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=comm.group)
+        comm.comm.all_to_all(out, x.contiguous(), recv, send)
         comm.collective_times.append(time.perf_counter() - start)
         return out
 
@@ -129,7 +147,7 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
         start = time.perf_counter()
-        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.comm.backward_group)
+        ctx.comm.backward_comm.all_to_all(out, grad.contiguous(), ctx.send, ctx.recv)
         ctx.comm.collective_times.append(time.perf_counter() - start)
         return out, None, None, None
 

@@ -27,8 +27,10 @@ Linear pair. The rewritten code is run once on one rank's shard of the weights (
 unbound, i.e. identity) to check it accepts the shard's shapes.
 
 The collectives call a ``TensorParallelComm`` submodule (``piper_tp``) that the runtime binds
-to the process group of the segment's ``tp`` communicator (``bind_communicator``); weights
-are cut by the runtime from ``Sharding.params``, so the modules here hold full weights.
+to the segment's ``tp`` communicators (``bind_communicator``: any object with an in-place
+``all_reduce(tensor)``, ``AllReduce``; this package never calls ``torch.distributed``);
+weights are cut by the runtime from ``Sharding.params``, so the modules here hold full
+weights.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ import math
 import operator
 import time
 from collections.abc import Mapping
+from typing import Protocol
 
 import attrs
 import torch
-import torch.distributed as dist
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
@@ -53,31 +55,42 @@ COMM = "piper_tp"
 _RESHAPES = {"view", "reshape", "unflatten", "flatten", "split", "chunk", "unbind"}
 
 
+class AllReduce(Protocol):
+    """What ``TensorParallelComm`` needs of a communicator (the runtime's provide it)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the group, in place."""
+        ...
+
+
 class TensorParallelComm(nn.Module):
-    """The group a tensor-parallel segment's collectives run on; unbound (the default) it
-    is the identity, as for one rank holding everything."""
+    """The communicators a tensor-parallel segment's collectives run on; unbound (the
+    default) it is the identity, as for one rank holding everything."""
 
     def __init__(self, degree: int) -> None:
         super().__init__()
         self.degree = degree
-        self.group: object | None = None
-        self.backward_group: object | None = None
-        self.bound = False
+        self.comm: AllReduce | None = None
+        self.backward_comm: AllReduce | None = None
         self.collective_times: list[float] = []  # seconds of each all-reduce (runtime reads)
 
-    def bind_communicator(self, group: object | None, backward_group: object | None = None) -> None:
-        """Called by the runtime with the segment's ``tp`` process group (None: the world)
-        and the group for the collectives of backward passes (default: the same)."""
-        self.group = group
-        self.backward_group = group if backward_group is None else backward_group
-        self.bound = True
+    @property
+    def bound(self) -> bool:
+        return self.comm is not None
+
+    def bind_communicator(self, comm: AllReduce, backward_comm: AllReduce | None = None) -> None:
+        """Called by the runtime with the communicator of the segment's ``tp`` group and the
+        one for the collectives of backward passes (default: the same), so a forward and a
+        backward running at once on two threads never share one."""
+        self.comm = comm
+        self.backward_comm = comm if backward_comm is None else backward_comm
 
     def all_reduce(self, t: torch.Tensor, backward: bool = False) -> torch.Tensor:
-        if not self.bound:
+        if self.comm is None:
             return t
         t = t.contiguous().clone()
         start = time.perf_counter()
-        dist.all_reduce(t, group=self.backward_group if backward else self.group)
+        (self.backward_comm if backward else self.comm).all_reduce(t)
         self.collective_times.append(time.perf_counter() - start)
         return t
 
@@ -86,7 +99,7 @@ class TensorParallelComm(nn.Module):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["group"], state["backward_group"], state["bound"] = None, None, False  # groups never travel
+        state["comm"], state["backward_comm"] = None, None  # communicators never travel
         state["collective_times"] = []
         return state
 

@@ -28,6 +28,7 @@ from piper_ir.graph import (
     NodeKind,
     ParamShard,
     Replication,
+    Residency,
     Segment,
     SegmentRole,
     Sharding,
@@ -36,7 +37,7 @@ from piper_ir.graph import (
     Value,
 )
 from piper_ir.names import GRAD_PREFIX, grad_name, grad_of, is_grad
-from piper_ir.program import Communicator, Instruction, Program, RankPlan
+from piper_ir.program import Communicator, ExecutionOptions, Instruction, Program, RankPlan
 from piper_ir.serialize import from_json, to_json
 from piper_ir.summary import graph_summary, program_text
 from piper_ir.tags import ANY, MB, PASS, SEG, Filter, Phase, Tags
@@ -49,7 +50,7 @@ except PackageNotFoundError:  # running from a source tree
 
 __all__ = [
     "ANY", "MB", "PASS", "SEG", "BUCKET_KINDS", "COMMUNICATION_KINDS", "COMPUTE_KINDS", "GRAD_PREFIX",
-    "POINT_TO_POINT_KINDS", "ShardKind", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "CodeRef", "Communicator",
+    "POINT_TO_POINT_KINDS", "Residency", "ShardKind", "ExecutionOptions", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "CodeRef", "Communicator",
     "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph",
     "Instruction", "MemoryPlanError", "Node", "NodeKind", "ParamShard", "Phase", "PiperError", "Program",
     "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Sharding", "Tags",

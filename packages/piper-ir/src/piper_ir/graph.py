@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from functools import cached_property
+from itertools import pairwise
 
 import attrs
 
@@ -16,6 +17,50 @@ from piper_ir.tags import Phase, Tags
 
 
 class NodeKind(StrEnum):
+    """What a node (and, once compiled, an ``Instruction``) does: the runtime contract.
+
+    A runtime executes a ``Program`` and nothing else; this is what it must do for each kind
+    (the details, stage by stage, are in docs/ir-conventions.md; piper-runtime is one
+    implementation, a second runtime implements the same list). ``value`` names a tensor for
+    transfers and a ``Bucket`` id for the bucket kinds (``BUCKET_KINDS``).
+
+    - ``COMPUTE`` phase ``F``: run the segment's code on its inputs for ``microbatch`` (batch
+      chunk, local or received value), keeping what its backward needs; the loss segment's
+      output, scaled by ``1 / (microbatches * replicas)`` exactly once, is what its backward
+      differentiates. ``B``: backward of that forward, given the gradients ``grad:<output>``
+      (contributions summed), yielding ``grad:<input>`` for each floating input that needs one
+      and accumulating the parameters' gradients. ``BI``: only the input gradients, keeping
+      the graph; ``BW``: then the parameter gradients on it. An instruction that names a
+      ``communicator`` issues collectives inside (tensor/expert parallelism, ``Sharding``) on
+      it, in one order on every member.
+    - ``OPTIMIZER``: step the segment's optimizer on the gradients accumulated over the step,
+      then drop them; where ``Bucket.optimizer_home`` is ``SHARDED`` only this replica's shard
+      of the bucket (and its gradient shard) is stepped.
+    - ``SEND`` / ``RECV``: move ``value`` of ``microbatch`` to / from ``peer`` on
+      ``communicator``, ``meta`` giving the exact shape and dtype. Messages of one
+      (communicator, sender, receiver) are matched in list order. A runtime may post receives
+      ahead (at most ``ExecutionOptions.recv_lookahead`` beyond the one needed).
+    - ``ALL_REDUCE``: sum the bucket's gradients over ``communicator``'s ranks in place of the
+      local ones; where the bucket's optimizer state is sharded, sum its gradient *shard*
+      instead (a member that does not hold ``value`` uses the bucket among its ``mirrors`` it
+      holds).
+    - ``REDUCE_SCATTER``: reduce the bucket's full gradients over the group, add this
+      replica's shard into the gradient shard and drop the full gradients. Where
+      ``Bucket.grads_home`` is ``SHARDED`` a runtime may start it early, inside the
+      weight-gradient pass that completes the bucket (at most
+      ``ExecutionOptions.reduce_scatters_in_flight`` running), in one order on every member.
+    - ``ALL_GATHER``: gather the updated parameter shards into the full parameters (after the
+      step, where parameters live full and optimizer state sharded).
+    - ``MATERIALIZE`` / ``FREE``: where ``Bucket.params_home`` is ``SHARDED``, gather the
+      bucket's full parameters for a chain of uses / drop them (the shard stays).
+    - ``MARKER``: nothing (ordering only).
+    - ``ALL_TO_ALL``, ``BROADCAST``: not produced by compile yet (expert parallelism's
+      all-to-alls run inside ``COMPUTE``); a runtime rejects them at setup.
+
+    Every instruction first waits for the events in its ``waits`` and, once issued, records
+    ``record``; ranks issue a group's collectives in list order (``verify`` proved it).
+    """
+
     COMPUTE = "compute"  # a segment's F / B / BI / BW, or the loss
     OPTIMIZER = "optimizer"  # the update of one segment's parameters
     SEND = "send"
@@ -58,6 +103,13 @@ class ShardKind(StrEnum):
 
     TP = "tp"  # tensor parallelism: column/row-parallel Linear pairs, same data on every rank
     EP = "ep"  # expert parallelism: experts split over the group, tokens routed by all-to-all
+
+
+class Residency(StrEnum):
+    """Where one of a bucket's kinds of state lives between its uses (``Bucket``)."""
+
+    FULL = "full"  # every replica holds the whole bucket
+    SHARDED = "sharded"  # each replica holds its ``shard_numel`` range of the padded bucket
 
 
 class EdgeKind(StrEnum):
@@ -178,10 +230,19 @@ class Bucket:
     position gets its own buckets over the ranks that hold the same shard (numel counts the
     shard's elements).
 
+    ``params_home``, ``grads_home``, ``optimizer_home``: where the bucket's parameters,
+    its gradients between microbatches and its optimizer state live (``Residency``; filled by
+    ``piper_memory.plan_memory`` from the ZeRO level, all ``FULL`` by default). A runtime
+    reads these, never the ZeRO level: optimizer state ``SHARDED`` means the optimizer steps
+    only the replica's shard (``REDUCE_SCATTER`` before it, ``ALL_GATHER`` after it while the
+    parameters live full); gradients ``SHARDED`` means only the gradient shard outlives a
+    microbatch's weight-gradient pass; parameters ``SHARDED`` means only the parameter shard
+    lives between steps, the full bucket existing from a ``MATERIALIZE`` to its ``FREE``.
+
     ``mirrors``: the buckets of the same parameters, with the same layout, on the other
     microbatch groups of a mirrored segment (DualPipe) that ZeRO-2/3 shards per group. An
-    ``ALL_REDUCE`` node on a sharded bucket (``shards > 1``) sums the gradient *shard* over
-    its devices: a member that does not hold ``value`` uses the bucket of ``value``'s
+    ``ALL_REDUCE`` node on a bucket whose optimizer state is sharded sums the gradient *shard*
+    over its devices: a member that does not hold ``value`` uses the bucket of ``value``'s
     mirrors that it holds (docs/ir-conventions.md, section 7).
     """
 
@@ -193,6 +254,20 @@ class Bucket:
     dtype: str = "float32"
     devices: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     mirrors: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    params_home: Residency = attrs.field(default=Residency.FULL, converter=Residency)
+    grads_home: Residency = attrs.field(default=Residency.FULL, converter=Residency)
+    optimizer_home: Residency = attrs.field(default=Residency.FULL, converter=Residency)
+
+    def __attrs_post_init__(self) -> None:
+        # Each level shards what the one before it shards: parameters only with gradients,
+        # gradients only with optimizer state (the ZeRO ladder; a runtime relies on it).
+        order = (self.optimizer_home, self.grads_home, self.params_home)
+        if any(a is Residency.FULL and b is Residency.SHARDED for a, b in pairwise(order)):
+            raise ValueError(
+                f"bucket {self.id}: parameters {self.params_home}, gradients {self.grads_home}, optimizer "
+                f"state {self.optimizer_home}; sharded parameters need sharded gradients, sharded "
+                "gradients sharded optimizer state"
+            )
 
     @property
     def shard_numel(self) -> int:

@@ -91,6 +91,27 @@ class Communicator:
     traffic: str
 
 
+def _non_negative(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{attribute.name} must be a non-negative int, got {value!r}")
+
+
+@attrs.frozen
+class ExecutionOptions:
+    """How a runtime may run ahead of the plan, where that costs memory: a parameter of the
+    program, so the runtime obeys it and the memory estimate reads it (no copied constants).
+
+    ``recv_lookahead``: receive buffers posted beyond the receive being waited for (the
+    receives of the next ``recv_lookahead`` ``RECV`` instructions are in flight, so data
+    moves before the compute that needs it comes up). ``reduce_scatters_in_flight``: early
+    reduce-scatters (``Bucket.grads_home`` sharded) a weight-gradient pass may leave running
+    before it waits for the oldest.
+    """
+
+    recv_lookahead: int = attrs.field(default=2, validator=_non_negative)
+    reduce_scatters_in_flight: int = attrs.field(default=2, validator=_non_negative)
+
+
 @attrs.frozen(eq=True)
 class Program:
     """Per-rank plans plus everything a runtime must know to execute them."""
@@ -111,6 +132,8 @@ class Program:
     buckets: tuple[Bucket, ...] = attrs.field(default=(), converter=tuple)
     sharding: tuple[Sharding, ...] = attrs.field(default=(), converter=tuple)
     """Tensor-parallel segments: how their parameters are cut over their device group."""
+    execution: ExecutionOptions = ExecutionOptions()
+    """How far a runtime may run ahead of the plan (memory it may spend doing so)."""
 
     @cached_property
     def segment_by_id(self) -> dict[str, Segment]:

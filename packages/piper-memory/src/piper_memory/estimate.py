@@ -6,27 +6,29 @@ categories ``piper_runtime.memory.RankMemory`` measures:
 
 - *parameters*: the parameters of every segment the rank runs (1/degree of each parameter a
   tensor-parallel ``Sharding`` lists); one shard (``Bucket.shard_numel``, padded) per bucket
-  of a ZeRO-3 segment;
+  whose parameters live sharded (``Bucket.params_home``, ZeRO 3);
 - *gradients*: a stage segment's full gradients from its first weight-gradient pass (``B`` or
-  ``BW``) until the optimizer step; with ZeRO 1 a bucket's full gradients are dropped at its
-  reduce-scatter and its gradient shard lives from then until the step. With ZeRO 2/3 the
+  ``BW``) until the optimizer step; where a bucket's optimizer state is sharded (ZeRO 1) its
+  full gradients are dropped at its reduce-scatter and its gradient shard lives from then
+  until the step. Where its gradients live sharded (``Bucket.grads_home``, ZeRO 2/3) the
   runtime reduce-scatters each bucket during the pass as soon as its gradients are complete
-  (``piper_runtime.buckets``; last bucket first, ``EARLY_IN_FLIGHT`` reductions running at
-  most, the rest finishing at their ``REDUCE_SCATTER``), so the full gradients of one bucket
-  exist at a time. The pass's activations are taken as released when its buckets are
+  (``piper_runtime.buckets``; last bucket first, at most
+  ``Program.execution.reduce_scatters_in_flight`` reductions running, the rest finishing at
+  their ``REDUCE_SCATTER``), so the full gradients of one bucket exist at a time. The pass's activations are taken as released when its buckets are
   reduced (exact with one bucket per segment, whose reduction starts as the pass ends; with
   several, the earlier ones start while autograd still holds part of them). ``grad_bytes``
   is the lasting part (full, or one shard from ZeRO-2), ``grad_buffer_bytes`` the peak of
   the full gradients on top of it;
 - *optimizer state*: 0x the parameter bytes for ``"sgd"`` (no momentum), 2x for
-  ``"adam"``/``"adamw"``; one shard from ZeRO-1. Counted as resident all step (the steady
+  ``"adam"``/``"adamw"``; one shard where it lives sharded (``Bucket.optimizer_home``, ZeRO-1 on). Counted as resident all step (the steady
   state: after the first step the state lives between steps);
 - *communication*: gathered parameters (ZeRO-3, ``MATERIALIZE`` to ``FREE``; their peak is also
   ``materialized_bytes``), collective buffers (a flattened bucket for ``ALL_REDUCE``, none for the in-place
   ``ALL_REDUCE`` of a mirrored bucket's gradient shard, the
   flattened bucket and the output shard for a reduce-scatter while it runs, a copy of the shard for
   ``ALL_GATHER``), and point-to-point buffers: every sent tensor until the end of the step, a
-  receive's buffer from when it is posted (two receives ahead) until the compute that reads it;
+  receive's buffer from when it is posted (``Program.execution.recv_lookahead`` receives
+  ahead) until the compute that reads it;
 - *activations*: what a forward keeps until its backward (``B``, or ``BW`` after a split
   backward), per microbatch. The IR does not describe a segment's interior, so by default
   this is the segment's outputs (``Segment.outputs`` value metas, one replica's shard of one
@@ -43,7 +45,7 @@ the two with a per-rank budget.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import attrs
 
@@ -54,6 +56,7 @@ from piper_ir import (
     NodeKind,
     Phase,
     Program,
+    Residency,
     SegmentRole,
     TensorMeta,
     grad_name,
@@ -61,10 +64,6 @@ from piper_ir import (
 
 # Optimizer state per parameter byte (Adam/AdamW keep two moments).
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "adam": 2, "adamw": 2}
-# How many receives ahead a runtime posts its receive buffers (piper_runtime.worker does two).
-RECV_AHEAD = 2
-# ZeRO-2/3 reduce-scatters a backward leaves running (piper_runtime.buckets.IN_FLIGHT).
-EARLY_IN_FLIGHT = 2
 
 
 @attrs.frozen
@@ -174,6 +173,17 @@ def _bytes(bucket: Bucket, numel: int) -> int:
     return TensorMeta((numel,), bucket.dtype).nbytes()
 
 
+def _homes(buckets: Iterable[Bucket]) -> set[str]:
+    """Which of ``params``, ``grads``, ``optimizer`` live sharded in any of ``buckets`` (one
+    segment's, alike in the plans ``plan_memory`` makes)."""
+    return {
+        kind
+        for b in buckets
+        for kind, home in (("params", b.params_home), ("grads", b.grads_home), ("optimizer", b.optimizer_home))
+        if home is Residency.SHARDED
+    }
+
+
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**16 else f"{int(nbytes)} B"
 
@@ -188,7 +198,6 @@ class _RankReplay:
         self.program = program
         self.instructions = program.plan(rank).instructions
         self.rank = rank
-        zero = {r.segment: r.zero for r in program.replication}
         buckets: dict[str, list[Bucket]] = {}
         for b in program.buckets:
             if not b.devices or rank in b.devices:  # a shard position's buckets live on its holders
@@ -201,23 +210,21 @@ class _RankReplay:
         self.bucket = {b.id: b for b in program.buckets}
         # Tensor parallelism (Program.sharding): a listed parameter is cut ``degree`` ways.
         tp_cut = {(sh.segment, p.name): sh.degree for sh in program.sharding for p in sh.params}
-        self.zero: dict[str, int] = {}
-        self.early: set[str] = set()  # zero-2/3 segments reduce-scattered during the backward
+        self.early: set[str] = set()  # segments with sharded gradients: reduce-scattered during the backward
         self.inflight: dict[str, int] = {}  # bucket -> buffers of its running reduce-scatter
         for seg_id in program.plan(rank).segments():
             seg = program.segment_by_id[seg_id]
-            level = zero.get(seg_id, 0) if seg_id in buckets else 0
-            self.zero[seg_id] = level
+            homes = _homes(buckets.get(seg_id, ()))
             full = sum(meta.nbytes() // tp_cut.get((seg_id, name), 1) for name, meta in seg.params)
             shard = sum(_bytes(b, b.shard_numel) for b in buckets.get(seg_id, ()))
-            self.params += shard if level >= 3 else full
+            self.params += shard if "params" in homes else full
             if seg.role is not SegmentRole.STAGE or not seg.params:
                 continue
-            self.state += factor * (shard if level >= 1 else full)
-            self.lasting_grads += shard if level >= 2 else full
+            self.state += factor * (shard if "optimizer" in homes else full)
+            self.lasting_grads += shard if "grads" in homes else full
             if seg_id in buckets:
                 self.full[seg_id] = {b.id: _bytes(b, b.numel) for b in buckets[seg_id]}
-                if level >= 2:
+                if "grads" in homes:
                     self.early.add(seg_id)
             else:
                 self.full[seg_id] = {seg_id: full}
@@ -258,9 +265,10 @@ class _RankReplay:
 
     def _pending_recvs(self, position: int) -> list:
         """The receives posted but not yet carried out when instruction ``position`` is done:
-        the next ``RECV_AHEAD`` after it."""
+        the next ``recv_lookahead`` (``Program.execution``) after it."""
         at = bisect.bisect_right(self.recv_positions, position)
-        return [self.instructions[k] for k in self.recv_positions[at : at + RECV_AHEAD]]
+        ahead = self.program.execution.recv_lookahead
+        return [self.instructions[k] for k in self.recv_positions[at : at + ahead]]
 
     def run(self) -> MemoryEstimate:
         self._sample(-1)
@@ -279,8 +287,6 @@ class _RankReplay:
                 self.received[(ins.value, ins.microbatch)] = ins.meta.nbytes() if ins.meta is not None else 0
             elif kind in BUCKET_KINDS:
                 self._bucket_op(k, ins)
-            elif kind is NodeKind.FREE:
-                self.gathered.pop(ins.value, None)
             self._sample(k)
         p = self.peaks
         return MemoryEstimate(
@@ -300,7 +306,7 @@ class _RankReplay:
         if b is None:
             raise MemoryPlanError(f"rank {self.rank}: {ins.id} names {ins.value!r}, which is not a bucket")
         padded, shard = _bytes(b, b.padded_numel), _bytes(b, b.shard_numel)
-        if ins.kind is NodeKind.ALL_REDUCE and b.shards > 1:
+        if ins.kind is NodeKind.ALL_REDUCE and b.optimizer_home is Residency.SHARDED:
             # A mirrored bucket's gradient shard (``Bucket.mirrors``; ``value`` may name the
             # mirror this rank holds, of the same layout), summed in place: nothing new held.
             self._sample(k - 1)
@@ -343,10 +349,12 @@ class _RankReplay:
                 self.grads[bucket_or_seg] = nbytes
 
     def _early_reduce_scatter(self, seg_id: str) -> None:
-        """A zero-2/3 weight-gradient pass: each bucket, last first, is complete, starts its
-        reduce-scatter (sampled with its full gradients and every running reduction's
-        buffers) and loses its full gradients; the oldest of more than ``EARLY_IN_FLIGHT``
-        running reductions is waited for (its shard is then the bucket's gradient shard)."""
+        """A weight-gradient pass of a segment whose gradients live sharded (ZeRO 2/3): each
+        bucket, last first, is complete, starts its reduce-scatter (sampled with its full
+        gradients and every running reduction's buffers) and loses its full gradients; the
+        oldest of more than ``reduce_scatters_in_flight`` (``Program.execution``) running
+        reductions is waited for (its shard is then the bucket's gradient shard)."""
+        in_flight = self.program.execution.reduce_scatters_in_flight
         running: list[Bucket] = []
         for b in reversed(self.buckets[seg_id]):
             nbytes = _bytes(b, b.padded_numel) + _bytes(b, b.shard_numel)
@@ -355,7 +363,7 @@ class _RankReplay:
             self.grads.pop(b.id)
             self.inflight[b.id] = nbytes
             running.append(b)
-            while len(running) > EARLY_IN_FLIGHT:
+            while len(running) > in_flight:
                 done = running.pop(0)
                 self.inflight.pop(done.id)
                 self.grad_shards[done.id] = _bytes(done, done.shard_numel)

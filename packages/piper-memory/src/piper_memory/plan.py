@@ -15,6 +15,11 @@ bucket of one shard position of a data x tensor/expert parallel segment, section
 - zero 3: as zero 2 without the all-gather, plus ``materialize.<b>.<k>`` / ``free.<b>.<k>``
   around chain ``k`` of uses (``F``/``B``/``BI``/``BW`` of ``s``).
 
+Every bucket of a replicated segment also gets where its state lives (``Bucket.params_home``,
+``grads_home``, ``optimizer_home``; ``zero_residency``): zero 0 all full; zero 1 optimizer
+state sharded; zero 2 gradients too (between microbatches); zero 3 parameters too
+(materialized per use). A runtime reads these, not the ZeRO level.
+
 A segment with mirrored replicas sharded per microbatch group (DualPipe with ZeRO-2/3: its
 buckets name ``mirrors``, docs/ir-conventions.md section 7) is planned per group, each group
 with its own buckets, passes and chains as if it were a segment of its own; then one
@@ -52,6 +57,7 @@ from piper_ir import (
     NodeKind,
     Phase,
     Replication,
+    Residency,
     rank_orders,
     validate,
 )
@@ -88,7 +94,27 @@ def plan_memory(graph: Graph) -> Graph:
         builder.mirror_sums(rep, buckets[rep.segment])
     builder.materializations(zero3)
     edges = tuple(dict.fromkeys(builder.edges))  # one edge per (src, dst, kind), first kept
-    return validate(attrs.evolve(graph, nodes=graph.nodes + tuple(builder.nodes), edges=graph.edges + edges))
+    zero = {rep.segment: rep.zero for rep in graph.replication}
+    homes = tuple(
+        attrs.evolve(b, **zero_residency(zero[b.segment])) if b.segment in zero else b for b in graph.buckets
+    )
+    return validate(
+        attrs.evolve(graph, nodes=graph.nodes + tuple(builder.nodes), edges=graph.edges + edges, buckets=homes)
+    )
+
+
+def zero_residency(zero: int) -> dict[str, Residency]:
+    """Where a bucket's parameters, gradients and optimizer state live at ZeRO level ``zero``,
+    as ``Bucket`` fields: 0 everything full; 1 optimizer state sharded; 2 gradients too
+    (between microbatches); 3 parameters too (materialized per use)."""
+    if zero not in (0, 1, 2, 3):
+        raise MemoryPlanError(f"ZeRO level {zero!r} is not 0, 1, 2 or 3")
+    full, sharded = Residency.FULL, Residency.SHARDED
+    return {
+        "params_home": sharded if zero >= 3 else full,
+        "grads_home": sharded if zero >= 2 else full,
+        "optimizer_home": sharded if zero >= 1 else full,
+    }
 
 
 def _units(rep: Replication, buckets: list[Bucket]) -> list[tuple[Replication, list[Bucket]]]:

@@ -1,8 +1,9 @@
-"""piper-runtime: Ray actors executing a Piper ``Program`` (CPU gloo backend)."""
+"""piper-runtime: Ray actors executing a Piper ``Program`` behind one backend protocol
+(``piper_runtime.backends``: CPU gloo today)."""
 
 from importlib.metadata import PackageNotFoundError, version
 
-from piper_runtime.backend import Backend, resolve_backend
+from piper_runtime.backends import Backend, register_backend, resolve_backend
 from piper_runtime.batch import check_batch, split_microbatches
 from piper_runtime.cluster import ensure_ray, shutdown
 from piper_runtime.memory import RankMemory
@@ -27,6 +28,7 @@ __all__ = [
     "StepResult",
     "check_batch",
     "ensure_ray",
+    "register_backend",
     "resolve_backend",
     "shutdown",
     "split_microbatches",

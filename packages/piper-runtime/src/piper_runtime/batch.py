@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from piper_ir import Program, TensorMeta
+from piper_ir import NodeKind, Phase, Program, TensorMeta
 
 
 def full_batch_shape(meta: TensorMeta, microbatches: int, replicas: int = 1) -> tuple[int, ...]:
@@ -84,3 +84,21 @@ def replica_slice(
         for chunk in torch.tensor_split(tensor, microbatches, dim=dim)
     ]
     return torch.cat(shards, dim=dim)
+
+
+def batch_reads(program: Program, rank: int) -> tuple[str, ...]:
+    """The batch values rank ``rank`` reads: its forwards' inputs and what it sends (only
+    those are shipped to it)."""
+    batch = set(program.inputs) | set(program.targets)
+    reads: dict[str, None] = {}
+    for ins in program.plan(rank).instructions:
+        if ins.kind is NodeKind.COMPUTE and ins.phase is Phase.F:
+            names = program.segment_by_id[ins.segment].inputs
+        elif ins.kind is NodeKind.SEND:
+            names = (ins.value,)
+        else:
+            continue
+        for n in names:
+            if n in batch:
+                reads.setdefault(n, None)
+    return tuple(reads)

@@ -39,11 +39,6 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     _started_here = True
 
 
-def started_here() -> bool:
-    """Whether ``ensure_ray`` started the Ray cluster this process is attached to."""
-    return _started_here and ray.is_initialized()
-
-
 def shutdown() -> None:
     """Stop Ray if (and only if) ``ensure_ray`` started it."""
     global _started_here

@@ -21,11 +21,11 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from torch import nn
 
-from piper_ir import ExecutionError, NodeKind, Phase, PiperError, Program
-from piper_memory.store import BucketLayout, unshard_tensors
-from piper_runtime.backend import resolve_backend
-from piper_runtime.batch import check_batch, replica_slice
+from piper_ir import ExecutionError, PiperError, Program
+from piper_runtime.backends import backend_factory
+from piper_runtime.batch import batch_reads, check_batch, replica_slice
 from piper_runtime.cluster import WORKER_ENV, ensure_ray
+from piper_runtime.merge import merge_outputs, merge_parameters
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.results import StepOutput, StepResult
 from piper_runtime.worker import RankWorker
@@ -60,7 +60,11 @@ class Runtime:
     ) -> None:
         self.program = program
         self.step_timeout_s = step_timeout_s
-        self._backend = resolve_backend(backend)
+        # Built here too, unconnected: it says what a rank needs, and fails before any actor
+        # starts where the backend cannot run. Workers get the factory itself, so a backend
+        # registered in this process only works too.
+        factory = backend_factory(backend)
+        self._backend = factory()
         self._workers: list[Any] = []
         self._steps = 0
         needed = {s for plan in program.ranks for s in plan.segments()}
@@ -82,7 +86,7 @@ class Runtime:
         self._workers = [actor.remote() for _ in range(program.world_size)]
         # Kills the actors on shutdown, garbage collection or interpreter exit, whichever first.
         self._finalizer = weakref.finalize(self, _kill, list(self._workers))
-        self._batch_names = {r: _batch_reads(program, r) for r in range(program.world_size)}
+        self._batch_names = {r: batch_reads(program, r) for r in range(program.world_size)}
 
         port = _free_port()
         program_ref = ray.put(program)
@@ -95,7 +99,7 @@ class Runtime:
                 program_ref,
                 {s: modules[s] for s in program.plan(rank).segments()},
                 optimizer or OptimizerSpec(),
-                backend,
+                factory,
                 min(setup_timeout_s, 60.0),
                 threads,
             )
@@ -149,24 +153,14 @@ class Runtime:
             for rank, w in enumerate(self._workers)
         ]
         outputs: list[StepOutput] = self._gather(calls, self.step_timeout_s, "step")
-        return _merge(outputs, program, keep_grads)
+        return merge_outputs(outputs, program, keep_grads)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """Current parameters of every segment, by qualified name, merged over ranks."""
         self._check_open()
-        merged: dict[str, torch.Tensor] = {}
-        shards: dict[str, dict[int, torch.Tensor]] = {}
         per_rank = self._gather([w.parameters.remote() for w in self._workers], 60.0, "parameters")
-        for params in per_rank:
-            for name, tensor in params.items():
-                merged.setdefault(name, tensor)  # replicas hold equal copies; keep the first
-        merged.update(_unshard_tp(self.program, list(enumerate(per_rank))))
-        for held in self._gather([w.parameter_shards.remote() for w in self._workers], 60.0, "parameters"):
-            for bucket, (replica, shard) in held.items():
-                shards.setdefault(bucket, {})[replica] = shard
-        # ZeRO-3 parameters live only as shards between steps: reassemble them.
-        merged.update(_unshard(self.program, shards))
-        return merged
+        shards = self._gather([w.parameter_shards.remote() for w in self._workers], 60.0, "parameters")
+        return merge_parameters(self.program, per_rank, shards)
 
     def shutdown(self) -> None:
         """Stop the workers (leaving the process group first). Safe to call more than once."""
@@ -273,98 +267,3 @@ def _ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999
 
 
-def _batch_reads(program: Program, rank: int) -> tuple[str, ...]:
-    """The batch values rank ``rank`` reads (only those are shipped to it)."""
-    batch = set(program.inputs) | set(program.targets)
-    reads: dict[str, None] = {}
-    for ins in program.plan(rank).instructions:
-        if ins.kind is NodeKind.COMPUTE and ins.phase is Phase.F:
-            names = program.segment_by_id[ins.segment].inputs
-        elif ins.kind is NodeKind.SEND:
-            names = (ins.value,)
-        else:
-            continue
-        for n in names:
-            if n in batch:
-                reads.setdefault(n, None)
-    return tuple(reads)
-
-
-def _merge(outputs: list[StepOutput], program: Program, keep_grads: bool) -> StepResult:
-    per_mb: dict[int, list[float]] = {}
-    for out in outputs:
-        for mb, loss in out.losses:
-            per_mb.setdefault(mb, []).append(loss)
-    # The loss of microbatch i is the mean over replicas of their shard losses.
-    losses = tuple(sum(per_mb[i]) / len(per_mb[i]) for i in sorted(per_mb))
-    if len(losses) != program.microbatches:
-        raise ExecutionError(
-            f"expected {program.microbatches} microbatch losses, the ranks reported {len(losses)}"
-        )
-    grads: dict[str, torch.Tensor] | None = None
-    if keep_grads:
-        grads = {}
-        shards: dict[str, dict[int, torch.Tensor]] = {}
-        for out in outputs:
-            for name, g in (out.grads or {}).items():
-                grads.setdefault(name, g)  # all-reduced: every replica holds the same sum
-            for bucket, (replica, g) in (out.grad_shards or {}).items():
-                shards.setdefault(bucket, {})[replica] = g
-        grads.update(_unshard(program, shards))
-        grads.update(_unshard_tp(program, [(out.rank, out.grads or {}) for out in outputs]))
-    timings = tuple(t for out in outputs for t in out.timings)
-    memory = tuple(out.memory for out in outputs if out.memory is not None)
-    return StepResult(
-        losses,
-        sum(losses) / len(losses),
-        grads,
-        timings,
-        tuple(out.seconds for out in outputs),
-        memory,
-        tuple(out.collective_seconds for out in outputs),
-    )
-
-
-def _unshard(program: Program, shards: Mapping[str, Mapping[int, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Full tensors by parameter name from every replica's shard of each bucket's flat buffer.
-    A bucket of one shard position (``Bucket.devices``, data x tensor/expert parallelism)
-    holds that position's pieces of the cut parameters: they are put together with the other
-    positions' by ``_unshard_tp``."""
-    buckets = {b.id: b for b in program.buckets}
-    sharding = {s.segment: s for s in program.sharding}
-    out: dict[str, torch.Tensor] = {}
-    pieces: dict[int, dict[str, torch.Tensor]] = {}  # a rank holding the position -> its pieces
-    for bucket_id, per_replica in shards.items():
-        bucket = buckets[bucket_id]
-        metas = dict(program.segment_by_id[bucket.segment].params)
-        sh = sharding.get(bucket.segment) if bucket.devices else None
-        if sh is not None:
-            metas = {name: sh.local_meta(name, meta) for name, meta in metas.items()}
-        layout = BucketLayout.from_metas(bucket, metas)
-        flat = layout.assemble(per_replica)
-        cut = {spec.name for spec in sh.params} if sh is not None else set()
-        for name, view in zip(bucket.params, layout.unflatten(flat), strict=True):
-            if name in cut:
-                pieces.setdefault(bucket.devices[0], {})[name] = view.clone()
-            else:
-                out.setdefault(name, view.clone())  # uncut: every position holds the same
-    out.update(_unshard_tp(program, list(pieces.items())))
-    return out
-
-
-def _unshard_tp(
-    program: Program, per_rank: Sequence[tuple[int, Mapping[str, torch.Tensor]]]
-) -> dict[str, torch.Tensor]:
-    """Full tensors of tensor-parallel parameters from each rank's shard (``Sharding.params``);
-    the ranks at one position of several data-parallel replicas hold equal shards."""
-    out: dict[str, torch.Tensor] = {}
-    for sh in program.sharding:
-        for spec in sh.params:
-            pieces = {
-                sh.position(rank): held[spec.name]
-                for rank, held in per_rank
-                if rank in sh.devices and spec.name in held
-            }
-            if pieces:
-                out[spec.name] = unshard_tensors(pieces, spec, sh.degree)
-    return out

@@ -1,11 +1,15 @@
 """Run one rank's plan with one thread per logical stream.
 
-Each stream's instructions (``RankPlan.stream_order``) run in plan order on a thread of their
-own (a *lane*); an instruction first waits for the events in its ``waits``, which the
-instructions of other lanes record when they finish. Gloo and torch kernels release the GIL,
-so communication really proceeds while another lane computes.
+Each stream's instructions (``RankPlan.stream_order``) run in plan order on a host thread of
+their own (a *lane*), inside the backend's ``lane(stream)`` context (CUDA: the stream is
+current); an instruction first waits for the events in its ``waits``, which the instructions
+of other lanes record once issued: the host side of the event first (the producer has issued
+its work), then its device side (``Event.wait_device``: on CUDA the lane's stream waits for
+the producer's; on the CPU, where issued work is done, nothing). Gloo and torch kernels
+release the GIL, so communication really proceeds while another lane computes. The lanes and
+events come from a ``piper_runtime.backends.base.Streams`` (host-only ones by default).
 
-Point-to-point transfers are asynchronous in torch.distributed (``isend``/``irecv`` return at
+Point-to-point transfers are asynchronous (``Communicator.send``/``recv`` return at
 once), so they do not get threads of their own, which would only add a wake-up to the
 critical path of every message: a send runs on the lane of the instruction that produced its
 value, right after it, and a receive is *lazy*, carried out by the first thread that needs its
@@ -15,17 +19,18 @@ also computes, stream order is what connects them to their readers.)
 The two chunks of one overlapped slot (the same ``Instruction.overlap`` number, DualPipe's
 forward + backward pair, each with the loss pass and the sends of its microbatch) run
 concurrently, the backward side on a helper thread: while one chunk waits in its all-to-all
-the other computes.
+the other computes. The helper enters the same lane context (one stream: a backend that
+gives the two sides streams of their own must order them after the lane's earlier work).
 
 Deadlock freedom carries over from the sequential order the verifier proved: every event
 points to an earlier instruction of the list and each lane keeps list order, so the earliest
 unfinished instruction of a rank is always runnable, exactly as in the sequential run (a
 transfer never depends on another transfer of its own stream except through channel order,
 which the sends keep by all moving to one lane and the receives by being posted in list
-order). What must not happen is two threads issuing collectives on one process group (their
-order could differ between ranks; point-to-point messages are matched by tag and peer
-instead): ``lanes_share_a_communicator`` finds plans where a collective communicator is used
-by more than one lane, which the worker then runs sequentially.
+order). What must not happen is two threads issuing collectives on one communicator (their
+order could differ between ranks; point-to-point messages are matched by communicator and
+peer instead): ``lanes_share_a_communicator`` finds plans where a collective communicator is
+used by more than one lane, which the worker then runs sequentially.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
-from piper_ir import Instruction, NodeKind, Phase
+from piper_ir import POINT_TO_POINT_KINDS, Instruction, NodeKind, Phase
+from piper_runtime.backends.base import Streams
+from piper_runtime.backends.host import HostStreams
 
 POLL_S = 0.05
 
@@ -44,7 +51,7 @@ class _Aborted(Exception):
     """Another thread failed: stop quietly, the first failure is what gets reported."""
 
 
-_P2P = (NodeKind.SEND, NodeKind.RECV)
+_P2P = POINT_TO_POINT_KINDS
 
 
 def assign_lanes(instructions: Sequence[Instruction]) -> list[str | None]:
@@ -145,11 +152,14 @@ def run_streams(
     execute: Callable[[int, Instruction], None],
     *,
     timeout_s: float,
+    streams: Streams | None = None,
 ) -> None:
     """Run ``execute(k, instruction)`` for every instruction, one thread per lane, honouring
-    ``waits``/``record``. Raises the first exception any thread raised (the others stop at
-    their next instruction); an event not recorded within ``timeout_s`` is an error."""
-    events = {ins.record: threading.Event() for ins in instructions if ins.record}
+    ``waits``/``record`` with ``streams``' events and lane contexts (host-only by default).
+    Raises the first exception any thread raised (the others stop at their next
+    instruction); an event not recorded within ``timeout_s`` is an error."""
+    streams = streams or HostStreams()
+    events = {ins.record: streams.event(ins.record) for ins in instructions if ins.record}
     failures: list[BaseException] = []
     abort = threading.Event()
     lanes = assign_lanes(instructions)
@@ -172,11 +182,12 @@ def run_streams(
             if event is None:
                 raise RuntimeError(f"instruction {ins.id} waits for event {name!r}, which nothing records")
             deadline = time.monotonic() + timeout_s
-            while not event.wait(POLL_S):
+            while not event.wait_issued(POLL_S):
                 if abort.is_set():
                     raise _Aborted
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"instruction {ins.id} waited {timeout_s:g} s for event {name!r}")
+            event.wait_device()
 
     def run_one(k: int) -> None:
         ins = instructions[k]
@@ -185,7 +196,7 @@ def run_streams(
             raise _Aborted
         execute(k, ins)
         if ins.record:
-            events[ins.record].set()
+            events[ins.record].record()
 
     def guarded(work: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
@@ -203,9 +214,18 @@ def run_streams(
         for k in side:
             run_one(k)
 
-    def run_group(sides: list[list[int]]) -> None:
+    def in_lane(lane: str, work: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            with streams.lane(lane):
+                work()
+
+        return run
+
+    def run_group(lane: str, sides: list[list[int]]) -> None:
         helpers = [
-            threading.Thread(target=guarded(partial(run_side, side)), name=f"piper-overlap-{side[0]}", daemon=True)
+            threading.Thread(
+                target=guarded(in_lane(lane, partial(run_side, side))), name=f"piper-overlap-{side[0]}", daemon=True
+            )
             for side in sides[1:]
         ]
         for t in helpers:
@@ -217,36 +237,33 @@ def run_streams(
                 if abort.is_set():
                     raise _Aborted
 
-    def run_lane(groups: list[list[list[int]]]) -> None:
-        for sides in groups:
+    def run_lane(lane: str) -> None:
+        for sides in overlap_groups(instructions, lanes, lane):
             if abort.is_set():
                 raise _Aborted
             if len(sides) == 1:
                 run_side(sides[0])
             else:
-                run_group(sides)
+                run_group(lane, sides)
 
     names = [lane for lane in dict.fromkeys(lanes) if lane is not None]
     threads = [
-        threading.Thread(
-            target=guarded(partial(run_lane, overlap_groups(instructions, lanes, lane))),
-            name=f"piper-{lane}",
-            daemon=True,
-        )
+        threading.Thread(target=guarded(in_lane(lane, partial(run_lane, lane))), name=f"piper-{lane}", daemon=True)
         for lane in names[1:]
     ]
     for t in threads:
         t.start()
     if names:  # the first lane (compute, as compiled) runs on the calling thread
-        guarded(partial(run_lane, overlap_groups(instructions, lanes, names[0])))()
+        guarded(in_lane(names[0], partial(run_lane, names[0])))()
     for t in threads:
         while t.is_alive() and not abort.is_set():
             t.join(POLL_S)
         if abort.is_set():
             break
-    # Receives nothing on this rank waited for (a plan without readers for them) still run.
+    # Receives nothing on this rank waited for (a plan without readers for them) still run,
+    # each in its own stream's lane.
     for k in sorted(set(lazy.values()) - claimed):
         if not abort.is_set():
-            guarded(partial(run_one, k))()
+            guarded(in_lane(instructions[k].stream, partial(run_one, k)))()
     if failures:
         raise failures[0]

@@ -31,6 +31,7 @@ from piper_ir import (
     BUCKET_KINDS,
     COMPUTE_KINDS,
     EdgeKind,
+    ExecutionOptions,
     Graph,
     Instruction,
     Node,
@@ -63,8 +64,10 @@ OVERLAP_PHASES = frozenset({Phase.F, Phase.B, Phase.BI})
 Channel = tuple[str, int, int]
 
 
-def compile_program(graph: Graph) -> Program:
-    """Per-rank instruction lists for ``graph``, verified before they are returned."""
+def compile_program(graph: Graph, execution: ExecutionOptions | None = None) -> Program:
+    """Per-rank instruction lists for ``graph``, verified before they are returned.
+    ``execution``: how far the runtime may run ahead of the plan (``Program.execution``;
+    default ``ExecutionOptions()``), which the memory estimate reads too."""
     validate(graph)
     if graph.world_size < 1:
         raise SchedulingError("the graph is not placed (world_size is 0); run Place first")
@@ -90,6 +93,7 @@ def compile_program(graph: Graph) -> Program:
         replication=graph.replication,
         buckets=graph.buckets,
         sharding=graph.sharding,
+        execution=execution or ExecutionOptions(),
     )
     verify(program)
     return program

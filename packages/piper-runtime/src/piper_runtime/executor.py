@@ -1,0 +1,91 @@
+"""The executor: runs one rank's instruction list once, with a handler per instruction kind.
+
+By default each logical stream runs on a lane of its own (``piper_runtime.streams``, with the
+backend's lanes and events), so communication proceeds while compute runs and the two chunks
+of an overlapped slot run side by side. With ``threads=False`` (or when a collective
+communicator is used by two lanes) it walks the list sequentially in one lane, where the
+events are satisfied by construction.
+
+Around every instruction: the ``before`` hook (posting receives ahead), the handler, then
+the values it was the last reader of are dropped (``ReadCounts``) and memory is sampled.
+A failure becomes an ``ExecutionError`` naming the rank, the instruction and the step, with
+the worker's traceback. The executor knows instruction kinds and the backend protocol only:
+what each kind does is its handler's business, the hardware is the backend's.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Mapping
+
+from piper_ir import ExecutionError, Instruction, NodeKind, RankPlan
+from piper_runtime.accounting import MemorySampler, keeps_model_state
+from piper_runtime.backends.base import Streams
+from piper_runtime.results import InstructionTiming
+from piper_runtime.state import ReadCounts, StepState
+from piper_runtime.streams import run_streams
+
+Handler = Callable[[Instruction, StepState], None]
+
+
+class Executor:
+    """Runs ``plan`` step after step (module doc)."""
+
+    def __init__(
+        self,
+        plan: RankPlan,
+        handlers: Mapping[NodeKind, Handler],
+        *,
+        before: Callable[[int, StepState], None],
+        reads: ReadCounts,
+        sampler: MemorySampler,  # after each instruction
+        streams: Streams,
+        threads: bool,
+        timeout_s: float,
+    ) -> None:
+        self.plan = plan
+        self.handlers = dict(handlers)
+        self.before = before
+        self.reads = reads
+        self.sampler = sampler
+        self.streams = streams
+        self.threads = threads
+        self.timeout_s = timeout_s
+
+    def run(self, st: StepState, step: int, started: float, profile: bool) -> list[InstructionTiming]:
+        """Run every instruction of the plan once; returns their timings with ``profile``
+        (seconds from ``started``, a ``time.perf_counter`` value)."""
+        rank = self.plan.rank
+        timings: list[InstructionTiming] = []
+
+        def execute(k: int, ins: Instruction) -> None:
+            t0 = time.perf_counter() if profile else 0.0
+            try:
+                self.before(k, st)
+                self.handlers[ins.kind](ins, st)
+            except Exception as exc:
+                raise self.error(f"instruction {ins.id} ({ins.short()})", exc, step, ins.id) from None
+            if profile:
+                timings.append(InstructionTiming(rank, ins.id, t0 - started, time.perf_counter() - started))
+            self.reads.release(k, st)
+            self.sampler.sample(st, model_state=not keeps_model_state(ins))
+
+        instructions = self.plan.instructions
+        if self.threads:
+            run_streams(instructions, execute, timeout_s=self.timeout_s, streams=self.streams)
+        else:
+            with self.streams.lane(instructions[0].stream if instructions else "compute"):
+                for k, ins in enumerate(instructions):
+                    execute(k, ins)
+        return timings
+
+    def error(self, where: str, exc: BaseException, step: int, node: str | None = None) -> ExecutionError:
+        tb = "".join(traceback.format_exception(exc))
+        rank = self.plan.rank
+        return ExecutionError(
+            f"rank {rank}, {where}: {type(exc).__name__}: {exc}\n{tb}",
+            ranks=(rank,),
+            nodes=(node,) if node else (),
+            step=step,
+        )
