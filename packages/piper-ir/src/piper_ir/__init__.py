@@ -27,12 +27,14 @@ from piper_ir.graph import (
     Node,
     NodeKind,
     ParamShard,
+    Precision,
     Replication,
     Segment,
     SegmentRole,
     Sharding,
     ShardKind,
     TensorMeta,
+    Tie,
     Value,
 )
 from piper_ir.names import GRAD_PREFIX, grad_name, grad_of, is_grad
@@ -51,8 +53,8 @@ __all__ = [
     "ANY", "MB", "PASS", "SEG", "BUCKET_KINDS", "COMMUNICATION_KINDS", "COMPUTE_KINDS", "GRAD_PREFIX",
     "POINT_TO_POINT_KINDS", "ShardKind", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "CodeRef", "Communicator",
     "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph",
-    "Instruction", "MemoryPlanError", "Node", "NodeKind", "ParamShard", "Phase", "PiperError", "Program",
+    "Instruction", "MemoryPlanError", "Node", "NodeKind", "ParamShard", "Phase", "Precision", "PiperError", "Program",
     "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Sharding", "Tags",
-    "TensorMeta", "ValidationError", "Value", "critical_path", "find_cycle", "from_json",
+    "TensorMeta", "Tie", "ValidationError", "Value", "critical_path", "find_cycle", "from_json",
     "graph_summary", "program_text", "rank_orders", "reachable", "to_json", "topological_order", "validate",
 ]
