@@ -236,6 +236,8 @@ def test_batchnorm_running_statistics_are_refused_and_left_untouched():
     before = model.bn.running_mean.clone()
     with pytest.raises(CaptureError, match=r"buffer 'bn.running_mean' in place by call_module bn .*module 'bn'.*test_capture_faithful.py"):
         _capture(model)
+    with pytest.raises(CaptureError, match=r"buffer 'bn.running_mean' in place"):  # cast copies hide nothing
+        capture(model, (X,), (Y,), F.mse_loss, precision="bf16")
     assert torch.equal(model.bn.running_mean, before) and int(model.bn.num_batches_tracked) == 0
     model.bn.track_running_stats = False  # batch statistics only: nothing to keep in sync
     model.bn.running_mean = model.bn.running_var = None

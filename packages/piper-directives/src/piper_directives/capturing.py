@@ -441,14 +441,21 @@ def _build(
     precision: Precision | None,
 ) -> CapturedModel:
     compute = torch_dtype(precision.compute) if precision else None
-    if compute is not None:
-        inputs = cast_inputs(inputs, compute)
     batch = inputs[0].shape[0]
-    half_inputs = tuple(t[: batch // 2] for t in inputs)
     buffers = _restored_buffers(model)
     try:
+        if compute is not None:
+            # Under a precision the runs below update cast copies of the buffers, not the
+            # buffers: look for in-place updates on one uncast run first.
+            _run(gm, tuple(t[: batch // 2] for t in inputs), None)
+            if changed := buffers.changed():
+                _refuse_buffer_mutation(gm, changed)
+            inputs = cast_inputs(inputs, compute)
+        half_inputs = tuple(t[: batch // 2] for t in inputs)
         full = _run(gm, inputs, compute)
         half = _run(gm, half_inputs, compute)
+    except CaptureError:
+        raise
     except Exception as err:
         raise CaptureError(f"running {type(model).__name__} on the example inputs failed: {err}") from err
     if changed := buffers.changed():
