@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from piper_directives import annotate
-from piper_directives.randomness import rng_seed, seeded, seeded_regions
+from piper_directives.randomness import seeded, seeded_regions
+from piper_ir import rng_seed
 
 
 def _mask(seed=0, segment="s0", microbatch=0, step=0, shard=0) -> torch.Tensor:

@@ -3,11 +3,13 @@ every strategy as in single-device training.
 
 A strategy runs a segment's forward for one microbatch wherever and whenever its schedule
 says, so a global random stream would hand each (segment, microbatch) different numbers under
-different strategies. Instead each forward draws from a generator seeded by ``rng_seed(seed,
-segment, microbatch, step, shard)``:
+different strategies. Instead each forward draws from a generator seeded by
+``piper_ir.rng_seed(seed, segment, microbatch, step, shard)`` (pure Python, so a runtime
+computes the same number without importing this package):
 
-- a runtime wraps every forward (and a recomputed forward, which must redraw the same masks)
-  in ``seeded(...)``;
+- a runtime runs every forward (and a recomputed forward, which must redraw the same masks)
+  the way ``seeded(...)`` does: fork the generators, seed them with ``rng_seed``, restore
+  them (piper-runtime may not import this package, hence the seed function in piper-ir);
 - single-device training (piper_train.reference) runs the user's own model under
   ``seeded_regions(...)``, which reseeds at the region boundary where each captured segment
   starts (``CapturedModel.runs`` maps boundaries to segment ids) and draws nothing else
@@ -24,7 +26,6 @@ process-wide, so ``seeded`` holds a lock: two seeded forwards of one process nev
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -33,15 +34,9 @@ import attrs
 import torch
 
 from piper_directives.annotate import on_boundaries
+from piper_ir import rng_seed
 
 _LOCK = threading.RLock()
-
-
-def rng_seed(seed: int, segment: str, microbatch: int, step: int, shard: int = 0) -> int:
-    """A 63-bit generator seed for one (segment, microbatch, step, shard); distinct keys give
-    independent seeds (a hash, not arithmetic: neighbouring keys must not give related streams)."""
-    key = f"piper-rng/{seed}/{segment}/{microbatch}/{step}/{shard}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 def _reseed(value: int, device: torch.device | None) -> None:

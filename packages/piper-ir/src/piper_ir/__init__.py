@@ -39,6 +39,7 @@ from piper_ir.graph import (
 )
 from piper_ir.names import GRAD_PREFIX, grad_name, grad_of, is_grad
 from piper_ir.program import Communicator, Instruction, Program, RankPlan
+from piper_ir.rng import rng_seed
 from piper_ir.serialize import from_json, to_json
 from piper_ir.summary import graph_summary, program_text
 from piper_ir.tags import ANY, MB, PASS, SEG, Filter, Phase, Tags
@@ -56,5 +57,5 @@ __all__ = [
     "Instruction", "MemoryPlanError", "Node", "NodeKind", "ParamShard", "Phase", "Precision", "PiperError", "Program",
     "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Sharding", "Tags",
     "TensorMeta", "Tie", "ValidationError", "Value", "critical_path", "find_cycle", "from_json",
-    "graph_summary", "program_text", "rank_orders", "reachable", "to_json", "topological_order", "validate",
+    "graph_summary", "program_text", "rank_orders", "reachable", "rng_seed", "to_json", "topological_order", "validate",
 ]
