@@ -88,16 +88,16 @@ class CapturedModel:
 
 
 class LossModule(torch.nn.Module):
-    """The loss segment: ``loss_fn(*model_outputs, *targets)``; with ``upcast`` set (a
-    ``Precision``), floating model outputs are first cast to that dtype."""
+    """The loss segment: ``loss_fn(*model_outputs, *targets)``; with ``master`` set (the
+    master dtype of a ``Precision``), floating model outputs are first cast to it."""
 
     def __init__(
-        self, loss_fn: Callable[..., torch.Tensor], n_outputs: int, upcast: torch.dtype | None = None
+        self, loss_fn: Callable[..., torch.Tensor], n_outputs: int, master: torch.dtype | None = None
     ) -> None:
         super().__init__()
         self.loss_fn = loss_fn
         self.n_outputs = n_outputs
-        self.master = upcast
+        self.master = master
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         outputs = args[: self.n_outputs]

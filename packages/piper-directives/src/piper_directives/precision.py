@@ -6,7 +6,7 @@ forward runs the module on *cast copies* of its floating parameters and buffers
 (``cast_forward``, via ``torch.func.functional_call``: nothing in the module changes, so a
 runtime may use it from several threads); autograd casts their gradients back to the master
 dtype. Floating batch inputs are cast once where the batch is read, and the loss is computed
-in the master dtype from outputs cast up (``LossModule(upcast=...)``), the usual mixed
+in the master dtype from outputs cast up (``LossModule(master=...)``), the usual mixed
 precision recipe. Values segments exchange are in the compute dtype (``capture`` records
 them so), which halves pipeline traffic.
 
