@@ -45,8 +45,9 @@ def integration(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
-    """ruff over every package, the integration tests and the benchmarks."""
-    session.run(sys.executable, "-m", "ruff", "check", "packages", "integration", "benchmarks", "noxfile.py", external=True)
+    """ruff over every package, the integration tests, the benchmarks and the examples."""
+    session.run(sys.executable, "-m", "ruff", "check", "packages", "integration", "benchmarks", "examples", "noxfile.py",
+                external=True)
 
 
 @nox.session(name="all", venv_backend="none")

@@ -27,6 +27,7 @@ from piper_ir.graph import (
     Node,
     NodeKind,
     ParamShard,
+    Precision,
     Replication,
     Residency,
     Segment,
@@ -34,10 +35,12 @@ from piper_ir.graph import (
     Sharding,
     ShardKind,
     TensorMeta,
+    Tie,
     Value,
 )
 from piper_ir.names import GRAD_PREFIX, grad_name, grad_of, is_grad
 from piper_ir.program import Communicator, ExecutionOptions, Instruction, Program, RankPlan
+from piper_ir.rng import rng_seed
 from piper_ir.serialize import from_json, to_json
 from piper_ir.summary import graph_summary, program_text
 from piper_ir.tags import ANY, MB, PASS, SEG, Filter, Phase, Tags
@@ -52,8 +55,8 @@ __all__ = [
     "ANY", "MB", "PASS", "SEG", "BUCKET_KINDS", "COMMUNICATION_KINDS", "COMPUTE_KINDS", "GRAD_PREFIX",
     "POINT_TO_POINT_KINDS", "Residency", "ShardKind", "ExecutionOptions", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "CodeRef", "Communicator",
     "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph",
-    "Instruction", "MemoryPlanError", "Node", "NodeKind", "ParamShard", "Phase", "PiperError", "Program",
+    "Instruction", "MemoryPlanError", "Node", "NodeKind", "ParamShard", "Phase", "Precision", "PiperError", "Program",
     "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Sharding", "Tags",
-    "TensorMeta", "ValidationError", "Value", "critical_path", "find_cycle", "from_json",
-    "graph_summary", "program_text", "rank_orders", "reachable", "to_json", "topological_order", "validate",
+    "TensorMeta", "Tie", "ValidationError", "Value", "critical_path", "find_cycle", "from_json",
+    "graph_summary", "program_text", "rank_orders", "reachable", "rng_seed", "to_json", "topological_order", "validate",
 ]
