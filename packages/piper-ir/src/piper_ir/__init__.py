@@ -40,6 +40,7 @@ from piper_ir.program import Communicator, Instruction, Program, RankPlan
 from piper_ir.serialize import from_json, to_json
 from piper_ir.summary import graph_summary, program_text
 from piper_ir.tags import ANY, MB, PASS, SEG, Filter, Phase, Tags
+from piper_ir.text import Listing, format_instruction, format_listing, parse_instruction, parse_listing
 from piper_ir.validate import validate
 
 try:
@@ -51,8 +52,8 @@ __all__ = [
     "ANY", "MB", "PASS", "SEG", "BUCKET_KINDS", "COMMUNICATION_KINDS", "COMPUTE_KINDS", "GRAD_PREFIX",
     "POINT_TO_POINT_KINDS", "ShardKind", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "CodeRef", "Communicator",
     "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph",
-    "Instruction", "MemoryPlanError", "Node", "NodeKind", "ParamShard", "Phase", "PiperError", "Program",
+    "Instruction", "Listing", "MemoryPlanError", "Node", "NodeKind", "ParamShard", "Phase", "PiperError", "Program",
     "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Sharding", "Tags",
     "TensorMeta", "ValidationError", "Value", "critical_path", "find_cycle", "from_json",
-    "graph_summary", "program_text", "rank_orders", "reachable", "to_json", "topological_order", "validate",
+    "format_instruction", "format_listing", "graph_summary", "parse_instruction", "parse_listing", "program_text", "rank_orders", "reachable", "to_json", "topological_order", "validate",
 ]
