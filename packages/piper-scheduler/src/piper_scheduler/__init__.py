@@ -5,19 +5,13 @@
 runs it against a ``CostModel``; ``to_chrome_trace`` and ``plot_gantt`` export the result.
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
+from piper_scheduler._version import __version__ as __version__
 from piper_scheduler.compile import compile_program
 from piper_scheduler.costs import CostModel
 from piper_scheduler.simulate import measured_timeline, simulate
 from piper_scheduler.timeline import Interval, Timeline
 from piper_scheduler.trace import plot_gantt, to_chrome_trace
 from piper_scheduler.verify import verify
-
-try:
-    __version__ = version("piper-scheduler")
-except PackageNotFoundError:  # running from a source tree
-    __version__ = "0.0.0"
 
 __all__ = [
     "CostModel",
