@@ -92,9 +92,9 @@ class Runtime:
 
         if backend == "cuda" and address is None and not ray.is_initialized():
             # The embedded cluster would run on this machine: no need to start it to know.
-            missing = cuda_missing()
-            if missing:
-                raise ClusterError(f"backend 'cuda' needs a GPU for each rank, and this machine has none usable: {missing}")
+            lacking = cuda_missing()
+            if lacking:
+                raise ClusterError(f"backend 'cuda' needs a GPU for each rank, and this machine has none usable: {lacking}")
         # The embedded cluster gets a logical CPU per rank even on a smaller machine: ranks
         # mostly wait on each other.
         ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(program.world_size * cpus_per_rank + 0.999)))
