@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +23,7 @@ def _processes_under(path: str) -> list[str]:
     return out.stdout.splitlines()
 
 
-def piper(*args: str) -> subprocess.CompletedProcess:
+def piper(*args: str, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
     """Run the command with its own Ray temp folder, so we can tell its Ray processes from
     those of anything else on the machine, and check it leaves none behind."""
     ray_tmp = tempfile.mkdtemp(prefix="piper-cli-")  # short: Ray's socket paths must fit 107 bytes
@@ -31,7 +32,7 @@ def piper(*args: str) -> subprocess.CompletedProcess:
     try:
         done = subprocess.run(
             [sys.executable, "-m", "piper_train.cli", *args],
-            capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env, cwd=ROOT,
+            capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
         )
         assert not _processes_under(ray_tmp), "the command left Ray processes behind"
     finally:
@@ -115,3 +116,32 @@ def test_unknown_model_and_bad_factory():
 def test_regions_not_divisible_by_ranks(pp):
     done = piper("train", "--model", f"{USER_MODEL}:make", "--pp", str(pp), "--steps", "1")
     assert done.returncode == 2 and "4 stages cannot be spread evenly over 3" in done.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_cuda_without_a_gpu_is_refused_naming_what_is_missing():
+    done = piper("train", "--model", "mlp", "--pp", "2", "--steps", "1", "--backend", "cuda", timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "backend 'cuda' needs a GPU for each rank" in done.stderr
+    assert "torch.cuda.is_available() is False" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_unreachable_address_is_refused_naming_it():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # bound but not listening: nothing answers there
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        done = piper("check", "--model", "mlp", "--pp", "2", "--steps", "1", "--address", address, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"cannot reach the Ray cluster at '{address}'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_ranks_per_gpu_must_be_positive():
+    done = piper("train", "--model", "mlp", "--ranks-per-gpu", "0", timeout=60)
+    assert done.returncode == 2 and "--ranks-per-gpu must be >= 1" in done.stderr
+
+
+def test_train_says_which_backend_it_chose():
+    done = piper("train", "--model", "mlp", "--schedule", "gpipe", "--pp", "2", "--microbatches", "2", "--steps", "1",
+                 "--placement", "spread")
+    assert done.returncode == 0, done.stderr
+    assert "backend 'cpu' (the Ray cluster has no GPU)" in done.stdout or "backend 'cuda'" in done.stdout

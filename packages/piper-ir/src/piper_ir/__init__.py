@@ -4,6 +4,7 @@ from piper_ir._version import __version__ as __version__
 from piper_ir.algorithms import critical_path, find_cycle, rank_orders, reachable, topological_order
 from piper_ir.errors import (
     CaptureError,
+    ClusterError,
     DeadlockError,
     DirectiveError,
     ExecutionError,
@@ -48,7 +49,7 @@ from piper_ir.validate import validate
 
 __all__ = [
     "ANY", "MB", "PASS", "SEG", "BUCKET_KINDS", "COMMUNICATION_KINDS", "COMPUTE_KINDS", "GRAD_PREFIX",
-    "POINT_TO_POINT_KINDS", "Residency", "ShardKind", "ExecutionOptions", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "CodeRef", "Communicator",
+    "POINT_TO_POINT_KINDS", "Residency", "ShardKind", "ExecutionOptions", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "ClusterError", "CodeRef", "Communicator",
     "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph",
     "Instruction", "Listing", "MemoryPlanError", "Node", "NodeKind", "ParamShard", "Phase", "Precision", "PiperError",
     "Program", "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Sharding", "Tags",

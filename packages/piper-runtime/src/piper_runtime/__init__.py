@@ -1,5 +1,5 @@
 """piper-runtime: Ray actors executing a Piper ``Program`` behind one backend protocol
-(``piper_runtime.backends``: CPU gloo today)."""
+(``piper_runtime.backends``: CPU with gloo, CUDA with cupy streams and NCCL)."""
 
 from piper_runtime._version import __version__ as __version__
 from piper_runtime.backends import Backend, register_backend, resolve_backend

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from piper_ir import Instruction, Program, SegmentRole
+from piper_runtime.backends.base import used_on_this_lane
 from piper_runtime.data_parallel import DataParallel
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.state import StepState
@@ -49,6 +50,9 @@ class Optimizers:
             if st.keep_grads:
                 self.data_parallel.report_grads(ins.segment, st)
             opt.step()
+            # Gradients another lane allocated (a bucket's reduction) are freed here: keep
+            # them until this lane's step has read them (GPU backends; nothing on the host).
+            used_on_this_lane(*(p.grad for group in opt.param_groups for p in group["params"]))
             opt.zero_grad(set_to_none=True)
 
     def state_tensors(self) -> list[torch.Tensor]:

@@ -1,5 +1,11 @@
 """``Runtime``: one Ray actor per rank executing a ``Program``, driven from this process.
 
+Start-up: connect to Ray (``cluster``), pick the backend, reserve one placement-group
+bundle per rank (``placement``: policy ``pack`` or ``spread``, fails fast when the cluster is
+too small), start the actors in their bundles, then rendezvous (``rendezvous``): loopback
+when every rank is on one node, else the address Ray reports for rank 0's node, with a port
+that rank 0's own process opens and keeps for its TCP store.
+
 Failure policy: whatever goes wrong on a worker (an exception, a dead actor, no answer
 before the timeout) tears every actor down first, so no rank is left blocked in a receive,
 and then raises ``piper_ir.ExecutionError`` naming the ranks (and, for an exception, the
@@ -8,12 +14,10 @@ instruction and the worker's traceback).
 
 from __future__ import annotations
 
-import random
-import socket
+import os
 import time
 import weakref
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -21,17 +25,16 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from torch import nn
 
-from piper_ir import ExecutionError, PiperError, Program
-from piper_runtime.backends import backend_factory
+from piper_ir import ClusterError, ExecutionError, PiperError, Program
+from piper_runtime.backends import backend_factory, cuda_missing
 from piper_runtime.batch import batch_reads, check_batch, replica_slice
-from piper_runtime.cluster import WORKER_ENV, ensure_ray
+from piper_runtime.cluster import choose_backend, ensure_ray, worker_env
 from piper_runtime.merge import merge_outputs, merge_parameters
 from piper_runtime.optim import OptimizerSpec
+from piper_runtime.placement import Placement, place_ranks
 from piper_runtime.results import StepOutput, StepResult
 from piper_runtime.worker import RankWorker
 
-_LOOPBACK = "127.0.0.1"
-_RENDEZVOUS_PORTS_FROM = 20000  # above Ray's worker ports, below the ephemeral range
 _INLINE_BYTES = 64 * 1024  # below this, batch tensors go inline with each call
 
 
@@ -44,6 +47,14 @@ class Runtime:
     the runtime is garbage collected or the interpreter exits. ``threads`` runs each rank's
     logical streams on threads of their own (the default); ``False`` walks each rank's plan
     sequentially, the same plan on one stream.
+
+    ``backend``: a registered backend name, or ``None`` to choose (``cuda`` when the cluster
+    has a GPU for every rank and the CUDA backend can run there, else ``cpu``; the choice and
+    why are in ``backend_reason``, and ``log`` hears it). ``placement``: ``"pack"`` or
+    ``"spread"`` (``piper_runtime.placement``); each rank reserves ``cpus_per_rank`` CPUs and,
+    on a GPU backend, ``1 / ranks_per_gpu`` of a GPU (``ranks_per_gpu`` > 1 shares GPUs).
+    A cluster too small for the program, or an unreachable ``address``, raises
+    ``piper_ir.ClusterError`` before any actor starts.
     """
 
     def __init__(
@@ -53,20 +64,23 @@ class Runtime:
         optimizer: OptimizerSpec | None = None,
         *,
         address: str | None = None,
-        backend: str = "cpu",
+        backend: str | None = "cpu",
         step_timeout_s: float = 120.0,
         setup_timeout_s: float = 120.0,
         threads: bool = True,
+        placement: str = "pack",
+        ranks_per_gpu: int = 1,
+        cpus_per_rank: float = 1.0,
+        log: Callable[[str], None] | None = None,
     ) -> None:
         self.program = program
         self.step_timeout_s = step_timeout_s
-        # Built here too, unconnected: it says what a rank needs, and fails before any actor
-        # starts where the backend cannot run. Workers get the factory itself, so a backend
-        # registered in this process only works too.
-        factory = backend_factory(backend)
-        self._backend = factory()
         self._workers: list[Any] = []
         self._steps = 0
+        if backend is not None:
+            backend_factory(backend)  # an unknown name fails before anything starts
+        if ranks_per_gpu < 1:
+            raise ValueError(f"ranks_per_gpu must be >= 1, got {ranks_per_gpu!r}")
         needed = {s for plan in program.ranks for s in plan.segments()}
         missing = sorted(needed - set(modules))
         if missing:
@@ -76,25 +90,51 @@ class Runtime:
                 f"program has {len(program.ranks)} rank plans for world size {program.world_size}"
             )
 
-        ensure_ray(address)
-        actor = ray.remote(RankWorker).options(
-            num_cpus=0.01,  # ranks mostly wait on each other; never block on whole CPUs
-            num_gpus=self._backend.gpus_per_rank,
-            max_restarts=0,
-            runtime_env={"env_vars": dict(WORKER_ENV)},
+        if backend == "cuda" and address is None and not ray.is_initialized():
+            # The embedded cluster would run on this machine: no need to start it to know.
+            lacking = cuda_missing()
+            if lacking:
+                raise ClusterError(f"backend 'cuda' needs a GPU for each rank, and this machine has none usable: {lacking}")
+        # The embedded cluster gets a logical CPU per rank even on a smaller machine: ranks
+        # mostly wait on each other.
+        ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(program.world_size * cpus_per_rank + 0.999)))
+        self.backend_name, self.backend_reason = choose_backend(backend, program.world_size, 1.0 / ranks_per_gpu)
+        if log is not None:
+            log(self.backend_reason)
+        # Built here too, unconnected: it says what a rank needs. Workers get the factory
+        # itself, so a backend registered in this process only works too.
+        factory = backend_factory(self.backend_name)
+        self._backend = factory()
+        gpus_per_rank = self._backend.gpus_per_rank / ranks_per_gpu
+        self.placement: Placement = place_ranks(
+            program,
+            cpus_per_rank=cpus_per_rank,
+            gpus_per_rank=gpus_per_rank,
+            policy=placement,
+            backend=self.backend_name,
+            timeout_s=min(setup_timeout_s, 30.0),
         )
-        self._workers = [actor.remote() for _ in range(program.world_size)]
-        # Kills the actors on shutdown, garbage collection or interpreter exit, whichever first.
-        self._finalizer = weakref.finalize(self, _kill, list(self._workers))
+        actor = ray.remote(RankWorker)
+        env = {"env_vars": worker_env()}
+        self._workers = [
+            actor.options(max_restarts=0, runtime_env=env, **self.placement.actor_options(rank)).remote()
+            for rank in range(program.world_size)
+        ]
+        # Kills the actors and releases their reservation on shutdown, garbage collection or
+        # interpreter exit, whichever first.
+        self._finalizer = weakref.finalize(self, _kill, list(self._workers), self.placement)
         self._batch_names = {r: batch_reads(program, r) for r in range(program.world_size)}
 
-        port = _free_port()
+        # Rank 0's process opens the port on its own node and keeps it for its TCP store.
+        address0 = self.placement.rendezvous_address
+        (port,) = self._gather([self._workers[0].open_rendezvous.remote(address0)], setup_timeout_s, "rendezvous")
+        self.rendezvous = (address0, port)
         program_ref = ray.put(program)
         calls = [
             w.setup.remote(
                 rank,
                 program.world_size,
-                _LOOPBACK,
+                address0,
                 port,
                 program_ref,
                 {s: modules[s] for s in program.plan(rank).segments()},
@@ -232,38 +272,11 @@ class Runtime:
         raise err
 
 
-def _kill(workers: list[Any]) -> None:
+def _kill(workers: list[Any], placement: Placement | None = None) -> None:
     for w in workers:
         try:
             ray.kill(w, no_restart=True)
         except Exception:  # already dead, or Ray already shut down
             pass
-
-
-def _free_port() -> int:
-    """A free loopback port for the process group's rendezvous. Picked outside the kernel's
-    ephemeral range, where every outgoing connection (gloo's pairs, Ray's) takes its local
-    port, so nothing can take it between this check and rank 0 listening on it (that race
-    failed a setup with EADDRINUSE), and outside Ray's worker ports (10002-19999)."""
-    low = _ephemeral_ports()[0]
-    for port in random.sample(range(_RENDEZVOUS_PORTS_FROM, low), min(64, max(0, low - _RENDEZVOUS_PORTS_FROM))):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((_LOOPBACK, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below: any free port
-        s.bind((_LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
-def _ephemeral_ports() -> tuple[int, int]:
-    """The kernel's ephemeral port range (Linux; the usual default elsewhere)."""
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
+    if placement is not None:
+        placement.release()

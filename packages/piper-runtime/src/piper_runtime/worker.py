@@ -43,6 +43,7 @@ from piper_runtime.data_parallel import DataParallel
 from piper_runtime.executor import Executor
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.optimizers import Optimizers
+from piper_runtime.rendezvous import open_listener
 from piper_runtime.results import StepOutput
 from piper_runtime.sharding import bind_collectives, collective_seconds, cut_parameters, unbucketed_experts
 from piper_runtime.state import ReadCounts, StepState
@@ -69,6 +70,11 @@ class RankWorker:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def open_rendezvous(self, address: str) -> int:
+        """On rank 0, before ``setup``: listen on ``address`` (this node's), on a port chosen
+        here, kept for this process's TCP store (``piper_runtime.rendezvous``); the port."""
+        return open_listener(address)
 
     def setup(
         self,

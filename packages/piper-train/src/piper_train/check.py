@@ -73,15 +73,19 @@ def run_check(
     log: Callable[[str], None] = lambda _: None,
     memory_budget_bytes: int | None = None,
     threads: bool = True,
+    backend: str | None = None,
+    placement: str = "pack",
+    ranks_per_gpu: int = 1,
 ) -> CheckReport:
     """Train ``steps`` steps both ways; compare every microbatch loss, every gradient and,
-    after the last step, every parameter. ``threads=False`` runs the plans sequentially."""
+    after the last step, every parameter. ``threads=False`` runs the plans sequentially;
+    ``backend``, ``placement``, ``ranks_per_gpu`` as for ``Trainer``."""
     optimizer = optimizer or OptimizerSpec()
     diffs: list[Difference] = []
     with Trainer(
         workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
         optimizer=optimizer, address=address, memory_budget_bytes=memory_budget_bytes, log=log,
-        threads=threads,
+        threads=threads, backend=backend, placement=placement, ranks_per_gpu=ranks_per_gpu,
     ) as trainer:
         reference = ReferenceTrainer(workload.model, workload.loss_fn, optimizer, trainer.program.microbatches)
         for step in range(steps):

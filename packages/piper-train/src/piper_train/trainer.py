@@ -51,8 +51,14 @@ class Trainer:
     are copied to the workers; ``parameters()`` returns the trained values.
 
     ``memory_budget_bytes``: when given, compile fails with ``MemoryPlanError`` (before any
-    worker starts) if a rank's estimated memory (``piper_memory.estimate_memory``) exceeds it.
+    worker starts) if a rank's estimated memory (``piper_memory.estimate_memory``) exceeds it;
+    it is per GPU, so with ``ranks_per_gpu`` N each rank may use 1/N of it.
     ``threads=False`` runs each rank's plan sequentially instead of one thread per stream.
+
+    ``backend``: ``"cpu"``, ``"cuda"``, or ``None`` to choose: ``cuda`` when the Ray cluster has
+    a GPU for every rank (a share of one with ``ranks_per_gpu``) and the CUDA backend can run
+    there, else ``cpu``; the choice and why go to ``log``. ``placement``: ``"pack"`` (ranks on
+    as few nodes as possible) or ``"spread"`` (``piper_runtime.placement``).
     """
 
     def __init__(
@@ -69,6 +75,9 @@ class Trainer:
         memory_budget_bytes: int | None = None,
         log: Callable[[str], None] | None = None,
         threads: bool = True,
+        backend: str | None = None,
+        placement: str = "pack",
+        ranks_per_gpu: int = 1,
     ) -> None:
         say = log or (lambda _: None)
         started = time.perf_counter()
@@ -88,7 +97,7 @@ class Trainer:
         self.program: Program = compile_program(self.graph)
         optimizer = optimizer or OptimizerSpec()
         if memory_budget_bytes is not None:
-            check_budget(self.program, memory_budget_bytes, optimizer.name)
+            check_budget(self.program, memory_budget_bytes // max(1, ranks_per_gpu), optimizer.name)
         self.compile_seconds = time.perf_counter() - started
         self.batch_size = captured.batch_size
         say(
@@ -103,6 +112,10 @@ class Trainer:
             address=address,
             step_timeout_s=step_timeout_s,
             threads=threads,
+            backend=backend,
+            placement=placement,
+            ranks_per_gpu=ranks_per_gpu,
+            log=say,
         )
 
     @classmethod

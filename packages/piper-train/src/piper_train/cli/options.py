@@ -6,7 +6,7 @@ take it, and the checks argparse cannot express.
 | model | --model (default lm) | train, check |
 | pipeline | --schedule, --strategy, --pp, --stages, --microbatches | train, check, simulate, plan |
 | parallelism | --dp, --zero, --tp, --ep | train, check |
-| run | --memory-budget-mb, --optimizer, --lr, --seed, --address | train, check |
+| run | --memory-budget-mb, --optimizer, --lr, --seed, --address, --backend, --placement, --ranks-per-gpu | train, check |
 | summary | --json (a machine-readable summary) | train, check |
 | simulation | --cost, --json, --png, --trace | simulate, show |
 """
@@ -58,11 +58,22 @@ def add_seed(p: argparse.ArgumentParser) -> None:
 
 def add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget-mb", type=float, default=None,
-                   help="fail at compile time if a rank's estimated memory exceeds this many MiB")
+                   help="fail at compile time if the estimated memory per GPU (per rank on the CPU) exceeds this "
+                        "many MiB")
     p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw"], help="(default: adamw)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: 3e-3 for adam/adamw, 0.05 for sgd)")
     add_seed(p)
-    p.add_argument("--address", help="Ray cluster address; default: start an embedded local cluster")
+    p.add_argument("--address", help="an existing Ray cluster's address (host:port of its head, as `ray start --head` "
+                   "prints; or 'auto'); default: start an embedded local cluster")
+    p.add_argument("--backend", choices=["cpu", "cuda"], default=None,
+                   help="where ranks run: cpu (gloo) or cuda (a GPU per rank, NCCL); default: cuda when the Ray "
+                        "cluster has a GPU for every rank, else cpu (the choice is printed)")
+    p.add_argument("--placement", choices=["pack", "spread"], default="pack",
+                   help="ranks on as few nodes as possible (pack) or as many (spread); either way pipeline "
+                        "neighbours and tensor-parallel groups share a node where they fit (default: pack)")
+    p.add_argument("--ranks-per-gpu", type=int, default=1,
+                   help="ranks sharing one GPU with --backend cuda (e.g. a multi-rank strategy checked on one "
+                        "GPU; they talk through host memory, not NCCL) (default: 1)")
 
 
 def add_summary(p: argparse.ArgumentParser) -> None:
@@ -136,9 +147,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     for name in ("rtol", "atol"):
         if getattr(args, name, 0) < 0:
             parser.error(f"--{name} must be >= 0")
-    for name in ("pp", "microbatches", "steps", "dp", "tp", "ep"):
+    for name in ("pp", "microbatches", "steps", "dp", "tp", "ep", "ranks_per_gpu"):
         if getattr(args, name, 1) < 1:
-            parser.error(f"--{name} must be >= 1")
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if getattr(args, "ep", 1) > 1 and getattr(args, "tp", 1) > 1:
         parser.error("--ep with --tp (tensor and expert parallelism in one strategy) is not supported yet")
     if getattr(args, "zero", 0) and getattr(args, "dp", 1) < 2 and getattr(args, "ep", 1) < 2:

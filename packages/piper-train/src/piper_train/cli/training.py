@@ -31,7 +31,8 @@ def train_command(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with Trainer(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
                  StrategyRequest.from_args(args).for_trainer(), optimizer=_optimizer(args), address=args.address,
-                 memory_budget_bytes=_budget(args), log=lambda text: say(args, text)) as trainer:
+                 memory_budget_bytes=_budget(args), log=lambda text: say(args, text), backend=args.backend,
+                 placement=args.placement, ranks_per_gpu=args.ranks_per_gpu) as trainer:
         say(args, f"workers up after {time.perf_counter() - started:.1f} s")
         losses, times = [], []
         for step in range(args.steps):
@@ -66,7 +67,8 @@ def check_command(args: argparse.Namespace) -> int:
               "vs single-device training")
     report = run_check(workload, StrategyRequest.from_args(args).for_trainer(), steps=args.steps,
                        optimizer=_optimizer(args), rtol=args.rtol, atol=args.atol, address=args.address,
-                       log=lambda s: say(args, s), memory_budget_bytes=_budget(args))
+                       log=lambda s: say(args, s), memory_budget_bytes=_budget(args), backend=args.backend,
+                       placement=args.placement, ranks_per_gpu=args.ranks_per_gpu)
     rows = {what: report.worst(what) for what in ("loss", "grad", "param")}
     for what, d in rows.items():
         say(args, f"largest {what:<5} difference: abs {d.abs:.3e}  rel {d.rel:.3e}  ({d.where})")
