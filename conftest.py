@@ -1,7 +1,10 @@
 """Fixtures shared by every package's tests and the integration tests.
 
 One Ray cluster serves the whole pytest session: starting Ray costs a few seconds, and the
-runtime reuses an initialised Ray instead of starting its own.
+runtime reuses an initialised Ray instead of starting its own. Runtimes also reuse their
+workers (``PIPER_REUSE_WORKERS=1``, ``piper_runtime.pool``): starting a worker process costs
+seconds, more than most tests' training. ``PIPER_REUSE_WORKERS=0 ./dev test`` runs every
+test on new workers.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("PIPER_REUSE_WORKERS", "1")
 
 
 @pytest.fixture(scope="session")

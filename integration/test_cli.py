@@ -1,4 +1,10 @@
-"""The ``piper`` command end to end, each run in its own process with its own Ray."""
+"""The ``piper`` command end to end.
+
+Most tests call ``piper_train.cli.main(argv)`` in this process, so they share the session's
+Ray cluster and its pooled workers: what they check (exit codes, what goes to stdout and
+stderr) does not depend on the process. A few run the command as its own process, for what
+only a process shows: the console script, no traceback on stderr, no Ray process left behind.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +14,49 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import pytest
+import ray
+
+from piper_runtime.pool import REUSE_ENV
+from piper_train.cli import main
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_MODEL = ROOT / "integration" / "fixtures" / "user_model.py"
 CLI_TIMEOUT_S = 240
+
+
+@attrs.frozen
+class Done:
+    """What a run of the command gave: its exit code and its output."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def piper(capsys: pytest.CaptureFixture[str]) -> Callable[..., Done]:
+    """``piper ARGS`` in this process: ``main``'s return value (argparse's exit code for a
+    usage error) and what it printed. ``main`` must raise nothing else and must leave the
+    session's Ray running."""
+
+    def run(*args: str) -> Done:
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse: usage errors
+            code = exit_.code
+        assert ray.is_initialized(), "the command shut down the session's Ray"
+        out, err = capsys.readouterr()
+        return Done(code, out, err)
+
+    return run
 
 
 def _processes_under(path: str) -> list[str]:
@@ -22,24 +64,26 @@ def _processes_under(path: str) -> list[str]:
     return out.stdout.splitlines()
 
 
-def piper(*args: str) -> subprocess.CompletedProcess:
-    """Run the command with its own Ray temp folder, so we can tell its Ray processes from
-    those of anything else on the machine, and check it leaves none behind."""
+def piper_process(*args: str, console_script: bool = False) -> Done:
+    """Run the command as a process of its own (the console script, or ``python -m``),
+    with the default worker policy and its own Ray temp folder, so we can tell its Ray
+    processes from those of anything else on the machine, and check it leaves none behind."""
     ray_tmp = tempfile.mkdtemp(prefix="piper-cli-")  # short: Ray's socket paths must fit 107 bytes
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo",
                RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=ray_tmp)
+    env.pop(REUSE_ENV, None)
+    command = [str(Path(sys.executable).with_name("piper"))] if console_script else [sys.executable, "-m",
+                                                                                     "piper_train.cli"]
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "piper_train.cli", *args],
-            capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env, cwd=ROOT,
-        )
+        done = subprocess.run([*command, *args], capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env,
+                              cwd=ROOT)
         assert not _processes_under(ray_tmp), "the command left Ray processes behind"
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    return done
+    return Done(done.returncode, done.stdout, done.stderr)
 
 
-def test_train_prints_progress_and_a_json_summary():
+def test_train_prints_progress_and_a_json_summary(piper):
     done = piper("train", "--model", "mlp", "--schedule", "gpipe", "--pp", "2", "--microbatches", "4",
                  "--steps", "12", "--json")
     assert done.returncode == 0, done.stderr
@@ -50,7 +94,18 @@ def test_train_prints_progress_and_a_json_summary():
     assert sum(losses[-3:]) < sum(losses[:3])  # it learns (batches differ, so compare averages)
 
 
-def test_check_a_user_factory_with_two_regions_per_rank():
+def test_the_console_script_trains_and_leaves_nothing_behind():
+    """The installed ``piper`` script in a process of its own, starting (and stopping) its
+    own Ray with new workers."""
+    done = piper_process("train", "--model", "mlp", "--schedule", "1f1b", "--pp", "2", "--microbatches", "2",
+                         "--steps", "2", "--json", console_script=True)
+    assert done.returncode == 0, done.stderr
+    assert "step    2/2" in done.stderr and "Traceback" not in done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["pp"] == 2 and summary["microbatches"] == 2 and len(summary["losses"]) == 2
+
+
+def test_check_a_user_factory_with_two_regions_per_rank(piper):
     done = piper("check", "--model", f"{USER_MODEL}:make", "--schedule", "1f1b", "--pp", "2",
                  "--microbatches", "4", "--optimizer", "sgd", "--json")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -59,7 +114,7 @@ def test_check_a_user_factory_with_two_regions_per_rank():
     assert "largest grad  difference" in done.stderr and "PASS" in done.stderr
 
 
-def test_check_moe_with_expert_parallelism():
+def test_check_moe_with_expert_parallelism(piper):
     done = piper("check", "--model", "moe", "--pp", "2", "--ep", "2", "--microbatches", "2", "--steps", "2",
                  "--optimizer", "sgd", "--json")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -68,7 +123,7 @@ def test_check_moe_with_expert_parallelism():
     assert "ep=2" in done.stderr and "PASS" in done.stderr
 
 
-def test_check_moe_with_expert_parallelism_nested_in_data_parallelism():
+def test_check_moe_with_expert_parallelism_nested_in_data_parallelism(piper):
     """--ep 2 --dp 2 --zero 1 on 4 ranks: experts split over (0, 1) and (2, 3), each expert
     reduced over the two ranks holding it, the rest ZeRO-1 over all four."""
     done = piper("check", "--model", "moe", "--pp", "1", "--ep", "2", "--dp", "2", "--zero", "1",
@@ -78,25 +133,26 @@ def test_check_moe_with_expert_parallelism_nested_in_data_parallelism():
     assert "dp=2, tp=1, ep=2, zero=1" in done.stderr and "PASS" in done.stderr
 
 
-def test_check_fails_on_a_real_difference():
+def test_check_fails_on_a_real_difference(piper):
     done = piper("check", "--model", f"{USER_MODEL}:noisy", "--pp", "5", "--microbatches", "2", "--steps", "1")
     assert done.returncode == 1, done.stderr
     assert "FAIL: differences exceed" in done.stdout
 
 
-def test_negative_tolerance_is_refused():
+def test_negative_tolerance_is_refused(piper):
     done = piper("check", "--model", "mlp", "--atol", "-1")
     assert done.returncode == 2 and "--atol must be >= 0" in done.stderr
 
 
 def test_compute_outside_annotations_is_reported_cleanly():
-    done = piper("train", "--model", f"{USER_MODEL}:leaky", "--pp", "2", "--steps", "1")
+    """A user mistake ends the process with exit code 2 and a message, no traceback."""
+    done = piper_process("train", "--model", f"{USER_MODEL}:leaky", "--pp", "2", "--steps", "1")
     assert done.returncode == 2
     assert "outside every annotate" in done.stderr and "mul" in done.stderr
     assert "Traceback" not in done.stderr
 
 
-def test_malformed_strategy_file(tmp_path):
+def test_malformed_strategy_file(piper, tmp_path):
     bad = tmp_path / "strategy.json"
     bad.write_text('{"directives": [{"op": "place", "filter": {"PP": 0}, "devices": [0, 0]}]}')
     done = piper("train", "--model", "mlp", "--strategy", str(bad), "--steps", "1")
@@ -104,7 +160,7 @@ def test_malformed_strategy_file(tmp_path):
     assert "device 0 is named twice" in done.stderr and "strategy.json#0" in done.stderr
 
 
-def test_unknown_model_and_bad_factory():
+def test_unknown_model_and_bad_factory(piper):
     done = piper("train", "--model", "gpt5", "--steps", "1")
     assert done.returncode == 2 and "unknown model 'gpt5'" in done.stderr
     done = piper("train", "--model", f"{USER_MODEL}:nothing", "--steps", "1")
@@ -112,6 +168,6 @@ def test_unknown_model_and_bad_factory():
 
 
 @pytest.mark.parametrize("pp", [3])
-def test_regions_not_divisible_by_ranks(pp):
+def test_regions_not_divisible_by_ranks(piper, pp):
     done = piper("train", "--model", f"{USER_MODEL}:make", "--pp", str(pp), "--steps", "1")
     assert done.returncode == 2 and "4 stages cannot be spread evenly over 3" in done.stderr

@@ -1,4 +1,5 @@
-"""The runtime against single-device training, and its failure behaviour.
+"""The runtime against single-device training, its failure behaviour, and reused workers
+(``WorkerPool``) against fresh ones.
 
 The Program is built by hand (no capture or scheduler here): a 2-rank GPipe pipeline,
 s0 = Linear+tanh on rank 0, s1 = Linear and the MSE loss on rank 1, 4 microbatches, with
@@ -29,7 +30,7 @@ from piper_ir import (
     Tags,
     TensorMeta,
 )
-from piper_runtime import OptimizerSpec, Runtime
+from piper_runtime import OptimizerSpec, Runtime, WorkerPool
 from piper_runtime.testing import MSE, tensor_meta, two_stage_values, with_stream_events
 
 # The segment modules below live in this test module, which the workers cannot import.
@@ -209,3 +210,90 @@ def test_step_timeout_names_silent_ranks(ray_cluster) -> None:
         with pytest.raises(ExecutionError, match=r"ranks \[0, 1\] did not answer within 1 s") as info:
             rt.step(*((t,) for t in _batch(0)))
         assert info.value.ranks == (0, 1) and rt.closed
+
+
+# -- reusing workers (piper_runtime.pool) --------------------------------------------------------
+
+
+class Meddler(Stage1):
+    """``Stage1`` that also changes the process-wide settings a reset must put back."""
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor]:
+        torch.manual_seed(1234)
+        sys.setswitchinterval(0.25)
+        torch.set_num_threads(3)
+        out = super().forward(h)
+        torch.set_default_dtype(torch.float64)
+        return out
+
+
+def _settings(worker: object) -> tuple:
+    """What a worker process says about the settings a run may change, and what it holds."""
+    return (sys.getswitchinterval(), torch.get_num_threads(), torch.get_default_dtype(), torch.initial_seed(),
+            sorted(vars(worker)))
+
+
+def _train(rt: Runtime) -> tuple[list, list, dict]:
+    """Three steps on ``rt``: every step's losses and gradients, then the parameters."""
+    losses, grads = [], []
+    for step in range(3):
+        result = rt.step(*((t,) for t in _batch(step)), keep_grads=True)
+        losses.append(result.losses)
+        grads.append(result.grads)
+    return losses, grads, rt.parameters()
+
+
+def test_reused_workers_give_a_fresh_workers_results_and_forget_their_run(ray_cluster) -> None:
+    spec = OptimizerSpec("sgd", lr=0.1, kwargs={"momentum": 0.9})
+
+    def modules(stage1: type[Stage1] = Stage1, seed: int = 0) -> dict[str, nn.Module]:
+        l0, l1 = _layers(seed)
+        return {"s0": Stage0(l0), "s1": stage1(l1), "loss": MSE()}
+
+    with Runtime(gpipe_program(), modules(), spec, reuse_workers=False) as rt:
+        fresh = _train(rt)
+        fresh_settings = ray.get(rt._workers[1].__ray_call__.remote(_settings), timeout=30)
+    pool = WorkerPool()
+    with Runtime(gpipe_program(), modules(Meddler, seed=5), OptimizerSpec("adam", 0.01), reuse_workers=pool,
+                 threads=False) as rt:
+        rt.step(*((t,) for t in _batch(0)))
+        pids = ray.get([w.ping.remote() for w in rt._workers], timeout=30)
+    assert pool.idle == 2 and pool.started == 2
+
+    with Runtime(gpipe_program(), modules(), spec, reuse_workers=pool) as rt:
+        assert pool.reused == 2 and pool.idle == 0 and pool.started == 2
+        assert ray.get([w.ping.remote() for w in rt._workers], timeout=30) == pids  # the same processes
+        reused = _train(rt)
+        settings = ray.get(rt._workers[1].__ray_call__.remote(_settings), timeout=30)
+    # Bit for bit: the same computation in the same order.
+    (losses, grads, params), (want_losses, want_grads, want_params) = reused, fresh
+    assert losses == want_losses
+    for got, want in [*zip(grads, want_grads, strict=True), (params, want_params)]:
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    # The settings are a new worker's, torch's generators were reseeded (not left at the
+    # meddler's seed), and the worker holds what a new one holds after its run.
+    assert settings[:3] == fresh_settings[:3] == (0.0005, 1, torch.float32)
+    assert settings[3] != 1234 and settings[4] == fresh_settings[4]
+    assert pool.idle == 2
+    pool.clear()
+    assert pool.idle == 0
+
+
+@pytest.mark.parametrize("failure", ["exception", "timeout", "dead worker"])
+def test_workers_of_a_failed_run_are_never_reused(ray_cluster, failure: str) -> None:
+    l0, l1 = _layers()
+    stage1 = {"exception": Stage1(l1, fail_on_call=0), "timeout": Stage1(l1, sleep_s=30.0)}.get(failure, Stage1(l1))
+    pool = WorkerPool()
+    rt = Runtime(gpipe_program(), {"s0": Stage0(l0), "s1": stage1, "loss": MSE()}, step_timeout_s=2.0,
+                 reuse_workers=pool)
+    workers = list(rt._workers)
+    if failure == "dead worker":
+        ray.kill(workers[1])  # dies between calls: the reset at shutdown gets no answer
+    else:
+        with pytest.raises(ExecutionError):
+            rt.step(*((t,) for t in _batch(0)))
+    rt.shutdown()
+    assert pool.idle == 0
+    for w in workers:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(w.ping.remote(), timeout=30)

@@ -4,6 +4,11 @@ Failure policy: whatever goes wrong on a worker (an exception, a dead actor, no 
 before the timeout) tears every actor down first, so no rank is left blocked in a receive,
 and then raises ``piper_ir.ExecutionError`` naming the ranks (and, for an exception, the
 instruction and the worker's traceback).
+
+Workers are started for the runtime and killed by ``shutdown``, unless the runtime reuses
+workers (``reuse_workers``, ``piper_runtime.pool``): then it takes them from a pool and a
+clean ``shutdown`` resets them and gives them back. A failed run's workers, and those of a
+runtime shut down while a call was still in flight, are killed all the same.
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ from piper_runtime.batch import batch_reads, check_batch, replica_slice
 from piper_runtime.cluster import WORKER_ENV, ensure_ray
 from piper_runtime.merge import merge_outputs, merge_parameters
 from piper_runtime.optim import OptimizerSpec
+from piper_runtime.pool import WorkerPool, WorkerSpec, kill_workers, pool_for
 from piper_runtime.results import StepOutput, StepResult
-from piper_runtime.worker import RankWorker
 
 _LOOPBACK = "127.0.0.1"
 _RENDEZVOUS_PORTS_FROM = 20000  # above Ray's worker ports, below the ephemeral range
 _INLINE_BYTES = 64 * 1024  # below this, batch tensors go inline with each call
+_RESET_TIMEOUT_S = 30.0
 
 
 class Runtime:
@@ -44,6 +50,11 @@ class Runtime:
     the runtime is garbage collected or the interpreter exits. ``threads`` runs each rank's
     logical streams on threads of their own (the default); ``False`` walks each rank's plan
     sequentially, the same plan on one stream.
+
+    ``reuse_workers``: ``True`` takes workers from the process's shared ``WorkerPool`` and
+    gives them back on a clean ``shutdown``; a ``WorkerPool`` uses that pool; ``False``
+    starts new workers and kills them at the end; ``None`` (the default) reuses only when
+    the environment says ``PIPER_REUSE_WORKERS=1``.
     """
 
     def __init__(
@@ -57,6 +68,7 @@ class Runtime:
         step_timeout_s: float = 120.0,
         setup_timeout_s: float = 120.0,
         threads: bool = True,
+        reuse_workers: bool | WorkerPool | None = None,
     ) -> None:
         self.program = program
         self.step_timeout_s = step_timeout_s
@@ -67,6 +79,7 @@ class Runtime:
         self._backend = factory()
         self._workers: list[Any] = []
         self._steps = 0
+        self._in_flight = False  # a call was sent and its answers not all gathered
         needed = {s for plan in program.ranks for s in plan.segments()}
         missing = sorted(needed - set(modules))
         if missing:
@@ -77,15 +90,15 @@ class Runtime:
             )
 
         ensure_ray(address)
-        actor = ray.remote(RankWorker).options(
-            num_cpus=0.01,  # ranks mostly wait on each other; never block on whole CPUs
-            num_gpus=self._backend.gpus_per_rank,
-            max_restarts=0,
-            runtime_env={"env_vars": dict(WORKER_ENV)},
-        )
-        self._workers = [actor.remote() for _ in range(program.world_size)]
-        # Kills the actors on shutdown, garbage collection or interpreter exit, whichever first.
-        self._finalizer = weakref.finalize(self, _kill, list(self._workers))
+        self._pool = pool_for(reuse_workers)
+        self._spec = WorkerSpec.of(self._backend.name, self._backend.gpus_per_rank, WORKER_ENV)
+        if self._pool is not None:
+            self._workers = self._pool.acquire(program.world_size, self._spec)
+        else:
+            self._workers = self._spec.start(program.world_size)
+        # Kills the actors on failure, garbage collection or interpreter exit, whichever first
+        # (a clean shutdown into a pool detaches it instead).
+        self._finalizer = weakref.finalize(self, kill_workers, list(self._workers))
         self._batch_names = {r: batch_reads(program, r) for r in range(program.world_size)}
 
         port = _free_port()
@@ -163,8 +176,13 @@ class Runtime:
         return merge_parameters(self.program, per_rank, shards)
 
     def shutdown(self) -> None:
-        """Stop the workers (leaving the process group first). Safe to call more than once."""
+        """Stop the workers (leaving the process group first), or, when reusing workers,
+        reset them and give them back to the pool. Safe to call more than once."""
         if not self._finalizer.alive:
+            return
+        if self._pool is not None and not self._in_flight and self._reset_workers():
+            self._finalizer.detach()
+            self._pool.release(self._workers, self._spec)
             return
         try:
             ray.wait([w.shutdown.remote() for w in self._workers], num_returns=len(self._workers), timeout=10)
@@ -187,8 +205,21 @@ class Runtime:
         if self.closed:
             raise ExecutionError("the runtime is shut down (after shutdown() or an earlier failure)")
 
+    def _reset_workers(self) -> bool:
+        """Reset every worker for reuse; whether all of them answered in time."""
+        refs = [w.reset.remote() for w in self._workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_RESET_TIMEOUT_S)
+        if len(ready) < len(refs):
+            return False
+        try:
+            ray.get(refs, timeout=_RESET_TIMEOUT_S)
+        except Exception:  # a worker that cannot forget its run is not reused
+            return False
+        return True
+
     def _gather(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
         """Results of one call per rank, in rank order; the first failure tears down and raises."""
+        self._in_flight = True  # until every answer is in: a rank may still be running
         pending = {ref: rank for rank, ref in enumerate(refs)}
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
@@ -225,19 +256,12 @@ class Runtime:
                     self._fail(
                         ExecutionError(f"{what}: rank {rank} did not answer", ranks=(rank,), step=step)
                     )
+        self._in_flight = False
         return [results[r] for r in range(len(refs))]
 
     def _fail(self, err: ExecutionError) -> None:
         self._finalizer()  # kill every actor: peers may be blocked in a receive from the culprit
         raise err
-
-
-def _kill(workers: list[Any]) -> None:
-    for w in workers:
-        try:
-            ray.kill(w, no_restart=True)
-        except Exception:  # already dead, or Ray already shut down
-            pass
 
 
 def _free_port() -> int:

@@ -17,7 +17,7 @@ import torch
 from piper_directives import Strategy, build_schedule, capture, shard_modules
 from piper_ir import DirectiveError, Graph, Program
 from piper_memory import check_budget, plan_memory
-from piper_runtime import OptimizerSpec, Runtime, StepResult
+from piper_runtime import OptimizerSpec, Runtime, StepResult, WorkerPool
 from piper_scheduler import compile_program
 
 
@@ -39,6 +39,9 @@ class Trainer:
     ``memory_budget_bytes``: when given, compile fails with ``MemoryPlanError`` (before any
     worker starts) if a rank's estimated memory (``piper_memory.estimate_memory``) exceeds it.
     ``threads=False`` runs each rank's plan sequentially instead of one thread per stream.
+    ``reuse_workers`` is ``Runtime``'s: ``True`` (or a ``piper_runtime.WorkerPool``) takes the
+    Ray workers from a pool and gives them back at ``close``; ``None`` follows
+    ``PIPER_REUSE_WORKERS``.
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class Trainer:
         memory_budget_bytes: int | None = None,
         log: Callable[[str], None] | None = None,
         threads: bool = True,
+        reuse_workers: bool | WorkerPool | None = None,
     ) -> None:
         say = log or (lambda _: None)
         started = time.perf_counter()
@@ -83,6 +87,7 @@ class Trainer:
             address=address,
             step_timeout_s=step_timeout_s,
             threads=threads,
+            reuse_workers=reuse_workers,
         )
 
     @classmethod
