@@ -3,17 +3,21 @@
 Most tests call ``piper_train.cli.main(argv)`` in this process, so they share the session's
 Ray cluster and its pooled workers: what they check (exit codes, what goes to stdout and
 stderr) does not depend on the process. A few run the command as its own process, for what
-only a process shows: the console script, no traceback on stderr, no Ray process left behind.
+only a process shows: the console script, no traceback on stderr, Ctrl-C, no Ray process
+left behind.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,23 +68,48 @@ def _processes_under(path: str) -> list[str]:
     return out.stdout.splitlines()
 
 
-def piper_process(*args: str, console_script: bool = False) -> Done:
+def piper_process(*args: str, console_script: bool = False, interrupt_after: str | None = None) -> Done:
     """Run the command as a process of its own (the console script, or ``python -m``),
     with the default worker policy and its own Ray temp folder, so we can tell its Ray
-    processes from those of anything else on the machine, and check it leaves none behind."""
+    processes from those of anything else on the machine, and check it leaves none behind.
+    ``interrupt_after``: send SIGINT once a line of stdout starts with this."""
     ray_tmp = tempfile.mkdtemp(prefix="piper-cli-")  # short: Ray's socket paths must fit 107 bytes
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo",
                RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=ray_tmp)
     env.pop(REUSE_ENV, None)
     command = [str(Path(sys.executable).with_name("piper"))] if console_script else [sys.executable, "-m",
                                                                                      "piper_train.cli"]
+    proc = subprocess.Popen([*command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=ROOT)
     try:
-        done = subprocess.run([*command, *args], capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env,
-                              cwd=ROOT)
+        head = ""
+        if interrupt_after is not None:
+            head = _read_until(proc, interrupt_after, time.monotonic() + CLI_TIMEOUT_S)
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=CLI_TIMEOUT_S)
         assert not _processes_under(ray_tmp), "the command left Ray processes behind"
     finally:
+        proc.kill()
+        proc.communicate()
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    return Done(done.returncode, done.stdout, done.stderr)
+    return Done(proc.returncode, head + out, err)
+
+
+def _read_until(proc: subprocess.Popen, prefix: str, deadline: float) -> str:
+    """What ``proc`` printed on stdout up to and including the first line starting with
+    ``prefix`` (fails at ``deadline``)."""
+    lines = []
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        line = proc.stdout.readline()
+        if not line:
+            break  # the process ended
+        lines.append(line)
+        if line.startswith(prefix):
+            return "".join(lines)
+    raise AssertionError(f"no line starting with {prefix!r} on stdout; got:\n{''.join(lines)}")
 
 
 def test_train_prints_progress_and_a_json_summary(piper):
@@ -103,6 +132,13 @@ def test_the_console_script_trains_and_leaves_nothing_behind():
     assert "step    2/2" in done.stderr and "Traceback" not in done.stderr
     summary = json.loads(done.stdout)
     assert summary["pp"] == 2 and summary["microbatches"] == 2 and len(summary["losses"]) == 2
+
+
+def test_an_interrupted_run_exits_with_130_and_stops_its_workers():
+    done = piper_process("train", "--model", "mlp", "--pp", "2", "--steps", "100000", interrupt_after="step ")
+    assert done.returncode == 130, done.stdout + done.stderr
+    assert "step    1/100000" in done.stdout
+    assert "piper train: interrupted" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_check_a_user_factory_with_two_regions_per_rank(piper):

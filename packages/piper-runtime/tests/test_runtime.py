@@ -30,7 +30,9 @@ from piper_ir import (
     Tags,
     TensorMeta,
 )
-from piper_runtime import OptimizerSpec, Runtime, WorkerPool
+from piper_runtime import OptimizerSpec, Runtime, WorkerPool, shared_pool
+from piper_runtime.cluster import WORKER_ENV
+from piper_runtime.pool import WorkerSpec
 from piper_runtime.testing import MSE, tensor_meta, two_stage_values, with_stream_events
 
 # The segment modules below live in this test module, which the workers cannot import.
@@ -245,36 +247,44 @@ def _train(rt: Runtime) -> tuple[list, list, dict]:
 
 def test_reused_workers_give_a_fresh_workers_results_and_forget_their_run(ray_cluster) -> None:
     spec = OptimizerSpec("sgd", lr=0.1, kwargs={"momentum": 0.9})
+    pool, workers = WorkerPool(), WorkerSpec.of("cpu", 0.0, WORKER_ENV)
 
     def modules(stage1: type[Stage1] = Stage1, seed: int = 0) -> dict[str, nn.Module]:
         l0, l1 = _layers(seed)
         return {"s0": Stage0(l0), "s1": stage1(l1), "loss": MSE()}
 
-    with Runtime(gpipe_program(), modules(), spec, reuse_workers=False) as rt:
-        fresh = _train(rt)
-        fresh_settings = ray.get(rt._workers[1].__ray_call__.remote(_settings), timeout=30)
-    pool = WorkerPool()
+    def settings() -> list[tuple]:
+        """What the pool's idle workers say about themselves (taken out and put back)."""
+        taken = pool.acquire(2, workers)
+        try:
+            return ray.get([w.__ray_call__.remote(_settings) for w in taken], timeout=30)
+        finally:
+            pool.release(taken, workers)
+
+    new = settings()  # two new workers, never set up
+    assert pool.started == 2
+    with Runtime(gpipe_program(), modules(), spec, reuse_workers=pool) as rt:
+        pids = ray.get([w.ping.remote() for w in rt._workers], timeout=30)
+        fresh = _train(rt)  # on workers that ran nothing before
     with Runtime(gpipe_program(), modules(Meddler, seed=5), OptimizerSpec("adam", 0.01), reuse_workers=pool,
                  threads=False) as rt:
         rt.step(*((t,) for t in _batch(0)))
-        pids = ray.get([w.ping.remote() for w in rt._workers], timeout=30)
-    assert pool.idle == 2 and pool.started == 2
+    # A reset worker holds what a new one holds, with a new worker's settings, and torch's
+    # generators were reseeded (not left at the meddler's seed).
+    after = settings()
+    assert [s[:3] for s in after] == [s[:3] for s in new] == [(0.005, 1, torch.float32)] * 2
+    assert [s[4] for s in after] == [s[4] for s in new]
+    assert all(s[3] != 1234 for s in after)
 
     with Runtime(gpipe_program(), modules(), spec, reuse_workers=pool) as rt:
-        assert pool.reused == 2 and pool.idle == 0 and pool.started == 2
         assert ray.get([w.ping.remote() for w in rt._workers], timeout=30) == pids  # the same processes
         reused = _train(rt)
-        settings = ray.get(rt._workers[1].__ray_call__.remote(_settings), timeout=30)
+    assert pool.started == 2 and pool.idle == 2
     # Bit for bit: the same computation in the same order.
     (losses, grads, params), (want_losses, want_grads, want_params) = reused, fresh
     assert losses == want_losses
     for got, want in [*zip(grads, want_grads, strict=True), (params, want_params)]:
         assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
-    # The settings are a new worker's, torch's generators were reseeded (not left at the
-    # meddler's seed), and the worker holds what a new one holds after its run.
-    assert settings[:3] == fresh_settings[:3] == (0.0005, 1, torch.float32)
-    assert settings[3] != 1234 and settings[4] == fresh_settings[4]
-    assert pool.idle == 2
     pool.clear()
     assert pool.idle == 0
 
@@ -283,17 +293,17 @@ def test_reused_workers_give_a_fresh_workers_results_and_forget_their_run(ray_cl
 def test_workers_of_a_failed_run_are_never_reused(ray_cluster, failure: str) -> None:
     l0, l1 = _layers()
     stage1 = {"exception": Stage1(l1, fail_on_call=0), "timeout": Stage1(l1, sleep_s=30.0)}.get(failure, Stage1(l1))
-    pool = WorkerPool()
+    pool = shared_pool()
     rt = Runtime(gpipe_program(), {"s0": Stage0(l0), "s1": stage1, "loss": MSE()}, step_timeout_s=2.0,
-                 reuse_workers=pool)
-    workers = list(rt._workers)
+                 reuse_workers=True)
+    workers, idle = list(rt._workers), pool.idle
     if failure == "dead worker":
         ray.kill(workers[1])  # dies between calls: the reset at shutdown gets no answer
     else:
         with pytest.raises(ExecutionError):
             rt.step(*((t,) for t in _batch(0)))
     rt.shutdown()
-    assert pool.idle == 0
+    assert pool.idle == idle  # none came back
     for w in workers:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(w.ping.remote(), timeout=30)
