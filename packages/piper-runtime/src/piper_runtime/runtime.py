@@ -182,7 +182,8 @@ class Runtime:
             return
         if self._pool is not None and not self._in_flight and self._reset_workers():
             self._finalizer.detach()
-            self._pool.release(self._workers, self._spec)
+            workers, self._workers = self._workers, []  # the pool's now, maybe another runtime's
+            self._pool.release(workers, self._spec)
             return
         try:
             ray.wait([w.shutdown.remote() for w in self._workers], num_returns=len(self._workers), timeout=10)
