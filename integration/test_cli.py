@@ -47,8 +47,8 @@ class Done:
 @pytest.fixture
 def piper(capsys: pytest.CaptureFixture[str]) -> Callable[..., Done]:
     """``piper ARGS`` in this process: ``main``'s return value (argparse's exit code for a
-    usage error) and what it printed. ``main`` must raise nothing else and must leave the
-    session's Ray running."""
+    usage error) and what it printed. ``main`` must raise nothing else, print no traceback
+    and leave the session's Ray running."""
 
     def run(*args: str) -> Done:
         capsys.readouterr()
@@ -58,6 +58,7 @@ def piper(capsys: pytest.CaptureFixture[str]) -> Callable[..., Done]:
             code = exit_.code
         assert ray.is_initialized(), "the command shut down the session's Ray"
         out, err = capsys.readouterr()
+        assert "Traceback" not in err, err
         return Done(code, out, err)
 
     return run
