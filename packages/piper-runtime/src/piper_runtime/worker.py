@@ -16,6 +16,7 @@ parts that each do one job:
 ``run_step`` feeds one batch through the executor and returns the rank's ``StepOutput``.
 ``reset`` forgets the run, so a ``piper_runtime.pool.WorkerPool`` can hand the actor to the
 next runtime as if it had just started.
+
 Parameter gradients are read or replaced only under one lock (``grads_lock``) that backward
 passes, the optimizer, bucket operations and memory accounting take: autograd writes
 ``.grad`` without the GIL, so no other thread may read or replace one meanwhile.
