@@ -5,7 +5,10 @@ runtime reuses an initialised Ray instead of starting its own. It has 16 logical
 rank reserves one; the ranks mostly wait on each other) and no GPU, so tests that leave the
 backend to be chosen run on the CPU backend wherever they run; the GPU tests make their own.
 Tests that need a cluster of several nodes start it in a process of their own
-(``integration/test_multinode.py``).
+(``integration/test_multinode.py``). Runtimes also reuse their workers
+(``PIPER_REUSE_WORKERS=1``, ``piper_runtime.pool``): starting a worker process costs seconds,
+more than most tests' training. ``PIPER_REUSE_WORKERS=0 ./dev test`` runs every
+test on new workers.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("PIPER_REUSE_WORKERS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -72,7 +72,8 @@ def test_a_run_listens_on_loopback_only_and_reserves_a_bundle_per_rank(ray_clust
     bare = ray.remote(RankWorker).options(num_cpus=1).remote()
     ray_own = sum(a in wildcards for a, _ in listening(ray.get(bare.ping.remote(), timeout=60)))
     ray.kill(bare)
-    with Runtime(program, modules, OptimizerSpec("sgd", 0.1)) as rt:
+    # New workers, placed in a placement group (pooled ones reserve no bundle).
+    with Runtime(program, modules, OptimizerSpec("sgd", 0.1), reuse_workers=False) as rt:
         assert rt.backend_name == "cpu" and rt.placement.node_count == 1
         assert rt.rendezvous[0] == "127.0.0.1"
         assert ray.util.placement_group_table(rt.placement.group)["state"] == "CREATED"

@@ -2,9 +2,15 @@
 
 Start-up: connect to Ray (``cluster``), pick the backend, reserve one placement-group
 bundle per rank (``placement``: policy ``pack`` or ``spread``, fails fast when the cluster is
-too small), start the actors in their bundles, then rendezvous (``rendezvous``): loopback
+too small), start the actors in their bundles (or, reusing workers on a one-node cluster,
+take them from a ``WorkerPool``: ``pool``), then rendezvous (``rendezvous``): loopback
 when every rank is on one node, else the address Ray reports for rank 0's node, with a port
 that rank 0's own process opens and keeps for its TCP store.
+
+Workers are started for the runtime and killed by ``shutdown``, unless the runtime reuses
+workers (``reuse_workers``, ``piper_runtime.pool``): then it takes them from a pool and a
+clean ``shutdown`` resets them and gives them back. A failed run's workers, and those of a
+runtime shut down while a call was still in flight, are killed all the same.
 
 Failure policy: whatever goes wrong on a worker (an exception, a dead actor, no answer
 before the timeout) tears every actor down first, so no rank is left blocked in a receive,
@@ -31,11 +37,14 @@ from piper_runtime.batch import batch_reads, check_batch, replica_slice
 from piper_runtime.cluster import choose_backend, ensure_ray, worker_env
 from piper_runtime.merge import merge_outputs, merge_parameters
 from piper_runtime.optim import OptimizerSpec
-from piper_runtime.placement import Placement, place_ranks
+from piper_runtime.placement import Placement, check_resources, place_ranks
+from piper_runtime.pool import WorkerPool, WorkerSpec, kill_workers, pool_for
+from piper_runtime.rendezvous import LOOPBACK
 from piper_runtime.results import StepOutput, StepResult
 from piper_runtime.worker import RankWorker
 
 _INLINE_BYTES = 64 * 1024  # below this, batch tensors go inline with each call
+_RESET_TIMEOUT_S = 30.0
 
 
 class Runtime:
@@ -55,6 +64,13 @@ class Runtime:
     on a GPU backend, ``1 / ranks_per_gpu`` of a GPU (``ranks_per_gpu`` > 1 shares GPUs).
     A cluster too small for the program, or an unreachable ``address``, raises
     ``piper_ir.ClusterError`` before any actor starts.
+
+    ``reuse_workers``: ``True`` takes workers from the process's shared ``WorkerPool`` and
+    gives them back on a clean ``shutdown``; a ``WorkerPool`` uses that pool; ``False``
+    starts new workers and kills them at the end; ``None`` (the default) reuses only when
+    the environment says ``PIPER_REUSE_WORKERS=1``. Reuse applies on a one-node cluster
+    (pooled workers reserve no placement-group bundle, and the rendezvous is on loopback);
+    on several nodes the runtime places new workers as usual.
     """
 
     def __init__(
@@ -72,11 +88,13 @@ class Runtime:
         ranks_per_gpu: int = 1,
         cpus_per_rank: float = 1.0,
         log: Callable[[str], None] | None = None,
+        reuse_workers: bool | WorkerPool | None = None,
     ) -> None:
         self.program = program
         self.step_timeout_s = step_timeout_s
         self._workers: list[Any] = []
         self._steps = 0
+        self._in_flight = False  # a call was sent and its answers not all gathered
         if backend is not None:
             backend_factory(backend)  # an unknown name fails before anything starts
         if ranks_per_gpu < 1:
@@ -106,27 +124,39 @@ class Runtime:
         factory = backend_factory(self.backend_name)
         self._backend = factory()
         gpus_per_rank = self._backend.gpus_per_rank / ranks_per_gpu
-        self.placement: Placement = place_ranks(
-            program,
-            cpus_per_rank=cpus_per_rank,
-            gpus_per_rank=gpus_per_rank,
-            policy=placement,
-            backend=self.backend_name,
-            timeout_s=min(setup_timeout_s, 30.0),
-        )
-        actor = ray.remote(RankWorker)
-        env = {"env_vars": worker_env()}
-        self._workers = [
-            actor.options(max_restarts=0, runtime_env=env, **self.placement.actor_options(rank)).remote()
-            for rank in range(program.world_size)
-        ]
-        # Kills the actors and releases their reservation on shutdown, garbage collection or
-        # interpreter exit, whichever first.
-        self._finalizer = weakref.finalize(self, _kill, list(self._workers), self.placement)
+        self._pool = pool_for(reuse_workers) if _one_node() else None
+        self._spec = WorkerSpec.of(self.backend_name, gpus_per_rank, worker_env())
+        self.placement: Placement | None = None
+        if self._pool is not None:
+            # Pooled workers reserve no bundle, but a cluster too small is refused all the same.
+            check_resources(program.world_size, cpus_per_rank, gpus_per_rank, ray.cluster_resources(), self.backend_name)
+            self._workers = self._pool.acquire(program.world_size, self._spec)
+            # Kills the actors on failure, garbage collection or interpreter exit, whichever
+            # first (a clean shutdown into the pool detaches it instead).
+            self._finalizer = weakref.finalize(self, kill_workers, list(self._workers))
+            address0 = LOOPBACK
+        else:
+            self.placement = place_ranks(
+                program,
+                cpus_per_rank=cpus_per_rank,
+                gpus_per_rank=gpus_per_rank,
+                policy=placement,
+                backend=self.backend_name,
+                timeout_s=min(setup_timeout_s, 30.0),
+            )
+            actor = ray.remote(RankWorker)
+            env = {"env_vars": worker_env()}
+            self._workers = [
+                actor.options(max_restarts=0, runtime_env=env, **self.placement.actor_options(rank)).remote()
+                for rank in range(program.world_size)
+            ]
+            # Kills the actors and releases their reservation on shutdown, garbage collection
+            # or interpreter exit, whichever first.
+            self._finalizer = weakref.finalize(self, _kill, list(self._workers), self.placement)
+            address0 = self.placement.rendezvous_address
         self._batch_names = {r: batch_reads(program, r) for r in range(program.world_size)}
 
         # Rank 0's process opens the port on its own node and keeps it for its TCP store.
-        address0 = self.placement.rendezvous_address
         (port,) = self._gather([self._workers[0].open_rendezvous.remote(address0)], setup_timeout_s, "rendezvous")
         self.rendezvous = (address0, port)
         program_ref = ray.put(program)
@@ -203,8 +233,14 @@ class Runtime:
         return merge_parameters(self.program, per_rank, shards)
 
     def shutdown(self) -> None:
-        """Stop the workers (leaving the process group first). Safe to call more than once."""
+        """Stop the workers (leaving the process group first), or, when reusing workers,
+        reset them and give them back to the pool. Safe to call more than once."""
         if not self._finalizer.alive:
+            return
+        if self._pool is not None and not self._in_flight and self._reset_workers():
+            self._finalizer.detach()
+            workers, self._workers = self._workers, []  # the pool's now, maybe another runtime's
+            self._pool.release(workers, self._spec)
             return
         try:
             ray.wait([w.shutdown.remote() for w in self._workers], num_returns=len(self._workers), timeout=10)
@@ -227,8 +263,21 @@ class Runtime:
         if self.closed:
             raise ExecutionError("the runtime is shut down (after shutdown() or an earlier failure)")
 
+    def _reset_workers(self) -> bool:
+        """Reset every worker for reuse; whether all of them answered in time."""
+        refs = [w.reset.remote() for w in self._workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_RESET_TIMEOUT_S)
+        if len(ready) < len(refs):
+            return False
+        try:
+            ray.get(refs, timeout=_RESET_TIMEOUT_S)
+        except Exception:  # a worker that cannot forget its run is not reused
+            return False
+        return True
+
     def _gather(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
         """Results of one call per rank, in rank order; the first failure tears down and raises."""
+        self._in_flight = True  # until every answer is in: a rank may still be running
         pending = {ref: rank for rank, ref in enumerate(refs)}
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
@@ -265,6 +314,7 @@ class Runtime:
                     self._fail(
                         ExecutionError(f"{what}: rank {rank} did not answer", ranks=(rank,), step=step)
                     )
+        self._in_flight = False
         return [results[r] for r in range(len(refs))]
 
     def _fail(self, err: ExecutionError) -> None:
@@ -272,11 +322,12 @@ class Runtime:
         raise err
 
 
+def _one_node() -> bool:
+    """Whether the Ray cluster this process is connected to has a single live node."""
+    return sum(1 for n in ray.nodes() if n.get("Alive")) == 1
+
+
 def _kill(workers: list[Any], placement: Placement | None = None) -> None:
-    for w in workers:
-        try:
-            ray.kill(w, no_restart=True)
-        except Exception:  # already dead, or Ray already shut down
-            pass
+    kill_workers(workers)
     if placement is not None:
         placement.release()

@@ -14,6 +14,9 @@ parts that each do one job:
 - ``executor``: runs the plan with a handler per instruction kind, threads per stream.
 
 ``run_step`` feeds one batch through the executor and returns the rank's ``StepOutput``.
+``reset`` forgets the run, so a ``piper_runtime.pool.WorkerPool`` can hand the actor to the
+next runtime as if it had just started.
+
 Parameter gradients are read or replaced only under one lock (``grads_lock``) that backward
 passes, the optimizer, bucket operations and memory accounting take: autograd writes
 ``.grad`` without the GIL, so no other thread may read or replace one meanwhile.
@@ -23,6 +26,7 @@ Collectives run outside it.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import sys
 import threading
@@ -30,6 +34,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
@@ -62,6 +67,11 @@ class RankWorker:
     def __init__(self) -> None:
         faulthandler.enable(all_threads=True)  # a crash in native code shows every thread
         torch.set_num_threads(1)
+        self._fresh = _ProcessSettings.read()
+        self._forget()
+
+    def _forget(self) -> None:
+        """The state of a worker that has not been set up."""
         self.rank = -1
         self.backend: Backend | None = None
         self._modules: dict[str, nn.Module] = {}
@@ -214,6 +224,42 @@ class RankWorker:
     def shutdown(self) -> None:
         if self.backend is not None:
             self.backend.shutdown()
+
+    def reset(self) -> int:
+        """Forget the run, so the next ``setup`` starts as on a new actor: leave the world
+        (the next one may have another size and port), drop the program, modules, optimizer
+        and executor state, and put back the process-wide settings a run changes (the GIL
+        switch interval, torch's thread count and default dtype) as this actor started
+        with; torch's random generators are reseeded non-deterministically, as a new
+        process's are. Only a run that ended cleanly is reset (``Runtime`` kills the actors
+        of a failed one). Returns the process id."""
+        self.shutdown()
+        fresh = self._fresh
+        self.__dict__.clear()
+        self._fresh = fresh
+        self._forget()
+        fresh.restore()
+        gc.collect()  # the run's tensors and autograd graphs go now, not at some later step
+        return os.getpid()
+
+
+@attrs.frozen
+class _ProcessSettings:
+    """Process-wide settings a run may change, as read when the actor started."""
+
+    switch_interval: float
+    threads: int
+    dtype: torch.dtype
+
+    @classmethod
+    def read(cls) -> _ProcessSettings:
+        return cls(sys.getswitchinterval(), torch.get_num_threads(), torch.get_default_dtype())
+
+    def restore(self) -> None:
+        sys.setswitchinterval(self.switch_interval)
+        torch.set_num_threads(self.threads)
+        torch.set_default_dtype(self.dtype)
+        torch.seed()  # a new process's generators are seeded at random too
 
 
 def _check_supported(rank: int, instructions: tuple) -> None:

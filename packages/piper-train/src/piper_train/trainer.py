@@ -18,7 +18,7 @@ from piper_directives import Strategy, build_schedule, capture, shard_modules
 from piper_directives.capturing import CapturedModel, tie_locations
 from piper_ir import DirectiveError, Graph, Program
 from piper_memory import check_budget, plan_memory
-from piper_runtime import OptimizerSpec, Runtime, StepResult
+from piper_runtime import OptimizerSpec, Runtime, StepResult, WorkerPool
 from piper_scheduler import compile_program
 from piper_train.user_code import ship_by_value
 
@@ -59,6 +59,9 @@ class Trainer:
     a GPU for every rank (a share of one with ``ranks_per_gpu``) and the CUDA backend can run
     there, else ``cpu``; the choice and why go to ``log``. ``placement``: ``"pack"`` (ranks on
     as few nodes as possible) or ``"spread"`` (``piper_runtime.placement``).
+    ``reuse_workers`` is ``Runtime``'s: ``True`` (or a ``piper_runtime.WorkerPool``) takes the
+    Ray workers from a pool and gives them back at ``close``; ``None`` follows
+    ``PIPER_REUSE_WORKERS``.
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class Trainer:
         backend: str | None = None,
         placement: str = "pack",
         ranks_per_gpu: int = 1,
+        reuse_workers: bool | WorkerPool | None = None,
     ) -> None:
         say = log or (lambda _: None)
         started = time.perf_counter()
@@ -116,6 +120,7 @@ class Trainer:
             placement=placement,
             ranks_per_gpu=ranks_per_gpu,
             log=say,
+            reuse_workers=reuse_workers,
         )
 
     @classmethod
