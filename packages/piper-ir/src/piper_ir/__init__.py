@@ -2,7 +2,15 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from piper_ir.algorithms import critical_path, find_cycle, rank_orders, reachable, topological_order
+from piper_ir.algorithms import (
+    critical_path,
+    find_cycle,
+    gc_paused,
+    is_acyclic,
+    rank_orders,
+    reachable,
+    topological_order,
+)
 from piper_ir.errors import (
     CaptureError,
     DeadlockError,
@@ -40,7 +48,7 @@ from piper_ir.program import Communicator, Instruction, Program, RankPlan
 from piper_ir.serialize import from_json, to_json
 from piper_ir.summary import graph_summary, program_text
 from piper_ir.tags import ANY, MB, PASS, SEG, Filter, Phase, Tags
-from piper_ir.validate import validate
+from piper_ir.validate import cycle_error, validate
 
 try:
     __version__ = version("piper-ir")
@@ -53,6 +61,6 @@ __all__ = [
     "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph",
     "Instruction", "MemoryPlanError", "Node", "NodeKind", "ParamShard", "Phase", "PiperError", "Program",
     "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Sharding", "Tags",
-    "TensorMeta", "ValidationError", "Value", "critical_path", "find_cycle", "from_json",
-    "graph_summary", "program_text", "rank_orders", "reachable", "to_json", "topological_order", "validate",
+    "TensorMeta", "ValidationError", "Value", "critical_path", "cycle_error", "find_cycle", "from_json", "gc_paused",
+    "graph_summary", "is_acyclic", "program_text", "rank_orders", "reachable", "to_json", "topological_order", "validate",
 ]
