@@ -24,6 +24,10 @@ searched per node; the whole compile runs with the cyclic garbage collector paus
    receives that the channel order puts earlier are pulled in with it, so both sides of a
    channel agree (in-order matching, as NCCL requires). This keeps deadlock freedom: every
    pulled receive's send precedes, on its rank, the send of the receive that was needed.
+   An overlapped slot (DualPipe's F&B) receives what all its members need before its first
+   member, as DeepSeek's DualPipe does, so the backward chunk's input never queues behind
+   the forward chunk's send on the pp stream; a slot whose backward needs its own forward
+   (where that would deadlock, which ``verify`` finds) keeps one receive per member.
 4. ``_add_events``: a dependency between two streams of one rank becomes an event.
 """
 
@@ -33,6 +37,7 @@ from piper_ir import (
     BUCKET_KINDS,
     COMPUTE_KINDS,
     Bucket,
+    DeadlockError,
     EdgeKind,
     Graph,
     Instruction,
@@ -89,8 +94,16 @@ def _compile(graph: Graph) -> Program:
     sends = _place_sends(graph, orders)
     overlap = _overlapped_slots(graph)
     replica = _replicas(graph, tables)
-    program = _program(graph, _place_recvs(graph, orders, sends), overlap, replica, tables)
-    verify(program)
+    program = _program(graph, _place_recvs(graph, orders, sends, overlap), overlap, replica, tables)
+    try:
+        verify(program)
+    except DeadlockError:
+        if not overlap:
+            raise
+        # Receiving a slot's inputs up front waits for what one of its own members produces
+        # (a slot whose backward needs its forward): receive before each member instead.
+        program = _program(graph, _place_recvs(graph, orders, sends, {}), overlap, replica, tables)
+        verify(program)
     return program
 
 
@@ -219,8 +232,12 @@ def _matching_recv(graph: Graph, send: Node, src: int) -> str:
     )
 
 
-def _place_recvs(graph: Graph, orders: list[list[str]], sends: list[dict[int, list[str]]]) -> list[list[str]]:
-    """Full per-rank node id lists: sends after producers, receives before consumers."""
+def _place_recvs(
+    graph: Graph, orders: list[list[str]], sends: list[dict[int, list[str]]], overlap: dict[str, tuple]
+) -> list[list[str]]:
+    """Full per-rank node id lists: sends after producers, receives before consumers; the
+    consumers of an overlapped slot (``overlap``: node id -> slot key) count as one, at the
+    slot's first member."""
     nodes = graph.node_by_id
     # Each channel's receive ids in the sender's order.
     channels: dict[Channel, list[str]] = {}
@@ -256,10 +273,16 @@ def _place_recvs(graph: Graph, orders: list[list[str]], sends: list[dict[int, li
                 out.append(rids[cursor[key]])
                 cursor[key] += 1
 
+        # An overlapped slot receives what all its members need before its first member.
+        members: dict[tuple, list[str]] = {}
+        for nid in order if overlap else ():
+            if nid in overlap:
+                members.setdefault(overlap[nid], []).append(nid)
         for i, nid in enumerate(order):
-            for e in predecessors[nid]:
-                if e.src in recvs and rank in nodes[e.src].devices:
-                    pull(e.src)
+            for m in members.pop(overlap[nid], ()) if nid in overlap else (nid,):
+                for e in predecessors[m]:
+                    if e.src in recvs and rank in nodes[e.src].devices:
+                        pull(e.src)
             out.append(nid)
             out.extend(sends[rank].get(i, ()))
         for key in into.get(rank, ()):  # receives nobody here consumes
