@@ -1,6 +1,6 @@
 import pytest
 
-from piper_ir import ShardKind, Sharding, from_json, grad_name, grad_of, is_grad, to_json
+from piper_ir import Sharding, ShardKind, from_json, grad_name, grad_of, is_grad, to_json
 
 
 def test_gradient_names_round_trip():
