@@ -1,7 +1,15 @@
 """piper-ir: the intermediate representation shared by every Piper package (no torch)."""
 
 from piper_ir._version import __version__ as __version__
-from piper_ir.algorithms import critical_path, find_cycle, rank_orders, reachable, topological_order
+from piper_ir.algorithms import (
+    critical_path,
+    find_cycle,
+    gc_paused,
+    is_acyclic,
+    rank_orders,
+    reachable,
+    topological_order,
+)
 from piper_ir.errors import (
     CaptureError,
     ClusterError,
@@ -45,7 +53,7 @@ from piper_ir.serialize import from_json, to_json
 from piper_ir.summary import graph_summary, program_text
 from piper_ir.tags import ANY, MB, PASS, SEG, Filter, Phase, Tags
 from piper_ir.text import Listing, format_instruction, format_listing, parse_instruction, parse_listing
-from piper_ir.validate import validate
+from piper_ir.validate import cycle_error, validate
 
 __all__ = [
     "ANY", "MB", "PASS", "SEG", "BUCKET_KINDS", "COMMUNICATION_KINDS", "COMPUTE_KINDS", "GRAD_PREFIX",
@@ -53,7 +61,7 @@ __all__ = [
     "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph",
     "Instruction", "Listing", "MemoryPlanError", "Node", "NodeKind", "ParamShard", "Phase", "Precision", "PiperError",
     "Program", "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Sharding", "Tags",
-    "TensorMeta", "Tie", "ValidationError", "Value", "critical_path", "find_cycle", "format_instruction",
-    "format_listing", "from_json", "graph_summary", "parse_instruction", "parse_listing", "program_text", "rank_orders",
-    "reachable", "rng_seed", "to_json", "topological_order", "validate",
+    "TensorMeta", "Tie", "ValidationError", "Value", "critical_path", "cycle_error", "find_cycle", "format_instruction",
+    "format_listing", "from_json", "gc_paused", "graph_summary", "is_acyclic", "parse_instruction", "parse_listing",
+    "program_text", "rank_orders", "reachable", "rng_seed", "to_json", "topological_order", "validate",
 ]
