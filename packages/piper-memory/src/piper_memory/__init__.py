@@ -7,6 +7,7 @@ This package imports only ``piper_ir``; the torch-side flat-buffer shard store i
 from importlib.metadata import PackageNotFoundError, version
 
 from piper_memory.estimate import OPTIMIZER_STATE_FACTOR, MemoryEstimate, check_budget, estimate_memory
+from piper_memory.grad_norm import add_grad_norm, norm_terms
 from piper_memory.plan import plan_memory, zero_residency
 
 try:
@@ -14,4 +15,7 @@ try:
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
-__all__ = ["OPTIMIZER_STATE_FACTOR", "MemoryEstimate", "check_budget", "estimate_memory", "plan_memory", "zero_residency"]
+__all__ = [
+    "OPTIMIZER_STATE_FACTOR", "MemoryEstimate", "add_grad_norm", "check_budget", "estimate_memory", "norm_terms",
+    "plan_memory", "zero_residency",
+]

@@ -12,6 +12,7 @@ from piper_ir import Program
 from piper_runtime import OptimizerSpec
 from piper_train.models import ModelSpec
 from piper_train.reference import ReferenceTrainer
+from piper_train.schedule import LRSchedule
 from piper_train.trainer import Trainer
 
 
@@ -73,17 +74,25 @@ def run_check(
     log: Callable[[str], None] = lambda _: None,
     memory_budget_bytes: int | None = None,
     threads: bool = True,
+    lr_schedule: LRSchedule | None = None,
+    clip_grad_norm: float | None = None,
+    eval_batches: int = 0,
 ) -> CheckReport:
-    """Train ``steps`` steps both ways; compare every microbatch loss, every gradient and,
-    after the last step, every parameter. ``threads=False`` runs the plans sequentially."""
+    """Train ``steps`` steps both ways; compare every microbatch loss, every gradient (after
+    clipping), the learning rate and the gradient norm of every step, after the last step
+    every parameter and, with ``eval_batches``, the held-out loss of that many batches of
+    ``workload.eval_batches`` (forward only). ``threads=False`` runs the plans sequentially."""
     optimizer = optimizer or OptimizerSpec()
     diffs: list[Difference] = []
     with Trainer(
         workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
         optimizer=optimizer, address=address, memory_budget_bytes=memory_budget_bytes, log=log,
-        threads=threads,
+        threads=threads, lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm,
     ) as trainer:
-        reference = ReferenceTrainer(workload.model, workload.loss_fn, optimizer, trainer.program.microbatches)
+        reference = ReferenceTrainer(
+            workload.model, workload.loss_fn, optimizer, trainer.program.microbatches,
+            lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm,
+        )
         for step in range(steps):
             inputs, targets = workload.batches(step)
             got = trainer.step(inputs, targets, keep_grads=True)
@@ -95,8 +104,19 @@ def run_check(
             if set(got.grads) != set(want.grads):
                 raise AssertionError(f"gradient names differ: {sorted(set(got.grads) ^ set(want.grads))}")
             pairs += [("grad", f"step {step} {name}", got.grads[name], want.grads[name]) for name in want.grads]
+            pairs.append(("lr", f"step {step}", torch.tensor(got.lr), torch.tensor(want.lr)))
+            if want.grad_norm is not None:
+                if got.grad_norm is None:
+                    raise RuntimeError("the program computed no gradient norm although clipping was asked for")
+                pairs.append(("grad_norm", f"step {step}", torch.tensor(got.grad_norm), torch.tensor(want.grad_norm)))
             diffs.extend(_diff(what, where, g, w, rtol, atol) for what, where, g, w in pairs)
-            log(f"step {step}: loss {got.loss:.6f} (reference {want.loss:.6f})")
+            norm = f", gradient norm {got.grad_norm:.6f} (reference {want.grad_norm:.6f})" if want.grad_norm else ""
+            log(f"step {step}: loss {got.loss:.6f} (reference {want.loss:.6f}), lr {got.lr:.3g}{norm}")
         params = trainer.parameters()
         diffs.extend(_diff("param", name, params[name], p, rtol, atol) for name, p in reference.parameters().items())
+        for k in range(eval_batches):
+            inputs, targets = workload.eval_batches(k)
+            got_eval, want_eval = trainer.evaluate(inputs, targets), reference.evaluate(inputs, targets)
+            diffs.append(_diff("eval", f"batch {k}", torch.tensor(got_eval), torch.tensor(want_eval), rtol, atol))
+            log(f"held-out batch {k}: loss {got_eval:.6f} (reference {want_eval:.6f})")
     return CheckReport(steps, tuple(diffs), rtol, atol, trainer.program)

@@ -5,18 +5,25 @@ The factory contract (also in the README): ``factory()`` takes no arguments and 
 whose ``forward`` is fully covered by ``annotate("PP")`` regions, the inputs and targets are
 a tensor or a tuple of tensors holding one full batch (dim 0 is the batch), and
 ``loss_fn(*outputs, *targets)`` returns a scalar mean loss. Every training step reuses that
-batch. The strategy decides how many regions go on each rank, so one factory serves every
-strategy (the region count must be divisible by the number of pipeline ranks).
+batch. Or it returns ``(model, data, loss_fn)`` or ``(model, data, loss_fn, eval_data)``:
+``data`` a ``torch.utils.data.Dataset`` of ``(input, target)`` samples (batched by
+``batch_size``), a ``DataLoader``, or any iterable of ``(inputs, targets)`` batches
+(``piper_train.batches``); the first batch is the example the program is compiled for, every
+step draws the next; ``eval_data`` likewise, the held-out batches. The strategy decides how
+many regions go on each rank, so one factory serves every strategy (the region count must be
+divisible by the number of pipeline ranks).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from piper_train.batches import BatchStream, is_data_source
 from piper_train.models import MODELS, ModelSpec, build_model
 
 
@@ -27,8 +34,9 @@ def _as_tuple(value: object, what: str, origin: str) -> tuple[torch.Tensor, ...]
     return tuple(items)
 
 
-def load_factory(spec: str) -> ModelSpec:
-    """Import ``path.py:factory`` and call it."""
+def load_factory(spec: str, *, batch_size: int | None = None, seed: int = 0) -> ModelSpec:
+    """Import ``path.py:factory`` and call it; ``batch_size`` batches a ``Dataset`` it
+    returns, ``seed`` seeds the shuffling of its data."""
     path_text, _, name = spec.rpartition(":")
     path = Path(path_text)
     if not path_text or not name or not path.is_file():
@@ -44,19 +52,56 @@ def load_factory(spec: str) -> ModelSpec:
     if not callable(factory):
         raise ValueError(f"model {spec!r}: {path} has no callable {name!r}")
     result = factory()
-    if not isinstance(result, tuple) or len(result) != 4:
-        raise ValueError(f"model {spec!r}: the factory must return (model, inputs, targets, loss_fn)")
-    model, inputs, targets, loss_fn = result
-    if not isinstance(model, torch.nn.Module) or not callable(loss_fn):
-        raise ValueError(f"model {spec!r}: the factory must return (nn.Module, inputs, targets, callable loss)")
-    inputs_t, targets_t = _as_tuple(inputs, "inputs", spec), _as_tuple(targets, "targets", spec)
-    return ModelSpec(spec, model, inputs_t, targets_t, loss_fn, lambda step: (inputs_t, targets_t), 0, 0)
+    forms = "(model, inputs, targets, loss_fn), (model, data, loss_fn) or (model, data, loss_fn, eval_data)"
+    if not isinstance(result, tuple) or len(result) not in (3, 4) or not isinstance(result[0], torch.nn.Module):
+        raise ValueError(f"model {spec!r}: the factory must return {forms}")
+    if len(result) == 4 and not is_data_source(result[1]):
+        model, inputs, targets, loss_fn = result
+        if not callable(loss_fn):
+            raise ValueError(f"model {spec!r}: the factory must return (nn.Module, inputs, targets, callable loss)")
+        inputs_t, targets_t = _as_tuple(inputs, "inputs", spec), _as_tuple(targets, "targets", spec)
+        return ModelSpec(spec, model, inputs_t, targets_t, loss_fn, lambda step: (inputs_t, targets_t), 0, 0)
+    model, data, loss_fn, *rest = result
+    if not callable(loss_fn) or not is_data_source(data):
+        raise ValueError(f"model {spec!r}: the factory must return {forms}; got a {type(data).__name__} as data")
+    eval_data = rest[0] if rest else None
+    if eval_data is not None and not is_data_source(eval_data):
+        raise ValueError(f"model {spec!r}: eval_data must be a Dataset, a DataLoader or an iterable of batches")
+    train = _Indexed(lambda: BatchStream(data, batch_size=batch_size, seed=seed, name=f"{spec} data"))
+    held_out = None
+    if eval_data is not None:
+        held_out = _Indexed(
+            lambda: BatchStream(eval_data, batch_size=batch_size, shuffle=False, name=f"{spec} eval data")
+        )
+    inputs_t, targets_t = train(0)
+    return ModelSpec(spec, model, inputs_t, targets_t, loss_fn, train, 0, seed, held_out, data, batch_size)
 
 
-def load_workload(spec: str, *, stages: int, seed: int = 0) -> ModelSpec:
-    """A built-in model name (``mlp``, ``transformer``, ``lm``) or ``file.py:factory``."""
+class _Indexed:
+    """Batch ``k`` of a stream by index (drawing and keeping the batches up to it): the
+    ``ModelSpec.batches`` of a data source, for ``piper check`` and the example batch."""
+
+    def __init__(self, make: Callable[[], BatchStream]) -> None:
+        self.make = make
+        self.stream: BatchStream | None = None
+        self.drawn: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
+
+    def __call__(self, k: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        if self.stream is None:
+            self.stream = self.make()
+        while len(self.drawn) <= k:
+            try:
+                self.drawn.append(next(self.stream))
+            except StopIteration:
+                raise ValueError(f"{self.stream.name}: only {len(self.drawn)} batches, batch {k} was asked for") from None
+        return self.drawn[k]
+
+
+def load_workload(spec: str, *, stages: int, seed: int = 0, batch_size: int | None = None) -> ModelSpec:
+    """A built-in model name (``mlp``, ``transformer``, ``lm``) or ``file.py:factory``
+    (``batch_size``: for a factory that returns a ``Dataset``)."""
     if spec in MODELS:
         return build_model(spec, stages=stages, seed=seed)
     if ":" in spec:
-        return load_factory(spec)
+        return load_factory(spec, batch_size=batch_size, seed=seed)
     raise ValueError(f"unknown model {spec!r}; use one of {sorted(MODELS)} or 'path/to/file.py:factory'")
