@@ -14,15 +14,19 @@ own optimizer (the same torch classes, the same arithmetic).
 
 With W > 0 a ``LinearLR`` warm-up comes first (``SequentialLR``): step k < W uses
 ``lr * (k + 1) / (W + 1)`` (nanoGPT's warm-up), step W the full ``lr``.
+
+torch is imported when a scheduler is built, so the command line can list the names without it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
-from torch.optim import lr_scheduler
+
+if TYPE_CHECKING:
+    import torch
+    from torch.optim import lr_scheduler
 
 SCHEDULES = ("constant", "cosine", "linear", "step")
 
@@ -54,6 +58,8 @@ class LRSchedule:
 
     def build(self, optimizer: torch.optim.Optimizer) -> lr_scheduler.LRScheduler:
         """The torch scheduler of this schedule on ``optimizer`` (whose lr is the peak)."""
+        from torch.optim import lr_scheduler
+
         base = optimizer.param_groups[0]["lr"]
         decay_steps = max(1, (self.total_steps or 0) - self.warmup_steps)
         warmup = None
@@ -82,6 +88,8 @@ class LearningRate:
     ``current`` is the learning rate of the next step; ``advance`` moves past it."""
 
     def __init__(self, lr: float, schedule: LRSchedule | None = None) -> None:
+        import torch
+
         self.schedule = schedule or LRSchedule()
         self._param = torch.zeros(1, requires_grad=True)
         self._optimizer = torch.optim.SGD([self._param], lr=lr)
