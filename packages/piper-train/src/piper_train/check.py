@@ -35,6 +35,7 @@ class CheckReport:
     rtol: float
     atol: float
     program: Program = attrs.field(eq=False, repr=False)
+    grad_norms: tuple[float, ...] = ()  # the strategy's gradient norm of each step, when clipping
 
     @property
     def ok(self) -> bool:
@@ -84,6 +85,7 @@ def run_check(
     ``workload.eval_batches`` (forward only). ``threads=False`` runs the plans sequentially."""
     optimizer = optimizer or OptimizerSpec()
     diffs: list[Difference] = []
+    norms: list[float] = []
     with Trainer(
         workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
         optimizer=optimizer, address=address, memory_budget_bytes=memory_budget_bytes, log=log,
@@ -109,6 +111,7 @@ def run_check(
                 if got.grad_norm is None:
                     raise RuntimeError("the program computed no gradient norm although clipping was asked for")
                 pairs.append(("grad_norm", f"step {step}", torch.tensor(got.grad_norm), torch.tensor(want.grad_norm)))
+                norms.append(got.grad_norm)
             diffs.extend(_diff(what, where, g, w, rtol, atol) for what, where, g, w in pairs)
             norm = f", gradient norm {got.grad_norm:.6f} (reference {want.grad_norm:.6f})" if want.grad_norm else ""
             log(f"step {step}: loss {got.loss:.6f} (reference {want.loss:.6f}), lr {got.lr:.3g}{norm}")
@@ -119,4 +122,4 @@ def run_check(
             got_eval, want_eval = trainer.evaluate(inputs, targets), reference.evaluate(inputs, targets)
             diffs.append(_diff("eval", f"batch {k}", torch.tensor(got_eval), torch.tensor(want_eval), rtol, atol))
             log(f"held-out batch {k}: loss {got_eval:.6f} (reference {want_eval:.6f})")
-    return CheckReport(steps, tuple(diffs), rtol, atol, trainer.program)
+    return CheckReport(steps, tuple(diffs), rtol, atol, trainer.program, tuple(norms))

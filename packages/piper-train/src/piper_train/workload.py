@@ -71,7 +71,8 @@ def load_factory(spec: str, *, batch_size: int | None = None, seed: int = 0) -> 
     held_out = None
     if eval_data is not None:
         held_out = _Indexed(
-            lambda: BatchStream(eval_data, batch_size=batch_size, shuffle=False, name=f"{spec} eval data")
+            lambda: BatchStream(eval_data, batch_size=batch_size, shuffle=False, name=f"{spec} eval data"),
+            one_epoch=True,
         )
     inputs_t, targets_t = train(0)
     return ModelSpec(spec, model, inputs_t, targets_t, loss_fn, train, 0, seed, held_out, data, batch_size)
@@ -79,10 +80,12 @@ def load_factory(spec: str, *, batch_size: int | None = None, seed: int = 0) -> 
 
 class _Indexed:
     """Batch ``k`` of a stream by index (drawing and keeping the batches up to it): the
-    ``ModelSpec.batches`` of a data source, for ``piper check`` and the example batch."""
+    ``ModelSpec.batches`` of a data source, for ``piper check`` and the example batch, and
+    its ``eval_batches`` (``one_epoch``: held-out data is not repeated)."""
 
-    def __init__(self, make: Callable[[], BatchStream]) -> None:
+    def __init__(self, make: Callable[[], BatchStream], one_epoch: bool = False) -> None:
         self.make = make
+        self.one_epoch = one_epoch
         self.stream: BatchStream | None = None
         self.drawn: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
 
@@ -91,9 +94,12 @@ class _Indexed:
             self.stream = self.make()
         while len(self.drawn) <= k:
             try:
-                self.drawn.append(next(self.stream))
+                batch = next(self.stream)
             except StopIteration:
-                raise ValueError(f"{self.stream.name}: only {len(self.drawn)} batches, batch {k} was asked for") from None
+                batch = None
+            if batch is None or (self.one_epoch and self.stream.epoch > 0):
+                raise ValueError(f"{self.stream.name}: only {len(self.drawn)} batches, batch {k} was asked for")
+            self.drawn.append(batch)
         return self.drawn[k]
 
 

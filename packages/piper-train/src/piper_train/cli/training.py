@@ -74,6 +74,7 @@ def train_command(args: argparse.Namespace) -> int:
     say(args, f"piper train: {_describe(args)}, {length}")
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
+        sinks = _sinks(args, stack)  # before any worker starts: a sink that cannot be made is bad input
         trainer = stack.enter_context(Trainer(
             workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
             StrategyRequest.from_args(args).for_trainer(), optimizer=_optimizer(args), address=args.address,
@@ -82,7 +83,8 @@ def train_command(args: argparse.Namespace) -> int:
             measure_grad_norm=args.log_grad_norm,
         ))
         say(args, f"workers up after {time.perf_counter() - started:.1f} s")
-        sinks = _sinks(args, trainer, stack)
+        if args.profile_step is not None:
+            sinks.append(ProfileWriter(args.profile_step, args.profile_dir, trainer.program, lambda s: say(args, s)))
         data = Prefetcher(stream, args.prefetch) if args.prefetch else stream
         if args.prefetch:
             stack.callback(data.close)
@@ -115,16 +117,15 @@ def train_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sinks(args: argparse.Namespace, trainer: Trainer, stack: contextlib.ExitStack) -> list[Sink]:
-    """Where the steps' metrics go; each is closed when the run ends."""
+def _sinks(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[Sink]:
+    """Where the steps' metrics go (the profile writer, which needs the program, comes
+    later); each is closed when the run ends."""
     stream = sys.stderr if args.json else sys.stdout
     sinks: list[Sink] = [Progress(stream, bar=False if args.no_progress_bar else None)]
     if args.metrics is not None:
         sinks.append(JsonlWriter(args.metrics))
     if args.tensorboard is not None:
         sinks.append(TensorBoardWriter(args.tensorboard))
-    if args.profile_step is not None:
-        sinks.append(ProfileWriter(args.profile_step, args.profile_dir, trainer.program, lambda s: say(args, s)))
     for sink in sinks:
         stack.callback(sink.close)
     return sinks
@@ -152,6 +153,7 @@ def check_command(args: argparse.Namespace) -> int:
         say(args, report.failures())
     if args.json:
         print(dumps({"schema": SCHEMA, "command": "check", "ok": report.ok, "steps": report.steps,
+                     "grad_norms": list(report.grad_norms),
                      **{f"max_{w}_abs": d.abs for w, d in rows.items()},
                      **{f"max_{w}_rel": d.rel for w, d in rows.items()}}))
     return 0 if report.ok else 1
