@@ -10,8 +10,9 @@ as reading or decoding would; it releases the GIL like I/O does), batched by a
   while the workers run the current step (what ``piper train`` does);
 - ``loader, inline``: each batch loaded when its step starts.
 
-It prints the mean time per step (waiting for the batch plus the step) after ``--warmup``
-steps, and the ratios to ``fixed``. A ratio near 1 for ``prefetch`` means loading is hidden.
+The three alternate over ``--rounds`` rounds (the machine's load drifts); it prints the
+median time per step (waiting for the batch plus the step, ``--warmup`` steps left out of
+each round) and the ratios to ``fixed``. A ratio near 1 for ``prefetch`` means loading is hidden.
 No timing is asserted anywhere: this is a measurement (docs/benchmarks.md).
 """
 
@@ -51,16 +52,17 @@ class Windows(Dataset):
         return window[:-1], window[1:]
 
 
-def _per_step(trainer: Trainer, data, steps: int, warmup: int) -> float:
+def _per_step(trainer: Trainer, data, steps: int, warmup: int) -> list[float]:
     start = trainer.state.step
     run = fit(trainer, data, steps=start + warmup + steps)
-    return statistics.mean(m.step_seconds + m.data_seconds for m in run.steps[warmup:])
+    return [m.step_seconds + m.data_seconds for m in run.steps[warmup:]]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sample-ms", type=float, default=1.0, help="loading cost of one sample (default: 1 ms)")
     args = parser.parse_args()
     ensure_ray(num_cpus=4)
@@ -72,22 +74,25 @@ def main() -> None:
         model = TinyTransformer(256, 64, 4, 2, SEQ)
         with Trainer(model, inputs, targets, lm_loss, build_schedule("1f1b", 2, 4, stages=2),
                      optimizer=OptimizerSpec("adamw", 3e-3)) as trainer:
-            fixed = _per_step(trainer, iter(lambda: (inputs, targets), None), args.steps, args.warmup)
-            ahead = Prefetcher(stream, depth=2)
-            try:
-                prefetched = _per_step(trainer, ahead, args.steps, args.warmup)
-            finally:
-                ahead.close()
-            inline = _per_step(trainer, stream, args.steps, args.warmup)
+            times: dict[str, list[float]] = {"fixed batch": [], "loader, prefetch": [], "loader, inline": []}
+            for _ in range(args.rounds):
+                times["fixed batch"] += _per_step(trainer, iter(lambda: (inputs, targets), None), args.steps, args.warmup)
+                ahead = Prefetcher(stream, depth=2)
+                try:
+                    times["loader, prefetch"] += _per_step(trainer, ahead, args.steps, args.warmup)
+                finally:
+                    ahead.close()
+                times["loader, inline"] += _per_step(trainer, stream, args.steps, args.warmup)
     finally:
         shutdown()
+    median = {name: statistics.median(t) for name, t in times.items()}
     load_ms = args.sample_ms * BATCH
     print(f"byte LM, 1F1B, PP=2, 4 microbatches, batch {BATCH} x {SEQ} tokens; loading a batch costs {load_ms:.0f} ms")
     print()
-    print("| data | ms per step | vs fixed batch |")
+    print("| data | median ms per step | vs fixed batch |")
     print("| --- | --- | --- |")
-    for name, seconds in (("fixed batch", fixed), ("loader, prefetch", prefetched), ("loader, inline", inline)):
-        print(f"| {name} | {seconds * 1e3:.1f} | {seconds / fixed:.2f} |")
+    for name, seconds in median.items():
+        print(f"| {name} | {seconds * 1e3:.1f} | {seconds / median['fixed batch']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -69,10 +69,37 @@ def test_progress_prints_plain_lines_off_a_terminal() -> None:
     assert ev == "eval after step 1: loss 2.0000 over 4 held-out batches (0.30 s)"
 
 
+def test_progress_draws_a_bar_when_asked() -> None:
+    out = io.StringIO()
+    progress = Progress(out, bar=True)  # what a terminal gets (tqdm is a dependency)
+    progress.on_step(StepMetrics(1, 0, 2.5, 3e-3, None, 0.05, 0.0, 320.0, 1000.0, (2**20,), 1.0, 4), StepResult((2.5,), 2.5))
+    progress.on_eval(EvalMetrics(1, 2.0, 4, 0.3))
+    progress.close()
+    text = out.getvalue()
+    assert "1/4" in text and "loss=2.5000" in text and "tok/s=1,000" in text and "eval after step 1" in text
+
+
 def test_tensorboard_without_its_package_is_a_clear_error(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
     with pytest.raises(ValueError, match=r"--tensorboard runs: the tensorboard package is not installed"):
         TensorBoardWriter("runs")
+
+
+def test_tensorboard_scalars(tmp_path) -> None:
+    pytest.importorskip("tensorboard")  # an optional dependency (piper-train[tensorboard])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    writer = TensorBoardWriter(tmp_path)
+    writer.on_step(StepMetrics(1, 0, 2.5, 3e-3, 0.7, 0.05, 0.0, 320.0, None, (2**20, 2**21), 1.0, 4),
+                   StepResult((2.5,), 2.5))
+    writer.on_eval(EvalMetrics(1, 2.0, 4, 0.3))
+    writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "eval/loss", "train/peak_memory_mib/rank1"} <= tags
+    assert "train/tokens_per_s" not in tags
+    assert events.Scalars("train/peak_memory_mib/rank1")[0].value == 2.0
 
 
 def test_train_state_round_trips_step_schedule_data_and_rng() -> None:
