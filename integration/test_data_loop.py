@@ -68,11 +68,14 @@ def test_missing_tensorboard_and_bad_flags_are_refused_before_workers_start(tmp_
     assert code == 2 and "the tensorboard package is not installed" in capsys.readouterr().err
     code = main(["train", "--model", f"{FIXTURE}:loader", "--eval-every", "2", "--steps", "1"])
     assert code == 2 and "has no held-out data" in capsys.readouterr().err
+    code = main(["train", "--model", "mlp", "--epochs", "2"])
+    assert code == 2 and "--epochs: the data of model mlp is a function of the step" in capsys.readouterr().err
     for argv, message in [
         (["--lr-schedule", "exponential"], "invalid choice: 'exponential'"),
         (["--lr-schedule", "step"], "--lr-schedule step needs --lr-step-size"),
         (["--clip-grad-norm", "0"], "--clip-grad-norm must be > 0"),
         (["--epochs", "0"], "--epochs must be >= 1"),
+        (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
     ]:
         with pytest.raises(SystemExit) as exit_:
             main(["train", "--model", "mlp", *argv])

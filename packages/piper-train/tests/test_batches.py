@@ -48,6 +48,7 @@ def test_a_dataset_is_batched_reshuffled_each_epoch_and_its_partial_batch_droppe
 def test_a_dataloader_and_a_list_of_batches_drop_their_partial_last_batch() -> None:
     loader = DataLoader(_dataset(), batch_size=3, shuffle=True)
     stream = BatchStream(loader, seed=1)
+    assert stream.batches_per_epoch == 3  # not len(loader) == 4: the partial batch is dropped
     first_epoch = _take(stream, 3)
     assert [stream.epoch, stream.dropped] == [0, 0]
     next(stream)
@@ -55,14 +56,17 @@ def test_a_dataloader_and_a_list_of_batches_drop_their_partial_last_batch() -> N
     assert _firsts(_take(BatchStream(loader, seed=1), 3)) == _firsts(first_epoch)  # seeded shuffling
     batches = [(x, y) for x, y in DataLoader(_dataset(), batch_size=4)]  # 4, 4, 2
     listed = BatchStream(batches)
+    assert listed.batches_per_epoch == 2
     assert [b[0][0].shape[0] for b in _take(listed, 4)] == [4, 4, 4, 4]
     assert (listed.epoch, listed.dropped) == (1, 1)
 
 
 def test_a_one_shot_generator_is_one_epoch_and_a_function_is_endless() -> None:
     stream = BatchStream((torch.ones(2, D) * k, torch.zeros(2, 1)) for k in range(3))
+    assert stream.batches_per_epoch is None
     assert len(list(stream)) == 3
     calls = BatchStream(lambda step: ((torch.full((2, D), float(step)),), (torch.zeros(2, 1),)))
+    assert calls.batches_per_epoch is None and calls.kind == "function"
     assert [b[0][0][0, 0].item() for b in _take(calls, 4)] == [0, 1, 2, 3]
 
 

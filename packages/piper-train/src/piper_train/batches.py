@@ -115,15 +115,22 @@ class BatchStream:
 
     @property
     def batches_per_epoch(self) -> int | None:
-        """Full batches in one epoch, when the source knows its length (else ``None``)."""
-        if self.kind == "function":
-            return None
-        if self.kind == "dataset" and not isinstance(self.source, IterableDataset):
-            return len(self.source) // (self.batch_size or 1)  # type: ignore[arg-type]
+        """Full batches in one epoch, when the source knows its length (else ``None``): the
+        partial last batch that will be dropped is not counted."""
+        source = self.source
         try:
-            return len(self.source)
-        except TypeError:
-            return None
+            if self.kind == "dataset" and not isinstance(source, IterableDataset):
+                return len(source) // (self.batch_size or 1)  # type: ignore[arg-type]
+            if self.kind == "loader" and source.batch_size and not isinstance(source.dataset, IterableDataset):
+                return len(source.dataset) // source.batch_size
+            if isinstance(source, list | tuple):
+                sizes = [batch_size(as_batch(b, self.name)) for b in (source[0], source[-1])] if source else []
+                return len(source) - (1 if len(source) > 1 and sizes[1] < sizes[0] else 0)
+            if self.kind == "loader":
+                return len(source)
+        except (TypeError, ValueError):
+            pass
+        return None
 
     # -- drawing -------------------------------------------------------------------------------
 

@@ -61,6 +61,9 @@ def _describe(args: argparse.Namespace) -> str:
 def train_command(args: argparse.Namespace) -> int:
     workload = _load(args)
     stream = workload.stream()
+    if args.epochs is not None and stream.kind == "function":
+        raise ValueError(f"--epochs: the data of model {args.model} is a function of the step, without epochs; "
+                         "use --steps")
     steps = args.steps if args.steps is not None or args.epochs is not None else DEFAULT_STEPS
     per_epoch = stream.batches_per_epoch
     total = steps if steps is not None else (args.epochs * per_epoch if per_epoch else None)
