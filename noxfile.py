@@ -7,7 +7,12 @@ suite, the command CI runs.
 
 from __future__ import annotations
 
+import hashlib
+import re
+import shutil
 import sys
+import time
+import tomllib
 from pathlib import Path
 
 import nox
@@ -45,8 +50,12 @@ def integration(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
-    """ruff over every package, the integration tests and the benchmarks."""
-    session.run(sys.executable, "-m", "ruff", "check", "packages", "integration", "benchmarks", "noxfile.py", external=True)
+    """ruff over every package, the integration tests, the benchmarks, the examples and tools; the
+    layering rules (which package may import what) are ruff's banned-api per package."""
+    session.run(
+        sys.executable, "-m", "ruff", "check", "packages", "integration", "benchmarks", "examples", "tools", "noxfile.py",
+        external=True,
+    )
 
 
 @nox.session(name="all", venv_backend="none")
@@ -62,3 +71,99 @@ def bench(session: nox.Session) -> None:
     """Benchmarks: print tables comparing Piper with torch.distributed.pipelining."""
     for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
         session.run(sys.executable, str(script), *session.posargs, external=True)
+
+
+STANDALONE = ROOT / ".nox" / "standalone"
+
+
+def _requirements(dist: str, *, extras: bool) -> list[str]:
+    project = tomllib.loads((ROOT / "packages" / dist / "pyproject.toml").read_text())["project"]
+    reqs = list(project.get("dependencies", []))
+    if extras:
+        reqs += project.get("optional-dependencies", {}).get("test", [])
+    return reqs
+
+
+def _internal_closure(dist: str) -> list[str]:
+    """``dist`` and the piper distributions it or its tests need, transitively (their own
+    tests' needs excluded)."""
+    out: list[str] = []
+    todo = [(dist, True)]
+    while todo:
+        name, extras = todo.pop()
+        if name in out:
+            continue
+        out.append(name)
+        for req in _requirements(name, extras=extras):
+            m = re.match(r"(piper-[a-z]+)", req)
+            if m:
+                todo.append((m[1], False))
+    return out
+
+
+def _environment_key() -> str:
+    """Changes when any package's declared dependencies or the interpreter change: a cached
+    environment is then rebuilt from nothing."""
+    digest = hashlib.sha256(sys.version.encode())
+    for name in PACKAGES:
+        digest.update((ROOT / "packages" / f"piper-{name}" / "pyproject.toml").read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@nox.session(venv_backend="none")
+def standalone(session: nox.Session) -> None:
+    """Each package alone: a virtual environment of its own (no system site-packages, not the
+    shared .venv) with the package installed from its wheel and only what its pyproject
+    declares (dependencies and the ``test`` extra); then tools/standalone_check.py (imports
+    only what it declares, every module imports) and the package's own tests.
+
+    Environments are cached in .nox/standalone/<package> and rebuilt when a pyproject
+    changes; the piper wheels are rebuilt and reinstalled on every run. ``nox -s standalone --
+    ir scheduler`` checks only those packages."""
+    names = session.posargs or PACKAGES
+    unknown = sorted(set(names) - set(PACKAGES))
+    if unknown:
+        session.error(f"unknown packages {unknown}; known: {PACKAGES}")
+    wheels = STANDALONE / "wheels"
+    shutil.rmtree(wheels, ignore_errors=True)
+    wheels.mkdir(parents=True)
+    started = time.monotonic()
+    sources = [ROOT / "packages" / d for d in sorted({d for n in names for d in _internal_closure(f"piper-{n}")})]
+    for source in sources:  # setuptools builds in the tree; stale files there would enter the wheel
+        shutil.rmtree(source / "build", ignore_errors=True)
+    session.run(
+        sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),
+        *map(str, sources), external=True,
+    )
+    for source in sources:
+        shutil.rmtree(source / "build", ignore_errors=True)
+    wheel_of = {w.name.split("-")[0].replace("_", "-"): w for w in wheels.glob("*.whl")}
+    key = _environment_key()
+    timings = [f"wheels {time.monotonic() - started:.0f} s"]
+    for name in names:
+        dist = f"piper-{name}"
+        t0 = time.monotonic()
+        venv = STANDALONE / name
+        python = venv / "bin" / "python"
+        stamp = venv / ".piper-key"
+        closure = [str(wheel_of[d]) + ("[test]" if d == dist else "") for d in _internal_closure(dist)]
+        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        if not (stamp.exists() and stamp.read_text() == key):
+            shutil.rmtree(venv, ignore_errors=True)
+            session.run(sys.executable, "-m", "venv", str(venv), external=True)
+            session.run(*pip, *closure, external=True)
+            stamp.write_text(key)
+            built = "built"
+        else:  # same dependencies: only the piper code may have changed
+            session.run(*pip, "--no-deps", "--force-reinstall", *(c.removesuffix("[test]") for c in closure),
+                        external=True)
+            built = "cached"
+        t1 = time.monotonic()
+        env = {"PYTHONNOUSERSITE": "1", "PYTHONPATH": ""}
+        session.run(str(python), str(ROOT / "tools" / "standalone_check.py"), dist, external=True, env=env)
+        session.run(
+            str(python), "-m", "pytest", "-p", "no:cacheprovider", "--import-mode=importlib", "-q",
+            f"packages/{dist}/tests", external=True, env=env, success_codes=[0, 5],
+        )
+        timings.append(f"{dist} {built} {t1 - t0:.0f} s + check/tests {time.monotonic() - t1:.0f} s")
+    session.log("standalone: " + "; ".join(timings) + f"; total {time.monotonic() - started:.0f} s")

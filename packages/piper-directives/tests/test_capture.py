@@ -114,22 +114,6 @@ def test_compute_outside_annotations_is_named():
         capture(Leaky(), (torch.randn(2, 2),), (torch.randn(2, 2),), nn.functional.mse_loss)
 
 
-def test_tied_parameters_are_rejected():
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.randn(2, 2))
-
-        def forward(self, x):
-            with annotate("PP"):
-                x = x @ self.w
-            with annotate("PP"):
-                return x @ self.w
-
-    with pytest.raises(CaptureError, match="parameter 'w' is used by several segments"):
-        capture(Tied(), (torch.randn(2, 2),), (torch.randn(2, 2),), nn.functional.mse_loss)
-
-
 def test_loss_must_be_a_scalar(three_stage):
     with pytest.raises(CaptureError, match="scalar"):
         capture(_three_stage(), (torch.randn(8, 4),), (torch.randn(8, 2),), lambda y, t: y - t)
@@ -153,19 +137,3 @@ def test_annotate_is_free_outside_capture():
         assert a._scope is None
     with pytest.raises(ValueError, match="reserved"):
         annotate("MB")
-
-
-def test_a_module_called_from_two_regions_is_rejected():
-    class Reused(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(2, 2)
-
-        def forward(self, x):
-            with annotate("PP"):
-                x = self.lin(x)
-            with annotate("PP"):
-                return self.lin(x)
-
-    with pytest.raises(CaptureError, match="'lin.weight' is used by segments s0 and s1"):
-        capture(Reused(), (torch.randn(2, 2),), (torch.randn(2, 2),), nn.functional.mse_loss)

@@ -50,6 +50,8 @@ def test_graph_round_trip_keeps_cached_lookups_out_of_the_document() -> None:
         "replication",
         "buckets",
         "sharding",
+        "ties",
+        "precision",
         "grad_norm",
     }
     assert from_json(to_json(graph)) == graph

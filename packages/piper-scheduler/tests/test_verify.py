@@ -6,6 +6,7 @@ import attrs
 import pytest
 
 from piper_ir import (
+    Bucket,
     Communicator,
     DeadlockError,
     Instruction,
@@ -14,7 +15,11 @@ from piper_ir import (
     Program,
     RankPlan,
     SchedulingError,
+    Segment,
+    SegmentRole,
+    Tags,
     TensorMeta,
+    Value,
 )
 from piper_scheduler import compile_program, verify
 from piper_scheduler.testing import pipeline_graph
@@ -55,7 +60,7 @@ def recv(value: str, mb: int, peer: int, **kw) -> Instruction:
 
 
 def allreduce(id: str) -> Instruction:
-    return Instruction(id, NodeKind.ALL_REDUCE, stream="dp", communicator="dp", meta=META)
+    return Instruction(id, NodeKind.ALL_REDUCE, stream="dp", value="b", communicator="dp", meta=META)
 
 
 def program(*plans: list[Instruction]) -> Program:
@@ -64,10 +69,12 @@ def program(*plans: list[Instruction]) -> Program:
         world_size=len(plans),
         ranks=[RankPlan(r, ins) for r, ins in enumerate(plans)],
         communicators=[Communicator("pp.fwd", ranks, "activations"), Communicator("dp", ranks, "gradients")],
-        segments=(),
-        values=(),
+        segments=[Segment("s0", SegmentRole.STAGE, Tags(), (), (), (("w", META),))],
+        values=[Value("a", META), Value("b", META)],
         inputs=(),
         targets=(),
+        microbatches=2,
+        buckets=[Bucket("b", "s0", ("w",), META.numel())],
     )
 
 

@@ -5,8 +5,7 @@ tensor-parallel code rewrite) need torch; they are imported on first use, so dir
 programs and schedules can be built and applied without torch.
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
+from piper_directives._version import __version__ as __version__
 from piper_directives.annotate import annotate
 from piper_directives.communication import insert_communication
 from piper_directives.order import Order
@@ -44,11 +43,6 @@ def __getattr__(name: str) -> object:
         return shard_modules
     raise AttributeError(f"module 'piper_directives' has no attribute {name!r}")
 
-
-try:
-    __version__ = version("piper-directives")
-except PackageNotFoundError:
-    __version__ = "0.0.0"
 
 __all__ = [
     "DIRECTIVES", "SCHEDULES", "CapturedModel", "Directive", "LossModule", "Order", "Place", "Replicate", "Shard",

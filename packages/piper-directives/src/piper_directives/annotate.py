@@ -4,13 +4,19 @@ Outside ``capture`` an annotation costs nothing: the model runs eagerly as usual
 ``capture`` traces the model, every operation records the stack of annotation scopes it was
 created in; each scope gets an index per tag name in trace order (the first
 ``annotate("PP")`` is ``PP=0``, the next ``PP=1``, ...), unless the user gives one.
+
+Every entry into and exit from a region is a *boundary*; boundaries are numbered in the
+order ``forward`` runs them (1, 2, ...), and the operations between two boundaries form one
+*run*. Capture records each operation's run (``current_run``); eagerly, a listener
+(``on_boundaries``) is told each boundary, which is how single-device training reseeds the
+random number generator exactly where a captured segment starts (piper_directives.randomness).
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import attrs
@@ -32,6 +38,8 @@ class _TraceState(threading.local):
         self.stack: list[Scope] = []
         self.counters: dict[str, int] = {}
         self.next_uid = 0
+        self.run = 0  # boundaries crossed so far in this capture
+        self.listener: Callable[[], None] | None = None  # eager: told every boundary
 
 
 _state = _TraceState()
@@ -42,12 +50,31 @@ def current_scopes() -> tuple[Scope, ...]:
     return tuple(_state.stack)
 
 
+def current_run() -> int:
+    """The number of region boundaries crossed so far in this capture (the run an operation
+    traced now belongs to)."""
+    return _state.run
+
+
+@contextmanager
+def on_boundaries(listener: Callable[[], None]) -> Iterator[None]:
+    """Call ``listener()`` at every region boundary an eager ``forward`` crosses on this
+    thread (not while capturing)."""
+    if _state.listener is not None:
+        raise RuntimeError("on_boundaries is not re-entrant: a listener is already installed on this thread")
+    _state.listener = listener
+    try:
+        yield
+    finally:
+        _state.listener = None
+
+
 @contextmanager
 def tracing() -> Iterator[None]:
     """Turn on scope recording for one capture (resets the per-tag counters)."""
     if _state.active:
         raise RuntimeError("capture is not re-entrant: a capture is already tracing on this thread")
-    _state.active, _state.stack, _state.counters, _state.next_uid = True, [], {}, 0
+    _state.active, _state.stack, _state.counters, _state.next_uid, _state.run = True, [], {}, 0, 0
     try:
         yield
     finally:
@@ -77,6 +104,8 @@ class annotate:  # used like a keyword: ``with annotate("PP"):``
 
     def __enter__(self) -> annotate:
         if not _state.active:
+            if _state.listener is not None:
+                _state.listener()
             return self
         frame = sys._getframe(1)
         source = f"{frame.f_code.co_filename}:{frame.f_lineno}"
@@ -88,10 +117,14 @@ class annotate:  # used like a keyword: ``with annotate("PP"):``
             _state.counters[self.tag] = max(_state.counters.get(self.tag, 0), index + 1)
         self._scope = Scope(_state.next_uid, self.tag, index, source)
         _state.next_uid += 1
+        _state.run += 1
         _state.stack.append(self._scope)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._scope is not None:
             _state.stack.remove(self._scope)
+            _state.run += 1
             self._scope = None
+        elif not _state.active and _state.listener is not None:
+            _state.listener()

@@ -1,37 +1,62 @@
 """``capture``: trace an annotated model into Piper's single-device training DAG.
 
-The model is traced with ``torch.fx``; every operation remembers the annotation scopes it was
-created in. Maximal runs of operations with the same scopes become *segments*; the traced
-graph is split into one ``GraphModule`` per segment, and the loss function becomes one more
-segment. The result is the IR ``Graph`` of one training step (see docs/ir-conventions.md,
-section 1) plus the torch modules that carry each segment's code.
+The model is traced with ``torch.fx``; every operation remembers the annotation scopes and
+the *run* (the stretch between two region boundaries, piper_directives.annotate) it was
+created in, the autocast and grad mode it was traced under (piper_directives.contexts) and
+whether it ran inside ``torch.utils.checkpoint``. Each run of operations becomes a
+*segment*; the traced graph is split into one ``SegmentModule`` per segment, and the loss
+function becomes one more segment. The result is the IR ``Graph`` of one training step (see
+docs/ir-conventions.md, section 1) plus the torch modules that carry each segment's code.
 
-Requires: every operation of ``forward`` lies inside some ``annotate`` region, and each
-parameter is used by one segment only. Guarantees: the graph validates, segment modules take
-their inputs positionally and return tuples in ``Segment.outputs`` order, and they share
-parameters with ``model`` (nothing is copied).
+Requires: every operation of ``forward`` lies inside some ``annotate`` region; regions
+exchange only tensors; ``forward`` mutates no buffer in place. Guarantees: the graph
+validates; segment modules take their inputs positionally, return tuples in
+``Segment.outputs`` order, keep the user's autocast and no-grad regions, and share
+parameters with ``model`` (nothing is copied); a parameter used by several segments (tied
+weights, or a module called from several regions) is in each one's ``params`` and in one
+``Graph.ties`` entry; a segment that ran inside ``torch.utils.checkpoint`` has
+``recompute=True``. Capturing leaves the model's buffers and the global random state as it
+found them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 
 import attrs
 import torch
 import torch.fx
+from torch import nn
 
-from piper_directives.annotate import Scope, current_scopes, tracing
+from piper_directives.annotate import Scope, current_run, current_scopes, tracing
+from piper_directives.contexts import current_context, insert_contexts
+from piper_directives.diagnose import describe, trace_error
+from piper_directives.precision import (
+    cast_forward,
+    cast_inputs,
+    dtype_name,
+    precision_of,
+    torch_dtype,
+    upcast,
+)
+from piper_directives.segment_module import SegmentModule
 from piper_directives.training_graph import training_graph
+from piper_directives.user_code import user_code_modules
 from piper_ir import (
     CaptureError,
     CodeRef,
     Graph,
+    Precision,
     Segment,
     SegmentRole,
     Tags,
     TensorMeta,
+    Tie,
     Value,
     grad_name,
     validate,
@@ -39,27 +64,62 @@ from piper_ir import (
 
 LOSS = "loss"
 CODE_FORMAT = "torch.fx.GraphModule"
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+_TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 @attrs.define
 class CapturedModel:
-    """The training DAG of one step and the torch code of each of its segments."""
+    """The training DAG of one step and the torch code of each of its segments.
+
+    ``runs`` maps the region boundary at which each stage segment starts (numbered as
+    ``forward`` crosses them, piper_directives.annotate) to the segment's id: what
+    single-device training needs to draw the segments' random numbers
+    (piper_directives.randomness.seeded_regions). ``user_modules`` names the user's own
+    Python modules the segments refer to, which must travel to the workers by value
+    (piper_directives.user_code).
+    """
 
     graph: Graph
     modules: dict[str, torch.nn.Module]
     batch_size: int
+    runs: dict[int, str] = attrs.field(factory=dict)
+    user_modules: tuple[str, ...] = ()
 
 
 class LossModule(torch.nn.Module):
-    """The loss segment: ``loss_fn(*model_outputs, *targets)``."""
+    """The loss segment: ``loss_fn(*model_outputs, *targets)``; with ``master`` set (the
+    master dtype of a ``Precision``), floating model outputs are first cast to it."""
 
-    def __init__(self, loss_fn: Callable[..., torch.Tensor], n_outputs: int) -> None:
+    def __init__(
+        self, loss_fn: Callable[..., torch.Tensor], n_outputs: int, master: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.loss_fn = loss_fn
         self.n_outputs = n_outputs
+        self.master = master
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(*args[: self.n_outputs], *args[self.n_outputs :])
+        outputs = args[: self.n_outputs]
+        if self.master is not None:
+            outputs = upcast(outputs, self.master)
+        return self.loss_fn(*outputs, *args[self.n_outputs :])
+
+
+def _checkpoint_site() -> str | None:
+    """``file:line`` of the user's ``torch.utils.checkpoint`` call enclosing the operation
+    being traced (the outermost one), or None outside one."""
+    frame, outermost = sys._getframe(2), None
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILE):
+            outermost = frame
+        frame = frame.f_back
+    if outermost is None:
+        return None
+    caller = outermost.f_back
+    while caller is not None and caller.f_code.co_filename.startswith(_TORCH_DIR):
+        caller = caller.f_back  # decorators around checkpoint (torch._disable_dynamo)
+    return f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else "torch.utils.checkpoint"
 
 
 class _ScopeTracer(torch.fx.Tracer):
@@ -69,7 +129,11 @@ class _ScopeTracer(torch.fx.Tracer):
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        site = _checkpoint_site()
         node.meta["piper_scopes"] = current_scopes()
+        node.meta["piper_run"] = current_run()
+        node.meta["piper_checkpoint"] = site
+        node.meta["piper_context"] = current_context(in_checkpoint=site is not None)
         return node
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
@@ -86,34 +150,91 @@ def capture(
     example_inputs: Sequence[torch.Tensor],
     example_targets: Sequence[torch.Tensor],
     loss_fn: Callable[..., torch.Tensor],
+    *,
+    precision: str | Precision | None = None,
 ) -> CapturedModel:
     """Trace ``model`` and build its single-device training DAG.
 
     ``example_inputs`` and ``example_targets`` are one full batch (split along dim 0 later);
     the batch must hold at least 2 samples so the batch dimension of every value can be found.
+    ``precision`` (``"bf16"``, or a ``Precision``) records a step that computes in that
+    dtype with the parameters as fp32 master weights: values are recorded in the compute
+    dtype and the loss casts the model outputs up (piper_directives.precision).
     """
     inputs, targets = tuple(example_inputs), tuple(example_targets)
     _check_batch(inputs, targets)
-    with tracing():
+    policy = _precision(model, precision)
+    with torch.random.fork_rng(devices=[]), _restored_buffers(model) as buffers:
+        gm = _trace(model)
+        if changed := buffers.changed():
+            _refuse_traced_mutation(model, changed)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(inputs):
+            raise CaptureError(
+                f"{type(model).__name__}.forward takes {len(placeholders)} inputs but "
+                f"{len(inputs)} example inputs were given"
+            )
+        _assign_segments(gm)  # refuses operations outside every region before anything else
+        insert_contexts(gm.graph, lambda n: n.meta.get("piper_run"))
+        partition_of, segment_nodes = _assign_segments(gm)  # again: the context calls are operations too
+        gm.recompile()
+        parts = _split(gm, partition_of, len(segment_nodes))
+        return _build(model, gm, parts, segment_nodes, inputs, targets, loss_fn, policy)
+
+
+def _precision(model: nn.Module, precision: str | Precision | None) -> Precision | None:
+    if precision is None or isinstance(precision, Precision):
+        return precision
+    masters = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(masters) > 1:
+        raise CaptureError(f"--precision needs one parameter dtype to keep as master weights, found {sorted(map(str, masters))}")
+    return precision_of(precision, masters.pop() if masters else torch.float32)
+
+
+def _trace(model: nn.Module) -> torch.fx.GraphModule:
+    with tracing(), torch.enable_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         try:
             traced_graph = _ScopeTracer().trace(model)
         except CaptureError:
             raise
-        except Exception as err:  # torch.fx's own errors: keep its message, name the model
-            raise CaptureError(f"torch.fx could not trace {type(model).__name__}: {err}") from err
+        except Exception as err:  # torch.fx's own errors: say where, and what to do
+            raise trace_error(model, err) from err
+    for w in caught:
+        if w.filename.endswith(_CHECKPOINT_FILE):
+            continue  # checkpoint's complaints about traced (input-less) calls: an artefact
+        if "autocast" in str(w.message):
+            warnings.warn(
+                f"{w.filename}:{w.lineno}: {w.message} The captured region runs without autocast, as it "
+                "would eagerly on this machine.",
+                stacklevel=3,
+            )
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     gm = torch.fx.GraphModule(model, traced_graph)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(inputs):
-        raise CaptureError(
-            f"{type(model).__name__}.forward takes {len(placeholders)} inputs but "
-            f"{len(inputs)} example inputs were given"
-        )
     for node in gm.graph.nodes:
         node.type = None  # annotations like ``x: Tensor`` would not survive pickling
-    gm.recompile()
-    partition_of, segment_scopes = _assign_segments(gm)
-    parts = _split(gm, partition_of, len(segment_scopes))
-    return _build(model, gm, parts, segment_scopes, inputs, targets, loss_fn)
+    return gm
+
+
+class _restored_buffers:
+    """Snapshot the model's buffers; on exit put the snapshot back (capture runs the model on
+    the example batch and must not, say, move BatchNorm's running statistics)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.buffers = dict(model.named_buffers())
+        self.saved = {name: b.detach().clone() for name, b in self.buffers.items()}
+
+    def changed(self) -> list[str]:
+        return [n for n, b in self.buffers.items() if not torch.equal(b, self.saved[n])]
+
+    def __enter__(self) -> _restored_buffers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for name, b in self.buffers.items():
+                b.copy_(self.saved[name])
 
 
 @attrs.define
@@ -127,11 +248,11 @@ class _Part:
 
 
 def _split(gm: torch.fx.GraphModule, partition_of: dict[str, int], count: int) -> list[_Part]:
-    """Cut the traced graph into one GraphModule per segment.
+    """Cut the traced graph into one ``SegmentModule`` per segment.
 
     Unlike ``torch.fx.passes.split_module``, parameters and buffers (``get_attr``) are copied
-    into the segment that uses them instead of being passed in as inputs, and attributes keep
-    the model's qualified names (``blocks.0.lin.weight``).
+    into every segment that uses them instead of being passed in as inputs, and attributes
+    keep the model's qualified names (``blocks.0.lin.weight``).
     """
     graphs = [torch.fx.Graph() for _ in range(count)]
     envs: list[dict[torch.fx.Node, torch.fx.Node]] = [{} for _ in range(count)]
@@ -160,7 +281,7 @@ def _split(gm: torch.fx.GraphModule, partition_of: dict[str, int], count: int) -
     for k in range(count):
         graphs[k].output(tuple(envs[k][n] for n in outputs[k]))
         graphs[k].lint()
-        parts.append(_Part(torch.fx.GraphModule(gm, graphs[k], class_name=f"Segment{k}"), inputs[k], outputs[k]))
+        parts.append(_Part(SegmentModule(gm, graphs[k], class_name=f"Segment{k}"), inputs[k], outputs[k]))
     return parts
 
 
@@ -178,64 +299,39 @@ def _check_batch(inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, 
         raise CaptureError("capture needs an example batch of at least 2 samples")
 
 
-def _describe(node: torch.fx.Node) -> str:
-    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    where = ""
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines()]
-    torch_dir = os.path.dirname(torch.__file__)
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File ") and torch_dir not in lines[i] and "piper_directives" not in lines[i]:
-            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
-            where = f" at {lines[i]}" + (f": {code}" if code else "")
-            break
-    return f"{node.op} {target!s} (fx node {node.name!r}){where}"
-
-
-def _assign_segments(gm: torch.fx.GraphModule) -> tuple[dict[str, int], list[tuple[Scope, ...]]]:
-    """Map every fx node to a segment index; segments are maximal runs of one scope stack."""
+def _assign_segments(gm: torch.fx.GraphModule) -> tuple[dict[str, int], list[list[torch.fx.Node]]]:
+    """Map every fx node to a segment index; a segment is one run (the operations between
+    two region boundaries). Returns the mapping and each segment's operations."""
     partition_of: dict[str, int] = {}
-    segment_scopes: list[tuple[Scope, ...]] = []
-    last_key: tuple[int, ...] | None = None
+    segments: list[list[torch.fx.Node]] = []
+    last_run: int | None = None
     outside = []
     for node in gm.graph.nodes:
         if node.op not in _COMPUTE_OPS:
             continue
-        scopes: tuple[Scope, ...] = node.meta.get("piper_scopes", ())
-        if not scopes:
+        if not node.meta.get("piper_scopes"):
             outside.append(node)
             continue
-        key = tuple(s.uid for s in scopes)
-        if key != last_key:
-            segment_scopes.append(scopes)
-            last_key = key
-        partition_of[node.name] = len(segment_scopes) - 1
+        run = node.meta["piper_run"]
+        if run != last_run:
+            segments.append([])
+            last_run = run
+        segments[-1].append(node)
+        partition_of[node.name] = len(segments) - 1
     if outside:
         raise CaptureError(
             f"{len(outside)} operation(s) lie outside every annotate(...) region; wrap them in one. "
-            f"First: {_describe(outside[0])}",
+            f"First: {describe(outside[0])}",
             nodes=[n.name for n in outside],
         )
-    if not segment_scopes:
+    if not segments:
         raise CaptureError("the model has no annotated region: wrap its forward in annotate(...)")
-    # get_attr nodes (parameters, buffers, constants) belong to the segment of their users.
+    # get_attr nodes (parameters, buffers, constants) are copied into every segment using them.
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             users = {partition_of[u.name] for u in node.users if u.name in partition_of}
-            if len(users) > 1 and isinstance(_fetch_attr(gm, node.target), torch.nn.Parameter):
-                raise CaptureError(
-                    f"parameter {node.target!r} is used by several segments "
-                    f"({', '.join(f's{i}' for i in sorted(users))}); tied parameters are not supported"
-                )
             partition_of[node.name] = min(users) if users else 0
-    return partition_of, segment_scopes
-
-
-def _fetch_attr(module: torch.nn.Module, qualname: str) -> object:
-    obj: object = module
-    for atom in qualname.split("."):
-        obj = getattr(obj, atom)
-    return obj
+    return partition_of, segments
 
 
 class _Recorder(torch.fx.Interpreter):
@@ -251,11 +347,24 @@ class _Recorder(torch.fx.Interpreter):
         return out
 
 
-def _run(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[str, object]:
-    recorder = _Recorder(gm)
-    with torch.enable_grad():
+class _Recording(nn.Module):
+    """``_Recorder`` as a module, so ``cast_forward`` can run it on cast parameters."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__()
+        self.gm = gm
+
+    def forward(self, *inputs: torch.Tensor) -> dict[str, object]:
+        recorder = _Recorder(self.gm)
         recorder.run(*inputs)
-    return recorder.results
+        return recorder.results
+
+
+def _run(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...], compute: torch.dtype | None) -> dict[str, object]:
+    with torch.enable_grad():
+        if compute is None:
+            return _Recording(gm)(*inputs)
+        return cast_forward(_Recording(gm), inputs, compute)  # type: ignore[return-value]
 
 
 def _meta(full: torch.Tensor, half: torch.Tensor | None, requires_grad: bool) -> TensorMeta:
@@ -267,71 +376,134 @@ def _meta(full: torch.Tensor, half: torch.Tensor | None, requires_grad: bool) ->
                 break
     return TensorMeta(
         shape=tuple(full.shape),
-        dtype=str(full.dtype).removeprefix("torch."),
+        dtype=dtype_name(full.dtype),
         batch_dim=batch_dim,
         requires_grad=requires_grad and full.is_floating_point(),
     )
+
+
+def _refuse_buffer_mutation(gm: torch.fx.GraphModule, changed: list[str]) -> None:
+    """Name the first buffer ``forward`` changed in place and the operation that uses it."""
+    name = changed[0]
+    users = [
+        n for n in gm.graph.nodes
+        if (n.op == "get_attr" and n.target == name)
+        or (n.op == "call_module" and name.startswith(f"{n.target}."))
+    ]
+    users = [u for n in users for u in ([n] if n.op == "call_module" else list(n.users))] or users
+    where = f" by {describe(users[0])}" if users else ""
+    raise CaptureError(
+        f"forward changes buffer {name!r} in place{where}. Piper refuses in-place buffer updates "
+        "(BatchNorm's running statistics, counters, caches): replicas and pipeline stages would each "
+        "update their own copy, so training would silently differ from one device. Use a "
+        "normalisation without running statistics (LayerNorm, GroupNorm, or BatchNorm with "
+        "track_running_stats=False), or keep the state outside forward."
+        + (f" Other buffers changed: {', '.join(changed[1:])}." if len(changed) > 1 else "")
+    )
+
+
+def _refuse_traced_mutation(model: nn.Module, changed: list[str]) -> None:
+    """A buffer changed while ``forward`` was traced: an in-place operation on it that
+    involves no traced value ran once, now, and is not in the captured code at all."""
+    name = changed[0]
+    owner_path = name.rpartition(".")[0]
+    owner = model.get_submodule(owner_path)
+    try:
+        where = f" ({type(owner).__name__}, {inspect.getsourcefile(type(owner))}:{inspect.getsourcelines(type(owner))[1]})"
+    except (OSError, TypeError):
+        where = f" ({type(owner).__name__})"
+    raise CaptureError(
+        f"forward changes buffer {name!r} of module {owner_path or '<model>'!r}{where} in place with an operation "
+        "that involves no input (for example self.count.add_(1)): tracing ran it once, and the captured code "
+        "would never run it again. Piper refuses in-place buffer updates; keep such state outside forward."
+    )
+
+
+def _ties(model: nn.Module, parts: list[_Part]) -> tuple[Tie, ...]:
+    """A ``Tie`` for every parameter object that several segment modules hold, named as the
+    model names it."""
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for index, part in enumerate(parts):
+        for qualname, p in part.module.named_parameters():
+            holders.setdefault(id(p), []).append((f"s{index}", qualname))
+    return tuple(Tie(canonical.get(pid, found[0][1]), found) for pid, found in holders.items() if len(found) > 1)
 
 
 def _build(
     model: torch.nn.Module,
     gm: torch.fx.GraphModule,
     parts: list[_Part],
-    segment_scopes: list[tuple[Scope, ...]],
+    segment_nodes: list[list[torch.fx.Node]],
     inputs: tuple[torch.Tensor, ...],
     targets: tuple[torch.Tensor, ...],
     loss_fn: Callable[..., torch.Tensor],
+    precision: Precision | None,
 ) -> CapturedModel:
+    compute = torch_dtype(precision.compute) if precision else None
     batch = inputs[0].shape[0]
-    half_inputs = tuple(t[: batch // 2] for t in inputs)
+    buffers = _restored_buffers(model)
     try:
-        full = _run(gm, inputs)
-        half = _run(gm, half_inputs)
+        if compute is not None:
+            # Under a precision the runs below update cast copies of the buffers, not the
+            # buffers: look for in-place updates on one uncast run first.
+            _run(gm, tuple(t[: batch // 2] for t in inputs), None)
+            if changed := buffers.changed():
+                _refuse_buffer_mutation(gm, changed)
+            inputs = cast_inputs(inputs, compute)
+        half_inputs = tuple(t[: batch // 2] for t in inputs)
+        full = _run(gm, inputs, compute)
+        half = _run(gm, half_inputs, compute)
+    except CaptureError:
+        raise
     except Exception as err:
         raise CaptureError(f"running {type(model).__name__} on the example inputs failed: {err}") from err
+    if changed := buffers.changed():
+        _refuse_buffer_mutation(gm, changed)
+    segment_of = {n.name: i for i, nodes in enumerate(segment_nodes) for n in nodes}
 
     value_of: dict[str, str] = {}  # traced fx node name -> value name
     producer: dict[str, str] = {}  # value name -> segment id
     values: dict[str, Value] = {}
     segments: list[Segment] = []
     modules: dict[str, torch.nn.Module] = {}
-    owner: dict[str, str] = {}  # parameter name -> segment id
 
-    def add_value(node_name: str, name: str) -> None:
-        tensor, half_tensor = full[node_name], half[node_name]
+    def add_value(node: torch.fx.Node, name: str, reader: str) -> None:
+        tensor, half_tensor = full[node.name], half[node.name]
         if not isinstance(tensor, torch.Tensor):
+            made = f"region s{segment_of[node.name]}" if node.name in segment_of else "the model"
             raise CaptureError(
-                f"value {node_name!r} is a {type(tensor).__name__}; segments may only exchange tensors"
+                f"{made} hands {reader} a {type(tensor).__name__}, not a tensor: {describe(node)}. "
+                "Regions may exchange only tensors: compute sizes and other Python values inside the "
+                "region that uses them, and index tuples inside the region that made them."
             )
-        value_of[node_name] = name
+        value_of[node.name] = name
         ht = half_tensor if isinstance(half_tensor, torch.Tensor) else None
         values[name] = Value(name, _meta(tensor, ht, tensor.requires_grad))
 
     top_nodes = list(gm.graph.nodes)
     for i, node in enumerate(n for n in top_nodes if n.op == "placeholder"):
-        add_value(node.name, f"input:{i}")
+        add_value(node, f"input:{i}", "the model")
 
+    readers: dict[str, str] = {}
+    for index, part in enumerate(parts):
+        for node in part.inputs:
+            readers.setdefault(node.name, f"region s{index}")
     for index, part in enumerate(parts):
         seg_id = f"s{index}"
         outs = []
         for out_node in part.outputs:
             name = f"v:{out_node.name}"
-            add_value(out_node.name, name)
+            add_value(out_node, name, readers.get(out_node.name, "the loss"))
             outs.append(name)
             producer[name] = seg_id
-        scopes = segment_scopes[index]
+        nodes = segment_nodes[index]
+        scopes: tuple[Scope, ...] = nodes[0].meta["piper_scopes"]
         sub = part.module
         params = tuple(
-            (pname, TensorMeta(tuple(p.shape), str(p.dtype).removeprefix("torch."), None, True))
+            (pname, TensorMeta(tuple(p.shape), dtype_name(p.dtype), None, True))
             for pname, p in sub.named_parameters()
         )
-        for pname, _ in params:
-            if pname in owner:
-                raise CaptureError(
-                    f"parameter {pname!r} is used by segments {owner[pname]} and {seg_id}; "
-                    "tied parameters are not supported"
-                )
-            owner[pname] = seg_id
         digest = hashlib.sha256(sub.code.encode()).hexdigest()[:16]
         segments.append(
             Segment(
@@ -343,6 +515,7 @@ def _build(
                 params=params,
                 code=CodeRef(CODE_FORMAT, 1, digest),
                 source=scopes[-1].source,
+                recompute=any(n.meta.get("piper_checkpoint") for n in nodes),
             )
         )
         modules[seg_id] = sub
@@ -361,7 +534,8 @@ def _build(
         values[name] = Value(name, _meta(t, t[: batch // 2], False))
         target_names.append(name)
 
-    loss_module = LossModule(loss_fn, len(model_outputs))
+    master = torch_dtype(precision.master) if precision else None
+    loss_module = LossModule(loss_fn, len(model_outputs), master)
     example_outputs = [full[n.name] for n in out_nodes]
     try:
         loss = loss_module(*example_outputs, *targets)
@@ -381,4 +555,25 @@ def _build(
             values[grad_name(name)] = Value(grad_name(name), meta)
 
     graph = training_graph(segments, list(values.values()), [f"input:{i}" for i in range(len(inputs))], target_names)
-    return CapturedModel(graph=validate(graph), modules=modules, batch_size=batch)
+    graph = attrs.evolve(graph, ties=_ties(model, parts), precision=precision)
+    runs = {nodes[0].meta["piper_run"]: f"s{i}" for i, nodes in enumerate(segment_nodes)}
+    return CapturedModel(validate(graph), modules, batch, runs, user_code_modules(modules))
+
+
+def tie_locations(captured: CapturedModel, tie: Tie) -> str:
+    """Each holder of ``tie`` with the operation that uses it (module path and source line),
+    for messages that must name every holder."""
+    found = []
+    for seg, qualname in tie.holders:
+        module = captured.modules[seg]
+        use = ""
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                if node.op in ("get_attr", "call_module") and (
+                    qualname == node.target or qualname.startswith(f"{node.target}.")
+                ):
+                    user = node if node.op == "call_module" else next(iter(node.users), node)
+                    use = f", used by {describe(user)}"
+                    break
+        found.append(f"{qualname!r} in {seg}{use}")
+    return "; ".join(found)

@@ -45,6 +45,7 @@ import torch.fx
 from torch import nn
 
 from piper_directives.replicate import segment_buckets
+from piper_directives.segment_module import like
 from piper_ir import DirectiveError, Graph, ParamShard, SegmentRole, Sharding, ShardKind
 
 COMM = "piper_ep"
@@ -186,7 +187,7 @@ def shard_experts(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph
 
 
 def _rewrite(module: torch.fx.GraphModule, sh: Sharding) -> tuple[torch.fx.GraphModule, tuple[ParamShard, ...], int]:
-    gm = torch.fx.GraphModule(module, copy.deepcopy(module.graph), class_name=type(module).__name__)
+    gm = like(module, copy.deepcopy(module.graph))  # a SegmentModule stays one: it must pickle its graph
     calls = [
         n for n in gm.graph.nodes
         if n.op == "call_module" and getattr(gm.get_submodule(n.target), "piper_experts", False)

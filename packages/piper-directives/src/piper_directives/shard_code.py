@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from piper_directives.replicate import segment_buckets
+from piper_directives.segment_module import like
 from piper_ir import DirectiveError, Graph, ParamShard, SegmentRole, Sharding, ShardKind
 
 COMM = "piper_tp"
@@ -192,7 +193,7 @@ def _local_buckets(graph: Graph) -> tuple:
 
 
 def _rewrite(module: torch.fx.GraphModule, sh: Sharding) -> tuple[torch.fx.GraphModule, tuple[ParamShard, ...], int]:
-    gm = torch.fx.GraphModule(module, copy.deepcopy(module.graph), class_name=type(module).__name__)
+    gm = like(module, copy.deepcopy(module.graph))  # a SegmentModule stays one: it must pickle its graph
     pairs = _find_pairs(gm, sh)
     if not pairs:
         return module, (), 0

@@ -205,6 +205,40 @@ class Segment:
     params: tuple[tuple[str, TensorMeta], ...] = ()
     code: CodeRef | None = None
     source: str | None = None  # where the user wrote the annotation, "file.py:42"
+    recompute: bool = False
+    """Drop this segment's activations after its forward and recompute them before its
+    backward (``torch.utils.checkpoint`` in the user's code, or a recompute directive); only
+    its inputs are kept between the two passes. The gradients are the same either way."""
+
+
+@attrs.frozen
+class Tie:
+    """One logical parameter held by several segments (tied weights: ``wte.weight`` is
+    ``lm_head.weight``, or one module called from several regions).
+
+    ``name`` is the model's own name for it (the first in ``model.named_parameters()``:
+    what single-device training, gradients and checkpoints call it); ``holders`` are the
+    ``(segment id, qualified name in that segment's params)`` pairs that hold a copy, in
+    segment order. Its gradient is the sum of every holder's gradient, and every copy
+    takes the same update (docs/ir-conventions.md, section 1).
+    """
+
+    name: str
+    holders: tuple[tuple[str, str], ...] = attrs.field(converter=lambda hs: tuple(tuple(h) for h in hs))
+
+
+@attrs.frozen
+class Precision:
+    """Which dtypes a training step computes in and keeps its master state in.
+
+    ``compute``: the dtype parameters are cast to for the forward and backward passes (and
+    floating batch inputs, and the values segments exchange); ``master``: the dtype of the
+    parameters themselves, their gradients, the optimizer state and ZeRO shards. The loss is
+    computed in ``master`` from outputs cast up.
+    """
+
+    compute: str
+    master: str = "float32"
 
 
 @attrs.frozen
@@ -467,7 +501,8 @@ class Graph:
     """The global training DAG of one step.
 
     ``inputs`` and ``targets`` name the values that come from the batch; ``microbatches`` is 1
-    until ``Split``.
+    until ``Split``. ``ties`` lists the parameters held by several segments; ``precision`` the
+    compute and master dtypes when a step runs in a precision of its own (``--precision``).
     """
 
     segments: tuple[Segment, ...] = attrs.field(converter=tuple)
@@ -481,6 +516,8 @@ class Graph:
     replication: tuple[Replication, ...] = attrs.field(default=(), converter=tuple)
     buckets: tuple[Bucket, ...] = attrs.field(default=(), converter=tuple)
     sharding: tuple[Sharding, ...] = attrs.field(default=(), converter=tuple)
+    ties: tuple[Tie, ...] = attrs.field(default=(), converter=tuple)
+    precision: Precision | None = None  # None: every segment runs in its parameters' own dtypes
     grad_norm: GradNorm | None = None  # what the GRAD_NORM node counts (``add_grad_norm``)
 
     @cached_property

@@ -57,6 +57,20 @@ class Instruction:
         arrow = "->" if self.kind is NodeKind.SEND else "<-"
         return f"{self.kind.value.upper()} {self.value}#{mb} {arrow}{self.peer}"
 
+    def text(self) -> str:
+        """The full one-line form, which parses back (``Instruction.parse``): ``short()``
+        then ``key=value`` for every field the label does not say (``piper_ir.text``)."""
+        from piper_ir.text import format_instruction  # piper_ir.text imports this module
+
+        return format_instruction(self)
+
+    @classmethod
+    def parse(cls, text: str) -> Instruction:
+        """The instruction whose ``text()`` is ``text``; ``SerializationError`` otherwise."""
+        from piper_ir.text import parse_instruction
+
+        return parse_instruction(text)
+
 
 @attrs.frozen
 class RankPlan:

@@ -15,8 +15,15 @@ def graph_summary(graph: Graph) -> str:
         f"{graph.microbatches} microbatches, world size {graph.world_size or '-'}",
         "  nodes by kind: " + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items())),
     ]
+    if graph.precision is not None:
+        lines.append(f"  precision: compute {graph.precision.compute}, master {graph.precision.master}")
     for seg in graph.segments:
-        lines.append(f"  segment {seg.id} [{seg.role.value}] tags({seg.tags}) in={list(seg.inputs)} out={list(seg.outputs)}")
+        recompute = " recompute" if seg.recompute else ""
+        lines.append(
+            f"  segment {seg.id} [{seg.role.value}]{recompute} tags({seg.tags}) in={list(seg.inputs)} out={list(seg.outputs)}"
+        )
+    for tie in graph.ties:
+        lines.append(f"  tie {tie.name}: " + ", ".join(f"{seg}:{name}" for seg, name in tie.holders))
     return "\n".join(lines)
 
 

@@ -15,7 +15,10 @@ def validate(graph: Graph) -> Graph:
     - compute nodes name existing segments; microbatches lie in ``[0, graph.microbatches)``;
     - placements are consistent: a device group has no repeated device and lies inside
       ``[0, world_size)``; send/receive peers pair up with devices;
-    - data and temporal edges together have no cycle.
+    - data and temporal edges together have no cycle;
+    - every tie names at least two distinct segments, each holding the tied parameter under
+      the given name with the same meta, and no parameter is in two ties;
+    - a precision names known floating-point dtypes.
     """
     _unique("node id", [n.id for n in graph.nodes])
     _unique("segment id", [s.id for s in graph.segments])
@@ -44,6 +47,8 @@ def validate(graph: Graph) -> Graph:
             )
         if n.kind in (NodeKind.SEND, NodeKind.RECV) and len(n.peers) != len(n.devices):
             raise ValidationError(f"{n.kind.value} node {n.id} has peers {list(n.peers)} for devices {list(n.devices)}", nodes=[n.id])
+    _check_ties(graph)
+    _check_precision(graph)
     cycle = find_cycle(graph)
     if cycle is not None:
         # Blame only the edges on the cycle, not every edge between two of its nodes.
@@ -55,6 +60,43 @@ def validate(graph: Graph) -> Graph:
             nodes=cycle,
         )
     return graph
+
+
+def _check_ties(graph: Graph) -> None:
+    _unique("tied parameter", [t.name for t in graph.ties])
+    held: dict[tuple[str, str], str] = {}
+    for tie in graph.ties:
+        segments = [seg for seg, _ in tie.holders]
+        if len(set(segments)) != len(segments) or len(segments) < 2:
+            raise ValidationError(f"tie {tie.name!r} must name at least two distinct segments, got {segments}")
+        metas = []
+        for seg, qualname in tie.holders:
+            segment = graph.segment_by_id.get(seg)
+            if segment is None:
+                raise ValidationError(f"tie {tie.name!r} names unknown segment {seg!r}")
+            meta = dict(segment.params).get(qualname)
+            if meta is None:
+                raise ValidationError(f"tie {tie.name!r}: segment {seg} has no parameter {qualname!r}")
+            if (seg, qualname) in held:
+                raise ValidationError(f"parameter {qualname!r} of {seg} is in ties {held[seg, qualname]!r} and {tie.name!r}")
+            held[seg, qualname] = tie.name
+            metas.append(meta)
+        if any(m.shape != metas[0].shape or m.dtype != metas[0].dtype for m in metas):
+            raise ValidationError(
+                f"tie {tie.name!r}: its holders disagree on shape or dtype: "
+                + ", ".join(f"{seg}:{q} {m.dtype}{list(m.shape)}" for (seg, q), m in zip(tie.holders, metas, strict=True))
+            )
+
+
+_FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
+
+
+def _check_precision(graph: Graph) -> None:
+    p = graph.precision
+    if p is not None and (p.compute not in _FLOAT_DTYPES or p.master not in _FLOAT_DTYPES):
+        raise ValidationError(
+            f"precision {p.compute}/{p.master}: compute and master must be among {sorted(_FLOAT_DTYPES)}"
+        )
 
 
 def _unique(what: str, items: list[str]) -> None:

@@ -28,7 +28,9 @@ Which pieces a rank counts, read off the IR (never a ZeRO level):
 - a parameter in no bucket: on a single device, that device; an expert-parallel rank's
   experts (cut, one rank each), every rank of the group; a copy replicated over a
   tensor-parallel group, its first rank;
-- a qualified name held by several segments (a tied parameter) counts in its first segment.
+- a tied parameter (``Graph.ties``: one logical parameter held by several segments, whose
+  gradient is the sum over the holders and equal on each after it) counts in its first
+  holder only.
 
 The pass is pure: a new graph comes back.
 """
@@ -97,13 +99,13 @@ def norm_terms(graph: Graph, holders: dict[str, tuple[int, ...]]) -> tuple[NormT
     for b in graph.buckets:
         buckets.setdefault(b.segment, []).append(b)
     first_of_family = _first_of_families(graph.buckets)
+    # The later holders of a tied parameter hold copies of the first's (summed) gradient.
+    copies = {holder for tie in graph.ties for holder in tie.holders[1:]}
     terms: list[NormTerm] = []
-    seen: set[str] = set()
     for seg in graph.segments:
         if seg.id not in holders or not seg.params:
             continue
-        counted = {name for name, _ in seg.params if name not in seen}
-        seen |= counted
+        counted = {name for name, _ in seg.params if (seg.id, name) not in copies}
         sh = sharding.get(seg.id)
         cut = {p.name for p in sh.params} if sh is not None else set()
         in_buckets: set[str] = set()

@@ -1,8 +1,7 @@
 """piper-runtime: Ray actors executing a Piper ``Program`` behind one backend protocol
 (``piper_runtime.backends``: CPU gloo today)."""
 
-from importlib.metadata import PackageNotFoundError, version
-
+from piper_runtime._version import __version__ as __version__
 from piper_runtime.backends import Backend, register_backend, resolve_backend
 from piper_runtime.batch import check_batch, split_microbatches
 from piper_runtime.cluster import ensure_ray, shutdown
@@ -11,11 +10,6 @@ from piper_runtime.optim import OptimizerSpec
 from piper_runtime.results import InstructionTiming, StepOutput, StepResult
 from piper_runtime.runtime import Runtime
 from piper_runtime.worker import RankWorker
-
-try:
-    __version__ = version("piper-runtime")
-except PackageNotFoundError:  # running from a source tree
-    __version__ = "0.0.0"
 
 __all__ = [
     "Backend",

@@ -7,8 +7,7 @@ runs it against a ``CostModel``; ``to_chrome_trace`` and ``plot_gantt`` export t
 compiles to a program that runs on the training program's workers.
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
+from piper_scheduler._version import __version__ as __version__
 from piper_scheduler.compile import compile_program
 from piper_scheduler.costs import CostModel
 from piper_scheduler.forward_only import forward_only
@@ -16,11 +15,6 @@ from piper_scheduler.simulate import measured_timeline, simulate
 from piper_scheduler.timeline import Interval, Timeline
 from piper_scheduler.trace import plot_gantt, to_chrome_trace
 from piper_scheduler.verify import verify
-
-try:
-    __version__ = version("piper-scheduler")
-except PackageNotFoundError:  # running from a source tree
-    __version__ = "0.0.0"
 
 __all__ = [
     "CostModel",

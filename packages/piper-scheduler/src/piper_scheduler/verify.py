@@ -2,17 +2,21 @@
 
 Checks, in this order (the first failure raises):
 
-1. structure: one plan per rank, unique instruction ids per rank, every SEND/RECV names a
+1. tables and counts (``piper_scheduler.references.check_tables``): positive world size,
+   microbatches and replicas; unique ids; communicators, placement, replication, buckets and
+   sharding name existing segments, parameters and ranks (``SchedulingError``);
+2. structure: one plan per rank, unique instruction ids per rank, every SEND/RECV names a
    peer and a communicator both ranks belong to, every collective names a communicator that
-   holds its rank (``SchedulingError``);
-2. events: every event waited on is recorded exactly once on the same rank, earlier in the
+   holds its rank; then every segment, value, bucket and microbatch an instruction names
+   exists or lies in range (``check_instructions``) (``SchedulingError``);
+3. events: every event waited on is recorded exactly once on the same rank, earlier in the
    sequential order (``SchedulingError``);
-3. point-to-point: per (communicator, src, dst) the (value, microbatch, meta) sequence that
+4. point-to-point: per (communicator, src, dst) the (value, microbatch, meta) sequence that
    src sends equals the one dst receives (``DeadlockError``);
-4. collectives: every member of a communicator issues the same collectives in the same order
+5. collectives: every member of a communicator issues the same collectives in the same order
    (``DeadlockError``); a tensor-parallel segment's compute counts as a collective on its
    group's communicator;
-5. progress: walking every rank's list with buffered SENDs, blocking RECVs and blocking
+6. progress: walking every rank's list with buffered SENDs, blocking RECVs and blocking
    collectives finishes (``DeadlockError`` naming each stuck rank's blocked instruction).
 
 Every message names ranks, streams and instructions and shows the plans around the culprit.
@@ -33,11 +37,14 @@ from piper_scheduler.matching import (
     p2p_sequences,
     recv_partners,
 )
+from piper_scheduler.references import check_instructions, check_tables
 
 
 def verify(program: Program) -> None:
     """Raise ``SchedulingError`` / ``DeadlockError`` unless ``program`` is sound; else None."""
+    check_tables(program)
     _check_structure(program)
+    check_instructions(program)
     _check_events(program)
     sends, recvs = p2p_sequences(program)
     _check_p2p(program, sends, recvs)

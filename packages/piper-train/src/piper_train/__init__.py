@@ -1,11 +1,6 @@
 """piper-train: the front door composing Piper's packages (Trainer, reference, the piper CLI)."""
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("piper-train")
-except PackageNotFoundError:
-    __version__ = "0.0.0"
+from piper_train._version import __version__ as __version__
 
 __all__ = ["Trainer", "ReferenceTrainer", "run_check", "build_model", "load_workload"]
 

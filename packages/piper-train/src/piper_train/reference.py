@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Sequence
 
 import attrs
 import torch
 
+from piper_directives.precision import PrecisionModel
+from piper_directives.randomness import Randomness
+from piper_ir import Precision
 from piper_runtime import OptimizerSpec
 from piper_train.schedule import LRSchedule
 
@@ -29,6 +33,20 @@ class ReferenceTrainer:
     mathematically the full-batch step, and summed in the same order as a pipeline, so
     results agree to rounding. ``accumulate=False`` runs one full-batch backward instead.
 
+    ``shards``: each microbatch runs as that many equal pieces along dim 0 (what ``shards``
+    data-parallel replicas compute), the loss of each scaled by ``1 / (microbatches *
+    shards)``; the loss of a microbatch is the mean of its pieces'. Mathematically the same
+    step, but it draws random numbers the way the replicas do.
+
+    ``randomness``: draw the random numbers a captured model's segments draw
+    (piper_directives.randomness): the regions of step ``k`` (counted from 0 by this
+    trainer), microbatch ``i``, piece ``j`` reseed at the boundaries where segments start,
+    the loss under the loss segment's key. Dropout then gives the masks every strategy
+    gives.
+
+    ``precision``: run the model as the captured segments run with that ``Precision``
+    (piper_directives.precision.PrecisionModel): fp32 master weights, compute in the low dtype.
+
     The training-loop basics are torch's own: the optimizer groups parameters for weight
     decay by ``OptimizerSpec.build_named``, ``lr_schedule`` builds a ``torch.optim.lr_scheduler``
     on it, stepped after each update, and ``clip_grad_norm`` clips with
@@ -43,40 +61,57 @@ class ReferenceTrainer:
         microbatches: int,
         *,
         accumulate: bool = True,
+        shards: int = 1,
+        randomness: Randomness | None = None,
+        precision: Precision | None = None,
         lr_schedule: LRSchedule | None = None,
         clip_grad_norm: float | None = None,
     ) -> None:
+        if shards < 1:
+            raise ValueError(f"shards must be >= 1, got {shards}")
+        if not accumulate and (shards > 1 or randomness is not None):
+            raise ValueError("a full-batch step (accumulate=False) cannot run pieces or draw per-microbatch randomness")
         self.model = copy.deepcopy(model)
+        self.forward = PrecisionModel(self.model, precision) if precision is not None else self.model
         self.loss_fn = loss_fn
         self.microbatches = microbatches
         self.accumulate = accumulate
+        self.shards = shards
+        self.randomness = randomness
+        self.steps = 0
         self.clip_grad_norm = clip_grad_norm
         self.optimizer = optimizer.build_named(self.model.named_parameters())
         self.scheduler = (lr_schedule or LRSchedule()).build(self.optimizer)
 
     @torch.no_grad()
     def evaluate(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> float:
-        """The loss of a batch, forward only, as the mean of its microbatches' losses."""
+        """The loss of a batch, forward only and in eval mode, as the mean of its
+        microbatches' losses (what ``Trainer.evaluate`` reports)."""
         m, n_in = self.microbatches, len(inputs)
         chunks = list(zip(*(t.chunk(m) for t in (*inputs, *targets)), strict=True))
-        return sum(float(self.loss_fn(self.model(*c[:n_in]), *c[n_in:])) for c in chunks) / m
+        self.model.eval()
+        try:
+            return sum(float(self._loss(self.forward(*c[:n_in]), c[n_in:])) for c in chunks) / m
+        finally:
+            self.model.train()
 
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> ReferenceStep:
         m, n_in = self.microbatches, len(inputs)
-        if any(t.shape[0] % m for t in (*inputs, *targets)):
-            raise ValueError(f"a batch of {inputs[0].shape[0]} samples does not split into {m} microbatches")
+        if any(t.shape[0] % (m * self.shards) for t in (*inputs, *targets)):
+            pieces = f"{m} microbatches" + (f" of {self.shards} shards" if self.shards > 1 else "")
+            raise ValueError(f"a batch of {inputs[0].shape[0]} samples does not split into {pieces}")
         chunks = list(zip(*(t.chunk(m) for t in (*inputs, *targets)), strict=True))
         self.optimizer.zero_grad(set_to_none=True)
         losses = []
         if self.accumulate:
-            for chunk in chunks:
-                loss = self.loss_fn(self.model(*chunk[:n_in]), *chunk[n_in:])
-                (loss / m).backward()
-                losses.append(float(loss.detach()))
+            for i, chunk in enumerate(chunks):
+                pieces = list(zip(*(t.chunk(self.shards) for t in chunk), strict=True))
+                shard_losses = [self._backward(piece[:n_in], piece[n_in:], i, j) for j, piece in enumerate(pieces)]
+                losses.append(sum(shard_losses) / self.shards)
         else:
             with torch.no_grad():
-                losses = [float(self.loss_fn(self.model(*c[:n_in]), *c[n_in:])) for c in chunks]
-            self.loss_fn(self.model(*inputs), *targets).backward()
+                losses = [float(self._loss(self.forward(*c[:n_in]), c[n_in:])) for c in chunks]
+            self._loss(self.forward(*inputs), targets).backward()
         norm = None
         if self.clip_grad_norm is not None:
             norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm))
@@ -84,7 +119,23 @@ class ReferenceTrainer:
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
         self.scheduler.step()
+        self.steps += 1
         return ReferenceStep(tuple(losses), sum(losses) / m, grads, norm, lr)
+
+    def _backward(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], microbatch: int, shard: int) -> float:
+        """Forward and backward of one piece of one microbatch; returns its loss."""
+        r = self.randomness
+        with r.regions(microbatch, self.steps, shard) if r else contextlib.nullcontext():
+            outputs = self.forward(*inputs)
+        with r.loss(microbatch, self.steps, shard) if r else contextlib.nullcontext():
+            loss = self._loss(outputs, targets)
+        (loss / (self.microbatches * self.shards)).backward()
+        return float(loss.detach())
+
+    def _loss(self, outputs: torch.Tensor | Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``loss_fn(*outputs, *targets)``, as the captured loss segment calls it."""
+        outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+        return self.loss_fn(*outputs, *targets)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from piper_directives import Strategy, build_schedule, capture, shard_modules
+from piper_directives.capturing import CapturedModel, tie_locations
 from piper_ir import DirectiveError, Graph, Program
 from piper_memory import add_grad_norm, check_budget, plan_memory
 from piper_runtime import OptimizerSpec, Runtime, StepResult
@@ -28,6 +29,7 @@ from piper_runtime.batch import full_batch_shape
 from piper_scheduler import compile_program, forward_only
 from piper_train.schedule import LearningRate, LRSchedule
 from piper_train.state import TrainState
+from piper_train.user_code import ship_by_value
 
 
 def pipeline_stages(graph: Graph, tag: str = "PP") -> int:
@@ -36,6 +38,18 @@ def pipeline_stages(graph: Graph, tag: str = "PP") -> int:
     if not indices:
         raise DirectiveError(f"the model has no annotate({tag!r}) region")
     return len(indices)
+
+
+def refuse_unsupported(captured: CapturedModel) -> None:
+    """Refuse what capture records but the runtime does not carry out yet, rather than train
+    a different model: tied parameters (each holder would train its own copy)."""
+    if captured.graph.ties:
+        tie = captured.graph.ties[0]
+        raise DirectiveError(
+            f"parameter {tie.name!r} is tied (one tensor used by several regions): {tie_locations(captured, tie)}. "
+            "The runtime does not sum tied gradients over their holders yet, so each would train its own "
+            "copy; untie them in the model (give each region its own parameter) to train it with Piper."
+        )
 
 
 class Trainer:
@@ -77,6 +91,12 @@ class Trainer:
         say = log or (lambda _: None)
         started = time.perf_counter()
         captured = capture(model, example_inputs, example_targets, loss_fn)
+        refuse_unsupported(captured)
+        ship_by_value(captured.user_modules)  # the model file, its neighbours: by value to the workers
+        recompute = [s.id for s in captured.graph.stage_segments() if s.recompute]
+        if recompute:
+            say(f"regions {', '.join(recompute)} call torch.utils.checkpoint; this runtime keeps their "
+                "activations instead of recomputing them (same gradients, more memory)")
         if not isinstance(strategy, Strategy):
             strategy = strategy(pipeline_stages(captured.graph))
         self.strategy = strategy

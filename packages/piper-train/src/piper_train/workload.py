@@ -1,17 +1,23 @@
 """Where a model comes from: a built-in example or a user's ``path/to/file.py:factory``.
 
 The factory contract (also in the README): ``factory()`` takes no arguments and returns
-``(model, example_inputs, example_targets, loss_fn)`` where ``model`` is an ``nn.Module``
-whose ``forward`` is fully covered by ``annotate("PP")`` regions, the inputs and targets are
-a tensor or a tuple of tensors holding one full batch (dim 0 is the batch), and
-``loss_fn(*outputs, *targets)`` returns a scalar mean loss. Every training step reuses that
-batch. Or it returns ``(model, data, loss_fn)`` or ``(model, data, loss_fn, eval_data)``:
-``data`` a ``torch.utils.data.Dataset`` of ``(input, target)`` samples (batched by
-``batch_size``), a ``DataLoader``, or any iterable of ``(inputs, targets)`` batches
-(``piper_train.batches``); the first batch is the example the program is compiled for, every
-step draws the next; ``eval_data`` likewise, the held-out batches. The strategy decides how
-many regions go on each rank, so one factory serves every strategy (the region count must be
-divisible by the number of pipeline ranks).
+``(model, example_inputs, example_targets, loss_fn)`` or ``(model, example_inputs,
+example_targets, loss_fn, batches)`` where ``model`` is an ``nn.Module`` whose ``forward`` is
+fully covered by ``annotate("PP")`` regions, the inputs and targets are a tensor or a tuple of
+tensors holding one full batch (dim 0 is the batch), ``loss_fn(*outputs, *targets)`` returns a
+scalar mean loss, and ``batches(step)`` (optional) returns step ``step``'s ``(inputs,
+targets)`` like the example batch; without it every training step reuses the example batch.
+Or it returns ``(model, data, loss_fn)`` or ``(model, data, loss_fn, eval_data)``: ``data`` a
+``torch.utils.data.Dataset`` of ``(input, target)`` samples (batched by ``batch_size``), a
+``DataLoader``, or any iterable of ``(inputs, targets)`` batches (``piper_train.batches``);
+the first batch is the example the program is compiled for, every step draws the next;
+``eval_data`` likewise, the held-out batches. The strategy decides how many regions go on
+each rank, so one factory serves every strategy (the region count must be divisible by the
+number of pipeline ranks).
+
+The file runs as a script would: its directory is put first on ``sys.path`` (if it is not
+there yet), so it can import modules next to it. The workers get the file and those modules
+by value (piper_train.user_code), not by import.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ def load_factory(spec: str, *, batch_size: int | None = None, seed: int = 0) -> 
     if not path_text or not name or not path.is_file():
         raise ValueError(f"model {spec!r}: expected an existing 'path/to/file.py:factory'")
     module_name = f"piper_user_{path.stem}"
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)  # like ``python file.py``: modules next to it import by name
     loader = importlib.util.spec_from_file_location(module_name, path)
     if loader is None or loader.loader is None:
         raise ValueError(f"model {spec!r}: cannot import {path}")
@@ -52,14 +61,19 @@ def load_factory(spec: str, *, batch_size: int | None = None, seed: int = 0) -> 
     if not callable(factory):
         raise ValueError(f"model {spec!r}: {path} has no callable {name!r}")
     result = factory()
-    forms = "(model, inputs, targets, loss_fn), (model, data, loss_fn) or (model, data, loss_fn, eval_data)"
-    if not isinstance(result, tuple) or len(result) not in (3, 4) or not isinstance(result[0], torch.nn.Module):
+    forms = ("(model, inputs, targets, loss_fn[, batches]), (model, data, loss_fn) or "
+             "(model, data, loss_fn, eval_data)")
+    if not isinstance(result, tuple) or len(result) not in (3, 4, 5) or not isinstance(result[0], torch.nn.Module):
         raise ValueError(f"model {spec!r}: the factory must return {forms}")
-    if len(result) == 4 and not is_data_source(result[1]):
-        model, inputs, targets, loss_fn = result
+    if len(result) == 5 or (len(result) == 4 and not is_data_source(result[1])):
+        model, inputs, targets, loss_fn = result[:4]
         if not callable(loss_fn):
             raise ValueError(f"model {spec!r}: the factory must return (nn.Module, inputs, targets, callable loss)")
         inputs_t, targets_t = _as_tuple(inputs, "inputs", spec), _as_tuple(targets, "targets", spec)
+        if len(result) == 5:
+            if not callable(result[4]):
+                raise ValueError(f"model {spec!r}: the factory's fifth item must be a callable batches(step)")
+            return ModelSpec(spec, model, inputs_t, targets_t, loss_fn, _checked_batches(result[4], spec), 0, 0)
         return ModelSpec(spec, model, inputs_t, targets_t, loss_fn, lambda step: (inputs_t, targets_t), 0, 0)
     model, data, loss_fn, *rest = result
     if not callable(loss_fn) or not is_data_source(data):
@@ -76,6 +90,16 @@ def load_factory(spec: str, *, batch_size: int | None = None, seed: int = 0) -> 
         )
     inputs_t, targets_t = train(0)
     return ModelSpec(spec, model, inputs_t, targets_t, loss_fn, train, 0, seed, held_out, data, batch_size)
+
+
+def _checked_batches(batches: Callable[[int], object], spec: str) -> Callable[[int], tuple[tuple[torch.Tensor, ...], ...]]:
+    def checked(step: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        batch = batches(step)
+        if not isinstance(batch, tuple) or len(batch) != 2:
+            raise ValueError(f"model {spec!r}: batches({step}) must return (inputs, targets)")
+        return _as_tuple(batch[0], "inputs", spec), _as_tuple(batch[1], "targets", spec)
+
+    return checked
 
 
 class _Indexed:
