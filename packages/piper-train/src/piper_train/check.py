@@ -80,7 +80,8 @@ def run_check(
     eval_batches: int = 0,
 ) -> CheckReport:
     """Train ``steps`` steps both ways; compare every microbatch loss, every gradient (after
-    clipping), the learning rate and the gradient norm of every step, after the last step
+    clipping), the learning rate (with ``lr_schedule``) and the gradient norm (with
+    ``clip_grad_norm``) of every step, after the last step
     every parameter and, with ``eval_batches``, the held-out loss of that many batches of
     ``workload.eval_batches`` (forward only). ``threads=False`` runs the plans sequentially."""
     optimizer = optimizer or OptimizerSpec()
@@ -106,7 +107,8 @@ def run_check(
             if set(got.grads) != set(want.grads):
                 raise AssertionError(f"gradient names differ: {sorted(set(got.grads) ^ set(want.grads))}")
             pairs += [("grad", f"step {step} {name}", got.grads[name], want.grads[name]) for name in want.grads]
-            pairs.append(("lr", f"step {step}", torch.tensor(got.lr), torch.tensor(want.lr)))
+            if lr_schedule is not None:
+                pairs.append(("lr", f"step {step}", torch.tensor(got.lr), torch.tensor(want.lr)))
             if want.grad_norm is not None:
                 if got.grad_norm is None:
                     raise RuntimeError("the program computed no gradient norm although clipping was asked for")
