@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -99,6 +100,8 @@ class Runtime:
             backend_factory(backend)  # an unknown name fails before anything starts
         if ranks_per_gpu < 1:
             raise ValueError(f"ranks_per_gpu must be >= 1, got {ranks_per_gpu!r}")
+        self._forward: Program | None = None  # the evaluation step (``load_forward``)
+        self._forward_names: dict[int, tuple[str, ...]] = {}
         needed = {s for plan in program.ranks for s in plan.segments()}
         missing = sorted(needed - set(modules))
         if missing:
@@ -185,45 +188,54 @@ class Runtime:
         targets: Sequence[torch.Tensor],
         keep_grads: bool = False,
         profile: bool = False,
+        lr: float | None = None,
     ) -> StepResult:
         """Run one training step on a whole batch (split into the program's microbatches).
 
         ``keep_grads`` returns every parameter's gradient; ``profile`` returns when each
-        instruction ran on each rank (``StepResult.timings``)."""
+        instruction ran on each rank (``StepResult.timings``); ``lr`` sets the learning rate
+        of every optimizer group from this step on (a schedule's value for the step)."""
         self._check_open()
         program = self.program
-        batch = check_batch(program, inputs, targets)
-        # Each rank gets only the batch values it reads, and with data parallelism only its
-        # replica's shards of them. Small tensors travel inline with the call (Ray stores
-        # large ones in its object store by itself); an explicit ray.put pays off only for a
-        # large slice that several ranks read (an object-store round trip on every step).
-        slices: dict[tuple[str, int], torch.Tensor] = {}
-        readers: dict[tuple[str, int], int] = {}
-        for rank, names in self._batch_names.items():
-            replica = program.plan(rank).replica
-            for n in names:
-                key = (n, replica)
-                if key not in slices:
-                    meta = program.value_by_name[n].meta
-                    slices[key] = replica_slice(
-                        batch[n], meta, program.microbatches, program.replicas, replica
-                    )
-                readers[key] = readers.get(key, 0) + 1
-        refs = {
-            key: ray.put(t) if readers[key] > 1 and t.nbytes > _INLINE_BYTES else t
-            for key, t in slices.items()
-        }
+        shipments = _shipments(program, self._batch_names, check_batch(program, inputs, targets))
         self._steps += 1
         calls = [
             w.run_step.remote(
-                {n: refs[(n, program.plan(rank).replica)] for n in self._batch_names[rank]},
+                shipments[rank],
                 keep_grads,
                 profile,
+                lr,
             )
             for rank, w in enumerate(self._workers)
         ]
         outputs: list[StepOutput] = self._gather(calls, self.step_timeout_s, "step")
-        return merge_outputs(outputs, program, keep_grads)
+        result = merge_outputs(outputs, program, keep_grads)
+        return result if lr is None else attrs.evolve(result, lr=lr)
+
+    def load_forward(self, program: Program) -> None:
+        """Give the workers ``program``, a forward-only step of the same world compiled from
+        the training graph (``piper_scheduler.forward_only``), for ``evaluate``."""
+        self._check_open()
+        if program.world_size != self.program.world_size:
+            raise ValueError(
+                f"the forward-only program has {program.world_size} ranks, the runtime {self.program.world_size}"
+            )
+        self._forward = program
+        self._forward_names = {r: batch_reads(program, r) for r in range(program.world_size)}
+        ref = ray.put(program)
+        self._gather([w.load_forward.remote(ref) for w in self._workers], 60.0, "load_forward")
+
+    def evaluate(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> StepResult:
+        """Run the program of ``load_forward`` on a whole batch, the modules in eval mode: no
+        gradient, no update. ``losses``/``loss`` as for ``step``."""
+        self._check_open()
+        program = self._forward
+        if program is None:
+            raise ExecutionError("no forward-only program: call load_forward first")
+        shipments = _shipments(program, self._forward_names, check_batch(program, inputs, targets))
+        calls = [w.run_forward.remote(shipments[rank]) for rank, w in enumerate(self._workers)]
+        outputs: list[StepOutput] = self._gather(calls, self.step_timeout_s, "evaluate")
+        return merge_outputs(outputs, program, False)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """Current parameters of every segment, by qualified name, merged over ranks."""
@@ -325,6 +337,30 @@ class Runtime:
 def _one_node() -> bool:
     """Whether the Ray cluster this process is connected to has a single live node."""
     return sum(1 for n in ray.nodes() if n.get("Alive")) == 1
+
+
+def _shipments(
+    program: Program, names: Mapping[int, Sequence[str]], batch: Mapping[str, torch.Tensor]
+) -> list[dict[str, Any]]:
+    """What each rank receives of a checked batch: only the batch values it reads
+    (``batch_reads``), and with data parallelism only its replica's shards of them. Small
+    tensors travel inline with the call (Ray stores large ones in its object store by
+    itself); an explicit ray.put pays off only for a large slice that several ranks read (an
+    object-store round trip on every step)."""
+    slices: dict[tuple[str, int], torch.Tensor] = {}
+    readers: dict[tuple[str, int], int] = {}
+    for rank, wanted in names.items():
+        replica = program.plan(rank).replica
+        for n in wanted:
+            key = (n, replica)
+            if key not in slices:
+                meta = program.value_by_name[n].meta
+                slices[key] = replica_slice(batch[n], meta, program.microbatches, program.replicas, replica)
+            readers[key] = readers.get(key, 0) + 1
+    refs = {key: ray.put(t) if readers[key] > 1 and t.nbytes > _INLINE_BYTES else t for key, t in slices.items()}
+    return [
+        {n: refs[(n, program.plan(rank).replica)] for n in names[rank]} for rank in range(program.world_size)
+    ]
 
 
 def _kill(workers: list[Any], placement: Placement | None = None) -> None:

@@ -17,6 +17,11 @@ parts that each do one job:
 ``reset`` forgets the run, so a ``piper_runtime.pool.WorkerPool`` can hand the actor to the
 next runtime as if it had just started.
 
+``load_forward`` adds a second, forward-only program of the same world (an evaluation step,
+``piper_scheduler.forward_only``): its own executor and transport over this rank's modules,
+buckets and communicators (its communicators are the training program's, by id);
+``run_forward`` runs it with the modules in eval mode and returns the losses.
+
 Parameter gradients are read or replaced only under one lock (``grads_lock``) that backward
 passes, the optimizer, bucket operations and memory accounting take: autograd writes
 ``.grad`` without the GIL, so no other thread may read or replace one meanwhile.
@@ -38,7 +43,7 @@ import attrs
 import torch
 from torch import nn
 
-from piper_ir import BUCKET_KINDS, ExecutionError, NodeKind, Program
+from piper_ir import BUCKET_KINDS, ExecutionError, NodeKind, Phase, Program
 from piper_runtime.accounting import MemorySampler
 from piper_runtime.backends import Backend, BackendFactory, backend_factory
 from piper_runtime.batch import split_microbatches
@@ -46,6 +51,7 @@ from piper_runtime.comms import Communicators
 from piper_runtime.compute import COMPUTE_PHASES, SegmentCompute
 from piper_runtime.data_parallel import DataParallel
 from piper_runtime.executor import Executor
+from piper_runtime.grad_norm import GradNorm
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.optimizers import Optimizers
 from piper_runtime.rendezvous import open_listener
@@ -58,7 +64,10 @@ from piper_runtime.transport import Transport
 SWITCH_INTERVAL_S = 0.0005  # the GIL hand-over interval with threads (Python's default: 5 ms)
 
 # Instruction kinds this runtime carries out; anything else is rejected at setup.
-SUPPORTED = frozenset({NodeKind.COMPUTE, NodeKind.OPTIMIZER, NodeKind.SEND, NodeKind.RECV, NodeKind.MARKER} | BUCKET_KINDS)
+SUPPORTED = frozenset(
+    {NodeKind.COMPUTE, NodeKind.OPTIMIZER, NodeKind.SEND, NodeKind.RECV, NodeKind.MARKER, NodeKind.GRAD_NORM}
+    | BUCKET_KINDS
+)
 
 
 class RankWorker:
@@ -116,7 +125,10 @@ class RankWorker:
         self._data_parallel = dp = DataParallel(
             program, rank, self._modules, unbucketed_experts(program, rank), self._grads_lock
         )
-        optimizers = Optimizers(program, self._modules, optimizer, dp, self._grads_lock)
+        self._optimizers = optimizers = Optimizers(program, self._modules, optimizer, dp, self._grads_lock)
+        grad_norm = GradNorm(
+            program, rank, self._modules, dp, optimizers.gradients, self._grads_lock, self.backend.device
+        )
         params = [p for m in self._modules.values() for p in m.parameters()]
         self._sampler = MemorySampler(
             self.backend.memory_tracker(rank), self._grads_lock, params, dp, optimizers
@@ -129,6 +141,8 @@ class RankWorker:
         comms = Communicators(self.backend, program)  # every rank, in program order
         bind_collectives(program, rank, self._modules, comms)
         dp.connect(comms, self._sampler.sample, self._sampler.sample_now)
+        grad_norm.connect(comms)
+        self._comms, self._timeout_s = comms, timeout_s
         self._transport = transport = Transport(program, plan, comms, self.backend.device)
         threaded = threads and not lanes_share_a_communicator(plan.instructions)
         if threaded:
@@ -146,6 +160,7 @@ class RankWorker:
             NodeKind.ALL_GATHER: dp.all_gather,
             NodeKind.MATERIALIZE: dp.materialize,
             NodeKind.FREE: dp.free,
+            NodeKind.GRAD_NORM: grad_norm,
         }
         self._reads = ReadCounts(program, plan.instructions)
         self._executor = Executor(
@@ -158,17 +173,88 @@ class RankWorker:
             threads=threaded,
             timeout_s=timeout_s,
         )
+        self._forward: tuple[Program, Transport, ReadCounts, Executor] | None = None
+
+    def load_forward(self, program: Program) -> None:
+        """Keep ``program``, a forward-only step of the same world, for ``run_forward``."""
+        plan = program.plan(self.rank)
+        _check_supported(self.rank, plan.instructions)
+        unknown = sorted({c.id for c in program.communicators} - set(self._comms.forward))
+        if unknown or any(ins.phase is not Phase.F for ins in plan.instructions if ins.kind is NodeKind.COMPUTE):
+            raise ExecutionError(
+                f"rank {self.rank}: not a forward-only step of the training program "
+                f"(communicators {unknown} unknown, or backward passes)",
+                ranks=(self.rank,),
+            )
+        dp = self._data_parallel
+        for ins in plan.instructions:
+            if ins.kind in BUCKET_KINDS:
+                dp.check(ins)
+        transport = Transport(program, plan, self._comms, self.backend.device)
+        handlers = {
+            NodeKind.COMPUTE: SegmentCompute(program, self._modules, self._grads_lock, dp.weight_pass, forward_only=True),
+            NodeKind.SEND: transport.send,
+            NodeKind.RECV: transport.recv,
+            NodeKind.MARKER: lambda ins, st: None,
+            NodeKind.MATERIALIZE: dp.materialize,
+            NodeKind.FREE: dp.free,
+        }
+        reads = ReadCounts(program, plan.instructions)
+        threaded = self._executor.threads and not lanes_share_a_communicator(plan.instructions)
+        executor = Executor(
+            plan, handlers, before=transport.post_recvs, reads=reads, sampler=self._sampler,
+            streams=self.backend, threads=threaded, timeout_s=self._timeout_s,
+        )
+        self._forward = (program, transport, reads, executor)
+
+    def run_forward(self, batch: Mapping[str, Any]) -> StepOutput:
+        """Run the program of ``load_forward`` once on ``batch`` (as in ``run_step``), the
+        modules in eval mode; returns the losses this rank computed."""
+        if self._forward is None:
+            raise ExecutionError(f"rank {self.rank}: no forward-only program loaded", ranks=(self.rank,))
+        program, transport, reads, executor = self._forward
+        started = time.perf_counter()
+        chunks = {
+            name: split_microbatches(
+                _resolve(t).to(self.backend.device), program.value_by_name[name].meta, program.microbatches
+            )
+            for name, t in batch.items()
+        }
+        st = StepState(chunks, keep_grads=False)
+        reads.start(st)
+        self._sampler.begin(st, excluded=[t for ts in chunks.values() for t in ts])
+        for module in self._modules.values():
+            module.eval()
+        try:
+            executor.run(st, self._step, started, False)
+        except BaseException:
+            self._abandoned = st
+            raise
+        finally:
+            self._sampler.end()
+            for module in self._modules.values():
+                module.train()
+        try:
+            transport.finish(st)
+        except Exception as exc:
+            raise executor.error("waiting for its sends to complete", exc, self._step) from None
+        return StepOutput(self.rank, tuple(sorted(st.losses.items())), seconds=time.perf_counter() - started)
 
     @property
     def threads(self) -> bool:
         """Whether steps run one thread per stream (else one sequential walk)."""
         return self._executor.threads
 
-    def run_step(self, batch: Mapping[str, Any], keep_grads: bool = False, profile: bool = False) -> StepOutput:
+    def run_step(
+        self, batch: Mapping[str, Any], keep_grads: bool = False, profile: bool = False, lr: float | None = None
+    ) -> StepOutput:
         """Run this rank's instructions once. ``batch`` maps the batch values this rank reads
         to whole-batch tensors (or Ray object refs to them); ``profile`` records when each
-        instruction started and ended."""
+        instruction started and ended; ``lr`` is the learning rate of this step's updates
+        (``None``: the one of the step before)."""
         self._step += 1
+        if lr is not None:
+            self._optimizers.set_lr(lr)
         started = time.perf_counter()
         program = self.program
         chunks = {
@@ -203,6 +289,7 @@ class RankWorker:
             st.grad_shards if keep_grads else None,
             self._sampler.tracker.result(),
             collective_seconds(self._modules),
+            st.grad_norm,
         )
 
     def parameters(self) -> dict[str, torch.Tensor]:

@@ -61,6 +61,7 @@ from piper_scheduler.communicators import (
     communicator_for,
     communicators_for,
     group_communicator,
+    norm_communicator,
     tp_communicator,
 )
 from piper_scheduler.verify import verify
@@ -70,6 +71,9 @@ PASS_THROUGH_KINDS = frozenset({NodeKind.SEND, NodeKind.RECV, NodeKind.MARKER})
 # Operations of a replicated segment's device group on one bucket (docs/ir-conventions.md,
 # section 7); every member of ``devices`` gets the instruction.
 GROUP_KINDS = BUCKET_KINDS
+# Listed on every member of their group, as soon as ready: the bucket operations and the
+# gradient norm (section 10), a collective over the world.
+LISTED_KINDS = GROUP_KINDS | {NodeKind.GRAD_NORM}
 OVERLAP_PHASES = frozenset({Phase.F, Phase.B, Phase.BI})
 
 Channel = tuple[str, int, int]
@@ -136,6 +140,7 @@ def _program(
         buckets=graph.buckets,
         sharding=graph.sharding,
         execution=execution,
+        grad_norm=graph.grad_norm,
     )
 
 
@@ -173,6 +178,8 @@ def _check_supported(graph: Graph, tables: _Tables) -> None:
             raise SchedulingError(f"{n.kind.value} node {n.id} has no devices; run Place first", nodes=[n.id])
         if n.kind in GROUP_KINDS:
             _check_group_node(n, tables)
+        elif n.kind is NodeKind.GRAD_NORM:
+            _check_norm_node(graph, n)
         elif n.kind not in SCHEDULED_KINDS and n.kind not in PASS_THROUGH_KINDS:
             raise SchedulingError(
                 f"node {n.id} of kind {n.kind.value} is not supported by compile_program yet",
@@ -192,7 +199,7 @@ def _compute_orders(graph: Graph) -> list[list[str]]:
     moment the one global pass releases them, so every member issues a group's collectives
     in the same order, and each runs as soon as its inputs are ready (a reduction overlaps
     the remaining backward work)."""
-    orders = rank_orders(graph, GROUP_KINDS)
+    orders = rank_orders(graph, LISTED_KINDS)
     if orders is None:  # the pass stalled: the graph has a cycle
         raise cycle_error(graph)
     return orders
@@ -307,6 +314,16 @@ def _check_group_node(n: Node, tables: _Tables) -> None:
     if n.value not in tables.buckets:
         raise SchedulingError(
             f"{n.kind.value} node {n.id} names {n.value!r}, which is not a bucket of the graph", nodes=[n.id]
+        )
+
+
+def _check_norm_node(graph: Graph, n: Node) -> None:
+    if graph.grad_norm is None:
+        raise SchedulingError(f"gradient norm node {n.id}: the graph has no GradNorm (what each rank counts)", nodes=[n.id])
+    if tuple(sorted(n.devices)) != tuple(range(graph.world_size)):
+        raise SchedulingError(
+            f"gradient norm node {n.id} runs on {list(n.devices)}, not on every one of the {graph.world_size} devices",
+            nodes=[n.id],
         )
 
 
@@ -428,6 +445,9 @@ def _instruction(
         numel = bucket.shard_numel if kind is NodeKind.ALL_REDUCE else bucket.padded_numel
         meta = TensorMeta((numel,), bucket.dtype)
         communicator = None if kind is NodeKind.FREE else group_communicator(n.stream, n.devices)
+    elif kind is NodeKind.GRAD_NORM:
+        meta = TensorMeta((1,), "float64")  # the sum of squares, summed over the world
+        communicator = norm_communicator(n.devices)
     elif kind is NodeKind.COMPUTE and n.phase is not None:
         # A tensor-parallel segment's compute issues all-reduces on its group inside, an
         # expert-parallel one all-to-alls.

@@ -12,6 +12,7 @@ from piper_ir import Program
 from piper_runtime import OptimizerSpec
 from piper_train.models import ModelSpec
 from piper_train.reference import ReferenceTrainer
+from piper_train.schedule import LRSchedule
 from piper_train.trainer import Trainer
 
 
@@ -34,6 +35,7 @@ class CheckReport:
     rtol: float
     atol: float
     program: Program = attrs.field(eq=False, repr=False)
+    grad_norms: tuple[float, ...] = ()  # the strategy's gradient norm of each step, when clipping
 
     @property
     def ok(self) -> bool:
@@ -76,18 +78,29 @@ def run_check(
     backend: str | None = None,
     placement: str = "pack",
     ranks_per_gpu: int = 1,
+    lr_schedule: LRSchedule | None = None,
+    clip_grad_norm: float | None = None,
+    eval_batches: int = 0,
 ) -> CheckReport:
-    """Train ``steps`` steps both ways; compare every microbatch loss, every gradient and,
-    after the last step, every parameter. ``threads=False`` runs the plans sequentially;
-    ``backend``, ``placement``, ``ranks_per_gpu`` as for ``Trainer``."""
+    """Train ``steps`` steps both ways; compare every microbatch loss, every gradient (after
+    clipping), the learning rate (with ``lr_schedule``) and the gradient norm (with
+    ``clip_grad_norm``) of every step, after the last step every parameter and, with
+    ``eval_batches``, the held-out loss of that many batches of ``workload.eval_batches``
+    (forward only). ``threads=False`` runs the plans sequentially; ``backend``,
+    ``placement``, ``ranks_per_gpu`` as for ``Trainer``."""
     optimizer = optimizer or OptimizerSpec()
     diffs: list[Difference] = []
+    norms: list[float] = []
     with Trainer(
         workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
         optimizer=optimizer, address=address, memory_budget_bytes=memory_budget_bytes, log=log,
         threads=threads, backend=backend, placement=placement, ranks_per_gpu=ranks_per_gpu,
+        lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm,
     ) as trainer:
-        reference = ReferenceTrainer(workload.model, workload.loss_fn, optimizer, trainer.program.microbatches)
+        reference = ReferenceTrainer(
+            workload.model, workload.loss_fn, optimizer, trainer.program.microbatches,
+            lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm,
+        )
         for step in range(steps):
             inputs, targets = workload.batches(step)
             got = trainer.step(inputs, targets, keep_grads=True)
@@ -99,8 +112,21 @@ def run_check(
             if set(got.grads) != set(want.grads):
                 raise AssertionError(f"gradient names differ: {sorted(set(got.grads) ^ set(want.grads))}")
             pairs += [("grad", f"step {step} {name}", got.grads[name], want.grads[name]) for name in want.grads]
+            if lr_schedule is not None:
+                pairs.append(("lr", f"step {step}", torch.tensor(got.lr), torch.tensor(want.lr)))
+            if want.grad_norm is not None:
+                if got.grad_norm is None:
+                    raise RuntimeError("the program computed no gradient norm although clipping was asked for")
+                pairs.append(("grad_norm", f"step {step}", torch.tensor(got.grad_norm), torch.tensor(want.grad_norm)))
+                norms.append(got.grad_norm)
             diffs.extend(_diff(what, where, g, w, rtol, atol) for what, where, g, w in pairs)
-            log(f"step {step}: loss {got.loss:.6f} (reference {want.loss:.6f})")
+            norm = f", gradient norm {got.grad_norm:.6f} (reference {want.grad_norm:.6f})" if want.grad_norm else ""
+            log(f"step {step}: loss {got.loss:.6f} (reference {want.loss:.6f}), lr {got.lr:.3g}{norm}")
         params = trainer.parameters()
         diffs.extend(_diff("param", name, params[name], p, rtol, atol) for name, p in reference.parameters().items())
-    return CheckReport(steps, tuple(diffs), rtol, atol, trainer.program)
+        for k in range(eval_batches):
+            inputs, targets = workload.eval_batches(k)
+            got_eval, want_eval = trainer.evaluate(inputs, targets), reference.evaluate(inputs, targets)
+            diffs.append(_diff("eval", f"batch {k}", torch.tensor(got_eval), torch.tensor(want_eval), rtol, atol))
+            log(f"held-out batch {k}: loss {got_eval:.6f} (reference {want_eval:.6f})")
+    return CheckReport(steps, tuple(diffs), rtol, atol, trainer.program, tuple(norms))
