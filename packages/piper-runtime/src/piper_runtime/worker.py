@@ -47,6 +47,7 @@ from piper_ir import BUCKET_KINDS, ExecutionError, NodeKind, Phase, Program
 from piper_runtime.accounting import MemorySampler
 from piper_runtime.backends import Backend, BackendFactory, backend_factory
 from piper_runtime.batch import split_microbatches
+from piper_runtime.checkpoint import RankState, SaveSide
 from piper_runtime.comms import Communicators
 from piper_runtime.compute import COMPUTE_PHASES, SegmentCompute
 from piper_runtime.data_parallel import DataParallel
@@ -86,6 +87,7 @@ class RankWorker:
         self._modules: dict[str, nn.Module] = {}
         self._grads_lock = threading.RLock()
         self._step = 0
+        self._saving: SaveSide | None = None
 
     def ping(self) -> int:
         return os.getpid()
@@ -307,6 +309,24 @@ class RankWorker:
         """``bucket id -> (replica, this replica's parameter shard)`` of the buckets whose
         parameters live sharded."""
         return self._data_parallel.parameter_shards()
+
+    def checkpoint_plan(self, path: str, objects: Mapping[str, Any]) -> Any:
+        """The first half of a save (``piper_runtime.checkpoint``): this rank's DCP local plan
+        for what it holds (and ``objects``, which the driver gives rank 0 only)."""
+        state = RankState(self.program, self.rank, self._modules, self._data_parallel, self._optimizers)
+        self._saving = SaveSide(path, self.rank, state.pieces(), objects)
+        return self._saving.plan()
+
+    def checkpoint_write(self, plan: Any) -> list[Any]:
+        """The second half: write this rank's files by the driver's global ``plan``."""
+        saving, self._saving = self._saving, None
+        return saving.write(plan)
+
+    def load_checkpoint(self, path: str, step: int) -> None:
+        """Read this rank's parameters and optimizer state from the checkpoint at ``path``
+        (written under any strategy); ``step``: the optimizer steps it had taken."""
+        RankState(self.program, self.rank, self._modules, self._data_parallel, self._optimizers).load(path, self.rank)
+        self._step = step
 
     def shutdown(self) -> None:
         if self.backend is not None:
