@@ -23,7 +23,7 @@ import torch
 from piper_directives import build_schedule
 from piper_ir import CheckpointError
 from piper_runtime import OptimizerSpec
-from piper_train.checkpoints import Checkpoints, export
+from piper_train.checkpoints import Checkpoints, export, read_manifest
 from piper_train.cli import main
 from piper_train.loop import fit
 from piper_train.models import build_model
@@ -60,6 +60,8 @@ def test_resume_is_exact(schedule, zero, tmp_path) -> None:
     with _trainer(workload, strategy) as trainer:  # a new process's view: the initial model, then the checkpoint
         second = fit(trainer, workload.stream(), steps=2 * n, checkpoints=root, resume=True)
         resumed = trainer.parameters()
+        # The same program: each rank's own generators were restored too.
+        assert read_manifest(first.checkpoints[0])["program"] == trainer.program_digest
     assert [m.step for m in second.steps] == list(range(n + 1, 2 * n + 1))
     assert [m.loss for m in first.steps + second.steps] == [m.loss for m in whole.steps]
     assert [m.lr for m in first.steps + second.steps] == [m.lr for m in whole.steps]

@@ -263,11 +263,12 @@ class Runtime:
         )
         finish(path, metadata, results)
 
-    def load_checkpoint(self, path: str, step: int, timeout_s: float = 300.0) -> None:
+    def load_checkpoint(self, path: str, step: int, rng: bool = False, timeout_s: float = 300.0) -> None:
         """Every rank reads its parameters and optimizer state from the checkpoint at
-        ``path``, whatever strategy wrote it; ``step``: the optimizer steps it holds."""
+        ``path``, whatever strategy wrote it; ``step``: the optimizer steps it holds. ``rng``:
+        each rank also restores its generators (only for a checkpoint of this very program)."""
         self._check_open()
-        self._gather([w.load_checkpoint.remote(path, step) for w in self._workers], timeout_s, "load checkpoint")
+        self._gather([w.load_checkpoint.remote(path, step, rng) for w in self._workers], timeout_s, "load checkpoint")
         self._steps = step
 
     def worker_pids(self) -> list[int]:

@@ -37,8 +37,9 @@ def checkpoint_name(step: int) -> str:
 
 
 def is_complete(path: Path) -> bool:
-    """Whether ``path`` is a whole checkpoint (renamed into place, metadata and manifest in it)."""
-    return _STEP_DIR.match(path.name) is not None and (path / MANIFEST).is_file() and (path / ".metadata").is_file()
+    """Whether ``path`` is a whole checkpoint (renamed into place: metadata and manifest in it;
+    a temporary directory never is, it has no manifest until just before the rename)."""
+    return (path / MANIFEST).is_file() and (path / ".metadata").is_file()
 
 
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -48,7 +49,7 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     found = []
     for child in root.iterdir():
         m = _STEP_DIR.match(child.name)
-        if m and child.is_dir() and is_complete(child):
+        if m and is_complete(child):
             found.append((int(m.group(1)), child))
     return sorted(found)
 
@@ -64,7 +65,7 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     if is_complete(path):
         return path
-    if _STEP_DIR.match(path.name) and path.is_dir():
+    if (path / MANIFEST).exists() or (path / ".metadata").exists() or (_STEP_DIR.match(path.name) and path.is_dir()):
         raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST} or .metadata: a partial write?)")
     latest = latest_checkpoint(path)
     if latest is None:

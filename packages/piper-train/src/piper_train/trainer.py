@@ -20,6 +20,7 @@ names, the driver adds the ``TrainState``; a checkpoint loads under any strategy
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ import torch
 
 from piper_directives import Strategy, build_schedule, capture, shard_modules
 from piper_directives.capturing import CapturedModel, tie_locations
-from piper_ir import DirectiveError, Graph, Program
+from piper_ir import DirectiveError, Graph, Program, to_json
 from piper_memory import add_grad_norm, check_budget, plan_memory
 from piper_runtime import OptimizerSpec, Runtime, StepResult, WorkerPool
 from piper_runtime.batch import full_batch_shape
@@ -131,6 +132,7 @@ class Trainer:
         self.graph = planned
         self.program: Program = compile_program(self.graph)
         self.eval_program: Program | None = None  # compiled by the first ``evaluate``
+        self.program_digest = hashlib.sha256(to_json(self.program).encode()).hexdigest()
         optimizer = optimizer or OptimizerSpec()
         self.optimizer = optimizer
         self.state = TrainState(LearningRate(optimizer.lr, lr_schedule))
@@ -245,6 +247,7 @@ class Trainer:
             "world_size": self.program.world_size,
             "microbatches": self.program.microbatches,
             "replicas": self.program.replicas,
+            "program": self.program_digest,
         }
         state = {"train_state": self.state.state_dict()}
         return write_atomically(path, lambda tmp: self.runtime.save_checkpoint(str(tmp), state), manifest)
@@ -259,7 +262,8 @@ class Trainer:
         check_compatible(source, manifest, self.param_shapes, self.optimizer.name)
         objects = read_objects(str(source), ["train_state"])
         self.state.load_state_dict(objects["train_state"])
-        self.runtime.load_checkpoint(str(source), self.state.step)
+        # The ranks' own generators (unseeded dropout) mean something only to the same program.
+        self.runtime.load_checkpoint(str(source), self.state.step, rng=manifest.get("program") == self.program_digest)
         return source
 
     def restart(self) -> None:
