@@ -8,24 +8,52 @@ memory per rank, ETA) to each sink. It stops after ``steps`` steps of the traine
 ``TrainState`` (so a trainer restored from a checkpoint continues to the same end), after
 ``epochs`` epochs, or when the data ends. With ``eval_every`` it evaluates ``held_out``
 after every that many steps. The batch stream is the ``TrainState``'s ``data`` while it runs.
+
+Checkpoints (``Checkpoints``): every ``every`` steps and at the end, into ``root``, keeping
+the newest ``keep``; ``resume`` continues from the latest complete one. A root that already
+holds checkpoints is refused without ``resume`` (nothing of another run is overwritten or
+pruned). Fault tolerance: ``max_restarts`` times, an ``ExecutionError`` (a worker died,
+raised, or did not answer within the step timeout; the runtime has torn every worker down)
+makes ``fit`` start new workers (``Trainer.restart``), reload the latest complete checkpoint
+(or, without one, go back to the state ``fit`` began with, when that was the start of
+training) and go on; the steps after that checkpoint are recomputed (``FitResult.restarts``
+says how many) and drop out of ``FitResult.steps``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import attrs
 
+from piper_ir import CheckpointError, ExecutionError
 from piper_train.batches import Batch
+from piper_train.checkpoints import Checkpoints, prune
 from piper_train.metrics import EvalMetrics, Sink, StepMetrics
 from piper_train.trainer import Trainer
+
+
+@attrs.frozen
+class Restart:
+    """One recovery from a failed step: the step that failed, the step of the checkpoint
+    reloaded (0: the start), how many finished steps were lost and recomputed, and how long
+    new workers took to start and load it."""
+
+    failed_step: int
+    resumed_from: int
+    recomputed: int
+    seconds: float
+    error: str
 
 
 @attrs.frozen
 class FitResult:
     steps: tuple[StepMetrics, ...]
     evals: tuple[EvalMetrics, ...]
+    restarts: tuple[Restart, ...] = ()
+    checkpoints: tuple[Path, ...] = ()  # written by this run, oldest first
 
 
 def evaluate(trainer: Trainer, held_out: Callable[[int], Batch], batches: int) -> EvalMetrics:
@@ -48,33 +76,89 @@ def fit(
     eval_batches: int = 1,
     sinks: Sequence[Sink] = (),
     profile_step: int | None = None,
+    checkpoints: Checkpoints | None = None,
+    resume: bool = False,
+    max_restarts: int = 0,
 ) -> FitResult:
     """Train until ``steps`` steps (counted by ``trainer.state.step``) or ``epochs`` epochs
     are done, or ``data`` ends (module doc). ``data`` reports its position through
     ``state_dict()`` (``epoch``) where it has one. ``profile_step``: that step returns its
-    instruction timings (``StepResult.timings``) to the sinks."""
+    instruction timings (``StepResult.timings``) to the sinks. ``checkpoints``, ``resume``,
+    ``max_restarts``: module doc."""
     if steps is None and epochs is None:
         raise ValueError("fit needs steps or epochs")
     if eval_every and held_out is None:
         raise ValueError("evaluation every few steps needs held-out batches")
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     state = trainer.state
     state.data = data if hasattr(data, "state_dict") else None  # type: ignore[assignment]
+    if checkpoints is not None:
+        latest = checkpoints.latest()
+        if resume:
+            trainer.load_checkpoint(checkpoints.root)
+        elif latest is not None:
+            raise CheckpointError(
+                f"{checkpoints.root} already holds checkpoints (the latest: {latest.name}); resume from them, "
+                "or choose another checkpoint directory (no checkpoint of another run is overwritten)"
+            )
+    elif resume:
+        raise ValueError("resume needs a checkpoint directory")
+    # Where a restart goes back to when no checkpoint is written yet: only the very start.
+    start = state.state_dict() if state.step == 0 and state.data is not None else None
     total = steps if steps is not None else _epoch_steps(data, epochs)
     history: list[StepMetrics] = []
     evals: list[EvalMetrics] = []
     paces: list[float] = []
-    while steps is None or state.step < steps:
-        t0 = time.perf_counter()
-        try:
-            inputs, targets = next(data)
-        except StopIteration:
-            break
-        epoch = _epoch(data)
-        if epochs is not None and epoch >= epochs:
-            break
+    restarts: list[Restart] = []
+    written: list[Path] = []
+    saved_at = state.step if resume else -1
+
+    def recover(err: ExecutionError) -> None:
+        if len(restarts) >= max_restarts:
+            raise err
+        failed, began = state.step + 1, time.perf_counter()
+        source = checkpoints.latest() if checkpoints is not None else None
+        if source is None and start is None:
+            raise err
+        trainer.restart()
+        if source is not None:
+            trainer.load_checkpoint(source)
+        else:
+            state.load_state_dict(start)
+        restarts.append(Restart(failed, state.step, failed - 1 - state.step, time.perf_counter() - began,
+                                str(err).splitlines()[0]))
+        del history[sum(1 for m in history if m.step <= state.step):]
+        del evals[sum(1 for e in evals if e.step <= state.step):]
+
+    while True:
+        # Done (the step count reached, the data or the epochs ended): the last checkpoint
+        # first, which a failure while writing it sends back to the one before.
+        done = steps is not None and state.step >= steps
+        if not done:
+            t0 = time.perf_counter()
+            try:
+                inputs, targets = next(data)
+                epoch = _epoch(data)
+                done = epochs is not None and epoch >= epochs
+            except StopIteration:
+                done = True
+        if done:
+            if checkpoints is None or saved_at == state.step or state.step == 0:
+                break
+            try:
+                written.append(_save(trainer, checkpoints))
+                saved_at = state.step
+            except ExecutionError as err:
+                recover(err)
+            continue
         t1 = time.perf_counter()
         tokens_before = state.tokens
-        result = trainer.step(inputs, targets, profile=state.step + 1 == profile_step)
+        try:
+            result = trainer.step(inputs, targets, profile=state.step + 1 == profile_step)
+        except ExecutionError as err:
+            recover(err)
+            continue
         t2 = time.perf_counter()
         paces.append(t2 - t0)
         # The first step includes warm-up (threads, communicators): leave it out of the pace.
@@ -97,12 +181,24 @@ def fit(
         history.append(metrics)
         for sink in sinks:
             sink.on_step(metrics, result)
-        if eval_every and state.step % eval_every == 0 and held_out is not None:
-            ev = evaluate(trainer, held_out, eval_batches)
-            evals.append(ev)
-            for sink in sinks:
-                sink.on_eval(ev)
-    return FitResult(tuple(history), tuple(evals))
+        try:
+            if eval_every and state.step % eval_every == 0 and held_out is not None:
+                ev = evaluate(trainer, held_out, eval_batches)
+                evals.append(ev)
+                for sink in sinks:
+                    sink.on_eval(ev)
+            if checkpoints is not None and checkpoints.every and state.step % checkpoints.every == 0:
+                written.append(_save(trainer, checkpoints))
+                saved_at = state.step
+        except ExecutionError as err:
+            recover(err)
+    return FitResult(tuple(history), tuple(evals), tuple(restarts), tuple(written))
+
+
+def _save(trainer: Trainer, checkpoints: Checkpoints) -> Path:
+    path = trainer.save_checkpoint(checkpoints.path(trainer.state.step))
+    prune(checkpoints.root, checkpoints.keep)
+    return path
 
 
 def _epoch(data: object) -> int:
