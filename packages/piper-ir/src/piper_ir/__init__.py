@@ -18,6 +18,7 @@ from piper_ir.graph import (
     COMMUNICATION_KINDS,
     COMPUTE_KINDS,
     POINT_TO_POINT_KINDS,
+    TIE_STREAM,
     Bucket,
     CodeRef,
     Edge,
@@ -48,7 +49,7 @@ from piper_ir.validate import validate
 
 __all__ = [
     "ANY", "MB", "PASS", "SEG", "BUCKET_KINDS", "COMMUNICATION_KINDS", "COMPUTE_KINDS", "GRAD_PREFIX",
-    "POINT_TO_POINT_KINDS", "Residency", "ShardKind", "ExecutionOptions", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "CodeRef", "Communicator",
+    "POINT_TO_POINT_KINDS", "TIE_STREAM", "Residency", "ShardKind", "ExecutionOptions", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "CodeRef", "Communicator",
     "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph",
     "Instruction", "Listing", "MemoryPlanError", "Node", "NodeKind", "ParamShard", "Phase", "Precision", "PiperError",
     "Program", "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Sharding", "Tags",

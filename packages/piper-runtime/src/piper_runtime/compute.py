@@ -9,6 +9,13 @@ segment's inputs (``torch.autograd.grad`` with the autograd graph retained) and 
 runs the backward towards the segment's parameters on that retained graph, accumulating into
 their ``.grad`` and releasing the graph. No custom autograd function is needed in the model.
 
+Every forward draws its random numbers for (segment, microbatch, step, replica)
+(``piper_runtime.randomness``) and, with ``Program.precision``, a stage segment computes on
+cast copies of its parameters (``piper_runtime.precision``). A segment marked
+``Segment.recompute`` runs its forward without autograd and keeps only its inputs; its
+``B``/``BI`` first runs the forward again with autograd under the same key and casts, so the
+outputs, and the gradients, are the same as without recomputation.
+
 The loss of one shard of a microbatch is scaled by ``1 / (microbatches * replicas)`` for
 backward here, exactly once. Backward passes hold the rank's gradient lock (autograd writes
 ``.grad`` without the GIL, so no other thread may read or replace one meanwhile); the passes
@@ -28,7 +35,9 @@ from contextlib import AbstractContextManager
 import torch
 from torch import nn
 
-from piper_ir import Instruction, Phase, Program, SegmentRole, grad_name
+from piper_ir import Instruction, Phase, Program, Segment, SegmentRole, grad_name
+from piper_runtime.precision import cast_forward, dtype_of
+from piper_runtime.randomness import seeded
 from piper_runtime.state import StepState
 
 COMPUTE_PHASES = frozenset({Phase.F, Phase.B, Phase.BI, Phase.BW})
@@ -43,11 +52,28 @@ class SegmentCompute:
         modules: Mapping[str, nn.Module],
         grads_lock: threading.RLock,
         weight_pass: Callable[[str], AbstractContextManager[None]],
+        *,
+        seed: int = 0,
+        replica: int = 0,
+        device: torch.device | None = None,
     ) -> None:
         self.program = program
         self.modules = modules
         self.grads_lock = grads_lock
         self.weight_pass = weight_pass
+        self.seed = seed
+        self.replica = replica
+        self.device = device
+        self.compute = dtype_of(program.precision.compute) if program.precision is not None else None
+
+    def _run(self, seg: Segment, mb: int, step: int, args: list[torch.Tensor]) -> object:
+        """The segment's module on ``args``, its random numbers drawn for (segment,
+        microbatch, step, replica) and, with a precision, stage segments in the compute dtype."""
+        module = self.modules[seg.id]
+        with seeded(self.seed, seg.id, mb, step, self.replica, self.device):
+            if self.compute is not None and seg.role is SegmentRole.STAGE:
+                return cast_forward(module, args, self.compute)
+            return module(*args)
 
     def __call__(self, ins: Instruction, st: StepState) -> None:
         if ins.phase is Phase.F:
@@ -66,18 +92,13 @@ class SegmentCompute:
             if t.is_floating_point() and self.program.value_by_name[name].meta.requires_grad:
                 t = t.detach().requires_grad_(True)
             args.append(t)
-        saved: list[weakref.ref] = []
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            # A detached alias (not ``t`` itself: saving an op's own output would make a
-            # reference cycle through its grad_fn); it shares the storage being counted.
-            d = t.detach()
-            saved.append(weakref.ref(d))  # autograd holds ``d``; a weak reference never extends it
-            return d
-
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = self.modules[seg.id](*args)
-        st.autograd_saved[(seg.id, mb)] = saved
+        if seg.recompute and seg.role is SegmentRole.STAGE:
+            # Only the inputs outlive the forward; the backward runs it again (``_recompute``).
+            with torch.no_grad():
+                out = self._run(seg, mb, st.step, args)
+            st.autograd_saved[(seg.id, mb)] = []
+        else:
+            out = self._tracked(seg, mb, st, args)
         if seg.role is SegmentRole.LOSS:
             if not isinstance(out, torch.Tensor) or out.numel() != 1:
                 raise TypeError(f"the loss module must return a scalar tensor, got {_describe(out)}")
@@ -97,7 +118,29 @@ class SegmentCompute:
                 )
             for name, o in zip(seg.outputs, outs, strict=True):
                 st.values[(name, mb)] = o.detach()
-        st.saved[(seg.id, mb)] = (args, outs)
+        st.saved[(seg.id, mb)] = (args, None if seg.recompute and seg.role is SegmentRole.STAGE else outs)
+
+    def _tracked(self, seg: Segment, mb: int, st: StepState, args: list[torch.Tensor]) -> object:
+        """``_run`` with autograd on, what it saves for backward tracked for the accounting."""
+        saved: list[weakref.ref] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            # A detached alias (not ``t`` itself: saving an op's own output would make a
+            # reference cycle through its grad_fn); it shares the storage being counted.
+            d = t.detach()
+            saved.append(weakref.ref(d))  # autograd holds ``d``; a weak reference never extends it
+            return d
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self._run(seg, mb, st.step, args)
+        st.autograd_saved[(seg.id, mb)] = saved
+        return out
+
+    def _recompute(self, seg: Segment, mb: int, st: StepState, args: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The forward of a recomputed segment again, with autograd, drawing the same random
+        numbers (same key) in the same dtypes: its outputs equal the first forward's."""
+        out = self._tracked(seg, mb, st, args)
+        return (out,) if isinstance(out, torch.Tensor) else tuple(out)
 
     def _backward_roots(
         self, ins: Instruction, st: StepState
@@ -110,6 +153,8 @@ class SegmentCompute:
             args, outs = st.saved.pop((seg.id, mb))
         except KeyError:
             raise RuntimeError(f"backward of {seg.id} microbatch {mb} before its forward") from None
+        if outs is None:  # a recomputed segment kept only its inputs
+            outs = self._recompute(seg, mb, st, args)
         if seg.role is SegmentRole.LOSS:
             return args, list(outs), None
         tensors, grads = [], []

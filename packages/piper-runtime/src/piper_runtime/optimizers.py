@@ -1,8 +1,9 @@
 """``OPTIMIZER`` instructions: one torch optimizer per stage segment with parameters.
 
 An optimizer steps what ``DataParallel.optimizer_params`` names (the shards of buckets whose
-optimizer state is sharded, so that state is sharded too), or else every parameter of the
-segment's module. With ``keep_grads`` the gradients it is about to consume are copied into
+optimizer state is sharded, so that state is sharded too), or else the parameters of the
+segment's module that it owns (one optimizer per tensor: holders of a tied parameter that
+share it on a rank leave it to the first). With ``keep_grads`` the gradients it is about to consume are copied into
 the step's report first. The step holds the rank's gradient lock.
 """
 
@@ -34,10 +35,8 @@ class Optimizers:
         self.data_parallel = data_parallel
         self.grads_lock = grads_lock
         self.by_segment: dict[str, torch.optim.Optimizer] = {}
-        for sid, module in modules.items():
+        for sid in modules:
             params = data_parallel.optimizer_params(sid)
-            if params is None:
-                params = [p for p in module.parameters() if p.requires_grad]
             if program.segment_by_id[sid].role is SegmentRole.STAGE and params:
                 self.by_segment[sid] = spec.build(params)
 

@@ -27,7 +27,9 @@ from piper_runtime.batch import batch_reads, check_batch, replica_slice
 from piper_runtime.cluster import WORKER_ENV, ensure_ray
 from piper_runtime.merge import merge_outputs, merge_parameters
 from piper_runtime.optim import OptimizerSpec
+from piper_runtime.precision import compute_inputs
 from piper_runtime.results import StepOutput, StepResult
+from piper_runtime.user_code import ship_by_value
 from piper_runtime.worker import RankWorker
 
 _LOOPBACK = "127.0.0.1"
@@ -43,7 +45,12 @@ class Runtime:
     in its plan. Use as a context manager, or call ``shutdown``; actors are also killed when
     the runtime is garbage collected or the interpreter exits. ``threads`` runs each rank's
     logical streams on threads of their own (the default); ``False`` walks each rank's plan
-    sequentially, the same plan on one stream.
+    sequentially, the same plan on one stream. ``seed``: every forward draws its random numbers
+    for (seed, segment, microbatch, step, replica) (``piper_runtime.randomness``), the steps
+    counted from 0 by this runtime. ``by_value``: names of imported modules the segment
+    modules refer to that a worker cannot import (the user's own code,
+    ``CapturedModel.user_modules``): their code travels with the modules
+    (``piper_runtime.user_code``).
     """
 
     def __init__(
@@ -57,6 +64,8 @@ class Runtime:
         step_timeout_s: float = 120.0,
         setup_timeout_s: float = 120.0,
         threads: bool = True,
+        seed: int = 0,
+        by_value: Sequence[str] = (),
     ) -> None:
         self.program = program
         self.step_timeout_s = step_timeout_s
@@ -77,6 +86,7 @@ class Runtime:
             )
 
         ensure_ray(address)
+        ship_by_value(by_value)  # before anything is pickled for the workers
         actor = ray.remote(RankWorker).options(
             num_cpus=0.01,  # ranks mostly wait on each other; never block on whole CPUs
             num_gpus=self._backend.gpus_per_rank,
@@ -102,6 +112,7 @@ class Runtime:
                 factory,
                 min(setup_timeout_s, 60.0),
                 threads,
+                seed,
             )
             for rank, w in enumerate(self._workers)
         ]
@@ -122,7 +133,7 @@ class Runtime:
         instruction ran on each rank (``StepResult.timings``)."""
         self._check_open()
         program = self.program
-        batch = check_batch(program, inputs, targets)
+        batch = check_batch(program, compute_inputs(program.precision, inputs), targets)
         # Each rank gets only the batch values it reads, and with data parallelism only its
         # replica's shards of them. Small tensors travel inline with the call (Ray stores
         # large ones in its object store by itself); an explicit ray.put pays off only for a

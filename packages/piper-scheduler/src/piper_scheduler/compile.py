@@ -94,6 +94,8 @@ def compile_program(graph: Graph, execution: ExecutionOptions | None = None) -> 
         buckets=graph.buckets,
         sharding=graph.sharding,
         execution=execution or ExecutionOptions(),
+        ties=graph.ties,
+        precision=graph.precision,
     )
     verify(program)
     return program

@@ -8,7 +8,8 @@ import attrs
 import torch
 
 from piper_directives import Strategy
-from piper_ir import Program
+from piper_directives.randomness import Randomness
+from piper_ir import ExecutionError, Program
 from piper_runtime import OptimizerSpec
 from piper_train.models import ModelSpec
 from piper_train.reference import ReferenceTrainer
@@ -73,17 +74,21 @@ def run_check(
     log: Callable[[str], None] = lambda _: None,
     memory_budget_bytes: int | None = None,
     threads: bool = True,
+    seed: int = 0,
+    precision: str | None = None,
 ) -> CheckReport:
     """Train ``steps`` steps both ways; compare every microbatch loss, every gradient and,
-    after the last step, every parameter. ``threads=False`` runs the plans sequentially."""
+    after the last step, every parameter. ``threads=False`` runs the plans sequentially.
+    ``seed`` and ``precision`` go to the ``Trainer``; single-device training draws the same
+    random numbers and computes in the same precision (``reference_for``)."""
     optimizer = optimizer or OptimizerSpec()
     diffs: list[Difference] = []
     with Trainer(
         workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
         optimizer=optimizer, address=address, memory_budget_bytes=memory_budget_bytes, log=log,
-        threads=threads,
+        threads=threads, seed=seed, precision=precision,
     ) as trainer:
-        reference = ReferenceTrainer(workload.model, workload.loss_fn, optimizer, trainer.program.microbatches)
+        reference = reference_for(trainer, workload, optimizer, seed)
         for step in range(steps):
             inputs, targets = workload.batches(step)
             got = trainer.step(inputs, targets, keep_grads=True)
@@ -92,11 +97,37 @@ def run_check(
                      for i, (g, w) in enumerate(zip(got.losses, want.losses, strict=True))]
             if got.grads is None:
                 raise RuntimeError("the runtime returned no gradients although keep_grads was set")
-            if set(got.grads) != set(want.grads):
-                raise AssertionError(f"gradient names differ: {sorted(set(got.grads) ^ set(want.grads))}")
+            _same_names(got.grads, want.grads)
             pairs += [("grad", f"step {step} {name}", got.grads[name], want.grads[name]) for name in want.grads]
             diffs.extend(_diff(what, where, g, w, rtol, atol) for what, where, g, w in pairs)
             log(f"step {step}: loss {got.loss:.6f} (reference {want.loss:.6f})")
         params = trainer.parameters()
         diffs.extend(_diff("param", name, params[name], p, rtol, atol) for name, p in reference.parameters().items())
     return CheckReport(steps, tuple(diffs), rtol, atol, trainer.program)
+
+
+def reference_for(trainer: Trainer, workload: ModelSpec, optimizer: OptimizerSpec, seed: int) -> ReferenceTrainer:
+    """Single-device training of ``workload`` that the trainer's strategy must match: the same
+    microbatches, each run as the data-parallel replicas' shards, drawing the random numbers
+    the captured segments draw for ``seed``, in the captured precision."""
+    program = trainer.program
+    return ReferenceTrainer(
+        workload.model, workload.loss_fn, optimizer, program.microbatches,
+        shards=program.replicas, randomness=Randomness(seed, trainer.captured.runs), precision=program.precision,
+    )
+
+
+def _same_names(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """The strategy reports a gradient for exactly the parameters single-device training has
+    (``ExecutionError`` naming the others: a check cannot compare what one side lacks)."""
+    extra, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+    if extra or missing:
+        raise ExecutionError(
+            "the strategy's gradients do not name the parameters of single-device training: "
+            + "; ".join(
+                part for part in (
+                    f"only the strategy has {extra}" if extra else "",
+                    f"only single-device training has {missing}" if missing else "",
+                ) if part
+            )
+        )

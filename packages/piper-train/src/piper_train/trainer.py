@@ -15,12 +15,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from piper_directives import Strategy, build_schedule, capture, shard_modules
-from piper_directives.capturing import CapturedModel, tie_locations
 from piper_ir import DirectiveError, Graph, Program
 from piper_memory import check_budget, plan_memory
 from piper_runtime import OptimizerSpec, Runtime, StepResult
 from piper_scheduler import compile_program
-from piper_train.user_code import ship_by_value
 
 
 def pipeline_stages(graph: Graph, tag: str = "PP") -> int:
@@ -29,18 +27,6 @@ def pipeline_stages(graph: Graph, tag: str = "PP") -> int:
     if not indices:
         raise DirectiveError(f"the model has no annotate({tag!r}) region")
     return len(indices)
-
-
-def refuse_unsupported(captured: CapturedModel) -> None:
-    """Refuse what capture records but the runtime does not carry out yet, rather than train
-    a different model: tied parameters (each holder would train its own copy)."""
-    if captured.graph.ties:
-        tie = captured.graph.ties[0]
-        raise DirectiveError(
-            f"parameter {tie.name!r} is tied (one tensor used by several regions): {tie_locations(captured, tie)}. "
-            "The runtime does not sum tied gradients over their holders yet, so each would train its own "
-            "copy; untie them in the model (give each region its own parameter) to train it with Piper."
-        )
 
 
 class Trainer:
@@ -53,6 +39,10 @@ class Trainer:
     ``memory_budget_bytes``: when given, compile fails with ``MemoryPlanError`` (before any
     worker starts) if a rank's estimated memory (``piper_memory.estimate_memory``) exceeds it.
     ``threads=False`` runs each rank's plan sequentially instead of one thread per stream.
+    ``seed``: what random numbers (dropout) are drawn from, per (region, microbatch, step,
+    replica), so every strategy draws the same masks (``piper_runtime.randomness``);
+    ``precision`` (``"bf16"``): compute in that dtype on fp32 master weights, gradients and
+    optimizer state (``piper_directives.precision``). ``captured`` is the ``CapturedModel``.
     """
 
     def __init__(
@@ -69,16 +59,13 @@ class Trainer:
         memory_budget_bytes: int | None = None,
         log: Callable[[str], None] | None = None,
         threads: bool = True,
+        seed: int = 0,
+        precision: str | None = None,
     ) -> None:
         say = log or (lambda _: None)
         started = time.perf_counter()
-        captured = capture(model, example_inputs, example_targets, loss_fn)
-        refuse_unsupported(captured)
-        ship_by_value(captured.user_modules)  # the model file, its neighbours: by value to the workers
-        recompute = [s.id for s in captured.graph.stage_segments() if s.recompute]
-        if recompute:
-            say(f"regions {', '.join(recompute)} call torch.utils.checkpoint; this runtime keeps their "
-                "activations instead of recomputing them (same gradients, more memory)")
+        captured = capture(model, example_inputs, example_targets, loss_fn, precision=precision)
+        self.captured = captured
         if not isinstance(strategy, Strategy):
             strategy = strategy(pipeline_stages(captured.graph))
         self.strategy = strategy
@@ -103,6 +90,8 @@ class Trainer:
             address=address,
             step_timeout_s=step_timeout_s,
             threads=threads,
+            seed=seed,
+            by_value=captured.user_modules,  # the model file, its neighbours: by value to the workers
         )
 
     @classmethod
