@@ -8,7 +8,7 @@ import json
 import time
 
 from piper_runtime import OptimizerSpec
-from piper_train.check import run_check
+from piper_train.check import TOLERANCES, run_check
 from piper_train.cli.options import say
 from piper_train.cli.request import StrategyRequest, model_regions
 from piper_train.trainer import Trainer
@@ -24,14 +24,24 @@ def _optimizer(args: argparse.Namespace) -> OptimizerSpec:
     return OptimizerSpec(args.optimizer, lr)
 
 
+def _header(args: argparse.Namespace, request: StrategyRequest) -> str:
+    """What runs: the strategy's own pipeline ranks and microbatches (a ``--strategy`` file
+    says them, not ``--pp``/``--microbatches``), the parallelisms and the precision."""
+    pp, microbatches = request.shape()
+    precision = f", precision={args.precision}" if args.precision else ""
+    return (f"model {args.model}, {request.name}, pp={pp}, dp={args.dp}, tp={args.tp}, ep={args.ep}, "
+            f"zero={args.zero}, microbatches={microbatches}{precision}, {args.steps} steps")
+
+
 def train_command(args: argparse.Namespace) -> int:
     workload = load_workload(args.model, stages=model_regions(args), seed=args.seed)
-    say(args, f"piper train: model {args.model}, {args.strategy or args.schedule}, pp={args.pp}, dp={args.dp}, "
-              f"tp={args.tp}, ep={args.ep}, zero={args.zero}, microbatches={args.microbatches}, {args.steps} steps")
+    request = StrategyRequest.from_args(args)
+    say(args, f"piper train: {_header(args, request)}")
     started = time.perf_counter()
     with Trainer(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
-                 StrategyRequest.from_args(args).for_trainer(), optimizer=_optimizer(args), address=args.address,
-                 memory_budget_bytes=_budget(args), log=lambda text: say(args, text)) as trainer:
+                 request.for_trainer(), optimizer=_optimizer(args), address=args.address,
+                 memory_budget_bytes=_budget(args), log=lambda text: say(args, text), seed=args.seed,
+                 precision=args.precision) as trainer:
         say(args, f"workers up after {time.perf_counter() - started:.1f} s")
         losses, times = [], []
         for step in range(args.steps):
@@ -61,12 +71,15 @@ def train_command(args: argparse.Namespace) -> int:
 
 def check_command(args: argparse.Namespace) -> int:
     workload = load_workload(args.model, stages=model_regions(args), seed=args.seed)
-    say(args, f"piper check: model {args.model}, {args.strategy or args.schedule}, pp={args.pp}, dp={args.dp}, "
-              f"tp={args.tp}, ep={args.ep}, zero={args.zero}, microbatches={args.microbatches}, {args.steps} steps "
-              "vs single-device training")
-    report = run_check(workload, StrategyRequest.from_args(args).for_trainer(), steps=args.steps,
+    request = StrategyRequest.from_args(args)
+    say(args, f"piper check: {_header(args, request)} vs single-device training")
+    rtol, atol = TOLERANCES[args.precision or "fp32"]
+    args.rtol = rtol if args.rtol is None else args.rtol
+    args.atol = atol if args.atol is None else args.atol
+    report = run_check(workload, request.for_trainer(), steps=args.steps,
                        optimizer=_optimizer(args), rtol=args.rtol, atol=args.atol, address=args.address,
-                       log=lambda s: say(args, s), memory_budget_bytes=_budget(args))
+                       log=lambda s: say(args, s), memory_budget_bytes=_budget(args), seed=args.seed,
+                       precision=args.precision)
     rows = {what: report.worst(what) for what in ("loss", "grad", "param")}
     for what, d in rows.items():
         say(args, f"largest {what:<5} difference: abs {d.abs:.3e}  rel {d.rel:.3e}  ({d.where})")
