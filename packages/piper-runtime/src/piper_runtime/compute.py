@@ -56,6 +56,7 @@ class SegmentCompute:
         seed: int = 0,
         replica: int = 0,
         device: torch.device | None = None,
+        sample: Callable[[list[torch.Tensor]], None] = lambda buffers: None,
     ) -> None:
         self.program = program
         self.modules = modules
@@ -64,6 +65,7 @@ class SegmentCompute:
         self.seed = seed
         self.replica = replica
         self.device = device
+        self.sample = sample  # records memory now (a recomputed forward's activations live inside a pass)
         self.compute = dtype_of(program.precision.compute) if program.precision is not None else None
 
     def _run(self, seg: Segment, mb: int, step: int, args: list[torch.Tensor]) -> object:
@@ -140,7 +142,11 @@ class SegmentCompute:
         """The forward of a recomputed segment again, with autograd, drawing the same random
         numbers (same key) in the same dtypes: its outputs equal the first forward's."""
         out = self._tracked(seg, mb, st, args)
-        return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+        outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+        st.saved[(seg.id, mb)] = (args, outs)  # held while the pass runs: the accounting sees them
+        self.sample([])
+        del st.saved[(seg.id, mb)]
+        return outs
 
     def _backward_roots(
         self, ins: Instruction, st: StepState

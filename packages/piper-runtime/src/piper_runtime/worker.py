@@ -127,7 +127,7 @@ class RankWorker:
         handlers = {
             NodeKind.COMPUTE: SegmentCompute(
                 program, self._modules, self._grads_lock, dp.weight_pass,
-                seed=seed, replica=plan.replica, device=self.backend.device,
+                seed=seed, replica=plan.replica, device=self.backend.device, sample=self._sampler.sample_now,
             ),
             NodeKind.OPTIMIZER: optimizers,
             NodeKind.SEND: transport.send,

@@ -21,7 +21,7 @@ from piper_train.trainer import Trainer
 # its last fp32 bits after a differently ordered sum may round to the neighbouring bf16
 # value (a relative step of 2**-8 = 0.4%), which moves the next step's gradients by up to a
 # few percent of that entry; docs/precision.md has the measurements these rest on.
-TOLERANCES: dict[str, tuple[float, float]] = {"fp32": (1e-5, 1e-6), "bf16": (3e-2, 1e-5)}
+TOLERANCES: dict[str, tuple[float, float]] = {"fp32": (1e-5, 1e-6), "bf16": (5e-2, 1e-5)}
 
 
 @attrs.frozen
