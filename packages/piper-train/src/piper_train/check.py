@@ -134,7 +134,13 @@ def reference_for(trainer: Trainer, workload: ModelSpec, optimizer: OptimizerSpe
 
 def _same_names(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     """The strategy reports a gradient for exactly the parameters single-device training has
-    (``ExecutionError`` naming the others: a check cannot compare what one side lacks)."""
+    (``ExecutionError`` naming the others: a check cannot compare what one side lacks). A
+    parameter no loss depends on has no gradient on one device and a zero one after a
+    data-parallel reduction: the two are the same, and the missing one is filled in."""
+    for have, lack in ((got, want), (want, got)):
+        for name in set(have) - set(lack):
+            if not have[name].any():
+                lack[name] = torch.zeros_like(have[name])
     extra, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
     if extra or missing:
         raise ExecutionError(
