@@ -1,7 +1,14 @@
 """Fixtures shared by every package's tests and the integration tests.
 
 One Ray cluster serves the whole pytest session: starting Ray costs a few seconds, and the
-runtime reuses an initialised Ray instead of starting its own.
+runtime reuses an initialised Ray instead of starting its own. It has 16 logical CPUs (each
+rank reserves one; the ranks mostly wait on each other) and no GPU, so tests that leave the
+backend to be chosen run on the CPU backend wherever they run; the GPU tests make their own.
+Tests that need a cluster of several nodes start it in a process of their own
+(``integration/test_multinode.py``). Runtimes also reuse their workers
+(``PIPER_REUSE_WORKERS=1``, ``piper_runtime.pool``): starting a worker process costs seconds,
+more than most tests' training. ``PIPER_REUSE_WORKERS=0 ./dev test`` runs every
+test on new workers.
 """
 
 from __future__ import annotations
@@ -12,8 +19,8 @@ import os
 import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("PIPER_REUSE_WORKERS", "1")
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +30,8 @@ def ray_cluster():
     started = False
     if not ray.is_initialized():
         ray.init(
-            num_cpus=4,
+            num_cpus=16,
+            num_gpus=0,
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
             logging_level=logging.ERROR,

@@ -1,4 +1,4 @@
-"""Compile time at scale: apply -> compile -> memory on synthetic pipelines up to 4096 devices.
+"""Compile time at scale: apply -> compile -> memory on synthetic pipelines up to 16,384 devices.
 
 Each configuration is PP pipeline ranks x DP data-parallel replicas, M microbatches and S
 segments per pipeline stage, scheduled with 1F1B. Data-parallel replicas run the same plan on
@@ -12,10 +12,15 @@ PP x M x S (nodes and edges), not with the device count PP x DP. Stages timed:
 - ``verify``: ``verify`` alone on the compiled program (already included in ``compile``);
 - ``memory``: ``piper_memory.estimate_memory`` on the program.
 
+Each configuration runs in a fresh Python process, so its peak resident memory
+(``ru_maxrss``: interpreter, graphs, program) is its own and no configuration inherits another's
+heap. ``cpu s`` is the process CPU time of the timed stages: on a shared machine it moves less
+than wall time. The machine's load (``/proc/loadavg``) is recorded before and after the run.
+
 No torch is imported. Prints a Markdown table; writes it to ``docs/compile-scaling.md`` and a
 log-log plot to ``docs/compile-scaling.png``.
 
-    .venv/bin/python benchmarks/bench_compile.py            # the full table (about a minute)
+    .venv/bin/python benchmarks/bench_compile.py            # the full table (a few minutes)
     .venv/bin/python benchmarks/bench_compile.py --quick    # the small configurations only
 """
 
@@ -23,7 +28,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import platform
+import resource
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -47,21 +57,27 @@ CONFIGS = [
     (32, 32, 128, 1),
     (64, 64, 256, 1),
     (64, 64, 256, 2),
+    (128, 128, 512, 1),
 ]
 QUICK = CONFIGS[:3]
 STAGES = ("split", "place", "order", "validate", "compile", "verify", "memory")
 
 
 def run(pp: int, dp: int, m: int, s: int, schedule: str = "1f1b") -> dict:
+    base_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux: imports alone
     graph = synthetic_graph(pp, m, s, hidden=1024, batch=1)
     strategy = build_schedule(schedule, pp, m)
     directives = strategy.directives
     times: dict[str, float] = {}
+    cpu = 0.0
 
     def timed(name: str, fn, *args):
-        t0 = time.perf_counter()
+        nonlocal cpu
+        c0, t0 = time.process_time(), time.perf_counter()
         out = fn(*args)
         times[name] = time.perf_counter() - t0
+        if name != "verify":
+            cpu += time.process_time() - c0
         return out
 
     (split,) = [d for d in directives if isinstance(d, Split)]
@@ -78,18 +94,56 @@ def run(pp: int, dp: int, m: int, s: int, schedule: str = "1f1b") -> dict:
         "pp": pp, "dp": dp, "devices": pp * dp, "microbatches": m, "segments": s,
         "nodes": len(g.nodes), "edges": len(g.edges),
         "instructions": sum(len(p.instructions) for p in program.ranks),
-        **times, "total": total,
+        **times, "total": total, "cpu": cpu,
+        "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "base_mb": base_mb,
     }
 
 
+def run_isolated(cfg: tuple[int, int, int, int], no_gc: bool) -> dict:
+    """``run(*cfg)`` in a fresh interpreter: its peak memory is this configuration's alone."""
+    cmd = [sys.executable, __file__, "--row", *map(str, cfg), *(["--no-gc"] if no_gc else [])]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
 def table(rows: list[dict]) -> str:
-    head = "| devices (PP x DP) | M | seg/stage | nodes | edges | " + " | ".join(STAGES) + " | total s |"
-    lines = [head, "|" + "---|" * (6 + len(STAGES))]
+    head = ("| devices (PP x DP) | M | seg/stage | nodes | edges | " + " | ".join(STAGES)
+            + " | total s | cpu s | peak MB |")
+    lines = [head, "|" + "---|" * (8 + len(STAGES))]
     for r in rows:
-        cells = [f"{r['devices']} ({r['pp']} x {r['dp']})", str(r["microbatches"]), str(r["segments"]),
-                 f"{r['nodes']:,}", f"{r['edges']:,}", *(f"{r[k]:.2f}" for k in STAGES), f"**{r['total']:.2f}**"]
+        cells = [f"{r['devices']:,} ({r['pp']} x {r['dp']})", str(r["microbatches"]), str(r["segments"]),
+                 f"{r['nodes']:,}", f"{r['edges']:,}", *(f"{r[k]:.2f}" for k in STAGES), f"**{r['total']:.2f}**",
+                 f"{r['cpu']:.2f}", f"{r['peak_mb']:,.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def growth(rows: list[dict]) -> str:
+    """Each one-segment row against the previous one: how much the graph and the times grew."""
+    sel = [r for r in rows if r["segments"] == 1]
+    lines = ["| devices | graph (nodes + edges) | compile | total | peak memory |", "|---|---|---|---|---|"]
+    for a, b in zip(sel, sel[1:], strict=False):
+        size = (b["nodes"] + b["edges"]) / (a["nodes"] + a["edges"])
+        lines.append(f"| {a['devices']:,} -> {b['devices']:,} | x{size:.2f} | x{b['compile'] / a['compile']:.2f} | "
+                     f"x{b['total'] / a['total']:.2f} | x{b['peak_mb'] / a['peak_mb']:.2f} |")
+    return "\n".join(lines)
+
+
+def load() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -126,30 +180,46 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the three small configurations, no files written")
     parser.add_argument("--no-gc", action="store_true", help="disable Python's cyclic garbage collector while timing")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where to write compile-scaling.{md,png}")
+    parser.add_argument("--row", type=int, nargs=4, metavar=("PP", "DP", "M", "S"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    rows = []
-    for cfg in QUICK if args.quick else CONFIGS:
+    if args.row:  # one configuration, in this process: print its row as JSON
         gc.collect()
         if args.no_gc:
             gc.disable()
-        rows.append(run(*cfg))
-        gc.enable()
+        print(json.dumps(run(*args.row)))
+        return
+    rows = []
+    load_before = load()
+    for cfg in QUICK if args.quick else CONFIGS:
+        rows.append(run_isolated(cfg, args.no_gc))
         r = rows[-1]
         print(f"PP={r['pp']:>3} DP={r['dp']:>3} M={r['microbatches']:>4} S={r['segments']}: "
-              f"{r['nodes']:>8,} nodes {r['edges']:>8,} edges  {r['total']:6.2f} s", flush=True)
-    text = table(rows)
+              f"{r['nodes']:>8,} nodes {r['edges']:>8,} edges  compile {r['compile']:6.2f} s  "
+              f"total {r['total']:6.2f} s  peak {r['peak_mb']:6.0f} MB", flush=True)
+    load_after = load()
+    text, grew = table(rows), growth(rows)
     print()
     print(text)
+    print()
+    print(grew)
+    print(f"\nload average (1, 5, 15 min): {load_before} before, {load_after} after; {os.cpu_count()} CPUs")
     if args.quick:
         return
-    machine = f"{platform.python_implementation()} {platform.python_version()}, {platform.machine()}"
+    machine = (f"{platform.python_implementation()} {platform.python_version()}, {platform.machine()}, "
+               f"{cpu_name()}, {os.cpu_count()} CPUs")
     doc = (
         "# Compile time at scale\n\n"
         "Generated by `benchmarks/bench_compile.py` (synthetic 1F1B pipelines, no torch; "
-        f"{machine}; GC {'off' if args.no_gc else 'on'}). Seconds per stage; `verify` is also part of "
-        "`compile` and is not added to the total. Data-parallel replicas share one plan, so the compiled "
-        "graph is one replica's pipeline: nodes and edges grow with PP x microbatches x segments, not with "
-        "the device count.\n\n" + text + "\n\n![compile time, log-log](compile-scaling.png)\n"
+        f"{machine}; GC {'off' if args.no_gc else 'on'}). Load average (1, 5, 15 min) `{load_before}` before "
+        f"the run and `{load_after}` after it: the machine is shared, so wall seconds include waiting for a "
+        "CPU; `cpu s` is the process CPU time of the timed stages. Seconds per stage (wall); `verify` is also "
+        "part of `compile` and is not added to the total. `peak MB` is the peak resident memory of the process "
+        f"that ran the row (each row runs in a fresh one; {min(r['base_mb'] for r in rows):.0f} MB of it is the "
+        "interpreter and imports). "
+        "Data-parallel replicas share one plan, so the compiled graph is one replica's pipeline: nodes and edges "
+        "grow with PP x microbatches x segments, not with the device count.\n\n" + text
+        + "\n\nGrowth from one row to the next (one segment per stage):\n\n" + grew
+        + "\n\n![compile time, log-log](compile-scaling.png)\n"
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "compile-scaling.md").write_text(doc)

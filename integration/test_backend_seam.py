@@ -197,7 +197,7 @@ class ThreadBackend:
         self.rank = rank
         self.world.backends[rank] = self
 
-    def communicator(self, ranks: Sequence[int]) -> ThreadCommunicator:
+    def communicator(self, ranks: Sequence[int], channels: Sequence[tuple[int, int]] = ()) -> ThreadCommunicator:
         comm = ThreadCommunicator(self.world, len(self.comms), ranks, self.rank)
         self.comms.append(comm)
         return comm

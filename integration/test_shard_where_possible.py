@@ -18,7 +18,7 @@ from piper_train.check import run_check
 from piper_train.models import ModelSpec
 from piper_train.workload import load_workload
 
-from .test_cli import piper
+from .test_cli import piper  # noqa: F401  (a fixture: the command in this process)
 
 MOE = Path(__file__).resolve().parent / "fixtures" / "moe_regions.py"
 SGD = OptimizerSpec("sgd", 0.05)  # AdamW would amplify the rounding noise of tiny expert gradients
@@ -35,7 +35,7 @@ def test_expert_parallelism_shards_only_the_expert_regions(schedule):
     assert not sharded["s0"].params and not sharded["s3"].params  # embedding and head stay whole
 
 
-def test_expert_parallelism_nested_in_data_parallelism_from_the_command_line():
+def test_expert_parallelism_nested_in_data_parallelism_from_the_command_line(piper):  # noqa: F811
     done = piper("check", "--model", f"{MOE}:factory", "--pp", "2", "--ep", "2", "--dp", "2", "--zero", "1",
                  "--steps", "2", "--optimizer", "sgd", "--json")
     assert done.returncode == 0, done.stdout + done.stderr

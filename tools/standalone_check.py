@@ -7,7 +7,8 @@ editable) package
 2. imports, in every source file, only the standard library, itself and the distributions its
    metadata declares: its dependencies and its extras, not the ``test`` extra (the
    environment also holds what the tests need, which must not leak into the package);
-3. imports module by module, except modules that need an extra this environment lacks.
+3. imports module by module, except modules that need an extra this environment lacks and
+   ``__main__`` modules (importing one runs the program).
 
 Standard library only: it runs before anything but the package is known to work.
 """
@@ -80,6 +81,8 @@ def main(dist: str) -> int:
                 errors.append(f"{path.relative_to(root.parent)}:{line} imports {module}, which {dist} does not declare")
     count = skipped = 0
     for info in pkgutil.walk_packages(package.__path__, f"{name}."):
+        if info.name.rsplit(".", 1)[-1] == "__main__":
+            continue  # importing a __main__ runs the program; its imports are checked above
         try:
             importlib.import_module(info.name)
             count += 1

@@ -52,6 +52,7 @@ def test_graph_round_trip_keeps_cached_lookups_out_of_the_document() -> None:
         "sharding",
         "ties",
         "precision",
+        "grad_norm",
     }
     assert from_json(to_json(graph)) == graph
 

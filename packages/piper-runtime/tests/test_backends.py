@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from piper_runtime import Runtime, resolve_backend
+from piper_runtime import resolve_backend
 from piper_runtime.backends import (
     CpuBackend,
     HostEvent,
@@ -24,6 +24,7 @@ from piper_runtime.backends import (
 
 
 def test_the_registry_knows_cpu_and_cuda_and_takes_new_backends() -> None:
+    """(What the CUDA backend says where it cannot run: tests/test_cuda_backend.py.)"""
     assert {"cpu", "cuda"} <= set(backend_names())
     backend = resolve_backend("cpu")
     assert isinstance(backend, CpuBackend) and backend.device == torch.device("cpu")
@@ -37,13 +38,6 @@ def test_the_registry_knows_cpu_and_cuda_and_takes_new_backends() -> None:
         unregister_backend("seam-test")
     with pytest.raises(ValueError, match=r"unknown backend 'tpu'; expected one of \['cpu', 'cuda'"):
         resolve_backend("tpu")
-
-
-def test_cuda_is_refused_with_what_is_missing_before_any_worker_starts() -> None:
-    with pytest.raises(NotImplementedError, match="backend='cuda' is not available yet.*use backend='cpu'"):
-        resolve_backend("cuda")
-    with pytest.raises(NotImplementedError, match="not available yet"):
-        Runtime(program=None, modules={}, backend="cuda")  # type: ignore[arg-type]
 
 
 def test_host_event_host_side_and_empty_device_side() -> None:

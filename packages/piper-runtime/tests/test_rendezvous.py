@@ -1,17 +1,129 @@
-"""The rendezvous port: free, and outside the ranges other sockets take ports from."""
+"""The rendezvous: a free port outside the ranges other sockets take ports from, a TCP store
+that listens on the rendezvous address only, the interface each rank's sockets use."""
 
 from __future__ import annotations
 
 import socket
 
-from piper_runtime.runtime import _ephemeral_ports, _free_port
+import pytest
+
+from piper_runtime import rendezvous
+from piper_runtime.rendezvous import (
+    close_listeners,
+    ephemeral_ports,
+    free_port,
+    interface_table,
+    make_store,
+    match_interface,
+    open_listener,
+    set_socket_interfaces,
+)
+
+
+def listening(pid: int | str = "self") -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process ``pid`` listens on (/proc/net/tcp*)."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(path).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                hexaddr, hexport = fields[1].split(":")
+                raw = bytes.fromhex(hexaddr)
+                # /proc prints each 32-bit word in host (little-endian) order
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                addr = socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words)
+                found.append((addr, int(hexport, 16)))
+    return found
+
+
+WILDCARDS = {"0.0.0.0", "::"}
 
 
 def test_rendezvous_port_is_free_and_not_ephemeral() -> None:
-    low, high = _ephemeral_ports()
+    low, high = ephemeral_ports()
     assert 1024 < low <= high
     for _ in range(20):
-        port = _free_port()
+        port = free_port()
         assert 20000 <= port < low  # never where outgoing connections get their ports
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", port))  # and nothing listens there
+
+
+def test_the_store_listens_on_the_rendezvous_address_only() -> None:
+    before = set(listening())
+    port = open_listener("127.0.0.1")
+    assert ("127.0.0.1", port) in set(listening()) - before  # listening from the moment it is chosen
+    store = make_store(0, 2, "127.0.0.1", port, 10.0)
+    client = make_store(1, 2, "127.0.0.1", port, 10.0)
+    store.set("k", "v")
+    assert client.get("k") == b"v"
+    opened = set(listening()) - before
+    assert opened == {("127.0.0.1", port)}, opened
+    assert not {a for a, _ in opened} & WILDCARDS
+    del client, store
+    close_listeners()
+
+
+def test_a_plain_tcpstore_would_listen_on_every_interface() -> None:
+    """What make_store avoids (so the test above can fail): torch's own store ignores the
+    host for listening."""
+    import datetime
+
+    import torch.distributed as dist
+
+    before = set(listening())
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
+    opened = set(listening()) - before
+    assert {a for a, _ in opened} & WILDCARDS, opened
+    del store
+
+
+def test_interfaces_are_matched_by_address_then_by_network() -> None:
+    table = {"lo": [("127.0.0.1", 8), ("::1", 128)], "eth0": [("10.1.2.3", 24), ("fd00::2", 64)]}
+    assert match_interface("127.0.0.1", table) == "lo"
+    assert match_interface("127.0.0.2", table) == "lo"  # in lo's network
+    assert match_interface("10.1.2.3", table) == "eth0"
+    assert match_interface("10.1.2.99", table) == "eth0"
+    assert match_interface("fd00::7", table) == "eth0"
+    assert match_interface("::1", table) == "lo"
+    assert match_interface("192.168.0.1", table) is None
+    assert match_interface("not-an-address", table) is None
+
+
+def test_this_machine_has_loopback_in_its_table() -> None:
+    table = interface_table()
+    assert match_interface("127.0.0.1", table) is not None
+
+
+def test_socket_interfaces_follow_the_address_unless_the_user_set_them(monkeypatch) -> None:
+    table = {"lo": [("127.0.0.1", 8)], "ens5": [("10.0.0.5", 16)]}
+    env: dict[str, str] = {}
+    assert set_socket_interfaces("127.0.0.1", environ=env, table=table) == {
+        "GLOO_SOCKET_IFNAME": "lo",
+        "NCCL_SOCKET_IFNAME": "lo",
+    }
+    # Several nodes: the interface of the local address that reaches rank 0's.
+    monkeypatch.setattr(rendezvous, "local_address_towards", lambda address: "10.0.0.7")
+    env = {"NCCL_SOCKET_IFNAME": "ib0"}  # the user's choice stays
+    assert set_socket_interfaces("10.0.0.5", environ=env, table=table) == {
+        "GLOO_SOCKET_IFNAME": "ens5",
+        "NCCL_SOCKET_IFNAME": "ib0",
+    }
+    env = {}
+    monkeypatch.setattr(rendezvous, "local_address_towards", lambda address: "172.16.0.1")
+    assert set_socket_interfaces("10.0.0.5", environ=env, table=table) == {}  # nothing owns it: left unset
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1"])
+def test_local_address_towards_loopback_is_loopback(address: str) -> None:
+    assert rendezvous.local_address_towards(address) == address

@@ -1,4 +1,5 @@
-"""The runtime against single-device training, and its failure behaviour.
+"""The runtime against single-device training, its failure behaviour, and reused workers
+(``WorkerPool``) against fresh ones.
 
 The Program is built by hand (no capture or scheduler here): a 2-rank GPipe pipeline,
 s0 = Linear+tanh on rank 0, s1 = Linear and the MSE loss on rank 1, 4 microbatches, with
@@ -29,7 +30,9 @@ from piper_ir import (
     Tags,
     TensorMeta,
 )
-from piper_runtime import OptimizerSpec, Runtime
+from piper_runtime import OptimizerSpec, Runtime, WorkerPool, shared_pool
+from piper_runtime.cluster import worker_env
+from piper_runtime.pool import WorkerSpec
 from piper_runtime.testing import MSE, tensor_meta, two_stage_values, with_stream_events
 
 # The segment modules below live in this test module, which the workers cannot import.
@@ -209,3 +212,108 @@ def test_step_timeout_names_silent_ranks(ray_cluster) -> None:
         with pytest.raises(ExecutionError, match=r"ranks \[0, 1\] did not answer within 1 s") as info:
             rt.step(*((t,) for t in _batch(0)))
         assert info.value.ranks == (0, 1) and rt.closed
+
+
+# -- reusing workers (piper_runtime.pool) --------------------------------------------------------
+
+
+class Meddler(Stage1):
+    """``Stage1`` that also changes the process-wide settings a reset must put back."""
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor]:
+        torch.manual_seed(1234)
+        sys.setswitchinterval(0.25)
+        torch.set_num_threads(3)
+        out = super().forward(h)
+        torch.set_default_dtype(torch.float64)
+        return out
+
+
+def _settings(worker: object) -> tuple:
+    """What a worker process says about the settings a run may change, and what it holds."""
+    return (sys.getswitchinterval(), torch.get_num_threads(), torch.get_default_dtype(), torch.initial_seed(),
+            sorted(vars(worker)))
+
+
+def _train(rt: Runtime) -> tuple[list, list, dict]:
+    """Three steps on ``rt``: every step's losses and gradients, then the parameters."""
+    losses, grads = [], []
+    for step in range(3):
+        result = rt.step(*((t,) for t in _batch(step)), keep_grads=True)
+        losses.append(result.losses)
+        grads.append(result.grads)
+    return losses, grads, rt.parameters()
+
+
+def test_reused_workers_give_a_fresh_workers_results_and_forget_their_run(ray_cluster) -> None:
+    spec = OptimizerSpec("sgd", lr=0.1, kwargs={"momentum": 0.9})
+    pool, workers = WorkerPool(), WorkerSpec.of("cpu", 0.0, worker_env())
+
+    def modules(stage1: type[Stage1] = Stage1, seed: int = 0) -> dict[str, nn.Module]:
+        l0, l1 = _layers(seed)
+        return {"s0": Stage0(l0), "s1": stage1(l1), "loss": MSE()}
+
+    def settings() -> list[tuple]:
+        """What the pool's idle workers say about themselves (taken out and put back)."""
+        taken = pool.acquire(2, workers)
+        try:
+            return ray.get([w.__ray_call__.remote(_settings) for w in taken], timeout=30)
+        finally:
+            pool.release(taken, workers)
+
+    new = settings()  # two new workers, never set up
+    assert pool.started == 2
+    with Runtime(gpipe_program(), modules(), spec, reuse_workers=pool) as rt:
+        pids = ray.get([w.ping.remote() for w in rt._workers], timeout=30)
+        fresh = _train(rt)  # on workers that ran nothing before
+    with Runtime(gpipe_program(), modules(Meddler, seed=5), OptimizerSpec("adam", 0.01), reuse_workers=pool,
+                 threads=False) as rt:
+        rt.step(*((t,) for t in _batch(0)))
+    # A reset worker holds what a new one holds, with a new worker's settings, and torch's
+    # generators were reseeded (not left at the meddler's seed).
+    after = settings()
+    assert [s[:3] for s in after] == [s[:3] for s in new] == [(0.005, 1, torch.float32)] * 2
+    assert [s[4] for s in after] == [s[4] for s in new]
+    assert all(s[3] != 1234 for s in after)
+
+    with Runtime(gpipe_program(), modules(), spec, reuse_workers=pool) as rt:
+        assert ray.get([w.ping.remote() for w in rt._workers], timeout=30) == pids  # the same processes
+        reused = _train(rt)
+    assert pool.started == 2 and pool.idle == 2
+    # Bit for bit: the same computation in the same order.
+    (losses, grads, params), (want_losses, want_grads, want_params) = reused, fresh
+    assert losses == want_losses
+    for got, want in [*zip(grads, want_grads, strict=True), (params, want_params)]:
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    pool.clear()
+    assert pool.idle == 0
+
+
+@pytest.mark.parametrize("failure", ["exception", "timeout", "dead worker"])
+def test_workers_of_a_failed_run_are_never_reused(ray_cluster, failure: str) -> None:
+    l0, l1 = _layers()
+    stage1 = {"exception": Stage1(l1, fail_on_call=0), "timeout": Stage1(l1, sleep_s=30.0)}.get(failure, Stage1(l1))
+    pool = shared_pool()
+    rt = Runtime(gpipe_program(), {"s0": Stage0(l0), "s1": stage1, "loss": MSE()}, step_timeout_s=2.0,
+                 reuse_workers=True)
+    workers, idle = list(rt._workers), pool.idle
+    if failure == "dead worker":
+        ray.kill(workers[1])  # dies between calls: the reset at shutdown gets no answer
+    else:
+        with pytest.raises(ExecutionError):
+            rt.step(*((t,) for t in _batch(0)))
+    rt.shutdown()
+    assert pool.idle == idle  # none came back
+    assert all(_dies(w) for w in workers)
+
+
+def _dies(worker: object, tries: int = 60) -> bool:
+    """Whether ``worker`` stops answering: ``ray.kill`` takes effect asynchronously, so a call
+    made just after it may still be served."""
+    for _ in range(tries):
+        try:
+            ray.get(worker.ping.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return True
+        time.sleep(0.5)
+    return False

@@ -77,7 +77,7 @@ def test_simulate_uses_the_schedules_default_stages(capsys):
     assert _json(capsys)["idle"] == [3.0] * 4  # (PP-1)(F+B-2W)
     assert main(["simulate", "--schedule", "dualpipev", "--pp", "2", "--microbatches", "4", "--json"]) == 0
     out = _json(capsys)
-    assert "stages=4" in out["what"] and out["ranks"] == 2
+    assert "stages=4" in out["description"] and out["ranks"] == 2
 
 
 def test_plan_writes_a_torch_csv_that_simulate_and_plan_accept(tmp_path, capsys):
@@ -92,7 +92,7 @@ def test_plan_writes_a_torch_csv_that_simulate_and_plan_accept(tmp_path, capsys)
     # pp, stages and microbatches come from the file (the defaults 2 / 4 would not fit)
     assert main(["simulate", "--strategy", str(csv_path), "--pp", "3", "--microbatches", "1", "--json"]) == 0
     from_csv = _json(capsys)
-    assert "stages=4 microbatches=4" in from_csv["what"]
+    assert "stages=4 microbatches=4" in from_csv["description"]
     assert from_csv["makespan"] == from_schedule["makespan"] and from_csv["idle"] == from_schedule["idle"]
     out2 = tmp_path / "q.json"
     assert main(["plan", "--strategy", str(csv_path), "--synthetic", "--out", str(out2)]) == 0
@@ -107,7 +107,7 @@ def test_simulate_accepts_dualpipev_from_torch_csv_with_more_regions(tmp_path, c
     assert "OVERLAP_F_B" in csv_path.read_text()
     capsys.readouterr()
     assert main(["simulate", "--strategy", str(csv_path), "--stages", "8", "--json"]) == 0
-    assert "stages=8" in _json(capsys)["what"]
+    assert "stages=8" in _json(capsys)["description"]
 
 
 def test_bad_torch_csv_is_a_usage_error(tmp_path, capsys):

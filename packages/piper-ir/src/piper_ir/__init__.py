@@ -1,9 +1,18 @@
 """piper-ir: the intermediate representation shared by every Piper package (no torch)."""
 
 from piper_ir._version import __version__ as __version__
-from piper_ir.algorithms import critical_path, find_cycle, rank_orders, reachable, topological_order
+from piper_ir.algorithms import (
+    critical_path,
+    find_cycle,
+    gc_paused,
+    is_acyclic,
+    rank_orders,
+    reachable,
+    topological_order,
+)
 from piper_ir.errors import (
     CaptureError,
+    ClusterError,
     DeadlockError,
     DirectiveError,
     ExecutionError,
@@ -23,9 +32,11 @@ from piper_ir.graph import (
     CodeRef,
     Edge,
     EdgeKind,
+    GradNorm,
     Graph,
     Node,
     NodeKind,
+    NormTerm,
     ParamShard,
     Precision,
     Replication,
@@ -45,15 +56,15 @@ from piper_ir.serialize import from_json, to_json
 from piper_ir.summary import graph_summary, program_text
 from piper_ir.tags import ANY, MB, PASS, SEG, Filter, Phase, Tags
 from piper_ir.text import Listing, format_instruction, format_listing, parse_instruction, parse_listing
-from piper_ir.validate import validate
+from piper_ir.validate import cycle_error, validate
 
 __all__ = [
     "ANY", "MB", "PASS", "SEG", "BUCKET_KINDS", "COMMUNICATION_KINDS", "COMPUTE_KINDS", "GRAD_PREFIX",
-    "POINT_TO_POINT_KINDS", "TIE_STREAM", "Residency", "ShardKind", "ExecutionOptions", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "CodeRef", "Communicator",
+    "POINT_TO_POINT_KINDS", "TIE_STREAM", "Residency", "ShardKind", "ExecutionOptions", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "ClusterError", "CodeRef", "Communicator",
     "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph",
-    "Instruction", "Listing", "MemoryPlanError", "Node", "NodeKind", "ParamShard", "Phase", "Precision", "PiperError",
+    "GradNorm", "Instruction", "Listing", "MemoryPlanError", "Node", "NodeKind", "NormTerm", "ParamShard", "Phase", "Precision", "PiperError",
     "Program", "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Sharding", "Tags",
-    "TensorMeta", "Tie", "ValidationError", "Value", "critical_path", "find_cycle", "format_instruction",
-    "format_listing", "from_json", "graph_summary", "parse_instruction", "parse_listing", "program_text", "rank_orders",
-    "reachable", "rng_seed", "to_json", "topological_order", "validate",
+    "TensorMeta", "Tie", "ValidationError", "Value", "critical_path", "cycle_error", "find_cycle", "format_instruction",
+    "format_listing", "from_json", "gc_paused", "graph_summary", "is_acyclic", "parse_instruction", "parse_listing",
+    "program_text", "rank_orders", "reachable", "rng_seed", "to_json", "topological_order", "validate",
 ]

@@ -83,3 +83,8 @@ class MemoryPlanError(PiperError):
 
 class ExecutionError(PiperError):
     """Running a plan failed on a worker (an exception, a dead worker or a timeout)."""
+
+
+class ClusterError(PiperError):
+    """The cluster cannot run the program as asked: an unreachable Ray address, fewer CPUs or
+    GPUs than the ranks need, a backend that cannot run there (no GPU, no cupy)."""

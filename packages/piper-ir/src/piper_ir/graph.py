@@ -53,6 +53,13 @@ class NodeKind(StrEnum):
       step, where parameters live full and optimizer state sharded).
     - ``MATERIALIZE`` / ``FREE``: where ``Bucket.params_home`` is ``SHARDED``, gather the
       bucket's full parameters for a chain of uses / drop them (the shard stays).
+    - ``GRAD_NORM``: the global gradient norm, once per step, after every reduction and
+      before every ``OPTIMIZER``: sum the squares of the gradient pieces this rank counts
+      (``Graph.grad_norm`` / ``Program.grad_norm``: ``GradNorm.terms_of(rank)``, every
+      gradient element of the model counted on exactly one rank), sum that one number over
+      ``communicator`` (every rank), take the square root; with ``GradNorm.max_norm`` set,
+      multiply every gradient the rank's optimizers step by ``min(1, max_norm / (norm +
+      1e-6))`` (``torch.nn.utils.clip_grad_norm_``).
     - ``MARKER``: nothing (ordering only).
     - ``ALL_TO_ALL``, ``BROADCAST``: not produced by compile yet (expert parallelism's
       all-to-alls run inside ``COMPUTE``); a runtime rejects them at setup.
@@ -72,6 +79,7 @@ class NodeKind(StrEnum):
     BROADCAST = "broadcast"
     MATERIALIZE = "materialize"
     FREE = "free"
+    GRAD_NORM = "grad_norm"  # the global gradient norm (and clipping by it), every rank
     MARKER = "marker"
 
 
@@ -84,6 +92,7 @@ COMMUNICATION_KINDS = frozenset(
         NodeKind.ALL_GATHER,
         NodeKind.ALL_TO_ALL,
         NodeKind.BROADCAST,
+        NodeKind.GRAD_NORM,
     }
 )
 
@@ -405,6 +414,52 @@ class Sharding:
         return attrs.evolve(meta, shape=tuple(shape))
 
 
+def _ranges(value: object) -> tuple[tuple[int, int], ...]:
+    return tuple((int(a), int(b)) for a, b in value)  # type: ignore[attr-defined]
+
+
+@attrs.frozen
+class NormTerm:
+    """A piece of gradient that rank ``rank`` counts in the global gradient norm (``GradNorm``).
+
+    Either ``param``: the whole gradient of that parameter of ``segment`` as the rank holds it
+    when its optimizer steps (a tensor- or expert-parallel rank's shard of it), or ``bucket``:
+    the elements ``ranges`` (``[start, stop)`` pairs, relative to the shard's first element)
+    of the rank's gradient *shard* of that bucket (a bucket whose optimizer state is
+    ``SHARDED``).
+    """
+
+    rank: int
+    segment: str
+    param: str | None = None
+    bucket: str | None = None
+    ranges: tuple[tuple[int, int], ...] = attrs.field(default=(), converter=_ranges)
+
+    def __attrs_post_init__(self) -> None:
+        if (self.param is None) == (self.bucket is None):
+            raise ValueError(f"a norm term names a parameter or a bucket, not {self.param!r} and {self.bucket!r}")
+        if any(not 0 <= a < b for a, b in self.ranges):
+            raise ValueError(f"norm term of {self.bucket}: bad ranges {list(self.ranges)}")
+
+
+@attrs.frozen
+class GradNorm:
+    """The global gradient norm of a step and clipping by it (the ``GRAD_NORM`` node).
+
+    ``terms``: which gradient pieces each rank counts, so that every element of the
+    single-device model's gradient is counted exactly once over the world (replicas after
+    their reduction, mirrors after their sum, and the copies of a parameter that tensor
+    parallelism replicates count once; ``piper_memory.add_grad_norm`` derives them).
+    ``max_norm``: clip the gradients to this total 2-norm (``None``: measure only).
+    """
+
+    max_norm: float | None = None
+    terms: tuple[NormTerm, ...] = attrs.field(default=(), converter=tuple)
+
+    def terms_of(self, rank: int) -> tuple[NormTerm, ...]:
+        return tuple(t for t in self.terms if t.rank == rank)
+
+
 @attrs.frozen
 class Node:
     """One operation of the training step.
@@ -477,6 +532,7 @@ class Graph:
     sharding: tuple[Sharding, ...] = attrs.field(default=(), converter=tuple)
     ties: tuple[Tie, ...] = attrs.field(default=(), converter=tuple)
     precision: Precision | None = None  # None: every segment runs in its parameters' own dtypes
+    grad_norm: GradNorm | None = None  # what the GRAD_NORM node counts (``add_grad_norm``)
 
     @cached_property
     def node_by_id(self) -> dict[str, Node]:

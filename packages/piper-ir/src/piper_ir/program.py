@@ -13,7 +13,18 @@ from functools import cached_property
 
 import attrs
 
-from piper_ir.graph import Bucket, NodeKind, Precision, Replication, Segment, Sharding, TensorMeta, Tie, Value
+from piper_ir.graph import (
+    Bucket,
+    GradNorm,
+    NodeKind,
+    Precision,
+    Replication,
+    Segment,
+    Sharding,
+    TensorMeta,
+    Tie,
+    Value,
+)
 from piper_ir.tags import Phase
 
 PROGRAM_FORMAT_VERSION = 1
@@ -50,6 +61,8 @@ class Instruction:
         mb = "" if self.microbatch is None else str(self.microbatch)
         if self.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER):
             return f"{self.segment}:{self.phase.value if self.phase else '?'}{mb}"
+        if self.kind is NodeKind.GRAD_NORM:
+            return "GRAD_NORM"
         if self.kind not in (NodeKind.SEND, NodeKind.RECV):  # group operations on a bucket
             return f"{self.kind.value.upper()} {self.value}" + (f"#{mb}" if mb else "")
         arrow = "->" if self.kind is NodeKind.SEND else "<-"
@@ -155,6 +168,8 @@ class Program:
     precision: Precision | None = None
     """Compute and master dtypes (``Graph.precision``); ``None``: segments run in their
     parameters' own dtypes."""
+    grad_norm: GradNorm | None = None
+    """What the ``GRAD_NORM`` instructions count and whether they clip (``None``: no norm)."""
 
     @cached_property
     def segment_by_id(self) -> dict[str, Segment]:

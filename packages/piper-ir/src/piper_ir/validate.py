@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from piper_ir.algorithms import find_cycle
+from piper_ir.algorithms import find_cycle, is_acyclic
 from piper_ir.errors import ValidationError
 from piper_ir.graph import EdgeKind, Graph, NodeKind
 
+_P2P = (NodeKind.SEND, NodeKind.RECV)
 
-def validate(graph: Graph) -> Graph:
+
+def validate(graph: Graph, *, cycles: bool = True) -> Graph:
     """Check that ``graph`` is well formed and return it unchanged.
 
     - node ids, segment ids and value names are unique;
@@ -19,51 +21,66 @@ def validate(graph: Graph) -> Graph:
     - every tie names at least two distinct segments, each holding the tied parameter under
       the given name with the same meta, and no parameter is in two ties;
     - a precision names known floating-point dtypes.
+
+    ``cycles=False`` skips the cycle check, for a caller that walks the graph in topological
+    order anyway (``compile_program``): it raises ``cycle_error(graph)`` when that walk stalls.
     """
-    _unique("node id", [n.id for n in graph.nodes])
-    _unique("segment id", [s.id for s in graph.segments])
-    _unique("value name", [v.name for v in graph.values])
-    nodes = graph.node_by_id
+    _unique("node id", [n.id for n in graph.nodes], len(graph.node_by_id))
+    _unique("segment id", [s.id for s in graph.segments], len(graph.segment_by_id))
+    _unique("value name", [v.name for v in graph.values], len(graph.value_by_name))
+    nodes, values = graph.node_by_id, graph.value_by_name
     for e in graph.edges:
-        for end in (e.src, e.dst):
-            if end not in nodes:
-                raise ValidationError(f"edge {e} names unknown node {end!r}", nodes=[end])
-        if e.kind is EdgeKind.DATA and e.value is not None and e.value not in graph.value_by_name:
+        if e.src not in nodes or e.dst not in nodes:
+            end = e.src if e.src not in nodes else e.dst
+            raise ValidationError(f"edge {e} names unknown node {end!r}", nodes=[end])
+        if e.value is not None and e.value not in values and e.kind is EdgeKind.DATA:
             raise ValidationError(f"edge {e} carries unknown value {e.value!r}", nodes=[e.src, e.dst])
+    segments, microbatches, world = graph.segment_by_id, graph.microbatches, graph.world_size
     for n in graph.nodes:
-        if n.segment is not None and n.segment not in graph.segment_by_id:
+        if n.segment is not None and n.segment not in segments:
             raise ValidationError(f"node {n.id} names unknown segment {n.segment!r}", nodes=[n.id])
-        if n.microbatch is not None and not 0 <= n.microbatch < graph.microbatches:
+        if n.microbatch is not None and not 0 <= n.microbatch < microbatches:
             raise ValidationError(
-                f"node {n.id} has microbatch {n.microbatch} outside [0, {graph.microbatches})",
+                f"node {n.id} has microbatch {n.microbatch} outside [0, {microbatches})",
                 nodes=[n.id],
             )
-        if len(set(n.devices)) != len(n.devices):
-            raise ValidationError(f"node {n.id} names a device twice: {list(n.devices)}", nodes=[n.id])
-        if graph.world_size and any(not 0 <= d < graph.world_size for d in n.devices):
+        devices = n.devices
+        if not devices:
+            if n.peers and n.kind in _P2P:
+                raise ValidationError(f"{n.kind.value} node {n.id} has peers {list(n.peers)} for devices []", nodes=[n.id])
+            continue
+        if len(devices) > 1 and len(set(devices)) != len(devices):
+            raise ValidationError(f"node {n.id} names a device twice: {list(devices)}", nodes=[n.id])
+        if world and not (0 <= min(devices) and max(devices) < world):
             raise ValidationError(
-                f"node {n.id} is placed on {list(n.devices)}, outside world size {graph.world_size}",
+                f"node {n.id} is placed on {list(devices)}, outside world size {world}",
                 nodes=[n.id],
             )
-        if n.kind in (NodeKind.SEND, NodeKind.RECV) and len(n.peers) != len(n.devices):
-            raise ValidationError(f"{n.kind.value} node {n.id} has peers {list(n.peers)} for devices {list(n.devices)}", nodes=[n.id])
+        if n.kind in _P2P and len(n.peers) != len(devices):
+            raise ValidationError(f"{n.kind.value} node {n.id} has peers {list(n.peers)} for devices {list(devices)}", nodes=[n.id])
     _check_ties(graph)
     _check_precision(graph)
-    cycle = find_cycle(graph)
-    if cycle is not None:
-        # Blame only the edges on the cycle, not every edge between two of its nodes.
-        steps = set(zip(cycle, cycle[1:], strict=False))
-        origins = sorted({e.origin for e in graph.edges if e.origin and (e.src, e.dst) in steps})
-        raise ValidationError(
-            "the graph has a cycle: " + " -> ".join(cycle),
-            directive=", ".join(origins) or None,
-            nodes=cycle,
-        )
+    if cycles and not is_acyclic(graph):
+        raise cycle_error(graph)
     return graph
 
 
+def cycle_error(graph: Graph) -> ValidationError:
+    """The error ``validate`` raises for a cyclic ``graph``: one cycle, and the directives
+    whose edges close it."""
+    cycle = find_cycle(graph) or []
+    # Blame only the edges on the cycle, not every edge between two of its nodes.
+    steps = set(zip(cycle, cycle[1:], strict=False))
+    origins = sorted({e.origin for e in graph.edges if e.origin and (e.src, e.dst) in steps})
+    return ValidationError(
+        "the graph has a cycle: " + " -> ".join(cycle),
+        directive=", ".join(origins) or None,
+        nodes=cycle,
+    )
+
+
 def _check_ties(graph: Graph) -> None:
-    _unique("tied parameter", [t.name for t in graph.ties])
+    _unique("tied parameter", [t.name for t in graph.ties], len({t.name for t in graph.ties}))
     held: dict[tuple[str, str], str] = {}
     for tie in graph.ties:
         segments = [seg for seg, _ in tie.holders]
@@ -99,7 +116,9 @@ def _check_precision(graph: Graph) -> None:
         )
 
 
-def _unique(what: str, items: list[str]) -> None:
+def _unique(what: str, items: list[str], distinct: int) -> None:
+    if distinct == len(items):  # the by-id mapping kept every item: no duplicate
+        return
     seen: set[str] = set()
     for item in items:
         if item in seen:

@@ -1,5 +1,5 @@
 """piper-runtime: Ray actors executing a Piper ``Program`` behind one backend protocol
-(``piper_runtime.backends``: CPU gloo today)."""
+(``piper_runtime.backends``: CPU with gloo, CUDA with cupy streams and NCCL)."""
 
 from piper_runtime._version import __version__ as __version__
 from piper_runtime.backends import Backend, register_backend, resolve_backend
@@ -7,6 +7,7 @@ from piper_runtime.batch import check_batch, split_microbatches
 from piper_runtime.cluster import ensure_ray, shutdown
 from piper_runtime.memory import RankMemory
 from piper_runtime.optim import OptimizerSpec
+from piper_runtime.pool import WorkerPool, shared_pool
 from piper_runtime.results import InstructionTiming, StepOutput, StepResult
 from piper_runtime.runtime import Runtime
 from piper_runtime.worker import RankWorker
@@ -20,10 +21,12 @@ __all__ = [
     "Runtime",
     "StepOutput",
     "StepResult",
+    "WorkerPool",
     "check_batch",
     "ensure_ray",
     "register_backend",
     "resolve_backend",
+    "shared_pool",
     "shutdown",
     "split_microbatches",
 ]

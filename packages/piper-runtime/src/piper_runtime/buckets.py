@@ -45,7 +45,7 @@ from torch import nn
 
 from piper_ir import Bucket, Program, Residency
 from piper_memory.store import BucketLayout, accumulate_grad
-from piper_runtime.backends.base import Communicator, Work
+from piper_runtime.backends.base import Communicator, Work, used_on_this_lane
 
 
 def bucket_group(program: Program, bucket: Bucket) -> tuple[int, ...]:
@@ -115,9 +115,13 @@ class BucketState:
         """The full gradients flattened (what a reduce-scatter sends) and an empty output
         shard; the parameters' ``.grad`` are dropped. ``sample`` sees the buffers while the
         full gradients still exist too (the peak)."""
-        flat = self.layout.flatten([p.grad for p in self.params])
+        grads = [p.grad for p in self.params]
+        flat = self.layout.flatten(grads)
         shard = torch.empty(self.bucket.shard_numel, dtype=flat.dtype, device=flat.device)
         sample(flat, shard)
+        # Another lane (the backward's) allocated them; this lane's copy must finish before
+        # their memory is reused (on a GPU backend: record_stream; nothing on the host).
+        used_on_this_lane(*grads)
         for p in self.params:
             p.grad = None
         return flat, shard
@@ -214,6 +218,7 @@ class EarlyReduceScatter:
     def _complete_reduction(self, r: _Reduction) -> None:
         try:
             r.work.wait()
+            used_on_this_lane(r.shard)  # allocated by the backward's lane, read (or kept) on this one
             accumulate_grad(r.bucket.shard, r.shard)
             r.flat = None  # the full flat gradient is gone once reduced
         finally:

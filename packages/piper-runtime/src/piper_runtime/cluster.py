@@ -1,32 +1,60 @@
-"""Connecting to (or starting) the Ray cluster the workers run on."""
+"""Connecting to (or starting) the Ray cluster the workers run on, and what it offers.
+
+- ``ensure_ray``: reuse an initialised Ray, connect to ``address`` (checked first: an
+  address nothing answers on fails within ``CONNECT_TIMEOUT_S`` with the address in the
+  message; Ray itself would retry for minutes), or start an embedded single-node cluster
+  bound to 127.0.0.1.
+- ``choose_backend``: ``cuda`` when the cluster has a GPU for every rank and a GPU worker
+  has what the CUDA backend needs, else ``cpu``; always with the reason, for the log.
+- ``worker_env``: the environment every rank gets (the socket interface variables only
+  where the user set them: otherwise each rank derives its own, ``piper_runtime.rendezvous``).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
 
 import ray
 
-# Environment every Piper process needs on a loopback-only CPU cluster.
-WORKER_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+from piper_ir import ClusterError
+from piper_runtime.rendezvous import SOCKET_ENV
+
+# Environment every Piper worker gets.
+WORKER_ENV = {"OMP_NUM_THREADS": "1"}
+CONNECT_TIMEOUT_S = 30.0
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
 
 _started_here = False
+
+
+def worker_env() -> dict[str, str]:
+    """``WORKER_ENV`` plus the socket interface variables set in this (the driver's) process."""
+    env = dict(WORKER_ENV)
+    env.update({name: os.environ[name] for name in SOCKET_ENV if os.environ.get(name)})
+    return env
 
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Make sure Ray is initialised in this process.
 
-    An already initialised Ray is reused as is. With ``address`` we connect to that cluster;
-    otherwise we start a local embedded cluster bound to 127.0.0.1 (no dashboard, quiet logs)
-    and remember that we did, so ``shutdown`` stops only what we started.
+    An already initialised Ray is reused as is. With ``address`` we check that a Ray cluster
+    answers there (``check_address``) and connect to it; otherwise we start a local embedded
+    cluster bound to 127.0.0.1 (no dashboard, quiet logs, ``num_cpus`` logical CPUs) and
+    remember that we did, so ``shutdown`` stops only what we started.
     """
     global _started_here
     if ray.is_initialized():
         return
-    for key, val in WORKER_ENV.items():
-        os.environ.setdefault(key, val)
+    os.environ.setdefault("OMP_NUM_THREADS", WORKER_ENV["OMP_NUM_THREADS"])
     if address is not None:
-        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+        check_address(address)
+        try:
+            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {exc}") from None
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(
@@ -45,3 +73,92 @@ def shutdown() -> None:
     if _started_here and ray.is_initialized():
         ray.shutdown()
     _started_here = False
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` of a Ray address (``ray://`` client addresses default to port 10001,
+    cluster addresses to 6379); ``ValueError`` for one we cannot read."""
+    rest = address.removeprefix("ray://")
+    default = 10001 if rest != address else 6379
+    if rest.startswith("["):  # [IPv6]:port
+        host, _, tail = rest[1:].partition("]")
+        port = tail.removeprefix(":")
+    elif rest.count(":") == 1:
+        host, port = rest.split(":")
+    else:
+        host, port = rest, ""
+    if not host:
+        raise ValueError(f"no host in Ray address {address!r}")
+    try:
+        return host, int(port) if port else default
+    except ValueError:
+        raise ValueError(f"bad port in Ray address {address!r}") from None
+
+
+def check_address(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """``ClusterError`` naming ``address`` unless something there speaks gRPC (as Ray's GCS
+    and Ray client servers do), decided within ``timeout_s``. ``"auto"`` (find a local
+    cluster) is left to Ray, which fails fast when there is none."""
+    if address in ("auto", "local"):
+        return
+    try:
+        host, port = split_address(address)
+    except ValueError as exc:
+        raise ClusterError(str(exc)) from None
+    deadline = time.monotonic() + timeout_s
+    try:
+        conn = socket.create_connection((host, port), timeout=timeout_s)
+    except TimeoutError:
+        raise ClusterError(
+            f"cannot reach the Ray cluster at {address!r}: no answer within {timeout_s:g} s (wrong address, "
+            "or a firewall in the way)"
+        ) from None
+    except OSError as exc:
+        raise ClusterError(
+            f"cannot reach the Ray cluster at {address!r}: {exc.strerror or exc} (is Ray running there? "
+            "`ray start --head` prints the address to use)"
+        ) from None
+    with conn:
+        conn.settimeout(max(0.1, min(10.0, deadline - time.monotonic())))
+        try:
+            conn.sendall(_HTTP2_PREFACE)
+            header = conn.recv(9)
+        except OSError:
+            header = b""
+    if len(header) < 4 or header[3] != 0x04:  # a gRPC server answers with a SETTINGS frame
+        raise ClusterError(
+            f"{address!r} accepts connections but does not answer as a Ray cluster (expected Ray's GCS, "
+            "a gRPC server; is it the right port?)"
+        )
+
+
+def choose_backend(requested: str | None, world_size: int, gpus_per_rank: float) -> tuple[str, str]:
+    """The backend to run on and why: ``requested`` if given, else ``cuda`` when the cluster
+    has ``gpus_per_rank`` GPUs for each of ``world_size`` ranks and a GPU worker has what the
+    CUDA backend needs (``piper_runtime.backends.cuda.cuda_missing``), else ``cpu``."""
+    if requested not in (None, "auto"):
+        return requested, f"backend {requested!r} (asked for)"
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    need = world_size * gpus_per_rank
+    if gpus <= 0:
+        return "cpu", "backend 'cpu' (the Ray cluster has no GPU)"
+    if gpus + 1e-9 < need:
+        return "cpu", (
+            f"backend 'cpu' (the Ray cluster has {gpus:g} GPUs, {world_size} ranks need {need:g}; "
+            "--ranks-per-gpu shares GPUs between ranks)"
+        )
+    missing = _probe_gpu_worker(min(1.0, gpus_per_rank))
+    if missing:
+        return "cpu", f"backend 'cpu' (a GPU worker cannot run the CUDA backend: {missing})"
+    return "cuda", f"backend 'cuda' ({gpus:g} GPUs in the cluster for {world_size} ranks)"
+
+
+def _probe_gpu_worker(gpus: float) -> str | None:
+    """What a Ray worker holding ``gpus`` GPUs lacks for the CUDA backend (``None``: nothing)."""
+    from piper_runtime.backends.cuda import cuda_missing
+
+    probe = ray.remote(num_cpus=0, num_gpus=gpus, max_retries=0)(cuda_missing)
+    try:
+        return ray.get(probe.remote(), timeout=120)
+    except Exception as exc:  # the probe itself could not run
+        return f"the probe task failed ({type(exc).__name__}: {exc})"

@@ -5,7 +5,9 @@ order on every rank (a group is created by every rank of the world, member or no
 
 1. one per program ``Communicator``, in program order: point-to-point classes (``pp.fwd``,
    ``pp.bwd``), each data-parallel group's collectives, and the forward collectives inside
-   the compute of tensor/expert-parallel segments (traffic ``tp``/``ep``);
+   the compute of tensor/expert-parallel segments (traffic ``tp``/``ep``). A point-to-point
+   communicator is told its channels, the (sender, receiver) pairs of the program's ``SEND``
+   instructions on it, sorted (``channels``);
 2. for each ``tp``/``ep`` communicator, right after it, a second one for the collectives of
    backward passes, so an overlapped forward and backward running on two threads never
    share a group;
@@ -19,9 +21,19 @@ lane otherwise), compute's on the forward or backward one, early reductions on t
 
 from __future__ import annotations
 
-from piper_ir import Program, Residency, ShardKind
+from piper_ir import NodeKind, Program, Residency, ShardKind
 from piper_runtime.backends.base import Backend, Communicator
 from piper_runtime.buckets import bucket_group
+
+
+def channels(program: Program) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Per communicator id, the sorted (sender, receiver) pairs of its ``SEND`` instructions."""
+    pairs: dict[str, set[tuple[int, int]]] = {}
+    for plan in program.ranks:
+        for ins in plan.instructions:
+            if ins.kind is NodeKind.SEND and ins.communicator is not None and ins.peer is not None:
+                pairs.setdefault(ins.communicator, set()).add((plan.rank, ins.peer))
+    return {comm: tuple(sorted(found)) for comm, found in pairs.items()}
 
 
 class Communicators:
@@ -31,8 +43,9 @@ class Communicators:
         self.forward: dict[str, Communicator] = {}  # the plan's and compute's forward ones
         self.backward: dict[str, Communicator] = {}  # tp/ep collectives of backward passes
         self.early: dict[tuple[int, ...], Communicator] = {}  # device group -> early reductions
+        pairs = channels(program)
         for comm in program.communicators:
-            self.forward[comm.id] = backend.communicator(comm.ranks)
+            self.forward[comm.id] = backend.communicator(comm.ranks, pairs.get(comm.id, ()))
             if comm.traffic in tuple(ShardKind):
                 self.backward[comm.id] = backend.communicator(comm.ranks)
         for bucket in program.buckets:

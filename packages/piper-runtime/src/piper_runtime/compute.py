@@ -23,6 +23,10 @@ that write parameter gradients (``B``, ``BW``) run inside ``weight_pass(segment)
 buckets whose gradients live sharded are reduce-scattered as they complete. What autograd
 saves for a backward is tracked by weak reference (``StepState.autograd_saved``), for the
 memory accounting only: it never keeps a tensor alive.
+
+``forward_only`` (a plan without backward passes: an evaluation step) runs forwards without
+autograd and keeps nothing for a backward; casts apply as in training, and the worker has
+put the modules in eval mode (dropout draws no masks).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class SegmentCompute:
         modules: Mapping[str, nn.Module],
         grads_lock: threading.RLock,
         weight_pass: Callable[[str], AbstractContextManager[None]],
+        forward_only: bool = False,
         *,
         seed: int = 0,
         replica: int = 0,
@@ -62,6 +67,7 @@ class SegmentCompute:
         self.modules = modules
         self.grads_lock = grads_lock
         self.weight_pass = weight_pass
+        self.forward_only = forward_only
         self.seed = seed
         self.replica = replica
         self.device = device
@@ -86,6 +92,9 @@ class SegmentCompute:
             run(ins, st)
 
     def forward(self, ins: Instruction, st: StepState) -> None:
+        if self.forward_only:
+            self.evaluate(ins, st)
+            return
         seg = self.program.segment_by_id[ins.segment]
         mb = ins.microbatch
         args = []
@@ -147,6 +156,25 @@ class SegmentCompute:
         self.sample([])
         del st.saved[(seg.id, mb)]
         return outs
+
+    def evaluate(self, ins: Instruction, st: StepState) -> None:
+        """F without autograd: outputs (and the loss) only."""
+        seg = self.program.segment_by_id[ins.segment]
+        mb = ins.microbatch
+        with torch.no_grad():
+            out = self._run(seg, mb, st.step, [st.get(name, mb) for name in seg.inputs])
+        if seg.role is SegmentRole.LOSS:
+            if not isinstance(out, torch.Tensor) or out.numel() != 1:
+                raise TypeError(f"the loss module must return a scalar tensor, got {_describe(out)}")
+            st.losses[mb] = float(out)
+            for name in seg.outputs:
+                st.values[(name, mb)] = out.clone()
+            return
+        outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+        if len(outs) != len(seg.outputs):
+            raise TypeError(f"segment {seg.id} must return {len(seg.outputs)} tensors {list(seg.outputs)}, got {_describe(out)}")
+        for name, o in zip(seg.outputs, outs, strict=True):
+            st.values[(name, mb)] = o
 
     def _backward_roots(
         self, ins: Instruction, st: StepState

@@ -36,7 +36,9 @@ MODEL_STATE = CATEGORIES[:3]
 @attrs.frozen
 class RankMemory:
     """One rank's peak bytes over one step, per category, and the peak of their sum (taken at
-    one moment, so ``total`` <= the sum of the per-category peaks)."""
+    one moment, so ``total`` <= the sum of the per-category peaks). ``device_peak``: on a GPU,
+    the CUDA caching allocator's own peak of allocated bytes over the step (everything the
+    process allocated, temporaries inside a forward included); 0 on the CPU."""
 
     rank: int
     parameters: int = 0
@@ -45,6 +47,7 @@ class RankMemory:
     communication: int = 0
     activations: int = 0
     total: int = 0
+    device_peak: int = 0
 
     @property
     def model_state(self) -> int:

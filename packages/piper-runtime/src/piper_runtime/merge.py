@@ -80,6 +80,8 @@ def merge_outputs(outputs: Sequence[StepOutput], program: Program, keep_grads: b
         untie(program, grads)  # summed over the holders: every copy holds the same gradient
     timings = tuple(t for out in outputs for t in out.timings)
     memory = tuple(out.memory for out in outputs if out.memory is not None)
+    # Every rank computed the same global norm; take the first.
+    grad_norm = next((out.grad_norm for out in outputs if out.grad_norm is not None), None)
     return StepResult(
         losses,
         sum(losses) / len(losses),
@@ -88,6 +90,7 @@ def merge_outputs(outputs: Sequence[StepOutput], program: Program, keep_grads: b
         tuple(out.seconds for out in outputs),
         memory,
         tuple(out.collective_seconds for out in outputs),
+        grad_norm,
     )
 
 

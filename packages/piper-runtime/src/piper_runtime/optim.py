@@ -1,8 +1,18 @@
-"""Optimizer specification: a small, picklable value a worker turns into a torch optimizer."""
+"""Optimizer specification: a small, picklable value a worker turns into a torch optimizer.
+
+Weight decay comes in two groups, as users expect (nanoGPT, torchtitan): with
+``weight_decay`` set, parameters with two or more dimensions (matrices, embeddings, stacked
+experts) decay and the others (biases, norm weights, scalars) do not, nor does any parameter
+whose qualified name matches a pattern of ``no_decay``. The single-device reference and every
+rank decide by the same rule (``decays``), by the parameter's full name and number of
+dimensions, so a tensor-parallel shard or a ZeRO shard of it decays like the whole.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import fnmatch
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -28,11 +38,52 @@ def _check_name(_inst: object, _attr: attrs.Attribute, value: str) -> None:
 @attrs.frozen
 class OptimizerSpec:
     """Which optimizer each stage segment gets: ``name`` ("sgd", "adam", "adamw"), ``lr`` and
-    further keyword arguments (``kwargs``, a mapping or pairs, stored as sorted pairs)."""
+    further keyword arguments of the torch optimizer (``kwargs``, a mapping or pairs, stored
+    as sorted pairs; a ``weight_decay`` there applies to every parameter, torch's way).
+
+    ``weight_decay``: decay only the parameters ``decays`` selects (module doc); ``None``
+    leaves decay to ``kwargs`` and the optimizer's default (AdamW: 0.01 on everything).
+    """
 
     name: str = attrs.field(default="sgd", validator=_check_name)
     lr: float = 0.01
     kwargs: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_freeze_kwargs)
+    weight_decay: float | None = None
+    no_decay: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if self.weight_decay is not None:
+            if self.weight_decay < 0:
+                raise ValueError(f"weight decay must be >= 0, got {self.weight_decay}")
+            if "weight_decay" in dict(self.kwargs):
+                raise ValueError("weight decay is given twice: as weight_decay and in kwargs")
+
+    @property
+    def default_weight_decay(self) -> float:
+        """The torch optimizer's own default weight decay (AdamW 0.01, SGD and Adam 0)."""
+        return float(inspect.signature(_OPTIMIZERS[self.name]).parameters["weight_decay"].default)
+
+    def decays(self, name: str, ndim: int) -> bool:
+        """Whether parameter ``name`` (its full qualified name, ``ndim`` dimensions) decays."""
+        return ndim >= 2 and not any(fnmatch.fnmatchcase(name, pattern) for pattern in self.no_decay)
 
     def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return _OPTIMIZERS[self.name](list(params), lr=self.lr, **dict(self.kwargs))
+        """An optimizer over ``params`` (one group; decay by number of dimensions only)."""
+        params = list(params)
+        return self.build_groups([(p, p.dim() >= 2) for p in params])
+
+    def build_named(self, named: Iterable[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
+        """An optimizer over ``(qualified name, parameter)`` pairs, grouped by ``decays``."""
+        return self.build_groups([(p, self.decays(n, p.dim())) for n, p in named])
+
+    def build_groups(self, params: Sequence[tuple[torch.Tensor, bool]]) -> torch.optim.Optimizer:
+        """An optimizer over ``(tensor, decays)`` pairs: with ``weight_decay`` set, one group
+        that decays and one that does not (empty groups left out), else one group."""
+        cls, kwargs = _OPTIMIZERS[self.name], dict(self.kwargs)
+        if self.weight_decay is None:
+            return cls([p for p, _ in params], lr=self.lr, **kwargs)
+        groups = [
+            {"params": [p for p, d in params if d == decay], "weight_decay": self.weight_decay if decay else 0.0}
+            for decay in (True, False)
+        ]
+        return cls([g for g in groups if g["params"]] or [p for p, _ in params], lr=self.lr, **kwargs)

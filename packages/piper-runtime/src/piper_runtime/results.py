@@ -27,6 +27,7 @@ class StepOutput:
     grad_shards: dict[str, tuple[int, torch.Tensor]] | None = None
     memory: RankMemory | None = None
     collective_seconds: float = 0.0  # inside the collectives that compute issues (TP, EP)
+    grad_norm: float | None = None  # the global gradient norm, where the plan computes it
 
 
 @attrs.frozen
@@ -46,7 +47,9 @@ class StepResult:
     the full batch when the loss is a mean over equal microbatches; with data parallelism,
     the mean over replicas of their shard losses), ``grads`` the merged full parameter
     gradients (summed over replicas, sharded ones reassembled) when ``keep_grads`` was
-    requested, ``memory`` each rank's peak memory by category (in rank order)."""
+    requested, ``memory`` each rank's peak memory by category (in rank order), ``grad_norm``
+    the global gradient norm before clipping (where the program has a ``GRAD_NORM``), ``lr``
+    the learning rate the step used (where the caller set one)."""
 
     losses: tuple[float, ...]
     loss: float
@@ -56,3 +59,5 @@ class StepResult:
     memory: tuple[RankMemory, ...] = ()
     # Each rank's time inside the tensor- and expert-parallel collectives of its compute.
     collective_seconds: tuple[float, ...] = ()
+    grad_norm: float | None = None
+    lr: float | None = None

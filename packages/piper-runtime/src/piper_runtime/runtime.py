@@ -1,5 +1,17 @@
 """``Runtime``: one Ray actor per rank executing a ``Program``, driven from this process.
 
+Start-up: connect to Ray (``cluster``), pick the backend, reserve one placement-group
+bundle per rank (``placement``: policy ``pack`` or ``spread``, fails fast when the cluster is
+too small), start the actors in their bundles (or, reusing workers on a one-node cluster,
+take them from a ``WorkerPool``: ``pool``), then rendezvous (``rendezvous``): loopback
+when every rank is on one node, else the address Ray reports for rank 0's node, with a port
+that rank 0's own process opens and keeps for its TCP store.
+
+Workers are started for the runtime and killed by ``shutdown``, unless the runtime reuses
+workers (``reuse_workers``, ``piper_runtime.pool``): then it takes them from a pool and a
+clean ``shutdown`` resets them and gives them back. A failed run's workers, and those of a
+runtime shut down while a call was still in flight, are killed all the same.
+
 Failure policy: whatever goes wrong on a worker (an exception, a dead actor, no answer
 before the timeout) tears every actor down first, so no rank is left blocked in a receive,
 and then raises ``piper_ir.ExecutionError`` naming the ranks (and, for an exception, the
@@ -8,33 +20,34 @@ instruction and the worker's traceback).
 
 from __future__ import annotations
 
-import random
-import socket
+import os
 import time
 import weakref
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from torch import nn
 
-from piper_ir import ExecutionError, PiperError, Program
-from piper_runtime.backends import backend_factory
+from piper_ir import ClusterError, ExecutionError, PiperError, Program
+from piper_runtime.backends import backend_factory, cuda_missing
 from piper_runtime.batch import batch_reads, check_batch, replica_slice
-from piper_runtime.cluster import WORKER_ENV, ensure_ray
+from piper_runtime.cluster import choose_backend, ensure_ray, worker_env
 from piper_runtime.merge import merge_outputs, merge_parameters
 from piper_runtime.optim import OptimizerSpec
+from piper_runtime.placement import Placement, check_resources, place_ranks
+from piper_runtime.pool import WorkerPool, WorkerSpec, kill_workers, pool_for
 from piper_runtime.precision import compute_inputs
+from piper_runtime.rendezvous import LOOPBACK
 from piper_runtime.results import StepOutput, StepResult
 from piper_runtime.user_code import ship_by_value
 from piper_runtime.worker import RankWorker
 
-_LOOPBACK = "127.0.0.1"
-_RENDEZVOUS_PORTS_FROM = 20000  # above Ray's worker ports, below the ephemeral range
 _INLINE_BYTES = 64 * 1024  # below this, batch tensors go inline with each call
+_RESET_TIMEOUT_S = 30.0
 
 
 class Runtime:
@@ -45,12 +58,28 @@ class Runtime:
     in its plan. Use as a context manager, or call ``shutdown``; actors are also killed when
     the runtime is garbage collected or the interpreter exits. ``threads`` runs each rank's
     logical streams on threads of their own (the default); ``False`` walks each rank's plan
-    sequentially, the same plan on one stream. ``seed``: every forward draws its random numbers
-    for (seed, segment, microbatch, step, replica) (``piper_runtime.randomness``), the steps
-    counted from 0 by this runtime. ``by_value``: names of imported modules the segment
-    modules refer to that a worker cannot import (the user's own code,
-    ``CapturedModel.user_modules``): their code travels with the modules
-    (``piper_runtime.user_code``).
+    sequentially, the same plan on one stream.
+
+    ``backend``: a registered backend name, or ``None`` to choose (``cuda`` when the cluster
+    has a GPU for every rank and the CUDA backend can run there, else ``cpu``; the choice and
+    why are in ``backend_reason``, and ``log`` hears it). ``placement``: ``"pack"`` or
+    ``"spread"`` (``piper_runtime.placement``); each rank reserves ``cpus_per_rank`` CPUs and,
+    on a GPU backend, ``1 / ranks_per_gpu`` of a GPU (``ranks_per_gpu`` > 1 shares GPUs).
+    A cluster too small for the program, or an unreachable ``address``, raises
+    ``piper_ir.ClusterError`` before any actor starts.
+
+    ``reuse_workers``: ``True`` takes workers from the process's shared ``WorkerPool`` and
+    gives them back on a clean ``shutdown``; a ``WorkerPool`` uses that pool; ``False``
+    starts new workers and kills them at the end; ``None`` (the default) reuses only when
+    the environment says ``PIPER_REUSE_WORKERS=1``. Reuse applies on a one-node cluster
+    (pooled workers reserve no placement-group bundle, and the rendezvous is on loopback);
+    on several nodes the runtime places new workers as usual.
+
+    ``seed``: every forward draws its random numbers for (seed, segment, microbatch, step,
+    replica) (``piper_runtime.randomness``), the steps counted from 0 by this runtime.
+    ``by_value``: names of imported modules the segment modules refer to that a worker cannot
+    import (the user's own code, ``CapturedModel.user_modules``): their code travels with the
+    modules (``piper_runtime.user_code``).
     """
 
     def __init__(
@@ -60,22 +89,29 @@ class Runtime:
         optimizer: OptimizerSpec | None = None,
         *,
         address: str | None = None,
-        backend: str = "cpu",
+        backend: str | None = "cpu",
         step_timeout_s: float = 120.0,
         setup_timeout_s: float = 120.0,
         threads: bool = True,
+        placement: str = "pack",
+        ranks_per_gpu: int = 1,
+        cpus_per_rank: float = 1.0,
+        log: Callable[[str], None] | None = None,
+        reuse_workers: bool | WorkerPool | None = None,
         seed: int = 0,
         by_value: Sequence[str] = (),
     ) -> None:
         self.program = program
         self.step_timeout_s = step_timeout_s
-        # Built here too, unconnected: it says what a rank needs, and fails before any actor
-        # starts where the backend cannot run. Workers get the factory itself, so a backend
-        # registered in this process only works too.
-        factory = backend_factory(backend)
-        self._backend = factory()
         self._workers: list[Any] = []
         self._steps = 0
+        self._in_flight = False  # a call was sent and its answers not all gathered
+        if backend is not None:
+            backend_factory(backend)  # an unknown name fails before anything starts
+        if ranks_per_gpu < 1:
+            raise ValueError(f"ranks_per_gpu must be >= 1, got {ranks_per_gpu!r}")
+        self._forward: Program | None = None  # the evaluation step (``load_forward``)
+        self._forward_names: dict[int, tuple[str, ...]] = {}
         needed = {s for plan in program.ranks for s in plan.segments()}
         missing = sorted(needed - set(modules))
         if missing:
@@ -85,26 +121,64 @@ class Runtime:
                 f"program has {len(program.ranks)} rank plans for world size {program.world_size}"
             )
 
-        ensure_ray(address)
+        if backend == "cuda" and address is None and not ray.is_initialized():
+            # The embedded cluster would run on this machine: no need to start it to know.
+            lacking = cuda_missing()
+            if lacking:
+                raise ClusterError(f"backend 'cuda' needs a GPU for each rank, and this machine has none usable: {lacking}")
+        # The embedded cluster gets a logical CPU per rank even on a smaller machine: ranks
+        # mostly wait on each other.
+        ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(program.world_size * cpus_per_rank + 0.999)))
         ship_by_value(by_value)  # before anything is pickled for the workers
-        actor = ray.remote(RankWorker).options(
-            num_cpus=0.01,  # ranks mostly wait on each other; never block on whole CPUs
-            num_gpus=self._backend.gpus_per_rank,
-            max_restarts=0,
-            runtime_env={"env_vars": dict(WORKER_ENV)},
-        )
-        self._workers = [actor.remote() for _ in range(program.world_size)]
-        # Kills the actors on shutdown, garbage collection or interpreter exit, whichever first.
-        self._finalizer = weakref.finalize(self, _kill, list(self._workers))
+        self.backend_name, self.backend_reason = choose_backend(backend, program.world_size, 1.0 / ranks_per_gpu)
+        if log is not None:
+            log(self.backend_reason)
+        # Built here too, unconnected: it says what a rank needs. Workers get the factory
+        # itself, so a backend registered in this process only works too.
+        factory = backend_factory(self.backend_name)
+        self._backend = factory()
+        gpus_per_rank = self._backend.gpus_per_rank / ranks_per_gpu
+        self._pool = pool_for(reuse_workers) if _one_node() else None
+        self._spec = WorkerSpec.of(self.backend_name, gpus_per_rank, worker_env())
+        self.placement: Placement | None = None
+        if self._pool is not None:
+            # Pooled workers reserve no bundle, but a cluster too small is refused all the same.
+            check_resources(program.world_size, cpus_per_rank, gpus_per_rank, ray.cluster_resources(), self.backend_name)
+            self._workers = self._pool.acquire(program.world_size, self._spec)
+            # Kills the actors on failure, garbage collection or interpreter exit, whichever
+            # first (a clean shutdown into the pool detaches it instead).
+            self._finalizer = weakref.finalize(self, kill_workers, list(self._workers))
+            address0 = LOOPBACK
+        else:
+            self.placement = place_ranks(
+                program,
+                cpus_per_rank=cpus_per_rank,
+                gpus_per_rank=gpus_per_rank,
+                policy=placement,
+                backend=self.backend_name,
+                timeout_s=min(setup_timeout_s, 30.0),
+            )
+            actor = ray.remote(RankWorker)
+            env = {"env_vars": worker_env()}
+            self._workers = [
+                actor.options(max_restarts=0, runtime_env=env, **self.placement.actor_options(rank)).remote()
+                for rank in range(program.world_size)
+            ]
+            # Kills the actors and releases their reservation on shutdown, garbage collection
+            # or interpreter exit, whichever first.
+            self._finalizer = weakref.finalize(self, _kill, list(self._workers), self.placement)
+            address0 = self.placement.rendezvous_address
         self._batch_names = {r: batch_reads(program, r) for r in range(program.world_size)}
 
-        port = _free_port()
+        # Rank 0's process opens the port on its own node and keeps it for its TCP store.
+        (port,) = self._gather([self._workers[0].open_rendezvous.remote(address0)], setup_timeout_s, "rendezvous")
+        self.rendezvous = (address0, port)
         program_ref = ray.put(program)
         calls = [
             w.setup.remote(
                 rank,
                 program.world_size,
-                _LOOPBACK,
+                address0,
                 port,
                 program_ref,
                 {s: modules[s] for s in program.plan(rank).segments()},
@@ -126,45 +200,57 @@ class Runtime:
         targets: Sequence[torch.Tensor],
         keep_grads: bool = False,
         profile: bool = False,
+        lr: float | None = None,
     ) -> StepResult:
         """Run one training step on a whole batch (split into the program's microbatches).
 
         ``keep_grads`` returns every parameter's gradient; ``profile`` returns when each
-        instruction ran on each rank (``StepResult.timings``)."""
+        instruction ran on each rank (``StepResult.timings``); ``lr`` sets the learning rate
+        of every optimizer group from this step on (a schedule's value for the step)."""
         self._check_open()
         program = self.program
         batch = check_batch(program, compute_inputs(program.precision, inputs), targets)
-        # Each rank gets only the batch values it reads, and with data parallelism only its
-        # replica's shards of them. Small tensors travel inline with the call (Ray stores
-        # large ones in its object store by itself); an explicit ray.put pays off only for a
-        # large slice that several ranks read (an object-store round trip on every step).
-        slices: dict[tuple[str, int], torch.Tensor] = {}
-        readers: dict[tuple[str, int], int] = {}
-        for rank, names in self._batch_names.items():
-            replica = program.plan(rank).replica
-            for n in names:
-                key = (n, replica)
-                if key not in slices:
-                    meta = program.value_by_name[n].meta
-                    slices[key] = replica_slice(
-                        batch[n], meta, program.microbatches, program.replicas, replica
-                    )
-                readers[key] = readers.get(key, 0) + 1
-        refs = {
-            key: ray.put(t) if readers[key] > 1 and t.nbytes > _INLINE_BYTES else t
-            for key, t in slices.items()
-        }
+        shipments = _shipments(program, self._batch_names, batch)
         self._steps += 1
         calls = [
             w.run_step.remote(
-                {n: refs[(n, program.plan(rank).replica)] for n in self._batch_names[rank]},
+                shipments[rank],
                 keep_grads,
                 profile,
+                lr,
             )
             for rank, w in enumerate(self._workers)
         ]
         outputs: list[StepOutput] = self._gather(calls, self.step_timeout_s, "step")
-        return merge_outputs(outputs, program, keep_grads)
+        result = merge_outputs(outputs, program, keep_grads)
+        return result if lr is None else attrs.evolve(result, lr=lr)
+
+    def load_forward(self, program: Program) -> None:
+        """Give the workers ``program``, a forward-only step of the same world compiled from
+        the training graph (``piper_scheduler.forward_only``), for ``evaluate``."""
+        self._check_open()
+        if program.world_size != self.program.world_size:
+            raise ValueError(
+                f"the forward-only program has {program.world_size} ranks, the runtime {self.program.world_size}"
+            )
+        self._forward = program
+        self._forward_names = {r: batch_reads(program, r) for r in range(program.world_size)}
+        ref = ray.put(program)
+        self._gather([w.load_forward.remote(ref) for w in self._workers], 60.0, "load_forward")
+
+    def evaluate(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> StepResult:
+        """Run the program of ``load_forward`` on a whole batch, the modules in eval mode: no
+        gradient, no update. ``losses``/``loss`` as for ``step``."""
+        self._check_open()
+        program = self._forward
+        if program is None:
+            raise ExecutionError("no forward-only program: call load_forward first")
+        shipments = _shipments(
+            program, self._forward_names, check_batch(program, compute_inputs(program.precision, inputs), targets)
+        )
+        calls = [w.run_forward.remote(shipments[rank]) for rank, w in enumerate(self._workers)]
+        outputs: list[StepOutput] = self._gather(calls, self.step_timeout_s, "evaluate")
+        return merge_outputs(outputs, program, False)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """Current parameters of every segment, by qualified name, merged over ranks."""
@@ -174,8 +260,14 @@ class Runtime:
         return merge_parameters(self.program, per_rank, shards)
 
     def shutdown(self) -> None:
-        """Stop the workers (leaving the process group first). Safe to call more than once."""
+        """Stop the workers (leaving the process group first), or, when reusing workers,
+        reset them and give them back to the pool. Safe to call more than once."""
         if not self._finalizer.alive:
+            return
+        if self._pool is not None and not self._in_flight and self._reset_workers():
+            self._finalizer.detach()
+            workers, self._workers = self._workers, []  # the pool's now, maybe another runtime's
+            self._pool.release(workers, self._spec)
             return
         try:
             ray.wait([w.shutdown.remote() for w in self._workers], num_returns=len(self._workers), timeout=10)
@@ -198,8 +290,21 @@ class Runtime:
         if self.closed:
             raise ExecutionError("the runtime is shut down (after shutdown() or an earlier failure)")
 
+    def _reset_workers(self) -> bool:
+        """Reset every worker for reuse; whether all of them answered in time."""
+        refs = [w.reset.remote() for w in self._workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_RESET_TIMEOUT_S)
+        if len(ready) < len(refs):
+            return False
+        try:
+            ray.get(refs, timeout=_RESET_TIMEOUT_S)
+        except Exception:  # a worker that cannot forget its run is not reused
+            return False
+        return True
+
     def _gather(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
         """Results of one call per rank, in rank order; the first failure tears down and raises."""
+        self._in_flight = True  # until every answer is in: a rank may still be running
         pending = {ref: rank for rank, ref in enumerate(refs)}
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
@@ -236,6 +341,7 @@ class Runtime:
                     self._fail(
                         ExecutionError(f"{what}: rank {rank} did not answer", ranks=(rank,), step=step)
                     )
+        self._in_flight = False
         return [results[r] for r in range(len(refs))]
 
     def _fail(self, err: ExecutionError) -> None:
@@ -243,38 +349,36 @@ class Runtime:
         raise err
 
 
-def _kill(workers: list[Any]) -> None:
-    for w in workers:
-        try:
-            ray.kill(w, no_restart=True)
-        except Exception:  # already dead, or Ray already shut down
-            pass
+def _one_node() -> bool:
+    """Whether the Ray cluster this process is connected to has a single live node."""
+    return sum(1 for n in ray.nodes() if n.get("Alive")) == 1
 
 
-def _free_port() -> int:
-    """A free loopback port for the process group's rendezvous. Picked outside the kernel's
-    ephemeral range, where every outgoing connection (gloo's pairs, Ray's) takes its local
-    port, so nothing can take it between this check and rank 0 listening on it (that race
-    failed a setup with EADDRINUSE), and outside Ray's worker ports (10002-19999)."""
-    low = _ephemeral_ports()[0]
-    for port in random.sample(range(_RENDEZVOUS_PORTS_FROM, low), min(64, max(0, low - _RENDEZVOUS_PORTS_FROM))):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((_LOOPBACK, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below: any free port
-        s.bind((_LOOPBACK, 0))
-        return s.getsockname()[1]
+def _shipments(
+    program: Program, names: Mapping[int, Sequence[str]], batch: Mapping[str, torch.Tensor]
+) -> list[dict[str, Any]]:
+    """What each rank receives of a checked batch: only the batch values it reads
+    (``batch_reads``), and with data parallelism only its replica's shards of them. Small
+    tensors travel inline with the call (Ray stores large ones in its object store by
+    itself); an explicit ray.put pays off only for a large slice that several ranks read (an
+    object-store round trip on every step)."""
+    slices: dict[tuple[str, int], torch.Tensor] = {}
+    readers: dict[tuple[str, int], int] = {}
+    for rank, wanted in names.items():
+        replica = program.plan(rank).replica
+        for n in wanted:
+            key = (n, replica)
+            if key not in slices:
+                meta = program.value_by_name[n].meta
+                slices[key] = replica_slice(batch[n], meta, program.microbatches, program.replicas, replica)
+            readers[key] = readers.get(key, 0) + 1
+    refs = {key: ray.put(t) if readers[key] > 1 and t.nbytes > _INLINE_BYTES else t for key, t in slices.items()}
+    return [
+        {n: refs[(n, program.plan(rank).replica)] for n in names[rank]} for rank in range(program.world_size)
+    ]
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    """The kernel's ephemeral port range (Linux; the usual default elsewhere)."""
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
+def _kill(workers: list[Any], placement: Placement | None = None) -> None:
+    kill_workers(workers)
+    if placement is not None:
+        placement.release()

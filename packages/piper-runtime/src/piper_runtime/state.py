@@ -48,6 +48,7 @@ class StepState:
         # (segment, microbatch) -> the tensors autograd saved for its backward (for accounting)
         self.autograd_saved: dict[Key, list[weakref.ref]] = {}
         self.grad_shards: dict[str, tuple[int, torch.Tensor]] = {}
+        self.grad_norm: float | None = None  # set by the GRAD_NORM instruction
         self.lock = threading.RLock()  # shared by the stream threads
         self.reads_left: dict[Key, int] = {}  # value -> instructions still to read it
 

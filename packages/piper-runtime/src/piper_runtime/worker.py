@@ -15,6 +15,14 @@ parts that each do one job:
 - ``executor``: runs the plan with a handler per instruction kind, threads per stream.
 
 ``run_step`` feeds one batch through the executor and returns the rank's ``StepOutput``.
+``reset`` forgets the run, so a ``piper_runtime.pool.WorkerPool`` can hand the actor to the
+next runtime as if it had just started.
+
+``load_forward`` adds a second, forward-only program of the same world (an evaluation step,
+``piper_scheduler.forward_only``): its own executor and transport over this rank's modules,
+buckets and communicators (its communicators are the training program's, by id);
+``run_forward`` runs it with the modules in eval mode and returns the losses.
+
 Parameter gradients are read or replaced only under one lock (``grads_lock``) that backward
 passes, the optimizer, bucket operations and memory accounting take: autograd writes
 ``.grad`` without the GIL, so no other thread may read or replace one meanwhile.
@@ -24,6 +32,7 @@ Collectives run outside it.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import sys
 import threading
@@ -31,10 +40,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
-from piper_ir import BUCKET_KINDS, ExecutionError, NodeKind, Program
+from piper_ir import BUCKET_KINDS, ExecutionError, NodeKind, Phase, Program
 from piper_runtime.accounting import MemorySampler
 from piper_runtime.backends import Backend, BackendFactory, backend_factory
 from piper_runtime.batch import split_microbatches
@@ -42,8 +52,10 @@ from piper_runtime.comms import Communicators
 from piper_runtime.compute import COMPUTE_PHASES, SegmentCompute
 from piper_runtime.data_parallel import DataParallel
 from piper_runtime.executor import Executor
+from piper_runtime.grad_norm import GradNorm
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.optimizers import Optimizers
+from piper_runtime.rendezvous import open_listener
 from piper_runtime.results import StepOutput
 from piper_runtime.sharding import bind_collectives, collective_seconds, cut_parameters, unbucketed_experts
 from piper_runtime.state import ReadCounts, StepState
@@ -54,7 +66,10 @@ from piper_runtime.transport import Transport
 SWITCH_INTERVAL_S = 0.0005  # the GIL hand-over interval with threads (Python's default: 5 ms)
 
 # Instruction kinds this runtime carries out; anything else is rejected at setup.
-SUPPORTED = frozenset({NodeKind.COMPUTE, NodeKind.OPTIMIZER, NodeKind.SEND, NodeKind.RECV, NodeKind.MARKER} | BUCKET_KINDS)
+SUPPORTED = frozenset(
+    {NodeKind.COMPUTE, NodeKind.OPTIMIZER, NodeKind.SEND, NodeKind.RECV, NodeKind.MARKER, NodeKind.GRAD_NORM}
+    | BUCKET_KINDS
+)
 
 
 class RankWorker:
@@ -63,6 +78,11 @@ class RankWorker:
     def __init__(self) -> None:
         faulthandler.enable(all_threads=True)  # a crash in native code shows every thread
         torch.set_num_threads(1)
+        self._fresh = _ProcessSettings.read()
+        self._forget()
+
+    def _forget(self) -> None:
+        """The state of a worker that has not been set up."""
         self.rank = -1
         self.backend: Backend | None = None
         self._modules: dict[str, nn.Module] = {}
@@ -71,6 +91,11 @@ class RankWorker:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def open_rendezvous(self, address: str) -> int:
+        """On rank 0, before ``setup``: listen on ``address`` (this node's), on a port chosen
+        here, kept for this process's TCP store (``piper_runtime.rendezvous``); the port."""
+        return open_listener(address)
 
     def setup(
         self,
@@ -105,7 +130,10 @@ class RankWorker:
         self._data_parallel = dp = DataParallel(
             program, rank, self._modules, unbucketed_experts(program, rank), self._grads_lock
         )
-        optimizers = Optimizers(program, self._modules, optimizer, dp, self._grads_lock)
+        self._optimizers = optimizers = Optimizers(program, self._modules, optimizer, dp, self._grads_lock)
+        grad_norm = GradNorm(
+            program, rank, self._modules, dp, optimizers.gradients, self._grads_lock, self.backend.device
+        )
         params = [p for m in self._modules.values() for p in m.parameters()]
         self._sampler = MemorySampler(
             self.backend.memory_tracker(rank), self._grads_lock, params, dp, optimizers
@@ -118,6 +146,8 @@ class RankWorker:
         comms = Communicators(self.backend, program)  # every rank, in program order
         bind_collectives(program, rank, self._modules, comms)
         dp.connect(comms, self._sampler.sample, self._sampler.sample_now)
+        grad_norm.connect(comms)
+        self._comms, self._timeout_s = comms, timeout_s
         self._transport = transport = Transport(program, plan, comms, self.backend.device)
         threaded = threads and not lanes_share_a_communicator(plan.instructions)
         if threaded:
@@ -138,6 +168,7 @@ class RankWorker:
             NodeKind.ALL_GATHER: dp.all_gather,
             NodeKind.MATERIALIZE: dp.materialize,
             NodeKind.FREE: dp.free,
+            NodeKind.GRAD_NORM: grad_norm,
         }
         self._reads = ReadCounts(program, plan.instructions)
         self._executor = Executor(
@@ -150,17 +181,91 @@ class RankWorker:
             threads=threaded,
             timeout_s=timeout_s,
         )
+        self._forward: tuple[Program, Transport, ReadCounts, Executor] | None = None
+
+    def load_forward(self, program: Program) -> None:
+        """Keep ``program``, a forward-only step of the same world, for ``run_forward``."""
+        plan = program.plan(self.rank)
+        _check_supported(self.rank, plan.instructions)
+        unknown = sorted({c.id for c in program.communicators} - set(self._comms.forward))
+        if unknown or any(ins.phase is not Phase.F for ins in plan.instructions if ins.kind is NodeKind.COMPUTE):
+            raise ExecutionError(
+                f"rank {self.rank}: not a forward-only step of the training program "
+                f"(communicators {unknown} unknown, or backward passes)",
+                ranks=(self.rank,),
+            )
+        dp = self._data_parallel
+        for ins in plan.instructions:
+            if ins.kind in BUCKET_KINDS:
+                dp.check(ins)
+        transport = Transport(program, plan, self._comms, self.backend.device)
+        handlers = {
+            NodeKind.COMPUTE: SegmentCompute(
+                program, self._modules, self._grads_lock, dp.weight_pass, forward_only=True,
+                replica=plan.replica, device=self.backend.device,
+            ),
+            NodeKind.SEND: transport.send,
+            NodeKind.RECV: transport.recv,
+            NodeKind.MARKER: lambda ins, st: None,
+            NodeKind.MATERIALIZE: dp.materialize,
+            NodeKind.FREE: dp.free,
+        }
+        reads = ReadCounts(program, plan.instructions)
+        threaded = self._executor.threads and not lanes_share_a_communicator(plan.instructions)
+        executor = Executor(
+            plan, handlers, before=transport.post_recvs, reads=reads, sampler=self._sampler,
+            streams=self.backend, threads=threaded, timeout_s=self._timeout_s,
+        )
+        self._forward = (program, transport, reads, executor)
+
+    def run_forward(self, batch: Mapping[str, Any]) -> StepOutput:
+        """Run the program of ``load_forward`` once on ``batch`` (as in ``run_step``), the
+        modules in eval mode; returns the losses this rank computed."""
+        if self._forward is None:
+            raise ExecutionError(f"rank {self.rank}: no forward-only program loaded", ranks=(self.rank,))
+        program, transport, reads, executor = self._forward
+        started = time.perf_counter()
+        chunks = {
+            name: split_microbatches(
+                _resolve(t).to(self.backend.device), program.value_by_name[name].meta, program.microbatches
+            )
+            for name, t in batch.items()
+        }
+        st = StepState(chunks, keep_grads=False)
+        reads.start(st)
+        self._sampler.begin(st, excluded=[t for ts in chunks.values() for t in ts])
+        for module in self._modules.values():
+            module.eval()
+        try:
+            executor.run(st, self._step, started, False)
+        except BaseException:
+            self._abandoned = st
+            raise
+        finally:
+            self._sampler.end()
+            for module in self._modules.values():
+                module.train()
+        try:
+            transport.finish(st)
+        except Exception as exc:
+            raise executor.error("waiting for its sends to complete", exc, self._step) from None
+        return StepOutput(self.rank, tuple(sorted(st.losses.items())), seconds=time.perf_counter() - started)
 
     @property
     def threads(self) -> bool:
         """Whether steps run one thread per stream (else one sequential walk)."""
         return self._executor.threads
 
-    def run_step(self, batch: Mapping[str, Any], keep_grads: bool = False, profile: bool = False) -> StepOutput:
+    def run_step(
+        self, batch: Mapping[str, Any], keep_grads: bool = False, profile: bool = False, lr: float | None = None
+    ) -> StepOutput:
         """Run this rank's instructions once. ``batch`` maps the batch values this rank reads
         to whole-batch tensors (or Ray object refs to them); ``profile`` records when each
-        instruction started and ended."""
+        instruction started and ended; ``lr`` is the learning rate of this step's updates
+        (``None``: the one of the step before)."""
         self._step += 1
+        if lr is not None:
+            self._optimizers.set_lr(lr)
         started = time.perf_counter()
         program = self.program
         chunks = {
@@ -195,6 +300,7 @@ class RankWorker:
             st.grad_shards if keep_grads else None,
             self._sampler.tracker.result(),
             collective_seconds(self._modules),
+            st.grad_norm,
         )
 
     def parameters(self) -> dict[str, torch.Tensor]:
@@ -216,6 +322,42 @@ class RankWorker:
     def shutdown(self) -> None:
         if self.backend is not None:
             self.backend.shutdown()
+
+    def reset(self) -> int:
+        """Forget the run, so the next ``setup`` starts as on a new actor: leave the world
+        (the next one may have another size and port), drop the program, modules, optimizer
+        and executor state, and put back the process-wide settings a run changes (the GIL
+        switch interval, torch's thread count and default dtype) as this actor started
+        with; torch's random generators are reseeded non-deterministically, as a new
+        process's are. Only a run that ended cleanly is reset (``Runtime`` kills the actors
+        of a failed one). Returns the process id."""
+        self.shutdown()
+        fresh = self._fresh
+        self.__dict__.clear()
+        self._fresh = fresh
+        self._forget()
+        fresh.restore()
+        gc.collect()  # the run's tensors and autograd graphs go now, not at some later step
+        return os.getpid()
+
+
+@attrs.frozen
+class _ProcessSettings:
+    """Process-wide settings a run may change, as read when the actor started."""
+
+    switch_interval: float
+    threads: int
+    dtype: torch.dtype
+
+    @classmethod
+    def read(cls) -> _ProcessSettings:
+        return cls(sys.getswitchinterval(), torch.get_num_threads(), torch.get_default_dtype())
+
+    def restore(self) -> None:
+        sys.setswitchinterval(self.switch_interval)
+        torch.set_num_threads(self.threads)
+        torch.set_default_dtype(self.dtype)
+        torch.seed()  # a new process's generators are seeded at random too
 
 
 def _check_supported(rank: int, instructions: tuple) -> None:

@@ -12,6 +12,9 @@ over the ranks holding it (stream ``tie``, ``piper_memory.plan_ties``) get
 ``tie:<r0>-<r1>-...``, traffic ``tie``. A stream's instructions run in list order,
 so one communicator per stream keeps its collectives in one order on every member.
 
+The global gradient norm (``GRAD_NORM``, one per step) sums one number over its devices
+(the world) on a communicator of its own, ``norm:<r0>-<r1>-...`` (traffic ``norm``).
+
 Tensor-parallel segments (``Graph.sharding``) get one communicator per shard group
 (``Sharding.groups``: the whole device group, or each run of ``degree`` ranks when the
 segment is also data-parallel), ``tp:<r0>-<r1>-...`` (traffic ``tp``): the all-reduces
@@ -57,6 +60,11 @@ def group_traffic(stream: str) -> str:
     return stream if stream in _OWN_CLASS else "dp"
 
 
+def norm_communicator(devices: Sequence[int]) -> str:
+    """The communicator id of the gradient norm's sum over ``devices``."""
+    return f"norm:{'-'.join(map(str, devices))}"
+
+
 def tp_communicator(devices: Sequence[int], kind: str = "tp") -> str:
     """The communicator id of a sharded group's collectives inside compute: ``tp:...`` for
     tensor parallelism, ``ep:...`` for the all-to-alls of expert parallelism."""
@@ -67,7 +75,7 @@ def communicators_for(graph: Graph) -> tuple[Communicator, ...]:
     """One communicator per traffic class the graph's SEND nodes use, in a fixed order, then
     one per (stream, device group) of its collectives, in order of first use in the graph,
     then one per tensor- or expert-parallel group whose segments issue collectives (traffic
-    ``tp`` or ``ep``)."""
+    ``tp`` or ``ep``), then the gradient norm's (traffic ``norm``)."""
     used = {communicator_for(n.value or "") for n in graph.nodes if n.kind is NodeKind.SEND}
     ranks = tuple(range(graph.world_size))
     out = [Communicator(c, ranks, _TRAFFIC[c]) for c in (PP_FWD, PP_BWD) if c in used]
@@ -82,4 +90,6 @@ def communicators_for(graph: Graph) -> tuple[Communicator, ...]:
             for group in sh.groups():
                 tp.setdefault(tp_communicator(group, sh.kind), (group, sh.kind))
     out += [Communicator(c, ranks, kind) for c, (ranks, kind) in tp.items()]
+    norms = {norm_communicator(n.devices): n.devices for n in graph.nodes if n.kind is NodeKind.GRAD_NORM}
+    out += [Communicator(c, ranks, "norm") for c, ranks in norms.items()]
     return tuple(out)

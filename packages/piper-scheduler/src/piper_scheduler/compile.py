@@ -5,7 +5,9 @@ COMPUTE/OPTIMIZER node has ``devices``; cross-device data flows through SEND/REC
 Guarantees (section 5): each rank's list is a valid sequential order, matched send/receive
 sequences per (communicator, src, dst), events between streams, and ``verify`` passes.
 
-Stages, each linear in nodes + edges:
+Stages, each linear in nodes + edges (tables by segment and bucket are built once, never
+searched per node; the whole compile runs with the cyclic garbage collector paused,
+``piper_ir.gc_paused``):
 
 1. ``_compute_orders`` (``piper_ir.rank_orders``, shared with ``piper_memory.plan_memory``):
    one Kahn pass over the whole graph (data and temporal edges, all ranks at once) so
@@ -22,6 +24,10 @@ Stages, each linear in nodes + edges:
    receives that the channel order puts earlier are pulled in with it, so both sides of a
    channel agree (in-order matching, as NCCL requires). This keeps deadlock freedom: every
    pulled receive's send precedes, on its rank, the send of the receive that was needed.
+   An overlapped slot (DualPipe's F&B) receives what all its members need before its first
+   member, as DeepSeek's DualPipe does, so the backward chunk's input never queues behind
+   the forward chunk's send on the pp stream; a slot whose backward needs its own forward
+   (where that would deadlock, which ``verify`` finds) keeps one receive per member.
 4. ``_add_events``: a dependency between two streams of one rank becomes an event.
 """
 
@@ -30,6 +36,8 @@ from __future__ import annotations
 from piper_ir import (
     BUCKET_KINDS,
     COMPUTE_KINDS,
+    Bucket,
+    DeadlockError,
     EdgeKind,
     ExecutionOptions,
     Graph,
@@ -40,9 +48,12 @@ from piper_ir import (
     Program,
     RankPlan,
     SchedulingError,
+    Sharding,
     ShardKind,
     TensorMeta,
-    find_cycle,
+    cycle_error,
+    gc_paused,
+    is_acyclic,
     rank_orders,
     validate,
 )
@@ -50,6 +61,7 @@ from piper_scheduler.communicators import (
     communicator_for,
     communicators_for,
     group_communicator,
+    norm_communicator,
     tp_communicator,
 )
 from piper_scheduler.verify import verify
@@ -59,6 +71,9 @@ PASS_THROUGH_KINDS = frozenset({NodeKind.SEND, NodeKind.RECV, NodeKind.MARKER})
 # Operations of a replicated segment's device group on one bucket (docs/ir-conventions.md,
 # section 7); every member of ``devices`` gets the instruction.
 GROUP_KINDS = BUCKET_KINDS
+# Listed on every member of their group, as soon as ready: the bucket operations and the
+# gradient norm (section 10), a collective over the world.
+LISTED_KINDS = GROUP_KINDS | {NodeKind.GRAD_NORM}
 OVERLAP_PHASES = frozenset({Phase.F, Phase.B, Phase.BI})
 
 Channel = tuple[str, int, int]
@@ -68,18 +83,48 @@ def compile_program(graph: Graph, execution: ExecutionOptions | None = None) -> 
     """Per-rank instruction lists for ``graph``, verified before they are returned.
     ``execution``: how far the runtime may run ahead of the plan (``Program.execution``;
     default ``ExecutionOptions()``), which the memory estimate reads too."""
-    validate(graph)
+    with gc_paused():
+        return _compile(graph, execution or ExecutionOptions())
+
+
+def _compile(graph: Graph, execution: ExecutionOptions) -> Program:
+    # The cycle check of ``validate`` is the Kahn pass of ``_compute_orders``: a graph that
+    # fails it gets the same ValidationError, raised at the same point of the checks.
+    validate(graph, cycles=False)
     if graph.world_size < 1:
+        if not is_acyclic(graph):
+            raise cycle_error(graph)
         raise SchedulingError("the graph is not placed (world_size is 0); run Place first")
-    _check_supported(graph)
     orders = _compute_orders(graph)
+    tables = _Tables.of(graph)
+    _check_supported(graph, tables)
     sends = _place_sends(graph, orders)
-    lists = _place_recvs(graph, orders, sends)
     overlap = _overlapped_slots(graph)
-    replica = _replicas(graph)
-    program = Program(
+    replica = _replicas(graph, tables)
+    program = _program(graph, _place_recvs(graph, orders, sends, overlap), overlap, replica, tables, execution)
+    try:
+        verify(program)
+    except DeadlockError:
+        if not overlap:
+            raise
+        # Receiving a slot's inputs up front waits for what one of its own members produces
+        # (a slot whose backward needs its forward): receive before each member instead.
+        program = _program(graph, _place_recvs(graph, orders, sends, {}), overlap, replica, tables, execution)
+        verify(program)
+    return program
+
+
+def _program(
+    graph: Graph,
+    lists: list[list[str]],
+    overlap: dict[str, tuple],
+    replica: list[int],
+    tables: _Tables,
+    execution: ExecutionOptions,
+) -> Program:
+    return Program(
         world_size=graph.world_size,
-        ranks=[_rank_plan(graph, r, ids, overlap, replica[r]) for r, ids in enumerate(lists)],
+        ranks=[_rank_plan(graph, r, ids, overlap, replica[r], tables) for r, ids in enumerate(lists)],
         communicators=communicators_for(graph),
         segments=graph.segments,
         values=graph.values,
@@ -88,25 +133,55 @@ def compile_program(graph: Graph, execution: ExecutionOptions | None = None) -> 
         microbatches=graph.microbatches,
         placement=_placement(graph),
         replicas=max(
-            (len(n.devices) // _degree(graph, n.segment) for n in graph.nodes if n.kind is NodeKind.COMPUTE), default=1
+            (len(n.devices) // tables.degree(n.segment) for n in graph.nodes if n.kind is NodeKind.COMPUTE),
+            default=1,
         ),
         replication=graph.replication,
         buckets=graph.buckets,
         sharding=graph.sharding,
-        execution=execution or ExecutionOptions(),
+        execution=execution,
         ties=graph.ties,
         precision=graph.precision,
+        grad_norm=graph.grad_norm,
     )
-    verify(program)
-    return program
 
 
-def _check_supported(graph: Graph) -> None:
+class _Tables:
+    """What the stages look up per node, indexed once per graph: buckets by id, and per
+    segment its tensor-parallel degree and the sharding whose collectives its compute issues
+    (a scan of ``graph.buckets`` / ``graph.sharding`` per node would grow with nodes x
+    segments)."""
+
+    def __init__(self, buckets: dict[str, Bucket], degrees: dict[str, int], collectives: dict[str, Sharding]) -> None:
+        self.buckets = buckets
+        self.degrees = degrees
+        self.collectives = collectives
+
+    @classmethod
+    def of(cls, graph: Graph) -> _Tables:
+        degrees: dict[str, int] = {}
+        collectives: dict[str, Sharding] = {}
+        for sh in graph.sharding:  # the first entry of a segment wins, as a scan would find it
+            if sh.kind is ShardKind.TP:
+                degrees.setdefault(sh.segment, sh.degree)
+            if sh.collectives:
+                collectives.setdefault(sh.segment, sh)
+        return cls({b.id: b for b in graph.buckets}, degrees, collectives)
+
+    def degree(self, segment: str | None) -> int:
+        """The tensor-parallel degree of ``segment`` (1 unless it is tensor-sharded; the ranks
+        of an expert-parallel group are data-parallel replicas)."""
+        return self.degrees.get(segment, 1) if segment is not None else 1
+
+
+def _check_supported(graph: Graph, tables: _Tables) -> None:
     for n in graph.nodes:
         if n.kind in SCHEDULED_KINDS and not n.devices:
             raise SchedulingError(f"{n.kind.value} node {n.id} has no devices; run Place first", nodes=[n.id])
         if n.kind in GROUP_KINDS:
-            _check_group_node(graph, n)
+            _check_group_node(n, tables)
+        elif n.kind is NodeKind.GRAD_NORM:
+            _check_norm_node(graph, n)
         elif n.kind not in SCHEDULED_KINDS and n.kind not in PASS_THROUGH_KINDS:
             raise SchedulingError(
                 f"node {n.id} of kind {n.kind.value} is not supported by compile_program yet",
@@ -126,9 +201,9 @@ def _compute_orders(graph: Graph) -> list[list[str]]:
     moment the one global pass releases them, so every member issues a group's collectives
     in the same order, and each runs as soon as its inputs are ready (a reduction overlaps
     the remaining backward work)."""
-    orders = rank_orders(graph, GROUP_KINDS)
-    if orders is None:  # validate() rejects cycles; this guards against a changed validator
-        raise SchedulingError("the graph has a cycle", nodes=find_cycle(graph) or [])
+    orders = rank_orders(graph, LISTED_KINDS)
+    if orders is None:  # the pass stalled: the graph has a cycle
+        raise cycle_error(graph)
     return orders
 
 
@@ -175,14 +250,18 @@ def _matching_recv(graph: Graph, send: Node, src: int) -> str:
     )
 
 
-def _place_recvs(graph: Graph, orders: list[list[str]], sends: list[dict[int, list[str]]]) -> list[list[str]]:
-    """Full per-rank node id lists: sends after producers, receives before consumers."""
+def _place_recvs(
+    graph: Graph, orders: list[list[str]], sends: list[dict[int, list[str]]], overlap: dict[str, tuple]
+) -> list[list[str]]:
+    """Full per-rank node id lists: sends after producers, receives before consumers; the
+    consumers of an overlapped slot (``overlap``: node id -> slot key) count as one, at the
+    slot's first member."""
     nodes = graph.node_by_id
     # Each channel's receive ids in the sender's order.
     channels: dict[Channel, list[str]] = {}
-    for src, order in enumerate(orders):
-        for anchor in range(-1, len(order)):
-            for sid in sends[src].get(anchor, ()):
+    for src in range(len(orders)):
+        for anchor in sorted(sends[src]):  # the sender's list order
+            for sid in sends[src][anchor]:
                 send = nodes[sid]
                 key = (communicator_for(send.value or ""), src, _peer(send, src))
                 channels.setdefault(key, []).append(_matching_recv(graph, send, src))
@@ -191,6 +270,11 @@ def _place_recvs(graph: Graph, orders: list[list[str]], sends: list[dict[int, li
         for i, rid in enumerate(rids):
             slot[(rid, key[2])] = (key, i)
     cursor = dict.fromkeys(channels, 0)
+    recvs = {n.id for n in graph.nodes if n.kind is NodeKind.RECV}
+    predecessors = graph.predecessors
+    into: dict[int, list[Channel]] = {}  # destination rank -> its channels, sorted
+    for key in sorted(channels):
+        into.setdefault(key[2], []).append(key)
 
     lists: list[list[str]] = []
     for rank, order in enumerate(orders):
@@ -207,43 +291,45 @@ def _place_recvs(graph: Graph, orders: list[list[str]], sends: list[dict[int, li
                 out.append(rids[cursor[key]])
                 cursor[key] += 1
 
+        # An overlapped slot receives what all its members need before its first member.
+        members: dict[tuple, list[str]] = {}
+        for nid in order if overlap else ():
+            if nid in overlap:
+                members.setdefault(overlap[nid], []).append(nid)
         for i, nid in enumerate(order):
-            for e in graph.predecessors[nid]:
-                p = nodes[e.src]
-                if p.kind is NodeKind.RECV and rank in p.devices:
-                    pull(p.id)
+            for m in members.pop(overlap[nid], ()) if nid in overlap else (nid,):
+                for e in predecessors[m]:
+                    if e.src in recvs and rank in nodes[e.src].devices:
+                        pull(e.src)
             out.append(nid)
             out.extend(sends[rank].get(i, ()))
-        for key in sorted(k for k in channels if k[2] == rank):  # receives nobody here consumes
+        for key in into.get(rank, ()):  # receives nobody here consumes
             if cursor[key] < len(channels[key]):
                 pull(channels[key][-1])
         lists.append(out)
     return lists
 
 
-def _check_group_node(graph: Graph, n: Node) -> None:
+def _check_group_node(n: Node, tables: _Tables) -> None:
     if len(n.devices) < 2:
         raise SchedulingError(f"{n.kind.value} node {n.id} needs a group of two or more devices", nodes=[n.id])
-    if n.value not in _buckets(graph):
+    if n.value not in tables.buckets:
         raise SchedulingError(
             f"{n.kind.value} node {n.id} names {n.value!r}, which is not a bucket of the graph", nodes=[n.id]
         )
 
 
-def _buckets(graph: Graph) -> dict:
-    return {b.id: b for b in graph.buckets}
+def _check_norm_node(graph: Graph, n: Node) -> None:
+    if graph.grad_norm is None:
+        raise SchedulingError(f"gradient norm node {n.id}: the graph has no GradNorm (what each rank counts)", nodes=[n.id])
+    if tuple(sorted(n.devices)) != tuple(range(graph.world_size)):
+        raise SchedulingError(
+            f"gradient norm node {n.id} runs on {list(n.devices)}, not on every one of the {graph.world_size} devices",
+            nodes=[n.id],
+        )
 
 
-def _degree(graph: Graph, segment: str | None) -> int:
-    """The tensor-parallel degree of ``segment`` (1 unless it is tensor-sharded; the ranks
-    of an expert-parallel group are data-parallel replicas)."""
-    for sh in graph.sharding:
-        if sh.segment == segment and sh.kind is ShardKind.TP:
-            return sh.degree
-    return 1
-
-
-def _replicas(graph: Graph) -> list[int]:
+def _replicas(graph: Graph, tables: _Tables) -> list[int]:
     """Each rank's position in the device groups of the compute it runs (its replica index);
     a rank must hold the same position in all of them. The ranks of a tensor-parallel group
     share one replica index: they see the same data. Optimizer nodes do not count: a
@@ -253,7 +339,7 @@ def _replicas(graph: Graph) -> list[int]:
     for n in graph.nodes:
         if n.kind is not NodeKind.COMPUTE:
             continue
-        degree = _degree(graph, n.segment)
+        degree = tables.degree(n.segment)
         for j, d in enumerate(n.devices):
             j //= degree
             seen = position.setdefault(d, (j, n.id))
@@ -296,19 +382,24 @@ def _overlapped_slots(graph: Graph) -> dict[str, tuple]:
 
 
 def _rank_plan(
-    graph: Graph, rank: int, ids: list[str], overlap: dict[str, tuple] | None = None, replica: int = 0
+    graph: Graph,
+    rank: int,
+    ids: list[str],
+    overlap: dict[str, tuple],
+    replica: int,
+    tables: _Tables,
 ) -> RankPlan:
     """Instructions for ``ids`` on ``rank``, with events between streams; the compute of each
     overlapped slot gets one ``overlap`` number (0, 1, ... in list order)."""
-    overlap = overlap or {}
     numbers: dict[tuple, int] = {}
     nodes = graph.node_by_id
+    predecessors = graph.predecessors
     here = set(ids)
     waits: dict[str, list[str]] = {}
     recorded: set[str] = set()
     for nid in ids:
         stream = nodes[nid].stream
-        for e in graph.predecessors[nid]:
+        for e in predecessors[nid]:
             if e.src in here and nodes[e.src].stream != stream:
                 ev = f"ev.{e.src}"
                 recorded.add(e.src)
@@ -321,6 +412,7 @@ def _rank_plan(
             _instruction(
                 graph, nodes[nid], rank, waits.get(nid, ()), nid in recorded,
                 numbers.setdefault(overlap[nid], len(numbers)) if nid in overlap else None,
+                tables,
             )
             for nid in ids
         ],
@@ -329,40 +421,50 @@ def _rank_plan(
 
 
 def _instruction(
-    graph: Graph, n: Node, rank: int, waits: tuple[str, ...] | list[str], record: bool, overlap: int | None = None
+    graph: Graph,
+    n: Node,
+    rank: int,
+    waits: tuple[str, ...] | list[str],
+    record: bool,
+    overlap: int | None,
+    tables: _Tables,
 ) -> Instruction:
-    p2p = n.kind in (NodeKind.SEND, NodeKind.RECV)
-    meta = None
-    communicator = communicator_for(n.value or "") if p2p else None
-    if n.kind in GROUP_KINDS:
-        # The flat bucket, padded to a multiple of the shards: what a collective moves; an
-        # all-reduce of a sharded bucket (a mirrored one's gradient shard) moves one shard.
-        bucket = _buckets(graph)[n.value]
-        numel = bucket.shard_numel if n.kind is NodeKind.ALL_REDUCE else bucket.padded_numel
-        meta = TensorMeta((numel,), bucket.dtype)
-        communicator = None if n.kind is NodeKind.FREE else group_communicator(n.stream, n.devices)
-    if n.kind is NodeKind.COMPUTE and n.phase is not None:
-        # A tensor-parallel segment's compute issues all-reduces on its group inside, an
-        # expert-parallel one all-to-alls.
-        sh = next((sh for sh in graph.sharding if sh.segment == n.segment and sh.collectives), None)
-        if sh is not None:
-            communicator = tp_communicator(sh.group_of(rank), sh.kind)
-    if p2p:
+    kind = n.kind
+    meta = communicator = peer = None
+    if kind is NodeKind.SEND or kind is NodeKind.RECV:
+        communicator = communicator_for(n.value or "")
         value = graph.value_by_name.get(n.value or "")
         if value is None:
             raise SchedulingError(
-                f"{n.kind.value} node {n.id} carries unknown value {n.value!r}", nodes=[n.id]
+                f"{kind.value} node {n.id} carries unknown value {n.value!r}", nodes=[n.id]
             )
         meta = value.meta
+        peer = _peer(n, rank)
+    elif kind in GROUP_KINDS:
+        # The flat bucket, padded to a multiple of the shards: what a collective moves; an
+        # all-reduce of a sharded bucket (a mirrored one's gradient shard) moves one shard.
+        bucket = tables.buckets[n.value or ""]
+        numel = bucket.shard_numel if kind is NodeKind.ALL_REDUCE else bucket.padded_numel
+        meta = TensorMeta((numel,), bucket.dtype)
+        communicator = None if kind is NodeKind.FREE else group_communicator(n.stream, n.devices)
+    elif kind is NodeKind.GRAD_NORM:
+        meta = TensorMeta((1,), "float64")  # the sum of squares, summed over the world
+        communicator = norm_communicator(n.devices)
+    elif kind is NodeKind.COMPUTE and n.phase is not None:
+        # A tensor-parallel segment's compute issues all-reduces on its group inside, an
+        # expert-parallel one all-to-alls.
+        sh = tables.collectives.get(n.segment or "")
+        if sh is not None:
+            communicator = tp_communicator(sh.group_of(rank), sh.kind)
     return Instruction(
         id=n.id,
-        kind=n.kind,
+        kind=kind,
         stream=n.stream,
         segment=n.segment,
         phase=n.phase,
         microbatch=n.microbatch,
         value=n.value,
-        peer=_peer(n, rank) if p2p else None,
+        peer=peer,
         communicator=communicator,
         meta=meta,
         waits=tuple(waits),

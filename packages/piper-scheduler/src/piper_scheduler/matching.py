@@ -19,6 +19,7 @@ COLLECTIVE_KINDS = frozenset(
         NodeKind.ALL_TO_ALL,
         NodeKind.BROADCAST,
         NodeKind.MATERIALIZE,  # gathers a sharded bucket: every member takes part
+        NodeKind.GRAD_NORM,  # sums one number over the world
     }
 )
 

@@ -5,8 +5,16 @@ instruction starts when its stream is free and the events it waits on are record
 also needs its matching SEND to have started and finishes at
 ``max(send start + transfer cost, its own start)``; a SEND occupies its stream for the
 transfer cost; a collective starts when every member has reached it and lasts one transfer.
-Compute of an overlapped slot (``Instruction.overlap``) costs ``CostModel.overlap_factor()``
-of its own cost; ``overhead`` / ``comm_overhead`` are added per instruction.
+``overhead`` / ``comm_overhead`` are added per instruction.
+
+Compute of an overlapped slot (``Instruction.overlap``: DualPipe's F&B pair) is charged
+``CostModel.overlap_factor()`` of its cost on its stream, so a pair whose halves cost F and
+B occupies the stream for F&B. Its halves run interleaved, so neither publishes earlier
+than it would alone: an instruction of the pair's forward (or backward) half completes, for
+the events others wait on, no earlier than the pair's start plus that half's own cost up to
+and including it; and the stream takes nothing else until every instruction of the pair has
+completed (docs/schedules.md derives what this does to DualPipe's bubble).
+
 Start times follow from dependencies alone, so the order in which streams are visited does
 not change the result (a dataflow fixpoint, computed with a worklist).
 """
@@ -34,15 +42,26 @@ def simulate(program: Program, costs: CostModel | None = None) -> Timeline:
     members = {c.id: len(c.ranks) for c in program.communicators}
     overlap = costs.overlap_factor()
 
+    atomic = costs.pairs == "atomic"
     queues: dict[tuple[int, str], list[int]] = {}
+    # Per (rank, overlap number): what the pair waits for as a whole and what it costs.
+    pair_waits: dict[tuple[int, int], list[str]] = {}
+    pair_cost: dict[tuple[int, int], float] = {}
     for r, plan in enumerate(plans):
         for i, ins in enumerate(plan):
             queues.setdefault((r, ins.stream), []).append(i)
+            if ins.overlap is not None and ins.kind in COMPUTE_KINDS:
+                key = (r, ins.overlap)
+                pair_waits.setdefault(key, []).extend(ins.waits)
+                charged = costs.compute_cost(ins.segment, ins.phase) * overlap + costs.overhead
+                pair_cost[key] = pair_cost.get(key, 0.0) + charged
     head = dict.fromkeys(queues, 0)
     free = dict.fromkeys(queues, float(costs.startup))
     start: dict[Slot, float] = {}
     end: dict[Slot, float] = {}
     events: dict[tuple[int, str], float] = {}
+    pairs: dict[tuple[int, int], _Pair] = {}  # (rank, overlap number) -> the pair so far
+    holding: dict[tuple[int, str], _Pair] = {}  # stream -> the pair it runs
     coll_ready: dict[tuple[str, int], dict[int, float]] = {}
     coll_time: dict[tuple[str, int], tuple[float, float]] = {}
     waiting: dict[object, list[tuple[int, str]]] = {}
@@ -59,8 +78,12 @@ def simulate(program: Program, costs: CostModel | None = None) -> Timeline:
             i = queue[head[q_key]]
             ins = plans[r][i]
             t = free[q_key]
+            pair = holding.get(q_key)
+            if pair is not None and ins.overlap != pair.number:
+                t = max(t, pair.done)  # the stream is the pair's until both halves are done
             blocked: object = None
-            for ev in ins.waits:
+            paired = ins.overlap is not None and ins.kind in COMPUTE_KINDS
+            for ev in pair_waits[(r, ins.overlap)] if paired and atomic else ins.waits:
                 if (r, ev) not in events:
                     blocked = (r, ev)
                     break
@@ -96,19 +119,32 @@ def simulate(program: Program, costs: CostModel | None = None) -> Timeline:
                 elif ins.kind in COMPUTE_KINDS:
                     cost = costs.compute_cost(ins.segment, ins.phase)
                     if ins.overlap is not None:
-                        cost *= overlap
-                    en = t + cost + costs.overhead
+                        en = t + cost * overlap + costs.overhead
+                    else:
+                        en = t + cost + costs.overhead
                 else:
                     en = t
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(q_key)
                 break
+            done = en  # when what the instruction produces is there for others
+            if paired:
+                pair = pairs.setdefault((r, ins.overlap), _Pair(ins.overlap, st))
+                if atomic:
+                    done = pair.start + pair_cost[(r, ins.overlap)]
+                    pair.done = done
+                else:
+                    alone = costs.compute_cost(ins.segment, ins.phase) + costs.overhead
+                    done = pair.add(ins.phase is Phase.F, en, alone)
+                holding[q_key] = pair
+            else:
+                holding.pop(q_key, None)
             start[(r, i)], end[(r, i)] = st, en
             free[q_key] = en
             head[q_key] += 1
             wake((r, i))
             if ins.record is not None:
-                events[(r, ins.record)] = en
+                events[(r, ins.record)] = done
                 wake((r, ins.record))
 
     stuck = [
@@ -121,6 +157,25 @@ def simulate(program: Program, costs: CostModel | None = None) -> Timeline:
             ranks=sorted({r for r, _ in stuck}),
         )
     return _timeline(program, start, end)
+
+
+class _Pair:
+    """One overlapped F&B slot of one rank while it runs: when it started, how far each half
+    would have got alone since then, and when its last instruction completed."""
+
+    def __init__(self, number: int, start: float) -> None:
+        self.number = number
+        self.start = start
+        self.alone = {True: start, False: start}  # forward half?, backward half
+        self.done = start
+
+    def add(self, forward: bool, end: float, cost: float) -> float:
+        """Account an instruction of the pair that ran until ``end`` (charged the overlap
+        factor) and costs ``cost`` alone; returns when its result is published."""
+        self.alone[forward] += cost
+        ready = max(end, self.alone[forward])
+        self.done = max(self.done, ready)
+        return ready
 
 
 def measured_timeline(program: Program, spans: Iterable[tuple[int, str, float, float]]) -> Timeline:

@@ -1,29 +1,27 @@
 """piper-train: the front door composing Piper's packages (Trainer, reference, the piper CLI)."""
 
+import importlib
+
 from piper_train._version import __version__ as __version__
 
-__all__ = ["Trainer", "ReferenceTrainer", "run_check", "build_model", "load_workload"]
+# name -> module that defines it; imported on first use, so `import piper_train.models` stays light
+_LAZY = {
+    "Trainer": "piper_train.trainer",
+    "ReferenceTrainer": "piper_train.reference",
+    "run_check": "piper_train.check",
+    "build_model": "piper_train.models",
+    "load_workload": "piper_train.workload",
+    "LRSchedule": "piper_train.schedule",
+    "TrainState": "piper_train.state",
+    "BatchStream": "piper_train.batches",
+    "fit": "piper_train.loop",
+}
+
+__all__ = list(_LAZY)
 
 
-def __getattr__(name: str):  # lazy, so `import piper_train.models` stays light
-    if name == "Trainer":
-        from piper_train.trainer import Trainer
-
-        return Trainer
-    if name == "ReferenceTrainer":
-        from piper_train.reference import ReferenceTrainer
-
-        return ReferenceTrainer
-    if name == "run_check":
-        from piper_train.check import run_check
-
-        return run_check
-    if name == "build_model":
-        from piper_train.models import build_model
-
-        return build_model
-    if name == "load_workload":
-        from piper_train.workload import load_workload
-
-        return load_workload
-    raise AttributeError(name)
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(name)
+    return getattr(importlib.import_module(module), name)

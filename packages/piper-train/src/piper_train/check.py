@@ -13,6 +13,7 @@ from piper_ir import ExecutionError, Program
 from piper_runtime import OptimizerSpec
 from piper_train.models import ModelSpec
 from piper_train.reference import ReferenceTrainer
+from piper_train.schedule import LRSchedule
 from piper_train.trainer import Trainer
 
 # Default (rtol, atol) of a check per precision (``--precision``; "fp32": the model's own
@@ -43,6 +44,7 @@ class CheckReport:
     rtol: float
     atol: float
     program: Program = attrs.field(eq=False, repr=False)
+    grad_norms: tuple[float, ...] = ()  # the strategy's gradient norm of each step, when clipping
 
     @property
     def ok(self) -> bool:
@@ -90,20 +92,32 @@ def run_check(
     threads: bool = True,
     seed: int = 0,
     precision: str | None = None,
+    backend: str | None = None,
+    placement: str = "pack",
+    ranks_per_gpu: int = 1,
+    lr_schedule: LRSchedule | None = None,
+    clip_grad_norm: float | None = None,
+    eval_batches: int = 0,
 ) -> CheckReport:
-    """Train ``steps`` steps both ways; compare every microbatch loss, every gradient and,
-    after the last step, every parameter. ``threads=False`` runs the plans sequentially.
-    ``seed`` and ``precision`` go to the ``Trainer``; single-device training draws the same
-    random numbers and computes in the same precision (``reference_for``)."""
+    """Train ``steps`` steps both ways; compare every microbatch loss, every gradient (after
+    clipping), the learning rate (with ``lr_schedule``) and the gradient norm (with
+    ``clip_grad_norm``) of every step, after the last step every parameter and, with
+    ``eval_batches``, the held-out loss of that many batches of ``workload.eval_batches``
+    (forward only, in eval mode: dropout off). ``threads=False`` runs the plans
+    sequentially; ``backend``, ``placement``, ``ranks_per_gpu`` as for ``Trainer``. ``seed``
+    and ``precision`` go to the ``Trainer``; single-device training draws the same random
+    numbers and computes in the same precision (``reference_for``)."""
     optimizer = optimizer or OptimizerSpec()
     diffs: list[Difference] = []
+    norms: list[float] = []
     scaled = precision not in (None, "fp32")  # low precision: differences judged per tensor (``_diff``)
     with Trainer(
         workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
         optimizer=optimizer, address=address, memory_budget_bytes=memory_budget_bytes, log=log,
-        threads=threads, seed=seed, precision=precision,
+        threads=threads, seed=seed, precision=precision, backend=backend, placement=placement,
+        ranks_per_gpu=ranks_per_gpu, lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm,
     ) as trainer:
-        reference = reference_for(trainer, workload, optimizer, seed)
+        reference = reference_for(trainer, workload, optimizer, seed, lr_schedule, clip_grad_norm)
         for step in range(steps):
             inputs, targets = workload.batches(step)
             got = trainer.step(inputs, targets, keep_grads=True)
@@ -114,14 +128,34 @@ def run_check(
                 raise RuntimeError("the runtime returned no gradients although keep_grads was set")
             _same_names(got.grads, want.grads)
             pairs += [("grad", f"step {step} {name}", got.grads[name], want.grads[name]) for name in want.grads]
+            if lr_schedule is not None:
+                pairs.append(("lr", f"step {step}", torch.tensor(got.lr), torch.tensor(want.lr)))
+            if want.grad_norm is not None:
+                if got.grad_norm is None:
+                    raise RuntimeError("the program computed no gradient norm although clipping was asked for")
+                pairs.append(("grad_norm", f"step {step}", torch.tensor(got.grad_norm), torch.tensor(want.grad_norm)))
+                norms.append(got.grad_norm)
             diffs.extend(_diff(what, where, g, w, rtol, atol, scaled) for what, where, g, w in pairs)
-            log(f"step {step}: loss {got.loss:.6f} (reference {want.loss:.6f})")
+            norm = f", gradient norm {got.grad_norm:.6f} (reference {want.grad_norm:.6f})" if want.grad_norm else ""
+            log(f"step {step}: loss {got.loss:.6f} (reference {want.loss:.6f}), lr {got.lr:.3g}{norm}")
         params = trainer.parameters()
         diffs.extend(_diff("param", name, params[name], p, rtol, atol, scaled) for name, p in reference.parameters().items())
-    return CheckReport(steps, tuple(diffs), rtol, atol, trainer.program)
+        for k in range(eval_batches):
+            inputs, targets = workload.eval_batches(k)
+            got_eval, want_eval = trainer.evaluate(inputs, targets), reference.evaluate(inputs, targets)
+            diffs.append(_diff("eval", f"batch {k}", torch.tensor(got_eval), torch.tensor(want_eval), rtol, atol, scaled))
+            log(f"held-out batch {k}: loss {got_eval:.6f} (reference {want_eval:.6f})")
+    return CheckReport(steps, tuple(diffs), rtol, atol, trainer.program, tuple(norms))
 
 
-def reference_for(trainer: Trainer, workload: ModelSpec, optimizer: OptimizerSpec, seed: int) -> ReferenceTrainer:
+def reference_for(
+    trainer: Trainer,
+    workload: ModelSpec,
+    optimizer: OptimizerSpec,
+    seed: int,
+    lr_schedule: LRSchedule | None = None,
+    clip_grad_norm: float | None = None,
+) -> ReferenceTrainer:
     """Single-device training of ``workload`` that the trainer's strategy must match: the same
     microbatches, each run as the data-parallel replicas' shards, drawing the random numbers
     the captured segments draw for ``seed``, in the captured precision."""
@@ -129,6 +163,7 @@ def reference_for(trainer: Trainer, workload: ModelSpec, optimizer: OptimizerSpe
     return ReferenceTrainer(
         workload.model, workload.loss_fn, optimizer, program.microbatches,
         shards=program.replicas, randomness=Randomness(seed, trainer.captured.runs), precision=program.precision,
+        lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm,
     )
 
 

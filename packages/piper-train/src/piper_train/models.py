@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
@@ -279,7 +280,8 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
 
 Batch = tuple[tuple[Tensor, ...], tuple[Tensor, ...]]
 LossFn = Callable[[Tensor, Tensor], Tensor]
-Built = tuple[nn.Module, LossFn, Callable[[int], Batch]]
+# model, loss, training batches by step, held-out batches by index
+Built = tuple[nn.Module, LossFn, Callable[[int], Batch], Callable[[int], Batch]]
 
 
 @attrs.frozen(eq=False)
@@ -287,7 +289,11 @@ class ModelSpec:
     """A model with its data and loss: everything a trainer or benchmark needs.
 
     ``batches(step)`` returns ``(inputs, targets)``, deterministic in ``(seed, step)``;
-    ``example_inputs`` / ``example_targets`` are ``batches(0)``.
+    ``example_inputs`` / ``example_targets`` are ``batches(0)``. ``eval_batches(k)`` is the
+    k-th held-out batch (data no training step sees), ``None`` when the model has none.
+    ``data``: the training source a factory returned (a ``Dataset``, ``DataLoader`` or
+    iterable of batches; ``None``: ``batches`` is the source), batched by ``batch_size``
+    where it is a ``Dataset``. ``stream()`` is the training ``BatchStream`` either way.
     """
 
     name: str
@@ -298,10 +304,25 @@ class ModelSpec:
     batches: Callable[[int], Batch]
     stages: int
     seed: int
+    eval_batches: Callable[[int], Batch] | None = None
+    data: Any = None
+    batch_size: int | None = None
+
+    def stream(self) -> Any:  # a piper_train.batches.BatchStream
+        from piper_train.batches import BatchStream
+
+        if self.data is not None:
+            return BatchStream(self.data, batch_size=self.batch_size, seed=self.seed, name=f"{self.name} data")
+        return BatchStream(self.batches, seed=self.seed, name=f"{self.name} batches")
 
 
 def _mix(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**63 - 1)
+
+
+def _held_out(k: int) -> int:
+    """The step number that seeds held-out batch ``k``: negative, so no training step's."""
+    return -2 - k
 
 
 def _mlp(stages: int, seed: int) -> Built:
@@ -312,7 +333,7 @@ def _mlp(stages: int, seed: int) -> Built:
         x = torch.randn(batch, d_in, generator=torch.Generator().manual_seed(_mix(seed, step)))
         return (x,), (torch.sin(x @ teacher / math.sqrt(d_in)),)
 
-    return MLP(d_in, d_hidden, d_out, stages), F.mse_loss, batches
+    return MLP(d_in, d_hidden, d_out, stages), F.mse_loss, batches, lambda k: batches(_held_out(k))
 
 
 def _random_tokens(stages: int, seed: int) -> Built:
@@ -323,18 +344,28 @@ def _random_tokens(stages: int, seed: int) -> Built:
         seq = torch.randint(0, vocab, (batch, seq_len + 1), generator=gen)
         return (seq[:, :-1],), (seq[:, 1:],)
 
-    return TinyTransformer(vocab, 64, 4, stages, seq_len), lm_loss, batches
+    return TinyTransformer(vocab, 64, 4, stages, seq_len), lm_loss, batches, lambda k: batches(_held_out(k))
+
+
+LM_VALIDATION = 0.1  # the fraction of the corpus (its end) the lm example holds out
 
 
 def _byte_lm(stages: int, seed: int) -> Built:
     seq_len, batch = 64, 16
-    data = ByteBatches(stdlib_corpus(), batch, seq_len, seed)
+    corpus = stdlib_corpus()
+    cut = int(len(corpus) * (1 - LM_VALIDATION))
+    train = ByteBatches(corpus[:cut], batch, seq_len, seed)
+    validation = ByteBatches(corpus[cut:], batch, seq_len, seed)
 
     def batches(step: int) -> Batch:
-        inputs, targets = data(step)
+        inputs, targets = train(step)
         return (inputs,), (targets,)
 
-    return TinyTransformer(256, 64, 4, stages, seq_len), lm_loss, batches
+    def eval_batches(k: int) -> Batch:
+        inputs, targets = validation(k)
+        return (inputs,), (targets,)
+
+    return TinyTransformer(256, 64, 4, stages, seq_len), lm_loss, batches, eval_batches
 
 
 def _moe(stages: int, seed: int) -> Built:
@@ -345,7 +376,8 @@ def _moe(stages: int, seed: int) -> Built:
         x = torch.randn(batch, d_in, generator=torch.Generator().manual_seed(_mix(seed, step)))
         return (x,), (torch.sin(x @ teacher / math.sqrt(d_in)),)
 
-    return MoEModel(d_in, 16, d_out, stages, num_experts=4, k=2, shared=True), F.mse_loss, batches
+    model = MoEModel(d_in, 16, d_out, stages, num_experts=4, k=2, shared=True)
+    return model, F.mse_loss, batches, lambda k: batches(_held_out(k))
 
 
 MODELS = {"mlp": _mlp, "transformer": _random_tokens, "lm": _byte_lm, "moe": _moe}
@@ -359,7 +391,11 @@ def build_model(name: str, *, stages: int, seed: int = 0, dtype: torch.dtype = t
     - ``moe``: regression with MSE through mixture-of-experts regions (16 -> 8, batch 16,
       4 experts of width 32, top-2 routing, a shared expert).
     - ``lm``: byte-level LM on the standard library's source (vocab 256, d 64, 4 heads,
-      seq 64, batch 16); one block per stage.
+      seq 64, batch 16); one block per stage. It trains on the first 90% of the corpus; its
+      held-out batches come from the last 10%.
+
+    Every model has held-out batches (``eval_batches``): the others draw them like training
+    batches, from seeds no training step uses.
 
     ``seed`` fixes the initial weights (without disturbing the caller's global RNG) and the data.
     ``dtype`` is the floating-point type of the weights and of floating inputs and targets
@@ -371,12 +407,12 @@ def build_model(name: str, *, stages: int, seed: int = 0, dtype: torch.dtype = t
         raise ValueError(f"stages must be >= 1, got {stages}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model, loss_fn, batches = MODELS[name](stages, seed)
+        model, loss_fn, batches, eval_batches = MODELS[name](stages, seed)
     if dtype != torch.float32:
         model = model.to(dtype)
-        batches = _cast_batches(batches, dtype)
+        batches, eval_batches = _cast_batches(batches, dtype), _cast_batches(eval_batches, dtype)
     inputs, targets = batches(0)
-    return ModelSpec(name, model, inputs, targets, loss_fn, batches, stages, seed)
+    return ModelSpec(name, model, inputs, targets, loss_fn, batches, stages, seed, eval_batches)
 
 
 def _cast_batches(batches: Callable[[int], Batch], dtype: torch.dtype) -> Callable[[int], Batch]:

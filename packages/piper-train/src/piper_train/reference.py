@@ -13,13 +13,16 @@ from piper_directives.precision import PrecisionModel
 from piper_directives.randomness import Randomness
 from piper_ir import Precision
 from piper_runtime import OptimizerSpec
+from piper_train.schedule import LRSchedule
 
 
 @attrs.frozen
 class ReferenceStep:
     losses: tuple[float, ...]  # the loss of each microbatch, before the update
     loss: float  # their mean: the full-batch loss for a mean-reduced loss
-    grads: dict[str, torch.Tensor]  # gradients of the full-batch loss
+    grads: dict[str, torch.Tensor]  # gradients of the full-batch loss (after clipping)
+    grad_norm: float | None = None  # the total gradient norm before clipping, when clipping
+    lr: float | None = None  # the learning rate of this step's update
 
 
 class ReferenceTrainer:
@@ -43,6 +46,11 @@ class ReferenceTrainer:
 
     ``precision``: run the model as the captured segments run with that ``Precision``
     (piper_directives.precision.PrecisionModel): fp32 master weights, compute in the low dtype.
+
+    The training-loop basics are torch's own: the optimizer groups parameters for weight
+    decay by ``OptimizerSpec.build_named``, ``lr_schedule`` builds a ``torch.optim.lr_scheduler``
+    on it, stepped after each update, and ``clip_grad_norm`` clips with
+    ``torch.nn.utils.clip_grad_norm_`` before the update.
     """
 
     def __init__(
@@ -56,6 +64,8 @@ class ReferenceTrainer:
         shards: int = 1,
         randomness: Randomness | None = None,
         precision: Precision | None = None,
+        lr_schedule: LRSchedule | None = None,
+        clip_grad_norm: float | None = None,
     ) -> None:
         if shards < 1:
             raise ValueError(f"shards must be >= 1, got {shards}")
@@ -69,7 +79,21 @@ class ReferenceTrainer:
         self.shards = shards
         self.randomness = randomness
         self.steps = 0
-        self.optimizer = optimizer.build(self.model.parameters())
+        self.clip_grad_norm = clip_grad_norm
+        self.optimizer = optimizer.build_named(self.model.named_parameters())
+        self.scheduler = (lr_schedule or LRSchedule()).build(self.optimizer)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> float:
+        """The loss of a batch, forward only and in eval mode, as the mean of its
+        microbatches' losses (what ``Trainer.evaluate`` reports)."""
+        m, n_in = self.microbatches, len(inputs)
+        chunks = list(zip(*(t.chunk(m) for t in (*inputs, *targets)), strict=True))
+        self.model.eval()
+        try:
+            return sum(float(self._loss(self.forward(*c[:n_in]), c[n_in:])) for c in chunks) / m
+        finally:
+            self.model.train()
 
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> ReferenceStep:
         m, n_in = self.microbatches, len(inputs)
@@ -88,10 +112,15 @@ class ReferenceTrainer:
             with torch.no_grad():
                 losses = [float(self._loss(self.forward(*c[:n_in]), c[n_in:])) for c in chunks]
             self._loss(self.forward(*inputs), targets).backward()
+        norm = None
+        if self.clip_grad_norm is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm))
         grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
+        self.scheduler.step()
         self.steps += 1
-        return ReferenceStep(tuple(losses), sum(losses) / m, grads)
+        return ReferenceStep(tuple(losses), sum(losses) / m, grads, norm, lr)
 
     def _backward(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], microbatch: int, shard: int) -> float:
         """Forward and backward of one piece of one microbatch; returns its loss."""

@@ -2,9 +2,15 @@
 
 ``Trainer`` composes the packages: capture (piper-directives) -> strategy -> tensor-parallel
 rewrite of sharded segments' code (``shard_modules``) -> memory planning
-(piper-memory: ZeRO reductions, gathers and frees) -> compile and verify (piper-scheduler)
--> execute on Ray (piper-runtime). Everything in between is a
-``piper_ir`` value, available as ``trainer.graph`` and ``trainer.program``.
+(piper-memory: ZeRO reductions, gathers and frees; the gradient norm when clipping) ->
+compile and verify (piper-scheduler) -> execute on Ray (piper-runtime). Everything in
+between is a ``piper_ir`` value, available as ``trainer.graph`` and ``trainer.program``.
+
+The training-loop basics: the driver owns the learning-rate schedule (``TrainState.lr``) and
+sends each step's learning rate with the step; gradient clipping is a ``GRAD_NORM`` node of
+the program (``piper_memory.add_grad_norm``); weight decay is the ``OptimizerSpec``'s.
+``evaluate`` runs a second, forward-only program (``piper_scheduler.forward_only`` of the
+same graph, compiled on first use) on the same workers.
 """
 
 from __future__ import annotations
@@ -16,9 +22,12 @@ import torch
 
 from piper_directives import Strategy, build_schedule, capture, shard_modules
 from piper_ir import DirectiveError, Graph, Program
-from piper_memory import check_budget, plan_memory
-from piper_runtime import OptimizerSpec, Runtime, StepResult
-from piper_scheduler import compile_program
+from piper_memory import add_grad_norm, check_budget, plan_memory
+from piper_runtime import OptimizerSpec, Runtime, StepResult, WorkerPool
+from piper_runtime.batch import full_batch_shape
+from piper_scheduler import compile_program, forward_only
+from piper_train.schedule import LearningRate, LRSchedule
+from piper_train.state import TrainState
 
 
 def pipeline_stages(graph: Graph, tag: str = "PP") -> int:
@@ -37,12 +46,27 @@ class Trainer:
     are copied to the workers; ``parameters()`` returns the trained values.
 
     ``memory_budget_bytes``: when given, compile fails with ``MemoryPlanError`` (before any
-    worker starts) if a rank's estimated memory (``piper_memory.estimate_memory``) exceeds it.
+    worker starts) if a rank's estimated memory (``piper_memory.estimate_memory``) exceeds it;
+    it is per GPU, so with ``ranks_per_gpu`` N each rank may use 1/N of it.
     ``threads=False`` runs each rank's plan sequentially instead of one thread per stream.
     ``seed``: what random numbers (dropout) are drawn from, per (region, microbatch, step,
     replica), so every strategy draws the same masks (``piper_runtime.randomness``);
     ``precision`` (``"bf16"``): compute in that dtype on fp32 master weights, gradients and
     optimizer state (``piper_directives.precision``). ``captured`` is the ``CapturedModel``.
+
+    ``backend``: ``"cpu"``, ``"cuda"``, or ``None`` to choose: ``cuda`` when the Ray cluster has
+    a GPU for every rank (a share of one with ``ranks_per_gpu``) and the CUDA backend can run
+    there, else ``cpu``; the choice and why go to ``log``. ``placement``: ``"pack"`` (ranks on
+    as few nodes as possible) or ``"spread"`` (``piper_runtime.placement``).
+    ``reuse_workers`` is ``Runtime``'s: ``True`` (or a ``piper_runtime.WorkerPool``) takes the
+    Ray workers from a pool and gives them back at ``close``; ``None`` follows
+    ``PIPER_REUSE_WORKERS``.
+
+    ``lr_schedule``: the learning rate of each step (``optimizer.lr`` is the peak; default
+    constant). ``clip_grad_norm``: clip the gradients to this global 2-norm before every
+    update, as ``torch.nn.utils.clip_grad_norm_`` on the single-device model;
+    ``measure_grad_norm``: compute the norm (``StepResult.grad_norm``) without clipping.
+    ``state`` holds the loop's state (step, schedule, data position: ``TrainState``).
     """
 
     def __init__(
@@ -61,6 +85,13 @@ class Trainer:
         threads: bool = True,
         seed: int = 0,
         precision: str | None = None,
+        backend: str | None = None,
+        placement: str = "pack",
+        ranks_per_gpu: int = 1,
+        reuse_workers: bool | WorkerPool | None = None,
+        lr_schedule: LRSchedule | None = None,
+        clip_grad_norm: float | None = None,
+        measure_grad_norm: bool = False,
     ) -> None:
         say = log or (lambda _: None)
         started = time.perf_counter()
@@ -71,11 +102,17 @@ class Trainer:
         self.strategy = strategy
         # Tensor-parallel segments get their code rewritten (column/row-parallel Linears).
         graph, modules = shard_modules(strategy.apply(captured.graph), captured.modules)
-        self.graph = plan_memory(graph)
+        planned = plan_memory(graph)
+        if clip_grad_norm is not None or measure_grad_norm:
+            planned = add_grad_norm(planned, clip_grad_norm)
+        self.graph = planned
         self.program: Program = compile_program(self.graph)
+        self.eval_program: Program | None = None  # compiled by the first ``evaluate``
         optimizer = optimizer or OptimizerSpec()
+        self.optimizer = optimizer
+        self.state = TrainState(LearningRate(optimizer.lr, lr_schedule))
         if memory_budget_bytes is not None:
-            check_budget(self.program, memory_budget_bytes, optimizer.name)
+            check_budget(self.program, memory_budget_bytes // max(1, ranks_per_gpu), optimizer.name)
         self.compile_seconds = time.perf_counter() - started
         self.batch_size = captured.batch_size
         say(
@@ -92,6 +129,11 @@ class Trainer:
             threads=threads,
             seed=seed,
             by_value=captured.user_modules,  # the model file, its neighbours: by value to the workers
+            backend=backend,
+            placement=placement,
+            ranks_per_gpu=ranks_per_gpu,
+            log=say,
+            reuse_workers=reuse_workers,
         )
 
     @classmethod
@@ -129,9 +171,41 @@ class Trainer:
         keep_grads: bool = False,
         profile: bool = False,
     ) -> StepResult:
-        """One training step on a full batch; returns the per-microbatch losses (and, when
-        asked, the gradients and per-instruction timings)."""
-        return self.runtime.step(tuple(inputs), tuple(targets), keep_grads=keep_grads, profile=profile)
+        """One training step on a full batch at the schedule's learning rate; returns the
+        per-microbatch losses, the learning rate, the gradient norm where the program
+        computes one (and, when asked, the gradients and per-instruction timings)."""
+        inputs, targets = tuple(inputs), tuple(targets)
+        self._check_batch_size(inputs, targets)
+        result = self.runtime.step(inputs, targets, keep_grads=keep_grads, profile=profile, lr=self.state.lr.current)
+        self.state.advance(self.batch_size, _tokens(inputs))
+        return result
+
+    def evaluate(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> float:
+        """The loss of one batch, forward only (no gradient, no update, the modules in eval
+        mode): the mean of its microbatches' losses, as ``step`` reports it. The first call
+        compiles the forward-only program and loads it on the workers."""
+        inputs, targets = tuple(inputs), tuple(targets)
+        self._check_batch_size(inputs, targets)
+        if self.eval_program is None:
+            self.eval_program = compile_program(forward_only(self.graph))
+            self.runtime.load_forward(self.eval_program)
+        return self.runtime.evaluate(inputs, targets).loss
+
+    def _check_batch_size(self, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> None:
+        """A clear error for a batch whose size differs from the example's: the program's
+        shapes (and every transfer's buffer) are fixed at compile time."""
+        program = self.program
+        for name, tensor in zip((*program.inputs, *program.targets), (*inputs, *targets), strict=False):
+            meta = program.value_by_name[name].meta
+            if meta.batch_dim is None or not isinstance(tensor, torch.Tensor) or tensor.dim() <= meta.batch_dim:
+                continue
+            want = full_batch_shape(meta, program.microbatches, program.replicas)[meta.batch_dim]
+            if tensor.shape[meta.batch_dim] != want:
+                raise ValueError(
+                    f"{name}: a batch of {tensor.shape[meta.batch_dim]} samples, but the program was compiled for "
+                    f"batches of {want} (the example batch's size); every batch must have that size (drop a "
+                    "dataset's last partial batch)"
+                )
 
     def parameters(self) -> dict[str, torch.Tensor]:
         return self.runtime.parameters()
@@ -144,3 +218,11 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _tokens(inputs: tuple[torch.Tensor, ...]) -> int:
+    """Tokens in a batch whose first input holds integer token ids (else 0)."""
+    first = inputs[0] if inputs else None
+    if first is None or first.is_floating_point() or first.is_complex() or first.dtype is torch.bool:
+        return 0
+    return first.numel()

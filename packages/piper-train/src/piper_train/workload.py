@@ -7,12 +7,17 @@ fully covered by ``annotate("PP")`` regions, the inputs and targets are a tensor
 tensors holding one full batch (dim 0 is the batch), ``loss_fn(*outputs, *targets)`` returns a
 scalar mean loss, and ``batches(step)`` (optional) returns step ``step``'s ``(inputs,
 targets)`` like the example batch; without it every training step reuses the example batch.
-The strategy decides how many regions go on each rank, so one factory serves every strategy
-(the region count must be divisible by the number of pipeline ranks).
+Or it returns ``(model, data, loss_fn)`` or ``(model, data, loss_fn, eval_data)``: ``data`` a
+``torch.utils.data.Dataset`` of ``(input, target)`` samples (batched by ``batch_size``), a
+``DataLoader``, or any iterable of ``(inputs, targets)`` batches (``piper_train.batches``);
+the first batch is the example the program is compiled for, every step draws the next;
+``eval_data`` likewise, the held-out batches. The strategy decides how many regions go on
+each rank, so one factory serves every strategy (the region count must be divisible by the
+number of pipeline ranks).
 
 The file runs as a script would: its directory is put first on ``sys.path`` (if it is not
 there yet), so it can import modules next to it. The workers get the file and those modules
-by value (piper_train.user_code), not by import.
+by value (piper_runtime.user_code), not by import.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from piper_train.batches import BatchStream, is_data_source
 from piper_train.models import MODELS, ModelSpec, build_model
 
 
@@ -34,8 +40,9 @@ def _as_tuple(value: object, what: str, origin: str) -> tuple[torch.Tensor, ...]
     return tuple(items)
 
 
-def load_factory(spec: str) -> ModelSpec:
-    """Import ``path.py:factory`` and call it."""
+def load_factory(spec: str, *, batch_size: int | None = None, seed: int = 0) -> ModelSpec:
+    """Import ``path.py:factory`` and call it; ``batch_size`` batches a ``Dataset`` it
+    returns, ``seed`` seeds the shuffling of its data."""
     path_text, _, name = spec.rpartition(":")
     path = Path(path_text)
     if not path_text or not name or not path.is_file():
@@ -54,17 +61,35 @@ def load_factory(spec: str) -> ModelSpec:
     if not callable(factory):
         raise ValueError(f"model {spec!r}: {path} has no callable {name!r}")
     result = factory()
-    if not isinstance(result, tuple) or len(result) not in (4, 5):
-        raise ValueError(f"model {spec!r}: the factory must return (model, inputs, targets, loss_fn[, batches])")
-    model, inputs, targets, loss_fn = result[:4]
-    if not isinstance(model, torch.nn.Module) or not callable(loss_fn):
-        raise ValueError(f"model {spec!r}: the factory must return (nn.Module, inputs, targets, callable loss)")
-    inputs_t, targets_t = _as_tuple(inputs, "inputs", spec), _as_tuple(targets, "targets", spec)
-    if len(result) == 5:
-        if not callable(result[4]):
-            raise ValueError(f"model {spec!r}: the factory's fifth item must be a callable batches(step)")
-        return ModelSpec(spec, model, inputs_t, targets_t, loss_fn, _checked_batches(result[4], spec), 0, 0)
-    return ModelSpec(spec, model, inputs_t, targets_t, loss_fn, lambda step: (inputs_t, targets_t), 0, 0)
+    forms = ("(model, inputs, targets, loss_fn[, batches]), (model, data, loss_fn) or "
+             "(model, data, loss_fn, eval_data)")
+    if not isinstance(result, tuple) or len(result) not in (3, 4, 5) or not isinstance(result[0], torch.nn.Module):
+        raise ValueError(f"model {spec!r}: the factory must return {forms}")
+    if len(result) == 5 or (len(result) == 4 and not is_data_source(result[1])):
+        model, inputs, targets, loss_fn = result[:4]
+        if not callable(loss_fn):
+            raise ValueError(f"model {spec!r}: the factory must return (nn.Module, inputs, targets, callable loss)")
+        inputs_t, targets_t = _as_tuple(inputs, "inputs", spec), _as_tuple(targets, "targets", spec)
+        if len(result) == 5:
+            if not callable(result[4]):
+                raise ValueError(f"model {spec!r}: the factory's fifth item must be a callable batches(step)")
+            return ModelSpec(spec, model, inputs_t, targets_t, loss_fn, _checked_batches(result[4], spec), 0, 0)
+        return ModelSpec(spec, model, inputs_t, targets_t, loss_fn, lambda step: (inputs_t, targets_t), 0, 0)
+    model, data, loss_fn, *rest = result
+    if not callable(loss_fn) or not is_data_source(data):
+        raise ValueError(f"model {spec!r}: the factory must return {forms}; got a {type(data).__name__} as data")
+    eval_data = rest[0] if rest else None
+    if eval_data is not None and not is_data_source(eval_data):
+        raise ValueError(f"model {spec!r}: eval_data must be a Dataset, a DataLoader or an iterable of batches")
+    train = _Indexed(lambda: BatchStream(data, batch_size=batch_size, seed=seed, name=f"{spec} data"))
+    held_out = None
+    if eval_data is not None:
+        held_out = _Indexed(
+            lambda: BatchStream(eval_data, batch_size=batch_size, shuffle=False, name=f"{spec} eval data"),
+            one_epoch=True,
+        )
+    inputs_t, targets_t = train(0)
+    return ModelSpec(spec, model, inputs_t, targets_t, loss_fn, train, 0, seed, held_out, data, batch_size)
 
 
 def _checked_batches(batches: Callable[[int], object], spec: str) -> Callable[[int], tuple[tuple[torch.Tensor, ...], ...]]:
@@ -77,10 +102,36 @@ def _checked_batches(batches: Callable[[int], object], spec: str) -> Callable[[i
     return checked
 
 
-def load_workload(spec: str, *, stages: int, seed: int = 0) -> ModelSpec:
-    """A built-in model name (``mlp``, ``transformer``, ``lm``) or ``file.py:factory``."""
+class _Indexed:
+    """Batch ``k`` of a stream by index (drawing and keeping the batches up to it): the
+    ``ModelSpec.batches`` of a data source, for ``piper check`` and the example batch, and
+    its ``eval_batches`` (``one_epoch``: held-out data is not repeated)."""
+
+    def __init__(self, make: Callable[[], BatchStream], one_epoch: bool = False) -> None:
+        self.make = make
+        self.one_epoch = one_epoch
+        self.stream: BatchStream | None = None
+        self.drawn: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
+
+    def __call__(self, k: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        if self.stream is None:
+            self.stream = self.make()
+        while len(self.drawn) <= k:
+            try:
+                batch = next(self.stream)
+            except StopIteration:
+                batch = None
+            if batch is None or (self.one_epoch and self.stream.epoch > 0):
+                raise ValueError(f"{self.stream.name}: only {len(self.drawn)} batches, batch {k} was asked for")
+            self.drawn.append(batch)
+        return self.drawn[k]
+
+
+def load_workload(spec: str, *, stages: int, seed: int = 0, batch_size: int | None = None) -> ModelSpec:
+    """A built-in model name (``mlp``, ``transformer``, ``lm``) or ``file.py:factory``
+    (``batch_size``: for a factory that returns a ``Dataset``)."""
     if spec in MODELS:
         return build_model(spec, stages=stages, seed=seed)
     if ":" in spec:
-        return load_factory(spec)
+        return load_factory(spec, batch_size=batch_size, seed=seed)
     raise ValueError(f"unknown model {spec!r}; use one of {sorted(MODELS)} or 'path/to/file.py:factory'")

@@ -1,6 +1,7 @@
-"""Device backends behind one protocol (``base``): ``cpu`` (gloo, threads as streams) and the
-``cuda`` placeholder. ``register_backend(name, factory)`` adds one; the executor only talks
-to the protocol."""
+"""Device backends behind one protocol (``base``): ``cpu`` (gloo, threads as streams) and
+``cuda`` (cupy streams and events, NCCL communicators; ``cuda``, ``device``,
+``device_streams``, ``nccl``, ``staged``, ``gpu_plan``; fakes for CPU tests in ``fakes``).
+``register_backend(name, factory)`` adds one; the executor only talks to the protocol."""
 
 from piper_runtime.backends.base import (
     Backend,
@@ -14,9 +15,10 @@ from piper_runtime.backends.base import (
     register_backend,
     resolve_backend,
     unregister_backend,
+    used_on_this_lane,
 )
 from piper_runtime.backends.cpu import CpuBackend, GlooCommunicator
-from piper_runtime.backends.cuda import cuda_backend
+from piper_runtime.backends.cuda import CudaBackend, cuda_backend, cuda_missing
 from piper_runtime.backends.host import HostEvent, HostStreams
 
 register_backend("cpu", CpuBackend, replace=True)
@@ -27,6 +29,7 @@ __all__ = [
     "BackendFactory",
     "Communicator",
     "CpuBackend",
+    "CudaBackend",
     "Event",
     "GlooCommunicator",
     "HostEvent",
@@ -35,7 +38,9 @@ __all__ = [
     "Work",
     "backend_factory",
     "backend_names",
+    "cuda_missing",
     "register_backend",
     "resolve_backend",
     "unregister_backend",
+    "used_on_this_lane",
 ]

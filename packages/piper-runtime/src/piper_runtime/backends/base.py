@@ -11,8 +11,10 @@ a thread-to-stream binding itself: it asks one ``Backend`` for
   ``wait_issued``), and a device side, ``wait_device``, called on the consumer's lane once the
   host side is satisfied (CUDA: the consumer's stream waits for a CUDA event recorded after
   the producer's work; CPU: work is done when issued, nothing more to wait for);
-- communicators: after ``connect`` joins the world, ``communicator(ranks)`` makes one group
-  (every rank calls it for every group, member or not, in one order). The executor makes one
+- communicators: after ``connect`` joins the world, ``communicator(ranks, channels)`` makes one
+  group (every rank calls it for every group, member or not, in one order; ``channels`` are
+  the (sender, receiver) pairs that will exchange point-to-point messages on it, so a backend
+  can set up per-pair resources once, here). The executor makes one
   per program ``Communicator`` and direction, and one per device group of the early
   reduce-scatters (``piper_runtime.comms``); tensor- and expert-parallel modules get theirs
   from there. A ``Communicator`` carries point-to-point sends and receives (asynchronous,
@@ -20,6 +22,13 @@ a thread-to-stream binding itself: it asks one ``Backend`` for
   asynchronously), all-gather, all-to-all with uneven splits;
 - memory accounting: ``memory_tracker(rank)`` is what counts the bytes of the tensors the
   worker holds (``piper_runtime.memory``; a CUDA backend may add the allocator's figures).
+
+Tensors that cross streams. A device backend whose lanes are separate device streams must
+keep a tensor's memory from being reused while another stream's work on it is pending (CUDA:
+``record_stream``). Communicators do that for what they touch; the few places where one lane
+takes over model state another lane allocated (a gradient read and dropped by a bucket
+instruction, gradients the optimizer frees) call ``used_on_this_lane(*tensors)``, which runs
+the hook the current lane's context installed (``lane_hook``; nothing on the host).
 
 Backends are found by name: ``register_backend(name, factory)``; ``resolve_backend(name)``
 calls the factory. A factory returns an *unconnected* backend, which is cheap, so the driver
@@ -30,8 +39,9 @@ only talks to this protocol.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
 import torch
@@ -136,9 +146,11 @@ class Backend(Streams, Protocol):
         """Join the world (rank 0 listens on ``master_addr:master_port``)."""
         ...
 
-    def communicator(self, ranks: Sequence[int]) -> Communicator:
+    def communicator(self, ranks: Sequence[int], channels: Sequence[tuple[int, int]] = ()) -> Communicator:
         """A new group over ``ranks``; every rank of the world calls this for every group,
-        in one order (a non-member gets an object it never uses)."""
+        in one order (a non-member gets an object it never uses). ``channels``: the
+        ``(sender, receiver)`` pairs that will send point-to-point messages on it, in one
+        order on every rank (empty: collectives only)."""
         ...
 
     def memory_tracker(self, rank: int) -> MemoryTracker:
@@ -151,6 +163,30 @@ class Backend(Streams, Protocol):
 
 
 BackendFactory = Callable[[], Backend]
+
+_LANE = threading.local()
+
+
+@contextmanager
+def lane_hook(use: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Inside a lane's context: ``used_on_this_lane`` calls ``use`` on this thread."""
+    previous = getattr(_LANE, "use", None)
+    _LANE.use = use
+    try:
+        yield
+    finally:
+        _LANE.use = previous
+
+
+def used_on_this_lane(*tensors: torch.Tensor | None) -> None:
+    """The current lane reads (or takes over) ``tensors``, which another lane may have
+    allocated: keep their memory from reuse until this lane's pending work on them is done
+    (module doc). Nothing outside a device lane."""
+    use = getattr(_LANE, "use", None)
+    if use is not None:
+        for t in tensors:
+            if t is not None:
+                use(t)
 
 _REGISTRY: dict[str, BackendFactory] = {}
 

@@ -6,6 +6,10 @@ each gets its own point-to-point tag, which keeps, e.g., activations and gradien
 the same two ranks in separate FIFO channels. gloo runs collectives and transfers on its own
 threads and torch kernels release the GIL, so communication proceeds while another lane
 computes.
+
+``connect`` joins through ``piper_runtime.rendezvous``: the TCP store listens on the
+rendezvous address only, and gloo's sockets use the interface owning this rank's address
+(``GLOO_SOCKET_IFNAME``, unless set).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.distributed as dist
 
 from piper_runtime.backends.host import HostStreams
 from piper_runtime.memory import MemoryTracker
+from piper_runtime.rendezvous import make_store, set_socket_interfaces
 
 # The non-deprecated names of the flat collectives (torch >= 2.13), else the older ones.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -79,15 +84,16 @@ class CpuBackend(HostStreams):
     def connect(self, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float) -> None:
         if dist.is_initialized():  # a test process that already joined a world reuses it
             return
+        set_socket_interfaces(master_addr, ("GLOO_SOCKET_IFNAME",))
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://{master_addr}:{master_port}",
+            store=make_store(rank, world_size, master_addr, master_port, timeout_s),
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
 
-    def communicator(self, ranks: Sequence[int]) -> GlooCommunicator:
+    def communicator(self, ranks: Sequence[int], channels: Sequence[tuple[int, int]] = ()) -> GlooCommunicator:
         self._tags += 1
         return GlooCommunicator(dist.new_group(sorted(ranks)), ranks, self._tags)
 

@@ -3,11 +3,13 @@ take it, and the checks argparse cannot express.
 
 | group | options | subcommands |
 | --- | --- | --- |
-| model | --model (default lm) | train, check |
+| model | --model (default lm), --batch-size | train, check |
 | pipeline | --schedule, --strategy, --pp, --stages, --microbatches | train, check, simulate, plan |
 | parallelism | --dp, --zero, --tp, --ep | train, check |
-| run | --memory-budget-mb, --optimizer, --lr, --seed, --precision, --address | train, check |
+| run | --memory-budget-mb, --optimizer, --lr, --seed, --precision, --address, --backend, --placement, --ranks-per-gpu | train, check |
+| optimization | --lr-schedule, --warmup-steps, --min-lr, --lr-step-size, --lr-gamma, --clip-grad-norm, --weight-decay | train, check |
 | summary | --json (a machine-readable summary) | train, check |
+| length, evaluation, metrics | --steps, --epochs, --eval-every, --eval-batches, --metrics, --tensorboard, --profile-step, ... | train |
 | simulation | --cost, --json, --png, --trace | simulate, show |
 """
 
@@ -19,12 +21,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from piper_directives import SCHEDULES
+from piper_train.schedule import SCHEDULES as LR_SCHEDULES
 
 Group = Callable[[argparse.ArgumentParser], None]
 
 
 def add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="lm", help="mlp, transformer, lm, moe, or path/to/file.py:factory (default: lm)")
+    p.add_argument("--batch-size", type=int, help="samples per batch, for a factory that returns a Dataset")
 
 
 def add_pipeline(p: argparse.ArgumentParser) -> None:
@@ -65,12 +69,39 @@ def add_precision(p: argparse.ArgumentParser) -> None:
 
 def add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget-mb", type=float, default=None,
-                   help="fail at compile time if a rank's estimated memory exceeds this many MiB")
+                   help="fail at compile time if the estimated memory per GPU (per rank on the CPU) exceeds this "
+                        "many MiB")
     p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw"], help="(default: adamw)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: 3e-3 for adam/adamw, 0.05 for sgd)")
     add_seed(p)
     add_precision(p)
-    p.add_argument("--address", help="Ray cluster address; default: start an embedded local cluster")
+    p.add_argument("--address", help="an existing Ray cluster's address (host:port of its head, as `ray start --head` "
+                   "prints; or 'auto'); default: start an embedded local cluster")
+    p.add_argument("--backend", choices=["cpu", "cuda"], default=None,
+                   help="where ranks run: cpu (gloo) or cuda (a GPU per rank, NCCL); default: cuda when the Ray "
+                        "cluster has a GPU for every rank, else cpu (the choice is printed)")
+    p.add_argument("--placement", choices=["pack", "spread"], default="pack",
+                   help="ranks on as few nodes as possible (pack) or as many (spread); either way pipeline "
+                        "neighbours and tensor-parallel groups share a node where they fit (default: pack)")
+    p.add_argument("--ranks-per-gpu", type=int, default=1,
+                   help="ranks sharing one GPU with --backend cuda (e.g. a multi-rank strategy checked on one "
+                        "GPU; they talk through host memory, not NCCL) (default: 1)")
+
+
+def add_optimization(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lr-schedule", default="constant", choices=LR_SCHEDULES,
+                   help="learning-rate schedule after the warm-up (torch lr_scheduler; default: constant); cosine and "
+                        "linear decay to --min-lr over the run")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps to --lr (default: 0)")
+    p.add_argument("--min-lr", type=float, default=0.0, help="where cosine and linear decay end (default: 0)")
+    p.add_argument("--lr-step-size", type=int, default=None, help="steps between decays of the step schedule")
+    p.add_argument("--lr-gamma", type=float, default=0.1, help="decay factor of the step schedule (default: 0.1)")
+    p.add_argument("--clip-grad-norm", type=float, default=None,
+                   help="clip the gradients to this global 2-norm before each update (over every parameter of "
+                        "every rank, as torch.nn.utils.clip_grad_norm_ on one device)")
+    p.add_argument("--weight-decay", type=float, default=None,
+                   help="weight decay of parameters with 2 or more dimensions; biases, norms and other 1-d "
+                        "parameters never decay (default: the optimizer's, 0.01 for adamw, 0 otherwise)")
 
 
 def add_summary(p: argparse.ArgumentParser) -> None:
@@ -86,11 +117,26 @@ def add_simulation(p: argparse.ArgumentParser) -> None:
 
 
 def _add_train(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: 20, unless --epochs is given)")
+    p.add_argument("--epochs", type=int, default=None, help="passes over the model's data (with --steps: whichever "
+                   "ends first)")
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate the held-out data every N steps (default: never)")
+    p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation (default: 4)")
+    p.add_argument("--log-grad-norm", action="store_true", help="report the global gradient norm without clipping")
+    p.add_argument("--prefetch", type=int, default=2, help="batches loaded ahead on a background thread (0: load "
+                   "each when its step starts; default: 2)")
+    p.add_argument("--metrics", type=Path, help="write one JSON object per step and evaluation to this .jsonl file")
+    p.add_argument("--tensorboard", type=Path, help="write TensorBoard scalars to this directory (needs tensorboard)")
+    p.add_argument("--profile-step", type=int, help="write the measured timeline of this step (1-based) as a "
+                   "Chrome/Perfetto trace and a Gantt PNG")
+    p.add_argument("--profile-dir", type=Path, default=Path("."), help="where --profile-step writes (default: .)")
+    p.add_argument("--no-progress-bar", action="store_true", help="plain progress lines even on a terminal")
 
 
 def _add_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--eval-batches", type=int, default=0,
+                   help="also compare the held-out loss of this many batches (forward only; default: 0)")
     p.add_argument("--rtol", type=float, default=None,
                    help="relative tolerance (default: 1e-5; with --precision bf16 5e-2 of each tensor's largest entry: check.TOLERANCES)")
     p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: 1e-6, bf16 1e-5)")
@@ -118,7 +164,7 @@ def _add_program(p: argparse.ArgumentParser) -> None:
     p.add_argument("program", type=Path, help="a program written by 'piper plan'")
 
 
-_TRAINING = (add_model, add_pipeline, add_parallelism, add_run, add_summary)
+_TRAINING = (add_model, add_pipeline, add_parallelism, add_run, add_optimization, add_summary)
 
 #: subcommand -> (help, its option groups in the order --help lists them)
 SUBCOMMANDS: dict[str, tuple[str, tuple[Group, ...]]] = {
@@ -146,9 +192,21 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     for name in ("rtol", "atol"):
         if (getattr(args, name, 0) or 0) < 0:
             parser.error(f"--{name} must be >= 0")
-    for name in ("pp", "microbatches", "steps", "dp", "tp", "ep"):
-        if getattr(args, name, 1) < 1:
-            parser.error(f"--{name} must be >= 1")
+    for name in ("pp", "microbatches", "steps", "dp", "tp", "ep", "epochs", "batch_size", "profile_step",
+                 "lr_step_size", "ranks_per_gpu"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("warmup_steps", "eval_every", "prefetch", "weight_decay", "min_lr", "eval_batches"):
+        value = getattr(args, name, None)
+        if value is not None and value < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0")
+    if getattr(args, "clip_grad_norm", None) is not None and not args.clip_grad_norm > 0:
+        parser.error("--clip-grad-norm must be > 0")
+    if getattr(args, "eval_every", 0) and getattr(args, "eval_batches", 1) < 1:
+        parser.error("--eval-batches must be >= 1 with --eval-every")
+    if getattr(args, "lr_schedule", None) == "step" and args.lr_step_size is None:
+        parser.error("--lr-schedule step needs --lr-step-size")
     if getattr(args, "ep", 1) > 1 and getattr(args, "tp", 1) > 1:
         parser.error("--ep with --tp (tensor and expert parallelism in one strategy) is not supported yet")
     if getattr(args, "zero", 0) and getattr(args, "dp", 1) < 2 and getattr(args, "ep", 1) < 2:

@@ -16,6 +16,7 @@ from piper_memory import plan_memory
 from piper_scheduler import CostModel, compile_program, plot_gantt, simulate, to_chrome_trace, verify
 from piper_train.cli.options import say
 from piper_train.cli.request import StrategyRequest, model_regions, placed_regions, split_microbatches
+from piper_train.metrics import SCHEMA, dumps
 
 _COST_KEYS = {"F": "F", "B": "B", "BI": "BI", "BW": "BW", "W": "BW", "OPT": "OPT", "FB": "FB"}
 
@@ -47,7 +48,9 @@ def _synthetic(args: argparse.Namespace, regions: int, microbatches: int, segmen
 def _report(args: argparse.Namespace, program: Program, what: str) -> int:
     timeline = simulate(program, costs(args.cost))
     summary = {
-        "what": what,
+        "schema": SCHEMA,
+        "command": args.command,
+        "description": what,
         "ranks": program.world_size,
         "microbatches": program.microbatches,
         "makespan": timeline.makespan,
@@ -63,7 +66,7 @@ def _report(args: argparse.Namespace, program: Program, what: str) -> int:
         plot_gantt(timeline, args.png, title=f"{what}: makespan {timeline.makespan:g}")
         say(args, f"wrote {args.png}")
     if args.json:
-        print(json.dumps(summary))
+        print(dumps(summary))
         return 0
     say(args, f"{what}: makespan {timeline.makespan:g} (costs {args.cost})")
     say(args, "rank      busy      idle  bubble  peak activations")

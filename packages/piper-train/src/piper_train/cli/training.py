@@ -4,15 +4,31 @@ training. Imports torch and ray (``piper_train.cli`` imports this module only fo
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import sys
 import time
 
 from piper_runtime import OptimizerSpec
+from piper_train.batches import Prefetcher
 from piper_train.check import TOLERANCES, run_check
 from piper_train.cli.options import say
 from piper_train.cli.request import StrategyRequest, model_regions
+from piper_train.loop import fit
+from piper_train.metrics import (
+    SCHEMA,
+    JsonlWriter,
+    ProfileWriter,
+    Progress,
+    Sink,
+    TensorBoardWriter,
+    dumps,
+)
+from piper_train.models import ModelSpec
+from piper_train.schedule import LRSchedule
 from piper_train.trainer import Trainer
 from piper_train.workload import load_workload
+
+DEFAULT_STEPS = 20
 
 
 def _budget(args: argparse.Namespace) -> int | None:
@@ -21,73 +37,138 @@ def _budget(args: argparse.Namespace) -> int | None:
 
 def _optimizer(args: argparse.Namespace) -> OptimizerSpec:
     lr = args.lr if args.lr is not None else (0.05 if args.optimizer == "sgd" else 3e-3)
-    return OptimizerSpec(args.optimizer, lr)
+    spec = OptimizerSpec(args.optimizer, lr)
+    decay = args.weight_decay if args.weight_decay is not None else spec.default_weight_decay
+    return OptimizerSpec(args.optimizer, lr, weight_decay=decay)
 
 
-def _header(args: argparse.Namespace, request: StrategyRequest) -> str:
+def _schedule(args: argparse.Namespace, total: int | None) -> LRSchedule:
+    if args.lr_schedule in ("cosine", "linear") and total is None:
+        raise ValueError(f"--lr-schedule {args.lr_schedule} decays over the run, whose length is unknown here "
+                         "(the data does not say how many batches an epoch has): give --steps")
+    return LRSchedule(args.lr_schedule, args.warmup_steps, total, args.min_lr, args.lr_step_size, args.lr_gamma)
+
+
+def _load(args: argparse.Namespace) -> ModelSpec:
+    return load_workload(args.model, stages=model_regions(args), seed=args.seed, batch_size=args.batch_size)
+
+
+def _describe(args: argparse.Namespace, request: StrategyRequest) -> str:
     """What runs: the strategy's own pipeline ranks and microbatches (a ``--strategy`` file
     says them, not ``--pp``/``--microbatches``), the parallelisms and the precision."""
     pp, microbatches = request.shape()
     precision = f", precision={args.precision}" if args.precision else ""
     return (f"model {args.model}, {request.name}, pp={pp}, dp={args.dp}, tp={args.tp}, ep={args.ep}, "
-            f"zero={args.zero}, microbatches={microbatches}{precision}, {args.steps} steps")
+            f"zero={args.zero}, microbatches={microbatches}{precision}")
 
 
 def train_command(args: argparse.Namespace) -> int:
-    workload = load_workload(args.model, stages=model_regions(args), seed=args.seed)
+    workload = _load(args)
+    stream = workload.stream()
+    if args.epochs is not None and stream.kind == "function":
+        raise ValueError(f"--epochs: the data of model {args.model} is a function of the step, without epochs; "
+                         "use --steps")
+    steps = args.steps if args.steps is not None or args.epochs is not None else DEFAULT_STEPS
+    per_epoch = stream.batches_per_epoch
+    total = steps if steps is not None else (args.epochs * per_epoch if per_epoch else None)
+    if args.epochs is not None and steps is not None and per_epoch:
+        total = min(steps, args.epochs * per_epoch)
+    if args.eval_every and workload.eval_batches is None:
+        raise ValueError(f"--eval-every: model {args.model} has no held-out data (a factory returns it as eval_data)")
+    length = f"{steps} steps" if steps is not None else ""
+    if args.epochs is not None:
+        length = f"{args.epochs} epochs" + (f" or {length}" if length else "")
     request = StrategyRequest.from_args(args)
-    say(args, f"piper train: {_header(args, request)}")
+    say(args, f"piper train: {_describe(args, request)}, {length}")
     started = time.perf_counter()
-    with Trainer(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
-                 request.for_trainer(), optimizer=_optimizer(args), address=args.address,
-                 memory_budget_bytes=_budget(args), log=lambda text: say(args, text), seed=args.seed,
-                 precision=args.precision) as trainer:
+    with contextlib.ExitStack() as stack:
+        sinks = _sinks(args, stack)  # before any worker starts: a sink that cannot be made is bad input
+        trainer = stack.enter_context(Trainer(
+            workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
+            request.for_trainer(), optimizer=_optimizer(args), address=args.address,
+            memory_budget_bytes=_budget(args), log=lambda text: say(args, text),
+            lr_schedule=_schedule(args, total), clip_grad_norm=args.clip_grad_norm,
+            measure_grad_norm=args.log_grad_norm, backend=args.backend, placement=args.placement,
+            ranks_per_gpu=args.ranks_per_gpu, seed=args.seed, precision=args.precision,
+        ))
         say(args, f"workers up after {time.perf_counter() - started:.1f} s")
-        losses, times = [], []
-        for step in range(args.steps):
-            inputs, targets = workload.batches(step)
-            t0 = time.perf_counter()
-            result = trainer.step(inputs, targets)
-            times.append(time.perf_counter() - t0)
-            losses.append(result.loss)
-            say(args, f"step {step + 1:>4}/{args.steps}  loss {result.loss:8.4f}  {times[-1] * 1000:7.1f} ms/step")
-    steady = times[1:] or times
+        if args.profile_step is not None:
+            sinks.append(ProfileWriter(args.profile_step, args.profile_dir, trainer.program, lambda s: say(args, s)))
+        data = Prefetcher(stream, args.prefetch) if args.prefetch else stream
+        if args.prefetch:
+            stack.callback(data.close)
+        run = fit(trainer, data, steps=steps, epochs=args.epochs, held_out=workload.eval_batches,
+                  eval_every=args.eval_every, eval_batches=args.eval_batches, sinks=sinks,
+                  profile_step=args.profile_step)
+    history = run.steps
+    losses = [m.loss for m in history]
+    steady = [m.step_seconds for m in history[1:]] or [m.step_seconds for m in history]
     summary = {
-        "command": "train", "model": args.model, "schedule": None if args.strategy else args.schedule,
+        "schema": SCHEMA, "command": "train", "model": args.model,
+        "schedule": None if args.strategy else args.schedule,
         "strategy": str(args.strategy) if args.strategy else None,
         "pp": len(trainer.program.ranks) // (trainer.program.replicas * args.tp),
         "dp": trainer.program.replicas // args.ep, "tp": args.tp, "ep": args.ep, "zero": args.zero,
-        "microbatches": trainer.program.microbatches, "steps": args.steps, "losses": losses,
+        "microbatches": trainer.program.microbatches, "steps": len(history),
+        "epochs": history[-1].epoch + 1 if history else 0,
+        "losses": losses, "lrs": [m.lr for m in history], "grad_norms": [m.grad_norm for m in history],
+        "eval": [{"step": e.step, "loss": e.loss} for e in run.evals],
         "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
         "mean_step_seconds": sum(steady) / len(steady) if steady else None,
         "compile_seconds": trainer.compile_seconds,
+        "peak_memory_bytes": [max(per_rank) for per_rank in zip(*(m.peak_memory_bytes for m in history), strict=True)],
     }
     if args.json:
-        print(json.dumps(summary))
+        print(dumps(summary))
     elif losses:
-        say(args, f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}, {summary['mean_step_seconds'] * 1000:.1f} ms/step")
+        say(args, f"done: {len(history)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+                  f"{summary['mean_step_seconds'] * 1000:.1f} ms/step")
     return 0
 
 
+def _sinks(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[Sink]:
+    """Where the steps' metrics go (the profile writer, which needs the program, comes
+    later); each is closed when the run ends."""
+    stream = sys.stderr if args.json else sys.stdout
+    sinks: list[Sink] = [Progress(stream, bar=False if args.no_progress_bar else None)]
+    if args.metrics is not None:
+        sinks.append(JsonlWriter(args.metrics))
+    if args.tensorboard is not None:
+        sinks.append(TensorBoardWriter(args.tensorboard))
+    for sink in sinks:
+        stack.callback(sink.close)
+    return sinks
+
+
 def check_command(args: argparse.Namespace) -> int:
-    workload = load_workload(args.model, stages=model_regions(args), seed=args.seed)
+    workload = _load(args)
+    if args.eval_batches and workload.eval_batches is None:
+        raise ValueError(f"--eval-batches: model {args.model} has no held-out data (a factory returns it as eval_data)")
     request = StrategyRequest.from_args(args)
-    say(args, f"piper check: {_header(args, request)} vs single-device training")
+    say(args, f"piper check: {_describe(args, request)}, {args.steps} steps vs single-device training")
     rtol, atol = TOLERANCES[args.precision or "fp32"]
     args.rtol = rtol if args.rtol is None else args.rtol
     args.atol = atol if args.atol is None else args.atol
     report = run_check(workload, request.for_trainer(), steps=args.steps,
                        optimizer=_optimizer(args), rtol=args.rtol, atol=args.atol, address=args.address,
-                       log=lambda s: say(args, s), memory_budget_bytes=_budget(args), seed=args.seed,
-                       precision=args.precision)
-    rows = {what: report.worst(what) for what in ("loss", "grad", "param")}
+                       log=lambda s: say(args, s), memory_budget_bytes=_budget(args), backend=args.backend,
+                       placement=args.placement, ranks_per_gpu=args.ranks_per_gpu,
+                       lr_schedule=_schedule(args, args.steps), clip_grad_norm=args.clip_grad_norm,
+                       eval_batches=args.eval_batches, seed=args.seed, precision=args.precision)
+    quantities = ["loss", "grad", "param"] + [w for w in ("grad_norm", "eval") if any(
+        d.what == w for d in report.differences)]
+    rows = {what: report.worst(what) for what in quantities}
     for what, d in rows.items():
         say(args, f"largest {what:<5} difference: abs {d.abs:.3e}  rel {d.rel:.3e}  ({d.where})")
     verdict = "PASS" if report.ok else "FAIL"
     say(args, f"{verdict}: within rtol={args.rtol:g}, atol={args.atol:g}" if report.ok
         else f"{verdict}: differences exceed rtol={args.rtol:g}, atol={args.atol:g}")
+    if not report.ok:
+        say(args, report.failures())
     if args.json:
-        print(json.dumps({"command": "check", "ok": report.ok, "steps": report.steps,
-                          **{f"max_{w}_abs": d.abs for w, d in rows.items()},
-                          **{f"max_{w}_rel": d.rel for w, d in rows.items()}}))
+        print(dumps({"schema": SCHEMA, "command": "check", "ok": report.ok, "steps": report.steps,
+                     "grad_norms": list(report.grad_norms),
+                     **{f"max_{w}_abs": d.abs for w, d in rows.items()},
+                     **{f"max_{w}_rel": d.rel for w, d in rows.items()}}))
     return 0 if report.ok else 1
+

@@ -1,0 +1,169 @@
+"""Starting rank workers, and ``WorkerPool``: idle workers kept for the next ``Runtime``.
+
+Starting a Ray actor means starting a Python process and importing torch in it: seconds per
+rank, often more than the whole run on a small program. A ``WorkerPool`` keeps the actors of
+a cleanly shut down ``Runtime`` (after ``RankWorker.reset``: the rank has left its process
+group and dropped its program, modules and optimizer state, and the process-wide settings
+the run touched are back to a fresh actor's) and hands them to the next ``Runtime`` whose
+workers would be started with the same options (``WorkerSpec``: backend, GPUs, environment).
+
+What the pool never does: reuse a worker of a run that failed, timed out or was interrupted
+(``Runtime`` kills those), or a worker whose reset did not answer. It drops idle workers
+that no longer answer a ping, and every idle worker when Ray was restarted since they
+were started. Reuse is opt-in (``Runtime(..., reuse_workers=True)`` or
+``PIPER_REUSE_WORKERS=1``): a pooled worker keeps the Python modules it imported, so code
+imported by reference and edited on disk in between is not reloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import ray
+
+from piper_runtime.worker import RankWorker
+
+REUSE_ENV = "PIPER_REUSE_WORKERS"  # "1": runtimes use the shared pool unless told otherwise
+_PING_TIMEOUT_S = 10.0
+
+
+@attrs.frozen
+class WorkerSpec:
+    """What a rank worker is started with; workers are interchangeable only within one spec
+    (``backend`` is the backend's name: a worker's reset is that backend's)."""
+
+    backend: str
+    gpus: float = 0.0
+    env: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, backend: str, gpus: float, env: Mapping[str, str]) -> WorkerSpec:
+        return cls(backend, gpus, tuple(sorted(env.items())))
+
+    def start(self, count: int) -> list[Any]:
+        """``count`` new ``RankWorker`` actors (the process starts in the background; the
+        first call to an actor waits for it)."""
+        actor = ray.remote(RankWorker).options(
+            num_cpus=0.01,  # ranks mostly wait on each other; never block on whole CPUs
+            num_gpus=self.gpus,
+            max_restarts=0,
+            runtime_env={"env_vars": dict(self.env)},
+        )
+        return [actor.remote() for _ in range(count)]
+
+
+def kill_workers(workers: list[Any]) -> None:
+    """Kill ``workers`` (already dead ones, or all after Ray shut down, are fine)."""
+    for w in workers:
+        try:
+            ray.kill(w, no_restart=True)
+        except Exception:  # already dead, or Ray already shut down
+            pass
+
+
+class WorkerPool:
+    """Idle rank workers by ``WorkerSpec``, at most ``max_idle`` of them (module doc).
+
+    ``acquire`` hands out idle workers that still answer, then starts new ones;
+    ``release`` takes back workers that were reset, killing what exceeds ``max_idle``;
+    ``clear`` kills every idle worker. ``started`` and ``reused`` count the workers handed
+    out each way. Thread-safe."""
+
+    def __init__(self, max_idle: int = 8) -> None:
+        if max_idle < 0:
+            raise ValueError(f"max_idle must be >= 0, got {max_idle}")
+        self.max_idle = max_idle
+        self.started = 0
+        self.reused = 0
+        self._idle: dict[WorkerSpec, list[Any]] = {}
+        self._ray: str | None = None  # the Ray connection the idle workers belong to
+        self._lock = threading.Lock()
+
+    @property
+    def idle(self) -> int:
+        """How many workers are waiting for a runtime."""
+        with self._lock:
+            return sum(len(ws) for ws in self._idle.values())
+
+    def acquire(self, count: int, spec: WorkerSpec) -> list[Any]:
+        """``count`` workers for ``spec``: idle ones first (each answers a ping, else it is
+        killed and replaced), then new ones."""
+        with self._lock:
+            self._forget_if_ray_restarted()
+            idle = self._idle.get(spec, [])
+            taken, self._idle[spec] = idle[:count], idle[count:]
+        alive = _answering(taken)
+        kill_workers([w for w in taken if w not in alive])
+        fresh = spec.start(count - len(alive))
+        with self._lock:
+            self.reused += len(alive)
+            self.started += len(fresh)
+        return alive + fresh
+
+    def release(self, workers: list[Any], spec: WorkerSpec) -> None:
+        """Take back ``workers``, which must have been reset (``RankWorker.reset``)."""
+        with self._lock:
+            self._forget_if_ray_restarted()
+            idle = self._idle.setdefault(spec, [])
+            room = max(0, self.max_idle - sum(len(ws) for ws in self._idle.values()))
+            idle.extend(workers[:room])
+            extra = workers[room:]
+        kill_workers(extra)
+
+    def clear(self) -> None:
+        """Kill every idle worker."""
+        with self._lock:
+            workers = [w for ws in self._idle.values() for w in ws]
+            self._idle.clear()
+        kill_workers(workers)
+
+    def _forget_if_ray_restarted(self) -> None:
+        # Idle workers die with the Ray connection that started them: a driver reconnecting
+        # (ray.shutdown, then ray.init) gets a new worker id, and the old handles are stale.
+        current = ray.get_runtime_context().get_worker_id() if ray.is_initialized() else None
+        if current != self._ray:
+            self._idle.clear()
+            self._ray = current
+
+
+def _answering(workers: list[Any]) -> list[Any]:
+    """The workers that answer a ping within ``_PING_TIMEOUT_S``, in their order."""
+    if not workers:
+        return []
+    pings = {w.ping.remote(): w for w in workers}
+    ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=_PING_TIMEOUT_S)
+    answered = set()
+    for ref in ready:
+        try:
+            ray.get(ref, timeout=_PING_TIMEOUT_S)
+        except Exception:  # died while idle
+            continue
+        answered.add(ref)
+    return [w for ref, w in pings.items() if ref in answered]
+
+
+_shared: WorkerPool | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_pool() -> WorkerPool:
+    """The process's pool, used by ``Runtime(..., reuse_workers=True)``."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = WorkerPool()
+        return _shared
+
+
+def pool_for(reuse_workers: bool | WorkerPool | None) -> WorkerPool | None:
+    """The pool a runtime uses: the given pool, the shared one (``True``), none (``False``);
+    ``None`` follows ``PIPER_REUSE_WORKERS`` (``1``: the shared pool)."""
+    if isinstance(reuse_workers, WorkerPool):
+        return reuse_workers
+    if reuse_workers is None:
+        reuse_workers = os.environ.get(REUSE_ENV, "") == "1"
+    return shared_pool() if reuse_workers else None

@@ -1,0 +1,110 @@
+"""Placement (which rank on which node), the cluster checks that come before it, and the
+backend choice, as functions; on compiled programs and real runs: integration/test_cluster.py."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from piper_ir import ClusterError
+from piper_runtime import cluster
+from piper_runtime.cluster import check_address, choose_backend, split_address
+from piper_runtime.placement import assign_ranks, check_resources
+
+# -- which ranks go together (compiled programs: integration/test_cluster.py) ------------------
+
+
+def test_pack_keeps_pipeline_neighbours_on_a_node_and_spreads_replicas() -> None:
+    units = [(0,), (1,), (2,), (3,)]
+    assert assign_ranks(units, ["A", "A", "B", "B"]) == [0, 1, 2, 3]
+    # Ray's SPREAD interleaves bundles over nodes; ranks still pair up by node
+    bundles = assign_ranks(units, ["A", "B", "A", "B"])
+    node = ["A", "B", "A", "B"]
+    assert node[bundles[0]] == node[bundles[1]] and node[bundles[2]] == node[bundles[3]]
+    assert node[bundles[0]] != node[bundles[2]]
+    assert sorted(bundles) == [0, 1, 2, 3]
+
+
+def test_a_group_goes_whole_to_a_node_with_room_and_is_split_only_when_none_has() -> None:
+    # nodes of 3: the second group does not fit beside the first, so it takes the other node
+    six = ["A", "A", "A", "B", "B", "B"]
+    got = assign_ranks([(0, 1), (2, 3), (4, 5)], six)
+    node = [six[b] for b in got]
+    assert node[0] == node[1] and node[2] == node[3] and node[0] != node[2]
+    assert node[4] != node[5]  # one node of room left on each: the last group must be split
+    assert sorted(got) == list(range(6))
+    with pytest.raises(ValueError, match="2 ranks for 3 bundles"):
+        assign_ranks([(0, 1)], ["A", "A", "B"])
+
+
+# -- what the cluster has --------------------------------------------------------------------------------
+
+
+def test_too_few_cpus_or_gpus_name_what_is_missing() -> None:
+    check_resources(4, 1.0, 0.0, {"CPU": 4.0}, "cpu")
+    with pytest.raises(ClusterError, match=r"the Ray cluster has 2 CPUs; the program's 4 ranks need 4 \(1 each\)"):
+        check_resources(4, 1.0, 0.0, {"CPU": 2.0}, "cpu")
+    with pytest.raises(ClusterError, match=r"backend 'cuda': the Ray cluster has no GPU; the program's 4 ranks need 4"):
+        check_resources(4, 1.0, 1.0, {"CPU": 8.0}, "cuda")
+    with pytest.raises(ClusterError, match=r"has 1 GPUs; the program's 4 ranks need 4 \(one GPU each\); to share "
+                                           r"GPUs between ranks, pass --ranks-per-gpu 4"):
+        check_resources(4, 1.0, 1.0, {"CPU": 8.0, "GPU": 1.0}, "cuda")
+    check_resources(4, 1.0, 0.25, {"CPU": 8.0, "GPU": 1.0}, "cuda")  # --ranks-per-gpu 4 fits
+
+
+def test_backend_choice_says_why(monkeypatch) -> None:
+    resources = {"CPU": 8.0}
+    monkeypatch.setattr(cluster.ray, "cluster_resources", lambda: resources)
+    assert choose_backend("cuda", 4, 1.0) == ("cuda", "backend 'cuda' (asked for)")
+    assert choose_backend(None, 4, 1.0) == ("cpu", "backend 'cpu' (the Ray cluster has no GPU)")
+    resources["GPU"] = 2.0
+    name, why = choose_backend(None, 4, 1.0)
+    assert name == "cpu" and "has 2 GPUs, 4 ranks need 4" in why and "--ranks-per-gpu" in why
+    probed = []
+    monkeypatch.setattr(cluster, "_probe_gpu_worker", lambda gpus: probed.append(gpus) or None)
+    assert choose_backend(None, 4, 0.5) == ("cuda", "backend 'cuda' (2 GPUs in the cluster for 4 ranks)")
+    assert probed == [0.5]
+    monkeypatch.setattr(cluster, "_probe_gpu_worker", lambda gpus: "cupy is not importable")
+    assert choose_backend(None, 2, 1.0) == (
+        "cpu",
+        "backend 'cpu' (a GPU worker cannot run the CUDA backend: cupy is not importable)",
+    )
+
+
+# -- the address of an existing cluster -----------------------------------------------------------------
+
+
+def test_ray_addresses_are_read_with_their_default_ports() -> None:
+    assert split_address("10.0.0.5") == ("10.0.0.5", 6379)
+    assert split_address("head:6380") == ("head", 6380)
+    assert split_address("ray://head") == ("head", 10001)
+    assert split_address("[fd00::2]:6379") == ("fd00::2", 6379)
+    with pytest.raises(ValueError, match="bad port"):
+        split_address("head:x")
+
+
+def test_an_address_nothing_listens_on_fails_at_once_naming_it() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: connections are refused
+        started = time.monotonic()
+        with pytest.raises(ClusterError, match=rf"cannot reach the Ray cluster at '127.0.0.1:{port}'"):
+            check_address(f"127.0.0.1:{port}")
+        assert time.monotonic() - started < 30
+
+
+def test_an_address_that_is_not_ray_is_refused() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)  # accepts, then says nothing
+        port = s.getsockname()[1]
+        with pytest.raises(ClusterError, match="accepts connections but does not answer as a Ray cluster"):
+            check_address(f"127.0.0.1:{port}", timeout_s=2)
+
+
+def test_a_running_ray_cluster_passes_the_check(ray_cluster) -> None:
+    import ray
+
+    check_address(ray.get_runtime_context().gcs_address)

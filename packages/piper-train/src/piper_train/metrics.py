@@ -1,0 +1,264 @@
+"""What a training run reports, step by step, and where it goes.
+
+``StepMetrics`` / ``EvalMetrics`` are one step's and one evaluation's figures; sinks receive
+them from ``piper_train.loop.fit``:
+
+- ``Progress``: a tqdm bar on a terminal (when tqdm is installed), else one plain line per
+  step (``step   12/20  loss ...``), on the given stream;
+- ``JsonlWriter``: one JSON object per line and event (``{"schema": 1, "kind": "step", ...}``),
+  standard JSON only (a NaN or infinite number is written as ``null``);
+- ``TensorBoardWriter``: scalars for torch's ``SummaryWriter`` (``train/loss``, ``train/lr``,
+  ``train/grad_norm``, ``train/step_seconds``, ``train/samples_per_s``, ``train/tokens_per_s``,
+  ``train/peak_memory_mib/rank<r>``, ``eval/loss``); needs the ``tensorboard`` package;
+- ``ProfileWriter``: the measured timeline of one step as a Chrome/Perfetto trace and a
+  Gantt PNG (``piper_scheduler.measured_timeline``, ``to_chrome_trace``, ``plot_gantt``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Protocol
+
+import attrs
+
+if TYPE_CHECKING:  # this module stays importable without torch (the scheduling commands use it)
+    from piper_ir import Program
+    from piper_runtime import StepResult
+
+SCHEMA = 1  # version of the machine-readable documents (--json, --metrics)
+MIB = 2**20
+
+
+@attrs.frozen
+class StepMetrics:
+    """One training step. ``step`` counts from 1; ``step_seconds`` is the step on the
+    workers as the driver waits for it, ``data_seconds`` the wait for its batch before;
+    ``tokens_per_s`` is ``None`` unless the inputs are token ids; ``peak_memory_bytes`` is
+    each rank's peak over the step; ``eta_seconds`` the remaining steps at the mean pace so
+    far (``None`` when the run's length is unknown)."""
+
+    step: int
+    epoch: int
+    loss: float
+    lr: float | None
+    grad_norm: float | None
+    step_seconds: float
+    data_seconds: float
+    samples_per_s: float
+    tokens_per_s: float | None
+    peak_memory_bytes: tuple[int, ...]
+    eta_seconds: float | None
+    total_steps: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return json_safe({"schema": SCHEMA, "kind": "step", **attrs.asdict(self)})
+
+
+@attrs.frozen
+class EvalMetrics:
+    """One held-out evaluation after training step ``step``: the mean loss over ``batches``."""
+
+    step: int
+    loss: float
+    batches: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return json_safe({"schema": SCHEMA, "kind": "eval", **attrs.asdict(self)})
+
+
+class Sink(Protocol):
+    def on_step(self, metrics: StepMetrics, result: StepResult) -> None: ...
+
+    def on_eval(self, metrics: EvalMetrics) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinite floats replaced by ``None`` (standard JSON has none)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def dumps(value: Any) -> str:
+    """Standard JSON (``allow_nan=False`` after ``json_safe``)."""
+    return json.dumps(json_safe(value), allow_nan=False)
+
+
+def step_line(m: StepMetrics) -> str:
+    """The plain progress line of one step."""
+    total = f"/{m.total_steps}" if m.total_steps else ""
+    parts = [f"step {m.step:>4}{total}", f"loss {m.loss:8.4f}"]
+    if m.lr is not None:
+        parts.append(f"lr {m.lr:.3g}")
+    if m.grad_norm is not None:
+        parts.append(f"grad norm {m.grad_norm:.3g}")
+    parts.append(f"{m.step_seconds * 1000:7.1f} ms/step")
+    parts.append(f"{m.samples_per_s:,.0f} samples/s")
+    if m.tokens_per_s is not None:
+        parts.append(f"{m.tokens_per_s:,.0f} tokens/s")
+    if m.peak_memory_bytes:
+        parts.append(f"peak {max(m.peak_memory_bytes) / MIB:.1f} MiB/rank")
+    if m.eta_seconds is not None:
+        parts.append(f"eta {_clock(m.eta_seconds)}")
+    return "  ".join(parts)
+
+
+def eval_line(m: EvalMetrics) -> str:
+    return f"eval after step {m.step}: loss {m.loss:.4f} over {m.batches} held-out batches ({m.seconds:.2f} s)"
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class Progress:
+    """Progress on ``stream``: a tqdm bar on a terminal, else plain lines (module doc)."""
+
+    def __init__(self, stream: IO[str] | None = None, *, bar: bool | None = None) -> None:
+        self.stream = stream or sys.stdout
+        self._bar: Any = None
+        if bar is None:
+            bar = bool(getattr(self.stream, "isatty", lambda: False)())
+        if bar:
+            try:
+                import tqdm
+            except ImportError:
+                bar = False
+            else:
+                self._tqdm = tqdm.tqdm
+        self.bar = bar
+
+    def on_step(self, metrics: StepMetrics, result: StepResult) -> None:
+        if not self.bar:
+            print(step_line(metrics), file=self.stream, flush=True)
+            return
+        if self._bar is None:
+            self._bar = self._tqdm(total=metrics.total_steps, file=self.stream, unit="step", dynamic_ncols=True)
+        post = {"loss": f"{metrics.loss:.4f}"}
+        if metrics.lr is not None:
+            post["lr"] = f"{metrics.lr:.3g}"
+        if metrics.grad_norm is not None:
+            post["gnorm"] = f"{metrics.grad_norm:.3g}"
+        if metrics.tokens_per_s is not None:
+            post["tok/s"] = f"{metrics.tokens_per_s:,.0f}"
+        else:
+            post["samples/s"] = f"{metrics.samples_per_s:,.0f}"
+        if metrics.peak_memory_bytes:
+            post["MiB/rank"] = f"{max(metrics.peak_memory_bytes) / MIB:.1f}"
+        self._bar.set_postfix(post, refresh=False)
+        self._bar.update(1)
+
+    def on_eval(self, metrics: EvalMetrics) -> None:
+        if self._bar is not None:
+            self._bar.write(eval_line(metrics), file=self.stream)
+        else:
+            print(eval_line(metrics), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class JsonlWriter:
+    """One JSON object per step and evaluation, a line each, flushed as written."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self.file = self.path.open("w")
+        except OSError as err:
+            raise ValueError(f"cannot write metrics to {self.path}: {err}") from None
+
+    def on_step(self, metrics: StepMetrics, result: StepResult) -> None:
+        self._write(metrics.as_dict())
+
+    def on_eval(self, metrics: EvalMetrics) -> None:
+        self._write(metrics.as_dict())
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.file.write(dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardWriter:
+    """Scalars for TensorBoard through torch's ``SummaryWriter`` (module doc)."""
+
+    def __init__(self, logdir: str | Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ValueError(
+                f"--tensorboard {logdir}: the tensorboard package is not installed (pip install tensorboard)"
+            ) from None
+        self.writer = SummaryWriter(log_dir=str(logdir))
+
+    def on_step(self, metrics: StepMetrics, result: StepResult) -> None:
+        add, step = self.writer.add_scalar, metrics.step
+        add("train/loss", metrics.loss, step)
+        for name in ("lr", "grad_norm", "step_seconds", "samples_per_s", "tokens_per_s"):
+            value = getattr(metrics, name)
+            if value is not None:
+                add(f"train/{name}", value, step)
+        for rank, peak in enumerate(metrics.peak_memory_bytes):
+            add(f"train/peak_memory_mib/rank{rank}", peak / MIB, step)
+
+    def on_eval(self, metrics: EvalMetrics) -> None:
+        self.writer.add_scalar("eval/loss", metrics.loss, metrics.step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class ProfileWriter:
+    """Writes the measured timeline of step ``step`` (whose ``StepResult.timings`` the loop
+    asked for) to ``<directory>/step<N>.trace.json`` (Chrome/Perfetto) and, with
+    matplotlib installed, ``<directory>/step<N>.png`` (Gantt chart)."""
+
+    def __init__(self, step: int, directory: str | Path, program: Program, say: Any = print) -> None:
+        self.step = step
+        self.directory = Path(directory)
+        self.program = program
+        self.say = say
+        self.written: list[Path] = []
+
+    def on_step(self, metrics: StepMetrics, result: StepResult) -> None:
+        if metrics.step != self.step or not result.timings:
+            return
+        from piper_scheduler import measured_timeline, plot_gantt, to_chrome_trace
+
+        spans = [(t.rank, t.instruction, t.start * 1e3, t.end * 1e3) for t in result.timings]
+        timeline = measured_timeline(self.program, spans)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        trace = self.directory / f"step{self.step}.trace.json"
+        trace.write_text(json.dumps(to_chrome_trace(timeline)))
+        self.written.append(trace)
+        try:
+            png = plot_gantt(
+                timeline, self.directory / f"step{self.step}.png",
+                title=f"step {self.step}, measured (each rank's clock from its step start)", unit="ms",
+            )
+            self.written.append(png)
+        except ImportError:
+            self.say("matplotlib is not installed: no Gantt chart (pip install matplotlib)")
+        self.say(f"wrote the timeline of step {self.step}: {', '.join(map(str, self.written))}")
+
+    def on_eval(self, metrics: EvalMetrics) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,178 @@
+"""Batch streams: every kind of source, epochs, the last partial batch dropped, shapes that
+vary refused, the position saved and restored, prefetching ahead without changing a batch;
+the factory forms of ``--model file.py:factory``."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from piper_train.batches import BatchStream, Prefetcher, as_batch
+from piper_train.workload import load_factory
+
+N, D = 10, 3  # 10 samples: 3 full batches of 3 per epoch and one partial batch of 1
+
+
+def _dataset() -> TensorDataset:
+    x = torch.arange(N * D, dtype=torch.float32).view(N, D)
+    return TensorDataset(x, x.sum(1, keepdim=True))
+
+
+def _firsts(batches: list) -> list[list[float]]:
+    """Each batch's first-column values: which samples it holds, in order."""
+    return [b[0][0][:, 0].tolist() for b in batches]
+
+
+def _take(stream, n: int) -> list:
+    return [next(stream) for _ in range(n)]
+
+
+def test_a_dataset_is_batched_reshuffled_each_epoch_and_its_partial_batch_dropped() -> None:
+    stream = BatchStream(_dataset(), batch_size=3, seed=5)
+    assert stream.batches_per_epoch == 3
+    batches = _take(stream, 6)
+    assert [stream.epoch, stream.index] == [1, 3]
+    epochs = [sorted(v for b in _firsts(batches[i : i + 3]) for v in b) for i in (0, 3)]
+    assert all(len(e) == 9 for e in epochs)  # 9 of the 10 samples per epoch, every batch full
+    assert _firsts(batches[:3]) != _firsts(batches[3:])  # reshuffled
+    again = _take(BatchStream(_dataset(), batch_size=3, seed=5), 6)
+    assert _firsts(again) == _firsts(batches)  # a function of (seed, epoch)
+    in_order = _take(BatchStream(_dataset(), batch_size=3, shuffle=False), 3)
+    assert _firsts(in_order) == [[0.0, 3.0, 6.0], [9.0, 12.0, 15.0], [18.0, 21.0, 24.0]]
+
+
+def test_a_dataloader_and_a_list_of_batches_drop_their_partial_last_batch() -> None:
+    loader = DataLoader(_dataset(), batch_size=3, shuffle=True)
+    stream = BatchStream(loader, seed=1)
+    assert stream.batches_per_epoch == 3  # not len(loader) == 4: the partial batch is dropped
+    first_epoch = _take(stream, 3)
+    assert [stream.epoch, stream.dropped] == [0, 0]
+    next(stream)
+    assert [stream.epoch, stream.index, stream.dropped] == [1, 1, 1]  # 4 batches, the partial dropped
+    assert _firsts(_take(BatchStream(loader, seed=1), 3)) == _firsts(first_epoch)  # seeded shuffling
+    batches = [(x, y) for x, y in DataLoader(_dataset(), batch_size=4)]  # 4, 4, 2
+    listed = BatchStream(batches)
+    assert listed.batches_per_epoch == 2
+    assert [b[0][0].shape[0] for b in _take(listed, 4)] == [4, 4, 4, 4]
+    assert (listed.epoch, listed.dropped) == (1, 1)
+
+
+def test_a_one_shot_generator_is_one_epoch_and_a_function_is_endless() -> None:
+    stream = BatchStream((torch.ones(2, D) * k, torch.zeros(2, 1)) for k in range(3))
+    assert stream.batches_per_epoch is None
+    assert len(list(stream)) == 3
+    calls = BatchStream(lambda step: ((torch.full((2, D), float(step)),), (torch.zeros(2, 1),)))
+    assert calls.batches_per_epoch is None and calls.kind == "function"
+    assert [b[0][0][0, 0].item() for b in _take(calls, 4)] == [0, 1, 2, 3]
+
+
+def test_shapes_that_vary_outside_the_batch_dimension_are_refused() -> None:
+    varying = [(torch.zeros(4, D), torch.zeros(4, 1)), (torch.zeros(4, D + 1), torch.zeros(4, 1))]
+    stream = BatchStream(varying, name="my data")
+    next(stream)
+    with pytest.raises(ValueError, match=r"my data, epoch 0, batch 1: input 0 has shape \(4, 4\).*\(4, 3\)"):
+        next(stream)
+    smaller_inside = [(torch.zeros(4, D), torch.zeros(4, 1)), (torch.zeros(2, D), torch.zeros(2, 1)),
+                      (torch.zeros(4, D), torch.zeros(4, 1))]
+    stream = BatchStream(smaller_inside)
+    next(stream)
+    with pytest.raises(ValueError, match="only an epoch's last batch may be smaller"):
+        next(stream)
+    with pytest.raises(ValueError, match="no full batch"):
+        next(BatchStream([]))
+    with pytest.raises(ValueError, match="needs a batch size"):
+        BatchStream(_dataset())
+    with pytest.raises(ValueError, match=r"expected an \(inputs, targets\) pair"):
+        next(BatchStream([torch.zeros(2)]))
+    with pytest.raises(ValueError, match="targets must be a tensor or a tuple of tensors"):
+        as_batch((torch.zeros(2), "y"), "here")
+
+
+@pytest.mark.parametrize("source", ["dataset", "loader", "function"])
+def test_a_restored_position_continues_with_the_same_batches(source: str) -> None:
+    def make() -> BatchStream:
+        if source == "dataset":
+            return BatchStream(_dataset(), batch_size=3, seed=2)
+        if source == "loader":
+            return BatchStream(DataLoader(_dataset(), batch_size=3, shuffle=True), seed=2)
+        return BatchStream(lambda k: ((torch.full((3, D), float(k)),), (torch.zeros(3, 1),)))
+
+    stream = make()
+    _take(stream, 4)  # into the second epoch
+    state = stream.state_dict()
+    rest = _take(stream, 4)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert _firsts(_take(resumed, 4)) == _firsts(rest)
+
+
+def test_the_prefetcher_hands_out_the_streams_batches_and_its_own_position() -> None:
+    plain = _take(BatchStream(_dataset(), batch_size=3, seed=3), 7)
+    ahead = Prefetcher(BatchStream(_dataset(), batch_size=3, seed=3), depth=2)
+    try:
+        got = _take(ahead, 5)
+        assert ahead.state_dict() == {"epoch": 1, "index": 2, "seed": 3}  # not where the thread is
+        ahead.close()
+        got += _take(ahead, 2)  # resumes after the last batch handed out
+    finally:
+        ahead.close()
+    assert _firsts(got) == _firsts(plain)
+    failing = Prefetcher(BatchStream([(torch.zeros(2, D), torch.zeros(2, 1)), (torch.zeros(2, 5), torch.zeros(2, 1))]))
+    next(failing)
+    with pytest.raises(ValueError, match="input 0 has shape"):  # raised where the batch is taken
+        next(failing)
+
+
+def _factory(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "factory.py"
+    path.write_text(body)
+    return f"{path}:make"
+
+
+MODEL = textwrap.dedent("""
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    from piper_directives import annotate
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 1)
+
+        def forward(self, x):
+            with annotate("PP"):
+                x = torch.tanh(self.a(x))
+            with annotate("PP"):
+                return self.b(x)
+
+    x = torch.randn(10, 3, generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(x, x.sum(1, keepdim=True))
+""")
+
+
+def test_factory_forms(tmp_path: Path) -> None:
+    one = load_factory(_factory(tmp_path, MODEL + "\ndef make():\n    return Net(), x[:4], x[:4, :1], nn.functional.mse_loss\n"))
+    assert one.data is None and one.batches(5)[0][0].shape == (4, 3)
+    spec = _factory(tmp_path, MODEL + "\ndef make():\n    return Net(), data, nn.functional.mse_loss, data\n")
+    with pytest.raises(ValueError, match="needs a batch size"):
+        load_factory(spec)
+    ds = load_factory(spec, batch_size=4, seed=1)
+    assert ds.example_inputs[0].shape == (4, 3) and ds.batch_size == 4 and ds.eval_batches is not None
+    stream = ds.stream()
+    assert torch.equal(next(stream)[0][0], ds.example_inputs[0])  # the example is the stream's first batch
+    assert torch.equal(ds.eval_batches(1)[0][0], _rows(4, 8))  # held out: in order
+    with pytest.raises(ValueError, match=r"only 2 batches, batch 2"):
+        ds.eval_batches(2)
+    bad = _factory(tmp_path, MODEL + "\ndef make():\n    return Net(), 3, nn.functional.mse_loss\n")
+    with pytest.raises(ValueError, match="the factory must return"):
+        load_factory(bad)
+
+
+def _rows(start: int, stop: int) -> torch.Tensor:
+    x = torch.randn(10, 3, generator=torch.Generator().manual_seed(0))
+    return x[start:stop]
