@@ -46,10 +46,11 @@ class Done:
 
 
 @pytest.fixture
-def piper(capsys: pytest.CaptureFixture[str]) -> Callable[..., Done]:
+def piper(capsys: pytest.CaptureFixture[str], ray_cluster: None) -> Callable[..., Done]:
     """``piper ARGS`` in this process: ``main``'s return value (argparse's exit code for a
     usage error) and what it printed. ``main`` must raise nothing else, print no traceback
-    and leave the session's Ray running."""
+    and leave the session's Ray running (started by ``ray_cluster`` for any module that
+    imports this fixture)."""
 
     def run(*args: str) -> Done:
         capsys.readouterr()

@@ -78,9 +78,20 @@ def test_it_learns_on_one_device_with_seeded_dropout(gpt2):
 def test_piper_check_passes_with_the_tied_head_and_dropout_on(piper, strategy):  # noqa: F811
     """The tied head trains as one parameter and dropout draws one device's masks: the
     strategy matches single-device training at the default tolerances."""
-    done = piper("check", "--model", f"{EXAMPLE}:tiny", *strategy, "--microbatches", "2", "--steps", "2", "--json")
+    done = piper("check", "--model", f"{EXAMPLE}:tiny", *strategy, "--microbatches", "4", "--steps", "2", "--json")
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads(done.stdout)["ok"]
+
+
+def test_bf16_under_a_pipeline_is_bit_for_bit_single_device_bf16(piper):  # noqa: F811
+    """--precision bf16: the reference runs the same casts (one cast copy per use of the tied
+    weight, as the two holders make) on the workers' thread count, so a pipeline, whose sums
+    are those of one device, gives exactly its numbers (docs/precision.md)."""
+    done = piper("check", "--model", f"{EXAMPLE}:tiny", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4",
+                 "--steps", "2", "--precision", "bf16", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["ok"] and summary["max_loss_abs"] == summary["max_grad_abs"] == summary["max_param_abs"] == 0.0
 
 
 def test_a_strategy_that_cannot_keep_the_copies_equal_is_refused_by_both_module_paths(piper):  # noqa: F811

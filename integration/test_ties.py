@@ -7,6 +7,7 @@ back is bitwise equal to the others).
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -85,6 +86,21 @@ def test_a_tied_weight_trains_as_one_parameter(schedule, parallel):
     assert summed <= held
     if program.devices_of("s0") != program.devices_of("s3"):  # holders apart: summed across them
         assert summed
+
+
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize(("schedule", "parallel"), [("1f1b", {}), ("1f1b", {"dp": 2, "zero": 3}), ("dualpipev", {})],
+                         ids=["1f1b", "1f1b-dp2-zero3", "dualpipev"])
+def test_clipping_counts_a_tied_parameter_once_and_evaluation_draws_no_masks(schedule, parallel):
+    """The global gradient norm counts the tied gradient once (in its first holder), though
+    every holder's rank holds the summed copy, so clipping scales as on one device; a held-out
+    loss runs the modules in eval mode (dropout off) on both sides."""
+    workload = attrs.evolve(_workload(), eval_batches=lambda k: _batches(100 + k))
+    report = run_check(workload, build_schedule(schedule, 2, 4, stages=4, **parallel), optimizer=ADAMW, steps=2,
+                       clip_grad_norm=0.05, eval_batches=1)
+    assert report.ok, report.failures()
+    assert report.grad_norms and all(n > 0.05 for n in report.grad_norms)  # the clipping bites
+    assert [d for d in report.differences if d.what == "eval"]
 
 
 def _planned(schedule: str, **parallel: int):

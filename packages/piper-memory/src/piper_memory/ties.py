@@ -3,7 +3,7 @@
 A ``Tie`` (``Graph.ties``) is one logical parameter held by several segments: every rank
 holding a holder keeps a copy, the gradient of each copy must be the sum of every holder's
 gradient once per step, and every copy must take the same update (docs/ir-conventions.md,
-section 10). ``tie_units`` works out, from the placement, where the copies are; ``plan_memory``
+section 12). ``tie_units`` works out, from the placement, where the copies are; ``plan_memory``
 turns the result into buckets and collectives like any other.
 
 Per tie and *family* (every rank of a segment's group, or for a tensor-parallel segment the

@@ -30,11 +30,14 @@ def dtype_of(name: str) -> torch.dtype:
 
 def cast_forward(module: nn.Module, args: Sequence[object], compute: torch.dtype) -> object:
     """``module(*args)`` with every floating parameter and buffer cast to ``compute``."""
+    # One cast copy per *name*, tied names included: each use of a tied parameter casts its
+    # gradient back to the master dtype on its own, as it does when its holders are separate
+    # segments (a shared bf16 copy would sum the uses' gradients in bf16 first).
     state = {
         name: t.to(compute) if t.is_floating_point() else t
-        for name, t in (*module.named_parameters(), *module.named_buffers())
+        for name, t in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
     }
-    return torch.func.functional_call(module, state, tuple(args), strict=False, tie_weights=True)
+    return torch.func.functional_call(module, state, tuple(args), strict=False, tie_weights=False)
 
 
 def compute_inputs(precision: Precision | None, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -1,6 +1,6 @@
 """Tied parameters (``Program.ties``) on one rank and on the driver.
 
-A tie is one logical parameter held by several segments (docs/ir-conventions.md, section 10).
+A tie is one logical parameter held by several segments (docs/ir-conventions.md, section 12).
 Its sums are ordinary bucket instructions; what is left for a runtime:
 
 - ``alias_tied``: the holders a rank runs share one tensor (the first holder's, in the tie's

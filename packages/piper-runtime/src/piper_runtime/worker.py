@@ -63,6 +63,7 @@ from piper_runtime.streams import lanes_share_a_communicator
 from piper_runtime.ties import alias_tied
 from piper_runtime.transport import Transport
 
+TORCH_THREADS = 1  # torch's intra-op threads per rank (ranks share the machine's cores)
 SWITCH_INTERVAL_S = 0.0005  # the GIL hand-over interval with threads (Python's default: 5 ms)
 
 # Instruction kinds this runtime carries out; anything else is rejected at setup.
@@ -77,7 +78,7 @@ class RankWorker:
 
     def __init__(self) -> None:
         faulthandler.enable(all_threads=True)  # a crash in native code shows every thread
-        torch.set_num_threads(1)
+        torch.set_num_threads(TORCH_THREADS)
         self._fresh = _ProcessSettings.read()
         self._forget()
 

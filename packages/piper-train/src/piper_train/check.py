@@ -11,6 +11,7 @@ from piper_directives import Strategy
 from piper_directives.randomness import Randomness
 from piper_ir import ExecutionError, Program
 from piper_runtime import OptimizerSpec
+from piper_runtime.worker import TORCH_THREADS
 from piper_train.models import ModelSpec
 from piper_train.reference import ReferenceTrainer
 from piper_train.schedule import LRSchedule
@@ -18,10 +19,11 @@ from piper_train.trainer import Trainer
 
 # Default (rtol, atol) of a check per precision (``--precision``; "fp32": the model's own
 # dtypes). fp32: reductions in another order differ by rounding only. bf16 keeps 8
-# significant bits: the same operations agree exactly, but a master weight that differs in
-# its last fp32 bits after a differently ordered sum may round to the neighbouring bf16
-# value (a relative step of 2**-8 = 0.4%), which moves the next step's gradients by up to a
-# few percent of that entry; docs/precision.md has the measurements these rest on.
+# significant bits: a pipeline agrees exactly (the reference does the same casts on the
+# workers' thread count), but a master weight that differs in its last fp32 bits after a
+# data-parallel sum may round to the neighbouring bf16 value (a relative step of 2**-8),
+# which moves the next step's gradients by up to a few percent of the tensor's scale;
+# docs/precision.md has the measurements these rest on.
 TOLERANCES: dict[str, tuple[float, float]] = {"fp32": (1e-5, 1e-6), "bf16": (5e-2, 1e-5)}
 
 
@@ -158,12 +160,13 @@ def reference_for(
 ) -> ReferenceTrainer:
     """Single-device training of ``workload`` that the trainer's strategy must match: the same
     microbatches, each run as the data-parallel replicas' shards, drawing the random numbers
-    the captured segments draw for ``seed``, in the captured precision."""
+    the captured segments draw for ``seed``, in the captured precision, on as many CPU
+    threads as a worker uses (the same kernels' rounding)."""
     program = trainer.program
     return ReferenceTrainer(
         workload.model, workload.loss_fn, optimizer, program.microbatches,
         shards=program.replicas, randomness=Randomness(seed, trainer.captured.runs), precision=program.precision,
-        lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm,
+        lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm, threads=TORCH_THREADS,
     )
 
 
