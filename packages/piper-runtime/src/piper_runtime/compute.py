@@ -34,7 +34,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -58,7 +58,7 @@ class SegmentCompute:
         weight_pass: Callable[[str], AbstractContextManager[None]],
         forward_only: bool = False,
         *,
-        seed: int = 0,
+        seed: int | None = None,
         replica: int = 0,
         device: torch.device | None = None,
         sample: Callable[[list[torch.Tensor]], None] = lambda buffers: None,
@@ -76,9 +76,10 @@ class SegmentCompute:
 
     def _run(self, seg: Segment, mb: int, step: int, args: list[torch.Tensor]) -> object:
         """The segment's module on ``args``, its random numbers drawn for (segment,
-        microbatch, step, replica) and, with a precision, stage segments in the compute dtype."""
+        microbatch, step, replica) (unless ``seed`` is ``None``: the process's generators as
+        they are) and, with a precision, stage segments in the compute dtype."""
         module = self.modules[seg.id]
-        with seeded(self.seed, seg.id, mb, step, self.replica, self.device):
+        with nullcontext() if self.seed is None else seeded(self.seed, seg.id, mb, step, self.replica, self.device):
             if self.compute is not None and seg.role is SegmentRole.STAGE:
                 return cast_forward(module, args, self.compute)
             return module(*args)

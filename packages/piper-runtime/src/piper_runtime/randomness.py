@@ -12,7 +12,10 @@ dropout gives every strategy the masks of one device.
 
 The generators are process-wide: ``seeded`` holds a lock, so two seeded forwards of one
 process never interleave (a backward running at the same time draws nothing; one that
-recomputes a forward takes the lock too).
+recomputes a forward takes the lock too). A backend that runs several ranks in one process
+(threads) cannot seed forwards that wait on each other inside collectives (tensor or expert
+parallelism) under that lock; its workers are set up with ``seed=None``, which draws
+unseeded.
 """
 
 from __future__ import annotations

@@ -110,12 +110,16 @@ class RankWorker:
         backend: str | BackendFactory = "cpu",
         timeout_s: float = 60.0,
         threads: bool = True,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         """Join the world, keep this rank's segment modules, build the optimizers.
         ``backend``: a registered name or a factory (``piper_runtime.backends``);
         ``threads``: one thread per stream (else one sequential walk of the plan); ``seed``:
-        what every forward's random numbers are drawn from (``piper_runtime.randomness``)."""
+        what every forward's random numbers are drawn from (``piper_runtime.randomness``;
+        ``Runtime`` always gives one). ``None`` leaves the process's generators as they are,
+        with no lock: for a backend that runs several ranks in one process, whose forwards
+        wait on each other inside collectives while a seeded forward holds the process's
+        generators (a test backend; dropout then draws what it draws)."""
         self.rank = rank
         self.program = program
         plan = program.plan(rank)
