@@ -46,6 +46,7 @@ from piper_memory import MemoryEstimate, estimate_memory, plan_memory
 from piper_runtime import OptimizerSpec, Runtime
 from piper_scheduler import compile_program
 from piper_train.models import TinyTransformer, lm_loss
+from piper_train.profile import activation_bytes
 
 VOCAB, D_MODEL, HEADS, LAYERS, SEQ = 256, 512, 8, 8, 8
 PP, DP, MICROBATCHES = 2, 2, 4
@@ -90,45 +91,6 @@ NOTES = [
 ]
 
 
-def activation_profile(program: Program, modules: dict, inputs: tuple, targets: tuple) -> dict[str, int]:
-    """Segment id -> bytes one forward of one microbatch shard keeps for its backward: the
-    distinct storages autograd saves plus the forward's inputs and outputs, less parameters
-    and the batch (what ``piper_runtime``'s tracker counts as activations)."""
-    shard = program.microbatches * program.replicas
-    values = {
-        n: t[: t.shape[0] // shard]
-        for n, t in zip(program.inputs + program.targets, inputs + targets, strict=True)
-    }
-    batch = {t.untyped_storage().data_ptr() for t in values.values()}
-    out: dict[str, int] = {}
-    for seg in program.segments:  # in dataflow order
-        module = modules[seg.id]
-        args = [
-            values[n].detach().requires_grad_(True) if values[n].is_floating_point() else values[n]
-            for n in seg.inputs
-        ]
-        saved: list[torch.Tensor] = []
-
-        def pack(t: torch.Tensor, saved: list = saved) -> torch.Tensor:
-            saved.append(t.detach())
-            return t
-
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            result = module(*args)
-        outs = (result,) if isinstance(result, torch.Tensor) else tuple(result)
-        seen = batch | {p.untyped_storage().data_ptr() for p in module.parameters()}
-        total = 0
-        for t in (*saved, *args, *outs):
-            storage = t.untyped_storage()
-            if storage.nbytes() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        out[seg.id] = total
-        for name, o in zip(seg.outputs, outs):  # noqa: B905 - the loss may name no output
-            values[name] = o.detach()
-    return out
-
-
 class Bench:
     """Captures per microbatch size (cached) and estimates per (schedule, zero, size)."""
 
@@ -158,7 +120,7 @@ class Bench:
             program = compile_program(plan_memory(strategy.apply(cap.graph)))
             cached, profile = self._captures[mb]
             if profile is None:  # the same segments for every schedule and zero level
-                profile = activation_profile(program, cap.modules, *self.batch(mb))
+                profile = activation_bytes(program, cap.modules, *self.batch(mb))
                 self._captures[mb] = (cached, profile)
             self._estimates[key] = (program, estimate_memory(program, "adamw", activation_bytes=profile))
         return self._estimates[key]

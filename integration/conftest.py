@@ -22,11 +22,11 @@ class Done:
 
 
 @pytest.fixture
-def piper(capsys: pytest.CaptureFixture[str]) -> Callable[..., Done]:
+def piper(capsys: pytest.CaptureFixture[str], ray_cluster: None) -> Callable[..., Done]:
     """``piper ARGS`` in this process: ``main``'s return value (argparse's exit code for a
     usage error) and what it printed. ``main`` must raise nothing else, print no traceback
-    and leave the session's Ray running (tests that use it need the ``ray_cluster``
-    fixture)."""
+    and leave the session's Ray running (``ray_cluster`` starts it first: a command that
+    started Ray itself would give it too few CPUs for the tests after it)."""
 
     def run(*args: str) -> Done:
         capsys.readouterr()

@@ -7,8 +7,10 @@ residual branches) and an LM head tied to the token embedding (``lm_head.weight`
 the first block's region, the final LayerNorm and the head the last block's, so the tied
 weight is held by the first and the last region.
 
-    piper train --model examples/gpt2/model.py:factory        # fp32
-    piper train --model examples/gpt2/model.py:factory_bf16   # blocks under torch.autocast(bf16)
+    piper train --model examples/gpt2/model.py:factory                     # fp32
+    piper train --model examples/gpt2/model.py:factory --precision bf16    # bf16 compute, fp32 master
+    piper train --model examples/gpt2/model.py:factory_bf16                # blocks under torch.autocast(bf16)
+    piper check --model examples/gpt2/model.py:tiny --schedule dualpipev   # matches one device, dropout on
 
 It trains on the Python standard library's own source, byte by byte (vocabulary 256).
 What makes it capturable (compare nanoGPT): sizes are never unpacked into Python ints or
@@ -46,7 +48,10 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if config.n_embd % config.n_head:
             raise ValueError(f"n_embd {config.n_embd} is not divisible by n_head {config.n_head}")
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        # No bias on q/k/v, whatever config.bias says: a key bias cannot change attention
+        # (softmax ignores a constant shift), so its gradient is pure rounding noise, which
+        # Adam rescales into real updates that no two summation orders agree on.
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
@@ -158,3 +163,11 @@ def factory_bf16():
     """Each region under ``torch.autocast("cpu", dtype=torch.bfloat16)``: matmuls in bf16,
     LayerNorm, softmax and the loss in fp32, parameters fp32."""
     return make(GPTConfig(autocast="cpu"))
+
+
+TINY = GPTConfig(block_size=16, n_layer=4, n_head=2, n_embd=32)
+
+
+def tiny():
+    """A tiny configuration for quick checks (four regions, 32 wide, 16 tokens, batch 8)."""
+    return make(TINY, batch=8)

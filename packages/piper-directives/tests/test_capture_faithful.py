@@ -317,6 +317,21 @@ def test_an_assert_on_a_shape_names_the_line_and_gives_a_hint():
     assert "TraceError" in text and "hint: Python control flow" in text and "torch.where" in text
 
 
+def test_a_branch_on_a_size_names_the_line_and_gives_a_hint():
+    class Branchy(nn.Module):
+        def forward(self, x):
+            with annotate("PP"):
+                if x.size(0) > 2:  # a Python branch on a size read from a traced value
+                    x = x * 2
+                return x + 1
+
+    with pytest.raises(CaptureError) as err:
+        _capture(Branchy())
+    text = str(err.value)
+    assert "cannot capture Branchy.forward at" in text and "test_capture_faithful.py" in text
+    assert "if x.size(0) > 2:" in text and "hint: Python control flow" in text
+
+
 def test_len_of_a_traced_value_gives_its_own_hint():
     class Lengthy(nn.Module):
         def forward(self, x):

@@ -6,6 +6,7 @@ from piper_directives import (
     DIRECTIVES,
     Order,
     Place,
+    Recompute,
     Replicate,
     Shard,
     Split,
@@ -180,7 +181,7 @@ def test_strategy_json_round_trip_and_graph_json(three_stage):
         ("[]", "expected an object"),
         ('{"directives": [{"microbatches": 2}]}', 'with an "op" field'),
         ('{"directives": [{"op": "expert"}]}', "unknown op 'expert'"),
-        ('{"directives": [{"op": ["split"]}]}', r"unknown op \['split'\]; expected one of \['order', 'place', 'replicate', 'shard', 'split'\]"),
+        ('{"directives": [{"op": ["split"]}]}', r"unknown op \['split'\]; expected one of \['order', 'place', 'recompute', 'replicate', 'shard', 'split'\]"),
         ('{"directives": [{"op": "shard"}]}', r"shard needs field\(s\) \['devices', 'filter'\]"),
         ('{"directives": [{"op": "split"}]}', r"split needs field\(s\) \['microbatches'\]"),
         ('{"directives": [{"op": "split", "microbatches": 2, "chunks": 3}]}', r"has no field\(s\) \['chunks'\]"),
@@ -213,6 +214,7 @@ def test_json_program_equivalent_to_python(three_stage):
 # One of each directive, every field away from its default where it has one.
 EVERY_DIRECTIVE = [
     (Split(3), '{"op": "split", "microbatches": 3}'),
+    (Recompute({"PP": 1}), '{"op": "recompute", "filter": {"PP": 1}}'),
     (Place({"PP": 1, "MB": (0, 2)}, (1, 3), stream="pp2"),
      '{"op": "place", "filter": {"MB": [0, 2], "PP": 1}, "devices": [1, 3], "stream": "pp2"}'),
     (Replicate({"PP": 0}, (0, 2), zero=2, bucket_mb=1.5, reduce_stream="r", gather_stream="g"),
@@ -236,10 +238,10 @@ def test_every_registered_directive_round_trips_through_its_json_form(directive,
 
 def test_every_directive_is_registered_once_by_its_op():
     assert {type(d) for d, _ in EVERY_DIRECTIVE} == set(DIRECTIVES)
-    assert sorted(cls.op for cls in DIRECTIVES) == ["order", "place", "replicate", "shard", "split"]
+    assert sorted(cls.op for cls in DIRECTIVES) == ["order", "place", "recompute", "replicate", "shard", "split"]
     strategy = Strategy([d for d, _ in EVERY_DIRECTIVE])
     assert Strategy.from_json(strategy.to_json()) == strategy
-    with pytest.raises(DirectiveError, match=r"is not a directive \(Split, Place, Replicate, Shard or Order\)"):
+    with pytest.raises(DirectiveError, match=r"is not a directive \(Split, Recompute, Place, Replicate, Shard or Order\)"):
         Strategy([Split(2), "place"]).apply(None)
 
 
@@ -250,3 +252,19 @@ def test_shard_kind_is_a_shard_kind():
     with pytest.raises(DirectiveError, match=r"kind must be one of \['tp', 'ep'\], got 'xp'") as err:
         Shard({"PP": 0}, (0, 1), kind="xp")
     assert "kind='xp'" in str(err.value)
+
+
+def test_recompute_marks_the_regions_it_matches_before_place(three_stage):
+    """Recompute is a property of segments: it runs before Place, wherever it is written, and
+    leaves capture's own marks (torch.utils.checkpoint) alone."""
+    strategy = Strategy([*_place3(), Recompute({"PP": (0, 2)}), Split(2)])
+    placed = strategy.apply(three_stage.graph)
+    assert {s.id: s.recompute for s in placed.stage_segments()} == {"s0": True, "s1": False, "s2": True}
+    assert not placed.loss_segment().recompute
+    assert Strategy.from_json(strategy.to_json()).apply(three_stage.graph) == placed
+
+
+def test_recompute_refuses_a_filter_that_matches_no_region(three_stage):
+    with pytest.raises(DirectiveError, match=r"filter \{PP: 7\} matches no annotated region") as err:
+        Strategy([Split(2), *_place3(), Recompute({"PP": 7})]).apply(three_stage.graph)
+    assert "Recompute({PP: 7}) at test_directives.py:" in str(err.value)

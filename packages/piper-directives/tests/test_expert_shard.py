@@ -108,7 +108,7 @@ def test_filter_matching_no_region() -> None:
 def test_region_without_an_expert_module() -> None:
     captured = _capture(Dense())
     strategy = Strategy([Place({"PP": 0}, (0, 1)), Shard({"PP": 0}, (0, 1), kind="ep")])
-    with pytest.raises(DirectiveError, match="call no expert module"):
+    with pytest.raises(DirectiveError, match="calls an expert module"):
         shard_modules(strategy.apply(captured.graph), captured.modules)
 
 

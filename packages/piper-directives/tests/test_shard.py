@@ -169,7 +169,7 @@ def test_hard_coded_head_count_is_refused() -> None:
 def test_region_without_a_linear_pair() -> None:
     captured = _capture(OneLinear())
     graph = Strategy([Place({"PP": 0}, (0, 1)), Shard({"PP": 0}, (0, 1))]).apply(captured.graph)
-    with pytest.raises(DirectiveError, match="no column-/row-parallel Linear pair"):
+    with pytest.raises(DirectiveError, match="holds a column-/row-parallel Linear pair"):
         shard_modules(graph, captured.modules)
 
 

@@ -16,6 +16,7 @@ from piper_ir import (
     NodeKind,
     ParamShard,
     Phase,
+    Precision,
     Program,
     RankPlan,
     Replication,
@@ -25,6 +26,7 @@ from piper_ir import (
     Sharding,
     Tags,
     TensorMeta,
+    Tie,
     Value,
 )
 from piper_scheduler import compile_program, verify
@@ -143,7 +145,23 @@ TABLES: list[tuple[str, Callable[[], Program], str]] = [
      "the sharding of segment s0 cuts parameter 'q', which segment s0 does not have"),
     ("sharding degree", lambda: attrs.evolve(DP, sharding=[attrs.evolve(DP.sharding[0], degree=3)]),
      "the sharding of segment s0 has degree 3 over 2 devices"),
+    ("tie twice", lambda: attrs.evolve(PP, ties=[_tie(PP)] * 2), "the program has two ties 's0.weight'"),
+    ("tie holders", lambda: attrs.evolve(PP, ties=[Tie("w", [("s0", "s0.weight")])]), "tie 'w' names fewer than two segments"),
+    ("tie segment", lambda: attrs.evolve(PP, ties=[Tie("w", [("s0", "s0.weight"), ("s7", "w")])]),
+     "tie 'w' names segment 's7', which the program does not have"),
+    ("tie parameter", lambda: attrs.evolve(PP, ties=[Tie("w", [("s0", "s0.weight"), ("s1", "q")])]),
+     "tie 'w' names parameter 'q', which segment s1 does not have"),
+    ("tie not summed", lambda: attrs.evolve(PP, ties=[_tie(PP)]),
+     "tie 's0.weight' is held on ranks [0, 1], but no bucket of its own sums its gradient on ranks [0, 1]"),
+    ("precision", lambda: attrs.evolve(PP, precision=Precision("int8")),
+     "the program's compute precision 'int8' is not one of"),
 ]
+
+
+def _tie(program: Program) -> Tie:
+    """A tie of the first parameters of s0 and s1 (any two do for the table checks)."""
+    seg = program.segment_by_id
+    return Tie(seg["s0"].params[0][0], [("s0", seg["s0"].params[0][0]), ("s1", seg["s1"].params[0][0])])
 
 
 @pytest.mark.parametrize(("broken", "message"), [c[1:] for c in TABLES], ids=[c[0] for c in TABLES])

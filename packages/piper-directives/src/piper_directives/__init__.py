@@ -11,6 +11,7 @@ from piper_directives.communication import insert_communication
 from piper_directives.order import Order
 from piper_directives.parallelize import data_parallel, expert_parallel, parallelize, tensor_parallel
 from piper_directives.place import Place, place_all, send_streams
+from piper_directives.recompute import Recompute, recompute_all
 from piper_directives.replicate import Replicate, replicate_all
 from piper_directives.schedules import (
     SCHEDULES,
@@ -45,9 +46,9 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
-    "DIRECTIVES", "SCHEDULES", "CapturedModel", "Directive", "LossModule", "Order", "Place", "Replicate", "Shard",
+    "DIRECTIVES", "SCHEDULES", "CapturedModel", "Directive", "LossModule", "Order", "Place", "Recompute", "Replicate", "Shard",
     "Split", "Strategy", "annotate", "apply_strategy", "build_schedule", "capture", "data_parallel", "dualpipe",
     "dualpipev", "expert_parallel", "gpipe", "insert_communication", "interleaved_1f1b", "one_f_one_b",
-    "parallelize", "place_all", "rank_actions", "replicate_all", "requested_splits", "send_streams", "shard_all",
+    "parallelize", "place_all", "rank_actions", "recompute_all", "replicate_all", "requested_splits", "send_streams", "shard_all",
     "shard_modules", "split_backward", "strategy_from_torch_csv", "strategy_to_torch_csv", "tensor_parallel", "zb1p",
 ]

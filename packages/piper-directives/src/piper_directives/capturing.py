@@ -421,13 +421,33 @@ def _refuse_traced_mutation(model: nn.Module, changed: list[str]) -> None:
 
 def _ties(model: nn.Module, parts: list[_Part]) -> tuple[Tie, ...]:
     """A ``Tie`` for every parameter object that several segment modules hold, named as the
-    model names it."""
+    model names it, with the operation of each holder that uses it (``Tie.uses``)."""
     canonical = {id(p): name for name, p in model.named_parameters()}
     holders: dict[int, list[tuple[str, str]]] = {}
     for index, part in enumerate(parts):
         for qualname, p in part.module.named_parameters():
             holders.setdefault(id(p), []).append((f"s{index}", qualname))
-    return tuple(Tie(canonical.get(pid, found[0][1]), found) for pid, found in holders.items() if len(found) > 1)
+    return tuple(
+        Tie(
+            canonical.get(pid, found[0][1]),
+            found,
+            tuple(_use(parts[int(seg[1:])].module, qualname) for seg, qualname in found),
+        )
+        for pid, found in holders.items()
+        if len(found) > 1
+    )
+
+
+def _use(module: nn.Module, qualname: str) -> str:
+    """The first operation of a segment module that uses parameter ``qualname`` (module path
+    and the user's source line), or "" if none is found."""
+    if isinstance(module, torch.fx.GraphModule):
+        for node in module.graph.nodes:
+            if node.op in ("get_attr", "call_module") and (
+                qualname == node.target or qualname.startswith(f"{node.target}.")
+            ):
+                return describe(node if node.op == "call_module" else next(iter(node.users), node))
+    return ""
 
 
 def _build(
@@ -562,18 +582,7 @@ def _build(
 
 def tie_locations(captured: CapturedModel, tie: Tie) -> str:
     """Each holder of ``tie`` with the operation that uses it (module path and source line),
-    for messages that must name every holder."""
-    found = []
-    for seg, qualname in tie.holders:
-        module = captured.modules[seg]
-        use = ""
-        if isinstance(module, torch.fx.GraphModule):
-            for node in module.graph.nodes:
-                if node.op in ("get_attr", "call_module") and (
-                    qualname == node.target or qualname.startswith(f"{node.target}.")
-                ):
-                    user = node if node.op == "call_module" else next(iter(node.users), node)
-                    use = f", used by {describe(user)}"
-                    break
-        found.append(f"{qualname!r} in {seg}{use}")
-    return "; ".join(found)
+    for messages that must name every holder (``Tie.describe``)."""
+    if len(tie.uses) != len(tie.holders):
+        tie = attrs.evolve(tie, uses=tuple(_use(captured.modules[seg], q) for seg, q in tie.holders))
+    return tie.describe()

@@ -1,7 +1,7 @@
 """What every directive module shares: where the user wrote a directive, and turning what
 the user wrote (Python values or a JSON document) into filters and device groups.
 
-Each directive class (``Split``, ``Place``, ``Shard``, ``Replicate``, ``Order``) defines its
+Each directive class (``Split``, ``Recompute``, ``Place``, ``Shard``, ``Replicate``, ``Order``) defines its
 own JSON form: a class attribute ``op`` (the ``"op"`` of its JSON object), ``to_json()`` and
 ``from_json(fields, where)``, given the object's fields but ``op``. Its JSON fields are its
 attrs fields but ``where``; those without a default are required (``json_fields``), so

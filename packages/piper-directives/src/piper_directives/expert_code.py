@@ -26,9 +26,14 @@ segment modules, and returns both rewritten (docs/ir-conventions.md, section 9):
   all-to-all; when the group is one of several data-parallel replicas (``Sharding.degree <
   len(devices)``), each expert's gradient is further reduced over the ranks holding it.
 
+Regions that call no expert module stay data-parallel over the group (their Sharding cuts
+nothing), so an embedding or a head in a region of its own runs beside expert regions.
+
 Errors (``DirectiveError`` naming the ``Shard``): an expert count the group size does not
-divide; a ``Shard(kind="ep")`` whose regions call no expert module; an expert parameter
-without the experts on dimension 0.
+divide; a strategy whose ``Shard(kind="ep")``s find no expert module in any region; an expert
+parameter without the experts on dimension 0; an expert module that draws random numbers
+(dropout: each rank sees its routed tokens, so no mask can match one device); a recomputed
+region that calls experts.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from torch import nn
 
 from piper_directives.replicate import segment_buckets
 from piper_directives.segment_module import like
+from piper_directives.shard_code import refuse_recompute
 from piper_ir import DirectiveError, Graph, ParamShard, SegmentRole, Sharding, ShardKind
 
 COMM = "piper_ep"
@@ -158,30 +164,28 @@ def shard_experts(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph
     expert parameters out of the buckets, and the segment modules rewritten (module doc)."""
     out = dict(modules)
     records: list[Sharding] = []
-    found: dict[str | None, int] = {}
     experts_of: dict[str, set[str]] = {}
     for sh in graph.sharding:
         if sh.kind is not ShardKind.EP:
             records.append(sh)
             continue
-        found.setdefault(sh.origin, 0)
         module = modules[sh.segment]
-        if graph.segment_by_id[sh.segment].role is SegmentRole.LOSS or not isinstance(module, torch.fx.GraphModule):
+        seg = graph.segment_by_id[sh.segment]
+        if seg.role is SegmentRole.LOSS or not isinstance(module, torch.fx.GraphModule):
             records.append(sh)
             continue
         gm, params, count = _rewrite(module, sh)
-        found[sh.origin] += count
         if count:
+            refuse_recompute(seg, sh, "expert-parallel all-to-alls")
             out[sh.segment] = gm
             experts_of[sh.segment] = {p.name for p in params}
         records.append(attrs.evolve(sh, params=params, collectives=count))
-    for origin, count in found.items():
-        if not count:
-            raise DirectiveError(
-                "the regions it matches call no expert module (an nn.Module with piper_experts = True, "
-                "called as experts(tokens, expert_ids)), so there is nothing to shard across experts",
-                directive=origin,
-            )
+    if not any(r.collectives for r in records if r.kind is ShardKind.EP):
+        raise DirectiveError(
+            "no region it matches calls an expert module (an nn.Module with piper_experts = True, "
+            "called as experts(tokens, expert_ids)), so there is nothing to shard across experts",
+            directive=next(sh.origin for sh in graph.sharding if sh.kind is ShardKind.EP),
+        )
     graph = attrs.evolve(graph, sharding=tuple(records))
     return attrs.evolve(graph, buckets=_buckets(graph, experts_of)), out
 
@@ -199,6 +203,7 @@ def _rewrite(module: torch.fx.GraphModule, sh: Sharding) -> tuple[torch.fx.Graph
     for k, call in enumerate(calls):
         experts = gm.get_submodule(call.target)
         num = _num_experts(experts, call.target, sh)
+        _refuse_random(experts, call, sh)
         if num % sh.degree:
             raise DirectiveError(
                 f"the expert-parallel group of {sh.degree} ranks does not divide the {num} experts of {call.target}",
@@ -218,6 +223,34 @@ def _rewrite(module: torch.fx.GraphModule, sh: Sharding) -> tuple[torch.fx.Graph
     g.lint()
     gm.recompile()
     return gm, tuple(params), len(calls)
+
+
+def _refuse_random(experts: nn.Module, call: torch.fx.Node, sh: Sharding) -> None:
+    """An expert module that draws random numbers (dropout) cannot match one device: each rank
+    runs its experts on the tokens routed to it, in an order of its own. It is probed: run once
+    on two tokens per expert, does it move the random generator?"""
+    num = _num_experts(experts, call.target, sh)
+    d = next((p.shape[-1] for p in experts.parameters() if p.dim() >= 2), None)
+    if d is None:
+        return
+    dtype = next(experts.parameters()).dtype
+    tokens = torch.zeros(2 * num, d, dtype=dtype)
+    ids = torch.arange(num).repeat(2)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        before = torch.random.get_rng_state()
+        try:
+            experts(tokens, ids)
+        except Exception:
+            return  # not callable on such a probe: nothing can be said
+        drew = not torch.equal(before, torch.random.get_rng_state())
+    if drew:
+        raise DirectiveError(
+            f"expert module {call.target} ({type(experts).__name__}) draws random numbers (dropout): under expert "
+            "parallelism each rank runs its experts on the tokens routed to it, so no rank could draw the masks "
+            "one device draws. Remove the dropout from the expert module (dropout before or after the expert "
+            "call, on the region's own tokens, is fine)",
+            directive=sh.origin,
+        )
 
 
 def _num_experts(experts: nn.Module, name: str, sh: Sharding) -> int:

@@ -54,11 +54,14 @@ def cast_forward(module: nn.Module, args: Sequence[object], compute: torch.dtype
     ``args`` are passed as they are: values between segments already have the compute dtype,
     and batch inputs are cast where the batch is read (``cast_inputs``).
     """
+    # One cast copy per *name*, tied names included: each use of a tied parameter casts its
+    # gradient back to the master dtype on its own, as it does when its holders are separate
+    # segments (a shared bf16 copy would sum the uses' gradients in bf16 first).
     state = {
         name: t.to(compute) if t.is_floating_point() else t
-        for name, t in (*module.named_parameters(), *module.named_buffers())
+        for name, t in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
     }
-    return torch.func.functional_call(module, state, tuple(args), strict=False, tie_weights=True)
+    return torch.func.functional_call(module, state, tuple(args), strict=False, tie_weights=False)
 
 
 def cast_inputs(tensors: Sequence[torch.Tensor], compute: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -21,9 +21,16 @@ captured segment modules, and returns both rewritten:
 - ``Graph.sharding`` gets each segment's ``params`` (``ParamShard``: name, dim, groups) and
   its forward collective count.
 
+Regions without a pair stay whole on every rank of the group (the same data, no
+communication: replicated over it), so an embedding or a head in a region of its own runs
+beside sharded blocks. Dropout (any random draw) on the cut activations between a pair's
+Linears is refused: no rank could draw one device's mask for its piece; dropout on whole
+activations draws one device's masks (every rank of a group draws the same, for its
+data-parallel shard: ``piper_runtime.randomness``).
+
 Errors (``DirectiveError`` naming the ``Shard``): a TP degree that does not divide the heads or
-the hidden size, a column output reshaped another way, and a ``Shard`` whose regions hold no
-Linear pair. The rewritten code is run once on one rank's shard of the weights (collectives
+the hidden size, a column output reshaped another way, dropout inside a pair, a recomputed
+region holding a pair, and a strategy whose ``Shard``s find no Linear pair in any region. The rewritten code is run once on one rank's shard of the weights (collectives
 unbound, i.e. identity) to check it accepts the shard's shapes.
 
 The collectives call a ``TensorParallelComm`` submodule (``piper_tp``) that the runtime binds
@@ -48,9 +55,10 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from piper_directives.diagnose import describe
 from piper_directives.replicate import segment_buckets
 from piper_directives.segment_module import like
-from piper_ir import DirectiveError, Graph, ParamShard, SegmentRole, Sharding, ShardKind
+from piper_ir import DirectiveError, Graph, ParamShard, Segment, SegmentRole, Sharding, ShardKind
 
 COMM = "piper_tp"
 _RESHAPES = {"view", "reshape", "unflatten", "flatten", "split", "chunk", "unbind"}
@@ -151,29 +159,39 @@ def shard_modules(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph
 
         return shard_experts(graph, modules)
     records: list[Sharding] = []
-    pairs_by_origin: dict[str | None, int] = {}
     for sh in graph.sharding:
         seg = graph.segment_by_id[sh.segment]
         module = modules[sh.segment]
-        pairs_by_origin.setdefault(sh.origin, 0)
         if seg.role is SegmentRole.LOSS or not isinstance(module, torch.fx.GraphModule):
             records.append(sh)
             continue
         gm, params, count = _rewrite(module, sh)
-        pairs_by_origin[sh.origin] += count
         if count:
+            refuse_recompute(seg, sh, "tensor-parallel all-reduces")
             _check_shapes(graph, sh, gm, params)
             out[sh.segment] = gm
         records.append(attrs.evolve(sh, params=params, collectives=count))
-    for origin, count in pairs_by_origin.items():
-        if not count:
-            raise DirectiveError(
-                "the regions it matches hold no column-/row-parallel Linear pair (a Linear whose output "
-                "reaches exactly one other Linear), so there is nothing to shard",
-                directive=origin,
-            )
+    if not any(r.collectives for r in records):
+        raise DirectiveError(
+            "no region it matches holds a column-/row-parallel Linear pair (a Linear whose output "
+            "reaches exactly one other Linear), so there is nothing to shard",
+            directive=graph.sharding[0].origin,
+        )
     graph = attrs.evolve(graph, sharding=tuple(records))
     return attrs.evolve(graph, buckets=_local_buckets(graph)), out
+
+
+def refuse_recompute(seg: Segment, sh: Sharding, what: str) -> None:
+    """A recomputed segment may not issue collectives: recomputing it inside its backward
+    would issue its forward's collectives again, on the thread (and communicator) of the
+    backward, in an order no plan describes."""
+    if seg.recompute:
+        raise DirectiveError(
+            f"region {seg.id} ({seg.tags}) is recomputed (Recompute or torch.utils.checkpoint) and issues "
+            f"{what} inside its forward; recomputing a sharded region is not supported: recompute other "
+            "regions, or do not shard this one",
+            directive=sh.origin,
+        )
 
 
 def _local_buckets(graph: Graph) -> tuple:
@@ -242,6 +260,7 @@ def _find_pairs(gm: torch.fx.GraphModule, sh: Sharding) -> list[_Pair]:
         row = reached.pop()
         if row in rows or not _closed(col, region, row, free):
             continue
+        _refuse_random(gm, col, region, row, sh)
         groups = _groups(gm, col, sh)
         col_mod, row_mod = gm.get_submodule(col.target), gm.get_submodule(row.target)
         if groups == 1 and col_mod.out_features % sh.degree:
@@ -259,6 +278,47 @@ def _find_pairs(gm: torch.fx.GraphModule, sh: Sharding) -> list[_Pair]:
         rows.add(row)
         pairs.append(_Pair(col, row, groups))
     return pairs
+
+
+_RANDOM_FUNCTIONS = frozenset({
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+    "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "bernoulli", "multinomial",
+    "normal", "randperm", "bernoulli_", "uniform_", "normal_",
+})
+
+
+def _draws(gm: torch.fx.GraphModule, n: torch.fx.Node) -> bool:
+    """Whether ``n`` draws random numbers in training: dropout (module or function),
+    attention with ``dropout_p > 0``, or a sampling function."""
+    if n.op == "call_module":
+        m = gm.get_submodule(n.target)
+        return isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training
+    if n.op not in ("call_function", "call_method"):
+        return False
+    name = _name(n.target)
+    if name == "scaled_dot_product_attention":
+        p = n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0)
+        return not isinstance(p, int | float) or p > 0
+    if name in ("dropout", "alpha_dropout", "feature_alpha_dropout") or name.startswith("dropout"):
+        p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5)
+        training = n.kwargs.get("training", n.args[2] if len(n.args) > 2 else True)
+        return training is not False and (not isinstance(p, int | float) or p > 0)
+    return name in _RANDOM_FUNCTIONS
+
+
+def _refuse_random(gm: torch.fx.GraphModule, col: torch.fx.Node, region: set, row: torch.fx.Node, sh: Sharding) -> None:
+    """Random numbers drawn between a column- and a row-parallel Linear are drawn on the cut
+    activations (a rank's heads or hidden units): no rank can draw single-device training's
+    mask for its piece, so the run would differ from one device. Refused by name."""
+    for n in gm.graph.nodes:
+        if n in region and _draws(gm, n):
+            raise DirectiveError(
+                f"{describe(n)} draws random numbers (dropout) between column-parallel {col.target} and "
+                f"row-parallel {row.target}, on activations tensor parallelism cuts across ranks: no rank "
+                "could draw the masks one device draws. Set that dropout to 0, or move it after "
+                f"{row.target} (dropout on whole activations, such as the residual stream, is fine)",
+                directive=sh.origin,
+            )
 
 
 def _region(col: torch.fx.Node, linears: set[torch.fx.Node]) -> tuple[set[torch.fx.Node], set[torch.fx.Node], bool]:

@@ -4,14 +4,16 @@ The order of the phases, not the order the directives are written in, decides wh
 directive sees (``Strategy.apply``):
 
 1. ``Split``: microbatches first, so every later phase sees per-microbatch nodes;
-2. every ``Place`` (``place_all``): a device group on every node;
-3. every ``Shard`` (``shard_all``): which groups are tensor- or expert-parallel;
-4. every ``Replicate`` (``replicate_all``): how replicated groups stay in sync, the batch
+2. every ``Recompute`` (``recompute_all``): which regions recompute their activations (a
+   property of segments, before anything is placed);
+3. every ``Place`` (``place_all``): a device group on every node;
+4. every ``Shard`` (``shard_all``): which groups are tensor- or expert-parallel;
+5. every ``Replicate`` (``replicate_all``): how replicated groups stay in sync, the batch
    cut among the replicas (which needs to know the sharded groups: their ranks share data);
-5. communication (``insert_communication``): a SEND/RECV pair for each value crossing groups;
-6. the backward split the ``Order`` directives ask for (``split_backward``: a chunk named
+6. communication (``insert_communication``): a SEND/RECV pair for each value crossing groups;
+7. the backward split the ``Order`` directives ask for (``split_backward``: a chunk named
    with ``PASS: "BI"``/``"BW"`` gets its ``B`` split);
-7. every ``Order``, in the order written.
+8. every ``Order``, in the order written.
 
 A strategy is plain data: ``Strategy.to_json`` / ``Strategy.from_json`` write and read the
 same program as JSON. Each directive class defines its own JSON form (``op``, ``to_json``,
@@ -31,19 +33,20 @@ from piper_directives.common import JsonObject, json_fields
 from piper_directives.communication import insert_communication
 from piper_directives.order import Order, apply_orders
 from piper_directives.place import Place, place_all, send_streams
+from piper_directives.recompute import Recompute, recompute_all
 from piper_directives.replicate import Replicate, replicate_all
 from piper_directives.shard import Shard, shard_all
 from piper_directives.split import Split
 from piper_directives.split_backward import requested_splits, split_backward
 from piper_ir import DirectiveError, Graph, validate
 
-Directive = Split | Place | Replicate | Shard | Order
+Directive = Split | Recompute | Place | Replicate | Shard | Order
 
 #: Every directive, registered once: its class's ``op`` names it in JSON.
-DIRECTIVES: tuple[type[Directive], ...] = (Split, Place, Replicate, Shard, Order)
+DIRECTIVES: tuple[type[Directive], ...] = (Split, Recompute, Place, Replicate, Shard, Order)
 _BY_OP: dict[str, type[Directive]] = {cls.op: cls for cls in DIRECTIVES}
 
-D = TypeVar("D", Split, Place, Replicate, Shard, Order)
+D = TypeVar("D", Split, Recompute, Place, Replicate, Shard, Order)
 
 
 @attrs.frozen
@@ -69,6 +72,7 @@ class Strategy:
             raise DirectiveError("a strategy needs at least one Place directive")
         for split in splits:
             graph = split.apply(graph)
+        graph = recompute_all(graph, self.of(Recompute))
         graph = place_all(graph, places)
         graph = shard_all(graph, shards, replicates)
         graph = replicate_all(graph, replicates)

@@ -28,6 +28,7 @@ from piper_ir.graph import (
     COMMUNICATION_KINDS,
     COMPUTE_KINDS,
     POINT_TO_POINT_KINDS,
+    TIE_STREAM,
     Bucket,
     CodeRef,
     Edge,
@@ -60,7 +61,7 @@ from piper_ir.validate import cycle_error, validate
 
 __all__ = [
     "ANY", "MB", "PASS", "SEG", "BUCKET_KINDS", "COMMUNICATION_KINDS", "COMPUTE_KINDS", "GRAD_PREFIX",
-    "POINT_TO_POINT_KINDS", "Residency", "ShardKind", "ExecutionOptions", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "CheckpointError", "ClusterError", "CodeRef", "Communicator",
+    "POINT_TO_POINT_KINDS", "TIE_STREAM", "Residency", "ShardKind", "ExecutionOptions", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "CheckpointError", "ClusterError", "CodeRef", "Communicator",
     "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph",
     "GradNorm", "Instruction", "Listing", "MemoryPlanError", "Node", "NodeKind", "NormTerm", "ParamShard", "Phase", "Precision", "PiperError",
     "Program", "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Sharding", "Tags",

@@ -103,6 +103,9 @@ BUCKET_KINDS = frozenset(
     {NodeKind.ALL_REDUCE, NodeKind.REDUCE_SCATTER, NodeKind.ALL_GATHER, NodeKind.MATERIALIZE, NodeKind.FREE}
 )
 POINT_TO_POINT_KINDS = frozenset({NodeKind.SEND, NodeKind.RECV})
+# The stream of the collectives that sum a tied parameter's gradient over the ranks holding
+# it (``Tie``; their communicators are a traffic class of their own, ``tie``).
+TIE_STREAM = "tie"
 # Nodes that run a segment's code (its passes, its optimizer step): what ``Order`` orders.
 COMPUTE_KINDS = frozenset({NodeKind.COMPUTE, NodeKind.OPTIMIZER})
 
@@ -220,11 +223,22 @@ class Tie:
     what single-device training, gradients and checkpoints call it); ``holders`` are the
     ``(segment id, qualified name in that segment's params)`` pairs that hold a copy, in
     segment order. Its gradient is the sum of every holder's gradient, and every copy
-    takes the same update (docs/ir-conventions.md, section 1).
+    takes the same update (docs/ir-conventions.md, section 1). ``uses`` says, per holder,
+    where the user's code uses it ("module 'lm_head' at model.py:120"), for messages that
+    must name every holder; empty when unknown.
     """
 
     name: str
     holders: tuple[tuple[str, str], ...] = attrs.field(converter=lambda hs: tuple(tuple(h) for h in hs))
+    uses: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    def describe(self) -> str:
+        """Each holder with its use: ``'lm_head.weight' in s3 (module 'lm_head' at m.py:9); ...``."""
+        uses = self.uses if len(self.uses) == len(self.holders) else ("",) * len(self.holders)
+        return "; ".join(
+            f"{qualname!r} in {seg}" + (f", used by {use}" if use else "")
+            for (seg, qualname), use in zip(self.holders, uses, strict=True)
+        )
 
 
 @attrs.frozen

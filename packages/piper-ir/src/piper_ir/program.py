@@ -13,7 +13,18 @@ from functools import cached_property
 
 import attrs
 
-from piper_ir.graph import Bucket, GradNorm, NodeKind, Replication, Segment, Sharding, TensorMeta, Value
+from piper_ir.graph import (
+    Bucket,
+    GradNorm,
+    NodeKind,
+    Precision,
+    Replication,
+    Segment,
+    Sharding,
+    TensorMeta,
+    Tie,
+    Value,
+)
 from piper_ir.tags import Phase
 
 PROGRAM_FORMAT_VERSION = 1
@@ -150,6 +161,13 @@ class Program:
     """Tensor-parallel segments: how their parameters are cut over their device group."""
     execution: ExecutionOptions = ExecutionOptions()
     """How far a runtime may run ahead of the plan (memory it may spend doing so)."""
+    ties: tuple[Tie, ...] = attrs.field(default=(), converter=tuple)
+    """Parameters held by several segments (``Graph.ties``): a rank holding several holders
+    keeps one tensor for them, stepped by the first holder's optimizer there; the tie buckets
+    and reductions that sum their gradients are ordinary buckets and instructions."""
+    precision: Precision | None = None
+    """Compute and master dtypes (``Graph.precision``); ``None``: segments run in their
+    parameters' own dtypes."""
     grad_norm: GradNorm | None = None
     """What the ``GRAD_NORM`` instructions count and whether they clip (``None``: no norm)."""
 

@@ -4,7 +4,8 @@
 that carries the plan out holds after every instruction (and inside each collective), in the
 categories ``piper_runtime.memory.RankMemory`` measures:
 
-- *parameters*: the parameters of every segment the rank runs (1/degree of each parameter a
+- *parameters*: the parameters of every segment the rank runs (a tied parameter once per
+  rank, however many of its holders the rank runs: they share one tensor) (1/degree of each parameter a
   tensor-parallel ``Sharding`` lists); one shard (``Bucket.shard_numel``, padded) per bucket
   whose parameters live sharded (``Bucket.params_home``, ZeRO 3);
 - *gradients*: a stage segment's full gradients from its first weight-gradient pass (``B`` or
@@ -30,7 +31,9 @@ categories ``piper_runtime.memory.RankMemory`` measures:
   receive's buffer from when it is posted (``Program.execution.recv_lookahead`` receives
   ahead) until the compute that reads it;
 - *activations*: what a forward keeps until its backward (``B``, or ``BW`` after a split
-  backward), per microbatch. The IR does not describe a segment's interior, so by default
+  backward), per microbatch; for a segment that recomputes its activations
+  (``Segment.recompute``) its non-batch inputs until the backward, which then holds the
+  recomputed forward's activations while it runs (until ``BW`` after a split backward). The IR does not describe a segment's interior, so by default
   this is the segment's outputs (``Segment.outputs`` value metas, one replica's shard of one
   microbatch), a lower bound that is exact in its *shape* across schedules (GPipe holds M
   microbatches, 1F1B at most the number of stages). ``activation_bytes`` (segment id -> bytes
@@ -184,6 +187,16 @@ def _homes(buckets: Iterable[Bucket]) -> set[str]:
     }
 
 
+def _aliased(program: Program, segments: set[str]) -> set[tuple[str, str]]:
+    """The ``(segment, parameter)`` pairs of ``segments`` (one rank's) that are a tied
+    parameter already held by an earlier holder there: the rank keeps one tensor for them."""
+    out: set[tuple[str, str]] = set()
+    for tie in program.ties:
+        present = [h for h in tie.holders if h[0] in segments]
+        out.update(present[1:])
+    return out
+
+
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**16 else f"{int(nbytes)} B"
 
@@ -212,10 +225,17 @@ class _RankReplay:
         tp_cut = {(sh.segment, p.name): sh.degree for sh in program.sharding for p in sh.params}
         self.early: set[str] = set()  # segments with sharded gradients: reduce-scattered during the backward
         self.inflight: dict[str, int] = {}  # bucket -> buffers of its running reduce-scatter
-        for seg_id in program.plan(rank).segments():
+        mine = program.plan(rank).segments()
+        aliased = _aliased(program, set(mine))
+        replicated = {r.segment for r in program.replication}
+        for seg_id in mine:
             seg = program.segment_by_id[seg_id]
             homes = _homes(buckets.get(seg_id, ()))
-            full = sum(meta.nbytes() // tp_cut.get((seg_id, name), 1) for name, meta in seg.params)
+            full = sum(
+                meta.nbytes() // tp_cut.get((seg_id, name), 1)
+                for name, meta in seg.params
+                if (seg_id, name) not in aliased
+            )
             shard = sum(_bytes(b, b.shard_numel) for b in buckets.get(seg_id, ()))
             self.params += shard if "params" in homes else full
             if seg.role is not SegmentRole.STAGE or not seg.params:
@@ -224,6 +244,8 @@ class _RankReplay:
             self.lasting_grads += shard if "grads" in homes else full
             if seg_id in buckets:
                 self.full[seg_id] = {b.id: _bytes(b, b.numel) for b in buckets[seg_id]}
+                if seg_id not in replicated:  # only a tied parameter's bucket: the rest is whole
+                    self.full[seg_id][seg_id] = full - sum(self.full[seg_id].values())
                 if "grads" in homes:
                     self.early.add(seg_id)
             else:
@@ -241,11 +263,23 @@ class _RankReplay:
         self.position = -1  # the instruction being replayed
 
     def _forward_bytes(self, seg_id: str) -> int:
+        """What one forward of ``seg_id`` keeps for its backward (a recomputed one: while
+        its backward runs)."""
         if seg_id in self.activation_bytes:
             return int(self.activation_bytes[seg_id])
         seg = self.program.segment_by_id[seg_id]
         values = self.program.value_by_name
         return sum(values[v].meta.nbytes() for v in seg.outputs if v in values)
+
+    def _kept_bytes(self, seg_id: str) -> int:
+        """What a forward leaves held until its backward: its activations, or for a segment
+        that recomputes them (``Segment.recompute``) its inputs only (the batch aside)."""
+        seg = self.program.segment_by_id[seg_id]
+        if not seg.recompute:
+            return self._forward_bytes(seg_id)
+        batch = {*self.program.inputs, *self.program.targets}
+        values = self.program.value_by_name
+        return sum(values[v].meta.nbytes() for v in seg.inputs if v in values and v not in batch)
 
     def _sample(self, position: int, transient: int = 0) -> None:
         full = sum(self.grads.values())
@@ -333,11 +367,14 @@ class _RankReplay:
         if ins.phase is Phase.F:
             for name in seg.inputs:  # a received input becomes the forward's saved input
                 self.received.pop((name, mb), None)
-            self.acts[key] = self.acts.get(key, 0) + self._forward_bytes(seg.id)
+            self.acts[key] = self.acts.get(key, 0) + self._kept_bytes(seg.id)
             return
         if ins.phase in (Phase.B, Phase.BI):
             for name in seg.outputs:
                 self.received.pop((grad_name(name), mb), None)
+            if seg.recompute:  # the forward runs again: its activations exist while this pass runs
+                self.acts[key] = self.acts.get(key, 0) + self._forward_bytes(seg.id)
+                self._sample(self.position)
         if ins.phase in (Phase.B, Phase.BW) and seg.id in self.early:
             # Taken as freed first: autograd releases a segment's saved activations as its
             # backward goes, and the last bucket completes at the end of the pass.

@@ -33,6 +33,14 @@ an ``F`` followed by its ``B`` shares one gather. The materialization of a chain
 compute just before its first use and for the free of the chain before it on the rank, so a
 rank holds one segment's gathered parameters at a time; the free follows the last use.
 
+Tied parameters (``Graph.ties``, ``piper_memory.ties``) leave their holders' buckets for
+buckets of their own, one per unit of holders on the same devices, planned as above with the
+passes and uses of every holder of the unit (a reduce-scatter after each holder's pass from
+ZeRO-2 on, chains of any holder's uses at ZeRO-3), then summed over the units: one
+``allreduce.<b>`` over all their ranks at ZeRO-0, else the mirror sum per shard position, both
+on stream ``tie`` before every holder's ``OPT``. Holders sharing one tensor on a rank get
+temporal edges from each of their weight-gradient passes to the owner's ``OPT``.
+
 The compute order is ``piper_ir.rank_orders``, the rule ``compile_program`` uses. Every node
 added here depends only on nodes that rule has already ordered and is released as soon as it
 is ready, so the compile of the planned graph runs compute in the same order. Edges from a
@@ -48,6 +56,7 @@ import attrs
 
 from piper_ir import (
     BUCKET_KINDS,
+    TIE_STREAM,
     Bucket,
     Edge,
     EdgeKind,
@@ -61,6 +70,7 @@ from piper_ir import (
     rank_orders,
     validate,
 )
+from piper_memory.ties import TieUnit, tie_buckets, tie_units
 
 USE_PHASES = frozenset({Phase.F, Phase.B, Phase.BI, Phase.BW})
 GRAD_PHASES = frozenset({Phase.B, Phase.BW})  # the passes that write parameter gradients
@@ -69,8 +79,9 @@ ORIGIN = "plan_memory"
 
 
 def plan_memory(graph: Graph) -> Graph:
-    """``graph`` with the ZeRO nodes and edges of its ``Replication`` records (module doc)."""
-    if not graph.replication:
+    """``graph`` with the ZeRO nodes and edges of its ``Replication`` records and the buckets
+    and sums of its ``Tie`` records (module doc)."""
+    if not graph.replication and not graph.ties:
         return graph
     planned = [n.id for n in graph.nodes if n.kind in PLANNED_KINDS]
     if planned:
@@ -78,20 +89,26 @@ def plan_memory(graph: Graph) -> Graph:
     orders = rank_orders(graph)
     if orders is None:
         raise MemoryPlanError("the graph has a cycle; cannot order its compute")
+    units = tie_units(graph)
+    graph = attrs.evolve(graph, buckets=tie_buckets(graph, units))
+    tied = {u.bucket.id for family in units for u in family if u.bucket is not None}
     buckets: dict[str, list[Bucket]] = defaultdict(list)
     for b in graph.buckets:
-        buckets[b.segment].append(b)
+        if b.id not in tied:
+            buckets[b.segment].append(b)
     with_params = {s.id for s in graph.segments if s.params}
     builder = _Builder(graph, orders, with_params)
-    zero3: list[tuple[Replication, list[Bucket]]] = []
+    zero3: list[_Zero3] = []
     for rep in graph.replication:
         if not buckets.get(rep.segment):
             continue  # nothing to keep in sync (the loss, a segment without parameters)
         for unit, unit_buckets in _units(rep, buckets[rep.segment]):
             builder.reductions(unit, unit_buckets)
             if rep.zero == 3:
-                zero3.append((unit, unit_buckets))
+                zero3.append(_Zero3((rep.segment, unit.devices), unit, unit_buckets, frozenset({rep.segment})))
         builder.mirror_sums(rep, buckets[rep.segment])
+    for family in units:
+        zero3 += builder.tie_sums(family)
     builder.materializations(zero3)
     edges = tuple(dict.fromkeys(builder.edges))  # one edge per (src, dst, kind), first kept
     zero = {rep.segment: rep.zero for rep in graph.replication}
@@ -127,6 +144,17 @@ def _units(rep: Replication, buckets: list[Bucket]) -> list[tuple[Replication, l
     for b in buckets:
         groups.setdefault(b.devices, []).append(b)
     return [(attrs.evolve(rep, devices=g), bs) for g, bs in groups.items()]
+
+
+@attrs.frozen
+class _Zero3:
+    """Buckets whose parameters live sharded, on ``rep.devices``, materialized around each
+    chain of uses by the ``users`` segments (one segment; every holder of a tie's unit)."""
+
+    key: tuple[str, tuple[int, ...]]
+    rep: Replication
+    buckets: list[Bucket]
+    users: frozenset[str]
 
 
 class _Builder:
@@ -176,36 +204,112 @@ class _Builder:
                 directive=rep.origin,
                 nodes=opts,
             )
-        return grads, opts[0]
+        return grads, opts
 
-    def reductions(self, rep: Replication, buckets: list[Bucket]) -> None:
-        grads, opt = self._segment_nodes(rep)
+    def reductions(
+        self, rep: Replication, buckets: list[Bucket], passes: tuple[list[Node], list[str]] | None = None
+    ) -> None:
+        """The reductions of ``buckets`` after the weight-gradient passes and before the
+        optimizer steps ``passes`` names (default: ``rep.segment``'s, ``_segment_nodes``)."""
+        grads, opts = passes or self._segment_nodes(rep)
         for b in buckets:
             if rep.zero == 0:
                 ar = self._node(f"allreduce.{b.id}", NodeKind.ALL_REDUCE, rep, b, rep.reduce_stream)
                 for g in grads:
                     self._data(g.id, ar)
-                self._data(ar, opt)
+                for opt in opts:
+                    self._data(ar, opt)
                 continue
             if rep.zero == 1:
                 rs = self._node(f"reducescatter.{b.id}", NodeKind.REDUCE_SCATTER, rep, b, rep.reduce_stream)
                 for g in grads:
                     self._data(g.id, rs)
-                self._data(rs, opt)
+                for opt in opts:
+                    self._data(rs, opt)
             else:
                 for g, nxt in zip(grads, [*grads[1:], None], strict=True):
                     mb = 0 if g.microbatch is None else g.microbatch
+                    # Another holder's pass of a tied parameter's bucket: named after its segment.
+                    of = "" if g.segment == rep.segment else f"{g.segment}."
                     rs = self._node(
-                        f"reducescatter.{b.id}.mb{mb}", NodeKind.REDUCE_SCATTER, rep, b, rep.reduce_stream, g.microbatch
+                        f"reducescatter.{b.id}.{of}mb{mb}", NodeKind.REDUCE_SCATTER, rep, b, rep.reduce_stream,
+                        g.microbatch,
                     )
                     self._data(g.id, rs)
-                    self._data(rs, opt)
+                    for opt in opts:
+                        self._data(rs, opt)
                     if nxt is not None:
                         # The next pass accumulates into the buffer this reduce-scatter empties.
                         self._after(rs, nxt.id, "gradient buffer reused by the next microbatch")
             if rep.zero < 3:
                 ag = self._node(f"allgather.{b.id}", NodeKind.ALL_GATHER, rep, b, rep.gather_stream)
-                self._data(opt, ag)
+                for opt in opts:
+                    self._data(opt, ag)
+
+    def tie_sums(self, family: list[TieUnit]) -> list[_Zero3]:
+        """One family of a tie's units (``piper_memory.ties``): each unit's holders step one
+        tensor after all their passes; each unit's bucket is reduced within the unit as its
+        owner's ZeRO level says (its holders' passes and optimizer steps); then the units'
+        gradients are summed on stream ``tie``. Returns the units whose parameters live
+        sharded (ZeRO-3), for ``materializations``."""
+        zero3: list[_Zero3] = []
+        passes: dict[str, tuple[list[Node], list[str]]] = {}
+        for unit in family:
+            grads, opts = self._holder_nodes(unit)
+            passes[unit.owner] = (grads, opts)
+            owner_opt = f"OPT.{unit.owner}"
+            if len(unit.holders) > 1:
+                for g in grads:
+                    self._after(g.id, owner_opt, "tied holders share one tensor, stepped by its owner")
+            if unit.bucket is None or unit.replication.zero == 0:
+                continue
+            self.reductions(unit.replication, [unit.bucket], (grads, opts))
+            if unit.replication.zero == 3:
+                zero3.append(_Zero3((f"tie:{unit.bucket.id}", unit.devices), unit.replication, [unit.bucket],
+                                    frozenset(unit.holders)))
+        with_bucket = [u for u in family if u.bucket is not None]
+        if not with_bucket:
+            return zero3
+        first = with_bucket[0]
+        grads = [g for u in with_bucket for g in passes[u.owner][0]]
+        opts = [o for u in with_bucket for o in passes[u.owner][1]]
+        sums: list[tuple[str, tuple[int, ...]]] = []
+        if first.replication.zero == 0:
+            sums.append((f"allreduce.{first.bucket.id}", tuple(sorted({d for u in with_bucket for d in u.devices}))))
+        elif len(with_bucket) > 1:
+            sums += [
+                (f"allreduce.{first.bucket.id}.{j}", tuple(sorted(u.devices[j] for u in with_bucket)))
+                for j in range(len(first.devices))
+            ]
+        family_ids = {u.bucket.id for u in with_bucket}
+        scatters = [n.id for n in self.nodes if n.kind is NodeKind.REDUCE_SCATTER and n.value in family_ids]
+        seg = self.graph.segment_by_id[first.owner]
+        for nid, devices in sums:
+            self.nodes.append(
+                Node(nid, NodeKind.ALL_REDUCE, first.owner, None, None, seg.tags, devices, TIE_STREAM,
+                     first.bucket.id, origin=first.replication.origin or ORIGIN)
+            )
+            for src in scatters or [g.id for g in grads]:
+                self._data(src, nid)
+            for opt in opts:
+                self._data(nid, opt)
+        return zero3
+
+    def _holder_nodes(self, unit: TieUnit) -> tuple[list[Node], list[str]]:
+        """The weight-gradient passes of a tie unit's holders on its devices, in the compute
+        order of its first device, and their optimizer nodes."""
+        order = self.position[unit.devices[0]]
+        devices = set(unit.devices)
+        holders = set(unit.holders)
+        grads = [
+            n
+            for n in self.graph.nodes
+            if n.segment in holders and n.kind is NodeKind.COMPUTE and n.phase in GRAD_PHASES
+            and devices.intersection(n.devices)
+        ]
+        grads.sort(key=lambda n: order.get(n.id, -1))
+        opts = [n.id for n in self.graph.nodes if n.segment in holders and n.kind is NodeKind.OPTIMIZER]
+        return grads, opts
 
     def mirror_sums(self, rep: Replication, buckets: list[Bucket]) -> None:
         """Mirrored buckets: position ``j`` of every group holds the same shard range; one
@@ -215,7 +319,7 @@ class _Builder:
         if not firsts:
             return
         by_id = {b.id: b for b in buckets}
-        _, opt = self._segment_nodes(rep)
+        _, (opt,) = self._segment_nodes(rep)
         seg = self.graph.segment_by_id[rep.segment]
         scatters: dict[str, list[str]] = defaultdict(list)
         for n in self.nodes:
@@ -237,34 +341,36 @@ class _Builder:
                         self._data(rs, nid)
                 self._data(nid, opt)
 
-    def materializations(self, zero3: list[tuple[Replication, list[Bucket]]]) -> None:
+    def materializations(self, zero3: list[_Zero3]) -> None:
         """MATERIALIZE/FREE per chain of uses, for every ZeRO-3 segment (module doc); a
-        mirrored segment's groups count as segments of their own (``_units``)."""
+        mirrored segment's groups count as segments of their own (``_units``), a tie's unit
+        as one whose uses are its holders'."""
         if not zero3:
             return
-        by_segment = {(rep.segment, rep.devices): (rep, buckets) for rep, buckets in zero3}
+        by_key = {z.key: z for z in zero3}
         nodes = self.graph.node_by_id
         # Chains per unit, read off the compute order of the unit's first device.
         chains: dict[tuple[str, tuple[int, ...]], list[list[str]]] = {}
-        for rep, _ in zero3:
+        for z in zero3:
             runs: list[list[str]] = []
             open_run = False
-            for nid in self.orders[rep.devices[0]]:
+            for nid in self.orders[z.rep.devices[0]]:
                 n = nodes[nid]
                 if n.kind is not NodeKind.COMPUTE or n.phase not in USE_PHASES:
                     continue
-                if n.segment == rep.segment:
+                if n.segment in z.users:
                     if not open_run:
                         runs.append([])
                         open_run = True
                     runs[-1].append(nid)
                 elif n.segment in self.with_params:
                     open_run = False
-            chains[(rep.segment, rep.devices)] = runs
+            chains[z.key] = runs
         for key, runs in chains.items():
-            rep, buckets = by_segment[key]
+            z = by_key[key]
+            rep = z.rep
             for k, run in enumerate(runs):
-                for b in buckets:
+                for b in z.buckets:
                     mat = self._node(f"materialize.{b.id}.{k}", NodeKind.MATERIALIZE, rep, b, rep.gather_stream)
                     free = self._node(f"free.{b.id}.{k}", NodeKind.FREE, rep, b, rep.gather_stream)
                     for use in run:
@@ -273,9 +379,9 @@ class _Builder:
                     if k > 0:
                         self._after(f"free.{b.id}.{k - 1}", mat, "one gathered copy of a bucket at a time")
                     for d in b.devices or rep.devices:
-                        self._wait_for_previous(mat, run[0], d, by_segment, chains)
+                        self._wait_for_previous(mat, run[0], d, by_key, chains)
 
-    def _wait_for_previous(self, mat: str, first: str, rank: int, by_segment: dict, chains: dict) -> None:
+    def _wait_for_previous(self, mat: str, first: str, rank: int, by_key: dict, chains: dict) -> None:
         """``mat`` after the compute before ``first`` on ``rank`` and, when that compute ends a
         chain of another ZeRO-3 segment there, after that chain's frees."""
         order, position = self.orders[rank], self.position[rank]
@@ -294,10 +400,8 @@ class _Builder:
         # The chain (of another ZeRO-3 segment) that was open last on this rank before ``first``.
         last: tuple[int, tuple[str, tuple[int, ...]], int] | None = None
         for key, runs in chains.items():
-            if key[0] == nodes[first].segment:
-                continue
-            rep, buckets = by_segment[key]
-            if rank not in rep.devices:
+            z = by_key[key]
+            if nodes[first].segment in z.users or rank not in z.rep.devices:
                 continue
             for k, run in enumerate(runs):
                 end = position.get(run[-1], -1)
@@ -305,6 +409,6 @@ class _Builder:
                     last = (end, key, k)
         if last is not None:
             _, key, k = last
-            for b in by_segment[key][1]:
+            for b in by_key[key].buckets:
                 if not b.devices or rank in b.devices:
                     self._after(f"free.{b.id}.{k}", mat, "free the previous chain's parameters first")

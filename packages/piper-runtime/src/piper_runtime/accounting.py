@@ -99,7 +99,7 @@ class MemorySampler:
             acts = [t for refs in list(st.autograd_saved.values()) for r in refs if (t := r()) is not None]
             for args, outs in list(st.saved.values()):
                 acts += args
-                acts += outs
+                acts += outs or ()
             for outs, grads in list(st.pending_bw.values()):
                 acts += outs
                 acts += grads or []

@@ -113,6 +113,9 @@ class RankState:
                 "are not supported yet",
                 ranks=(rank,),
             )
+        # A tied parameter is one entry under its ``Tie.name``, whichever holder's name a rank
+        # knows it by: a rank reads it back into every copy it holds.
+        self.alias = {qualname: tie.name for tie in program.ties for _, qualname in tie.holders}
         self.modules = modules
         self.data_parallel = data_parallel
         self.optimizers = optimizers
@@ -145,6 +148,10 @@ class RankState:
         self.slices_of = slices_of
         self.buffers = {n: b for m in modules.values() for n, b in m.named_buffers()}
 
+    def key(self, name: str) -> str:
+        """The checkpoint's name for parameter ``name`` (a tie's holders share one)."""
+        return self.alias.get(name, name)
+
     def optimizer_params(self) -> list[tuple[torch.optim.Optimizer, torch.Tensor, list[Slice]]]:
         return [
             (opt, p, self.slices_of[id(p)])
@@ -162,7 +169,7 @@ class RankState:
                 for off, size, first in flat_boxes(shape, start, stop):
                     lo = at + first - start
                     chunk = flat[lo : lo + math.prod(size)].reshape(size)
-                    out.setdefault((f"{prefix}{name}{suffix}", off), (shape, chunk.detach().to("cpu", copy=True)))
+                    out.setdefault((f"{prefix}{self.key(name)}{suffix}", off), (shape, chunk.detach().to("cpu", copy=True)))
 
         for p, slices in self.params:
             add(MODEL, "", p.detach().reshape(-1), slices)
@@ -174,7 +181,7 @@ class RankState:
                     continue
                 if value.dim() == 0:
                     for name, *_ in slices:
-                        out.setdefault((f"{OPTIM}{name}.{key}", ()), ((), value.detach().to("cpu", copy=True)))
+                        out.setdefault((f"{OPTIM}{self.key(name)}.{key}", ()), ((), value.detach().to("cpu", copy=True)))
                 else:
                     add(OPTIM, f".{key}", value.detach().reshape(-1), slices)
         return out
@@ -185,7 +192,7 @@ class RankState:
         names = set(self.full) | self.sharded_names | set(self.buffers)
         wanted: dict[str, torch.Tensor] = {}
         for name in sorted(names):
-            key = MODEL + name
+            key = MODEL + self.key(name)
             md = metadata.get(key)
             target = self.full.get(name)
             if target is None:
@@ -194,7 +201,8 @@ class RankState:
                 if name in self.buffers:
                     continue  # a buffer the checkpoint does not keep: leave it as initialised
                 raise ExecutionError(
-                    f"rank {rank}: the checkpoint at {path} has no parameter {name!r} (saved from another model?)",
+                    f"rank {rank}: the checkpoint at {path} has no parameter {self.key(name)!r} (saved from another "
+                    "model?)",
                     ranks=(rank,),
                 )
             if not isinstance(md, TensorStorageMetadata):
@@ -206,7 +214,7 @@ class RankState:
                     ranks=(rank,),
                 )
             wanted[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        covered = {name for _, _, slices in self.optimizer_params() for name, *_ in slices}
+        covered = {self.key(name) for _, _, slices in self.optimizer_params() for name, *_ in slices}
         prefixes = tuple(f"{OPTIM}{name}." for name in covered)
         for key, md in metadata.items():
             if key.startswith(prefixes) and isinstance(md, TensorStorageMetadata):
@@ -216,19 +224,19 @@ class RankState:
             dcp.load(wanted, storage_reader=FileSystemReader(path), no_dist=True)
         with torch.no_grad():
             for name, p in self.full.items():
-                p.copy_(wanted[MODEL + name])
+                p.copy_(wanted[MODEL + self.key(name)])
             for name, buf in self.buffers.items():
                 if MODEL + name in wanted:
                     buf.copy_(wanted[MODEL + name])
             for b in self.data_parallel.buckets.values():
                 if b.params_sharded:
-                    flat = b.layout.flatten([wanted[MODEL + n] for n in b.bucket.params])
+                    flat = b.layout.flatten([wanted[MODEL + self.key(n)] for n in b.bucket.params])
                     b.shard.copy_(b.layout.shard(flat, b.replica))
         for opt, p, slices in self.optimizer_params():
             opt.state.pop(p, None)
             state: dict[str, torch.Tensor] = {}
             for name, _, start, stop, at in slices:
-                prefix = f"{OPTIM}{name}."
+                prefix = f"{OPTIM}{self.key(name)}."
                 for key in [k for k in wanted if k.startswith(prefix) and "." not in k[len(prefix):]]:
                     value, what = wanted[key], key[len(prefix):]
                     if value.dim() == 0:
@@ -340,3 +348,4 @@ def read_model(path: str) -> dict[str, torch.Tensor]:
         warnings.simplefilter("ignore")
         dcp.load(wanted, storage_reader=FileSystemReader(path), no_dist=True)
     return {key[len(MODEL):]: t for key, t in wanted.items()}
+

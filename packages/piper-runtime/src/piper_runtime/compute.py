@@ -9,6 +9,13 @@ segment's inputs (``torch.autograd.grad`` with the autograd graph retained) and 
 runs the backward towards the segment's parameters on that retained graph, accumulating into
 their ``.grad`` and releasing the graph. No custom autograd function is needed in the model.
 
+Every forward draws its random numbers for (segment, microbatch, step, replica)
+(``piper_runtime.randomness``) and, with ``Program.precision``, a stage segment computes on
+cast copies of its parameters (``piper_runtime.precision``). A segment marked
+``Segment.recompute`` runs its forward without autograd and keeps only its inputs; its
+``B``/``BI`` first runs the forward again with autograd under the same key and casts, so the
+outputs, and the gradients, are the same as without recomputation.
+
 The loss of one shard of a microbatch is scaled by ``1 / (microbatches * replicas)`` for
 backward here, exactly once. Backward passes hold the rank's gradient lock (autograd writes
 ``.grad`` without the GIL, so no other thread may read or replace one meanwhile); the passes
@@ -18,7 +25,8 @@ saves for a backward is tracked by weak reference (``StepState.autograd_saved``)
 memory accounting only: it never keeps a tensor alive.
 
 ``forward_only`` (a plan without backward passes: an evaluation step) runs forwards without
-autograd and keeps nothing for a backward.
+autograd and keeps nothing for a backward; casts apply as in training, and the worker has
+put the modules in eval mode (dropout draws no masks).
 """
 
 from __future__ import annotations
@@ -26,12 +34,14 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
 
-from piper_ir import Instruction, Phase, Program, SegmentRole, grad_name
+from piper_ir import Instruction, Phase, Program, Segment, SegmentRole, grad_name
+from piper_runtime.precision import cast_forward, dtype_of
+from piper_runtime.randomness import seeded
 from piper_runtime.state import StepState
 
 COMPUTE_PHASES = frozenset({Phase.F, Phase.B, Phase.BI, Phase.BW})
@@ -47,12 +57,32 @@ class SegmentCompute:
         grads_lock: threading.RLock,
         weight_pass: Callable[[str], AbstractContextManager[None]],
         forward_only: bool = False,
+        *,
+        seed: int | None = None,
+        replica: int = 0,
+        device: torch.device | None = None,
+        sample: Callable[[list[torch.Tensor]], None] = lambda buffers: None,
     ) -> None:
         self.program = program
         self.modules = modules
         self.grads_lock = grads_lock
         self.weight_pass = weight_pass
         self.forward_only = forward_only
+        self.seed = seed
+        self.replica = replica
+        self.device = device
+        self.sample = sample  # records memory now (a recomputed forward's activations live inside a pass)
+        self.compute = dtype_of(program.precision.compute) if program.precision is not None else None
+
+    def _run(self, seg: Segment, mb: int, step: int, args: list[torch.Tensor]) -> object:
+        """The segment's module on ``args``, its random numbers drawn for (segment,
+        microbatch, step, replica) (unless ``seed`` is ``None``: the process's generators as
+        they are) and, with a precision, stage segments in the compute dtype."""
+        module = self.modules[seg.id]
+        with nullcontext() if self.seed is None else seeded(self.seed, seg.id, mb, step, self.replica, self.device):
+            if self.compute is not None and seg.role is SegmentRole.STAGE:
+                return cast_forward(module, args, self.compute)
+            return module(*args)
 
     def __call__(self, ins: Instruction, st: StepState) -> None:
         if ins.phase is Phase.F:
@@ -74,18 +104,13 @@ class SegmentCompute:
             if t.is_floating_point() and self.program.value_by_name[name].meta.requires_grad:
                 t = t.detach().requires_grad_(True)
             args.append(t)
-        saved: list[weakref.ref] = []
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            # A detached alias (not ``t`` itself: saving an op's own output would make a
-            # reference cycle through its grad_fn); it shares the storage being counted.
-            d = t.detach()
-            saved.append(weakref.ref(d))  # autograd holds ``d``; a weak reference never extends it
-            return d
-
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = self.modules[seg.id](*args)
-        st.autograd_saved[(seg.id, mb)] = saved
+        if seg.recompute and seg.role is SegmentRole.STAGE:
+            # Only the inputs outlive the forward; the backward runs it again (``_recompute``).
+            with torch.no_grad():
+                out = self._run(seg, mb, st.step, args)
+            st.autograd_saved[(seg.id, mb)] = []
+        else:
+            out = self._tracked(seg, mb, st, args)
         if seg.role is SegmentRole.LOSS:
             if not isinstance(out, torch.Tensor) or out.numel() != 1:
                 raise TypeError(f"the loss module must return a scalar tensor, got {_describe(out)}")
@@ -105,14 +130,40 @@ class SegmentCompute:
                 )
             for name, o in zip(seg.outputs, outs, strict=True):
                 st.values[(name, mb)] = o.detach()
-        st.saved[(seg.id, mb)] = (args, outs)
+        st.saved[(seg.id, mb)] = (args, None if seg.recompute and seg.role is SegmentRole.STAGE else outs)
+
+    def _tracked(self, seg: Segment, mb: int, st: StepState, args: list[torch.Tensor]) -> object:
+        """``_run`` with autograd on, what it saves for backward tracked for the accounting."""
+        saved: list[weakref.ref] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            # A detached alias (not ``t`` itself: saving an op's own output would make a
+            # reference cycle through its grad_fn); it shares the storage being counted.
+            d = t.detach()
+            saved.append(weakref.ref(d))  # autograd holds ``d``; a weak reference never extends it
+            return d
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self._run(seg, mb, st.step, args)
+        st.autograd_saved[(seg.id, mb)] = saved
+        return out
+
+    def _recompute(self, seg: Segment, mb: int, st: StepState, args: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The forward of a recomputed segment again, with autograd, drawing the same random
+        numbers (same key) in the same dtypes: its outputs equal the first forward's."""
+        out = self._tracked(seg, mb, st, args)
+        outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+        st.saved[(seg.id, mb)] = (args, outs)  # held while the pass runs: the accounting sees them
+        self.sample([])
+        del st.saved[(seg.id, mb)]
+        return outs
 
     def evaluate(self, ins: Instruction, st: StepState) -> None:
         """F without autograd: outputs (and the loss) only."""
         seg = self.program.segment_by_id[ins.segment]
         mb = ins.microbatch
         with torch.no_grad():
-            out = self.modules[seg.id](*(st.get(name, mb) for name in seg.inputs))
+            out = self._run(seg, mb, st.step, [st.get(name, mb) for name in seg.inputs])
         if seg.role is SegmentRole.LOSS:
             if not isinstance(out, torch.Tensor) or out.numel() != 1:
                 raise TypeError(f"the loss module must return a scalar tensor, got {_describe(out)}")
@@ -137,6 +188,8 @@ class SegmentCompute:
             args, outs = st.saved.pop((seg.id, mb))
         except KeyError:
             raise RuntimeError(f"backward of {seg.id} microbatch {mb} before its forward") from None
+        if outs is None:  # a recomputed segment kept only its inputs
+            outs = self._recompute(seg, mb, st, args)
         if seg.role is SegmentRole.LOSS:
             return args, list(outs), None
         tensors, grads = [], []

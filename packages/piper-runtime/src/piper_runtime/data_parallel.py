@@ -69,6 +69,44 @@ class DataParallel:
 
     def _setup_buckets(self) -> None:
         program, rank = self.program, self.rank
+        for bucket in program.buckets:
+            module = self.modules.get(bucket.segment)
+            # A bucket of one shard position (or of a tied parameter) lives on its ranks.
+            group = bucket_group(program, bucket)
+            if module is None or rank not in group:
+                continue
+            named = dict(module.named_parameters())
+            missing = [n for n in bucket.params if n not in named]
+            if missing:
+                raise ExecutionError(
+                    f"rank {rank}: bucket {bucket.id} names parameters {missing} that segment {bucket.segment}'s "
+                    "module does not have",
+                    ranks=(rank,),
+                )
+            if bucket.optimizer_home is Residency.SHARDED and bucket.shards != len(group):
+                raise ExecutionError(
+                    f"rank {rank}: bucket {bucket.id} has {bucket.shards} shards, segment {bucket.segment} "
+                    f"(optimizer state sharded) has {len(group)} replicas",
+                    ranks=(rank,),
+                )
+            self.mirror_of.update((m, bucket.id) for m in bucket.mirrors)
+            self.buckets[bucket.id] = BucketState(bucket, [named[n] for n in bucket.params], group.index(rank))
+        # Who steps each parameter: the segment of its bucket, else the first segment (in
+        # program order) holding it; a tied parameter's holders on one rank share one tensor.
+        self.owner: dict[int, str] = {}
+        for b in self.buckets.values():
+            for p in b.params:
+                self.owner.setdefault(id(p), b.bucket.segment)
+        order = [s.id for s in program.segments if s.id in self.modules]
+        for sid in order:
+            for p in self.modules[sid].parameters():
+                self.owner.setdefault(id(p), sid)
+        holders: dict[int, int] = {}
+        for sid in order:
+            for p in self.modules[sid].parameters():
+                holders[id(p)] = holders.get(id(p), 0) + 1
+        self.shared = {pid for pid, n in holders.items() if n > 1}  # written by several segments' passes
+        bucketed = {id(p) for b in self.buckets.values() for p in b.params}
         replication = {r.segment: r for r in program.replication}
         for sid, module in self.modules.items():
             rep = replication.get(sid)
@@ -79,31 +117,11 @@ class DataParallel:
                     f"rank {rank}: segment {sid} is replicated over {list(rep.devices)}, not on this rank",
                     ranks=(rank,),
                 )
-            named = dict(module.named_parameters())
             # Expert-parallel parameters live on one rank each: no bucket, no reduction.
-            covered: set[str] = set(self.experts.get(sid, ()))
-            for bucket in program.buckets:
-                # A bucket of one shard position lives on the ranks holding that shard.
-                group = bucket.devices or rep.devices
-                if bucket.segment != sid or rank not in group:
-                    continue
-                missing = [n for n in bucket.params if n not in named]
-                if missing:
-                    raise ExecutionError(
-                        f"rank {rank}: bucket {bucket.id} names parameters {missing} that segment {sid}'s "
-                        "module does not have",
-                        ranks=(rank,),
-                    )
-                if bucket.optimizer_home is Residency.SHARDED and bucket.shards != len(group):
-                    raise ExecutionError(
-                        f"rank {rank}: bucket {bucket.id} has {bucket.shards} shards, segment {sid} "
-                        f"(optimizer state sharded) has {len(group)} replicas",
-                        ranks=(rank,),
-                    )
-                covered.update(bucket.params)
-                self.mirror_of.update((m, bucket.id) for m in bucket.mirrors)
-                self.buckets[bucket.id] = BucketState(bucket, [named[n] for n in bucket.params], group.index(rank))
-            uncovered = [n for n, p in named.items() if p.requires_grad and n not in covered]
+            experts = set(self.experts.get(sid, ()))
+            uncovered = [
+                n for n, p in module.named_parameters() if p.requires_grad and n not in experts and id(p) not in bucketed
+            ]
             if uncovered:
                 raise ExecutionError(
                     f"rank {rank}: parameters {uncovered} of replicated segment {sid} are in no bucket",
@@ -157,7 +175,10 @@ class DataParallel:
         by_group: dict[tuple[str, tuple[int, ...]], list[BucketState]] = {}
         for b in self.buckets.values():
             group = bucket_group(self.program, b.bucket)
-            if group in comms.early and b.grads_sharded:
+            # A bucket that another segment's passes write too (a tied parameter's holders
+            # sharing one tensor) is reduced by its REDUCE_SCATTER instructions, after each of
+            # those passes: hooks inside one segment's pass cannot tell when it is complete.
+            if group in comms.early and b.grads_sharded and not any(id(p) in self.shared for p in b.params):
                 by_group.setdefault((b.bucket.segment, group), []).append(b)
         for (segment, group), buckets in by_group.items():
             reducer = EarlyReduceScatter(buckets, comms.early[group], threading.RLock(), sample_now, in_flight)
@@ -173,13 +194,14 @@ class DataParallel:
     def segment_buckets(self, segment: str) -> list[BucketState]:
         return [b for b in self.buckets.values() if b.bucket.segment == segment]
 
-    def optimizer_params(self, segment: str) -> list[nn.Parameter] | None:
-        """What ``segment``'s optimizer steps when some of its buckets keep optimizer state
-        sharded: those buckets' shards (the others' parameters), then the expert parameters
-        no bucket covers. ``None``: every parameter of the module, as usual."""
+    def optimizer_params(self, segment: str) -> list[nn.Parameter]:
+        """What ``segment``'s optimizer steps: when some of its buckets keep optimizer state
+        sharded, those buckets' shards (the others' parameters), then the expert parameters
+        no bucket covers; else the module's parameters that it owns (``owner``: a tied
+        parameter shared with an earlier holder on this rank is that holder's)."""
         buckets = self.segment_buckets(segment)
         if not any(b.optimizer_sharded for b in buckets):
-            return None
+            return [p for p in self.modules[segment].parameters() if p.requires_grad and self.owner[id(p)] == segment]
         params: list[nn.Parameter] = []
         for b in buckets:
             params += [b.shard] if b.optimizer_sharded else [p for p in b.params if p.requires_grad]

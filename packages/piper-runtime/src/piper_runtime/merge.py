@@ -5,7 +5,8 @@ whole on it, gradient and parameter shards of buckets whose state lives sharded 
 index), tensor/expert-parallel pieces by position in the shard group. These functions put
 them back together as single-device training would have them, by the program's metas
 (``BucketLayout.assemble``, ``unshard_tensors``): replicas hold equal copies, so the first
-is kept.
+is kept. A tied parameter is reported once, under ``Tie.name``, after its copies are checked
+to be equal (``ties.untie``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from piper_ir import ExecutionError, Program
 from piper_memory.store import BucketLayout, unshard_tensors
 from piper_runtime.results import StepOutput, StepResult
+from piper_runtime.ties import untie
 
 
 def merge_parameters(
@@ -27,16 +29,28 @@ def merge_parameters(
     """Every parameter by qualified name from each rank's ``RankWorker.parameters()`` and
     ``parameter_shards()`` (in rank order)."""
     merged: dict[str, torch.Tensor] = {}
-    for params in per_rank:
+    # Every copy of a tied parameter, to check that none drifted (``ties.untie``).
+    tied = {qualname: tie.name for tie in program.ties for _, qualname in tie.holders}
+    copies: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for rank, params in enumerate(per_rank):
         for name, tensor in params.items():
             merged.setdefault(name, tensor)  # replicas hold equal copies; keep the first
+            if name in tied:
+                copies.setdefault(tied[name], []).append((f"{name} on rank {rank}", tensor))
     merged.update(_unshard_tp(program, list(enumerate(per_rank))))
     by_bucket: dict[str, dict[int, torch.Tensor]] = {}
     for held in shards:
         for bucket, (replica, shard) in held.items():
             by_bucket.setdefault(bucket, {})[replica] = shard
-    # Parameters that live only as shards between steps (ZeRO-3): reassemble them.
+    # Parameters that live only as shards between steps (ZeRO-3): reassemble them, each
+    # bucket of a tied parameter (one per group of its holders) on its own.
+    tie_buckets = {b.id for b in program.buckets if len(b.params) == 1 and b.params[0] in tied}
+    for bucket in sorted(tie_buckets & set(by_bucket)):
+        ((name, tensor),) = _unshard(program, {bucket: by_bucket.pop(bucket)}).items()
+        merged.setdefault(name, tensor)
+        copies.setdefault(tied[name], []).append((f"{name} of {bucket}", tensor))
     merged.update(_unshard(program, by_bucket))
+    untie(program, merged, copies)
     return merged
 
 
@@ -63,6 +77,7 @@ def merge_outputs(outputs: Sequence[StepOutput], program: Program, keep_grads: b
                 shards.setdefault(bucket, {})[replica] = g
         grads.update(_unshard(program, shards))
         grads.update(_unshard_tp(program, [(out.rank, out.grads or {}) for out in outputs]))
+        untie(program, grads)  # summed over the holders: every copy holds the same gradient
     timings = tuple(t for out in outputs for t in out.timings)
     memory = tuple(out.memory for out in outputs if out.memory is not None)
     # Every rank computed the same global norm; take the first.

@@ -1,9 +1,10 @@
 """``OPTIMIZER`` instructions: one torch optimizer per stage segment with parameters.
 
 An optimizer steps what ``DataParallel.optimizer_params`` names (the shards of buckets whose
-optimizer state is sharded, so that state is sharded too), or else every parameter of the
-segment's module. With ``keep_grads`` the gradients it is about to consume are copied into
-the step's report first. The step holds the rank's gradient lock.
+optimizer state is sharded, so that state is sharded too), or else the parameters of the
+segment's module that it owns (one optimizer per tensor: holders of a tied parameter that
+share it on a rank leave it to the first). With ``keep_grads`` the gradients it is about to
+consume are copied into the step's report first. The step holds the rank's gradient lock.
 
 Weight decay goes by parameter (``OptimizerSpec.decays``: by full name and dimensions), so a
 bucket shard that mixes parameters that decay and parameters that do not (a weight and its
@@ -54,8 +55,6 @@ class Optimizers:
         shards = {id(b.shard): b for b in data_parallel.buckets.values() if b.shard is not None}
         for sid, module in modules.items():
             params = data_parallel.optimizer_params(sid)
-            if params is None:
-                params = [p for p in module.parameters() if p.requires_grad]
             if program.segment_by_id[sid].role is not SegmentRole.STAGE or not params:
                 continue
             names = {id(p): n for n, p in module.named_parameters()}

@@ -41,8 +41,10 @@ from piper_runtime.merge import merge_outputs, merge_parameters
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.placement import Placement, check_resources, place_ranks
 from piper_runtime.pool import WorkerPool, WorkerSpec, kill_workers, pool_for
+from piper_runtime.precision import compute_inputs
 from piper_runtime.rendezvous import LOOPBACK
 from piper_runtime.results import StepOutput, StepResult
+from piper_runtime.user_code import ship_by_value
 from piper_runtime.worker import RankWorker
 
 _INLINE_BYTES = 64 * 1024  # below this, batch tensors go inline with each call
@@ -73,6 +75,12 @@ class Runtime:
     the environment says ``PIPER_REUSE_WORKERS=1``. Reuse applies on a one-node cluster
     (pooled workers reserve no placement-group bundle, and the rendezvous is on loopback);
     on several nodes the runtime places new workers as usual.
+
+    ``seed``: every forward draws its random numbers for (seed, segment, microbatch, step,
+    replica) (``piper_runtime.randomness``), the steps counted from 0 by this runtime.
+    ``by_value``: names of imported modules the segment modules refer to that a worker cannot
+    import (the user's own code, ``CapturedModel.user_modules``): their code travels with the
+    modules (``piper_runtime.user_code``).
     """
 
     def __init__(
@@ -91,6 +99,8 @@ class Runtime:
         cpus_per_rank: float = 1.0,
         log: Callable[[str], None] | None = None,
         reuse_workers: bool | WorkerPool | None = None,
+        seed: int = 0,
+        by_value: Sequence[str] = (),
     ) -> None:
         self.program = program
         self.step_timeout_s = step_timeout_s
@@ -120,6 +130,7 @@ class Runtime:
         # The embedded cluster gets a logical CPU per rank even on a smaller machine: ranks
         # mostly wait on each other.
         ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(program.world_size * cpus_per_rank + 0.999)))
+        ship_by_value(by_value)  # before anything is pickled for the workers
         self.backend_name, self.backend_reason = choose_backend(backend, program.world_size, 1.0 / ranks_per_gpu)
         if log is not None:
             log(self.backend_reason)
@@ -176,6 +187,7 @@ class Runtime:
                 factory,
                 min(setup_timeout_s, 60.0),
                 threads,
+                seed,
             )
             for rank, w in enumerate(self._workers)
         ]
@@ -198,7 +210,8 @@ class Runtime:
         of every optimizer group from this step on (a schedule's value for the step)."""
         self._check_open()
         program = self.program
-        shipments = _shipments(program, self._batch_names, check_batch(program, inputs, targets))
+        batch = check_batch(program, compute_inputs(program.precision, inputs), targets)
+        shipments = _shipments(program, self._batch_names, batch)
         self._steps += 1
         calls = [
             w.run_step.remote(
@@ -233,7 +246,9 @@ class Runtime:
         program = self._forward
         if program is None:
             raise ExecutionError("no forward-only program: call load_forward first")
-        shipments = _shipments(program, self._forward_names, check_batch(program, inputs, targets))
+        shipments = _shipments(
+            program, self._forward_names, check_batch(program, compute_inputs(program.precision, inputs), targets)
+        )
         calls = [w.run_forward.remote(shipments[rank]) for rank, w in enumerate(self._workers)]
         outputs: list[StepOutput] = self._gather(calls, self.step_timeout_s, "evaluate")
         return merge_outputs(outputs, program, False)

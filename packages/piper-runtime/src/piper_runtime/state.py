@@ -27,10 +27,13 @@ Key = tuple[str, int]  # (value name, microbatch)
 class StepState:
     """Everything one step keeps between instructions (dropped when the step ends)."""
 
-    def __init__(self, batch: Mapping[str, tuple[torch.Tensor, ...]], keep_grads: bool) -> None:
+    def __init__(self, batch: Mapping[str, tuple[torch.Tensor, ...]], keep_grads: bool, step: int = 0) -> None:
         self.batch = batch  # batch value name -> its microbatch chunks
+        self.step = step  # the step's number, from 0 (what random numbers are drawn for)
         self.values: dict[Key, torch.Tensor] = {}  # activations and gradients, local or received
-        self.saved: dict[Key, tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
+        # (segment, microbatch) -> a forward's inputs and outputs until its backward (outputs
+        # None: the segment is recomputed, only the inputs are kept)
+        self.saved: dict[Key, tuple[list[torch.Tensor], tuple[torch.Tensor, ...] | None]] = {}
         # (segment, microbatch) -> (outputs, their gradients) between a BI and its BW; the
         # outputs keep the retained autograd graph alive until BW releases it.
         self.pending_bw: dict[Key, tuple[list[torch.Tensor], list[torch.Tensor] | None]] = {}

@@ -4,6 +4,7 @@
 rank). ``setup`` checks the plan, resolves the backend and builds, in this order, the
 parts that each do one job:
 
+- ``ties``: holders of a tied parameter on this rank share one tensor;
 - ``sharding``: cut tensor/expert-parallel parameters to this rank's shard;
 - ``data_parallel``: the bucket states of replicated segments (where each bucket's
   parameters, gradients and optimizer state live is in the program);
@@ -60,8 +61,10 @@ from piper_runtime.results import StepOutput
 from piper_runtime.sharding import bind_collectives, collective_seconds, cut_parameters, unbucketed_experts
 from piper_runtime.state import ReadCounts, StepState
 from piper_runtime.streams import lanes_share_a_communicator
+from piper_runtime.ties import alias_tied
 from piper_runtime.transport import Transport
 
+TORCH_THREADS = 1  # torch's intra-op threads per rank (ranks share the machine's cores)
 SWITCH_INTERVAL_S = 0.0005  # the GIL hand-over interval with threads (Python's default: 5 ms)
 
 # Instruction kinds this runtime carries out; anything else is rejected at setup.
@@ -76,7 +79,7 @@ class RankWorker:
 
     def __init__(self) -> None:
         faulthandler.enable(all_threads=True)  # a crash in native code shows every thread
-        torch.set_num_threads(1)
+        torch.set_num_threads(TORCH_THREADS)
         self._fresh = _ProcessSettings.read()
         self._forget()
 
@@ -109,10 +112,16 @@ class RankWorker:
         backend: str | BackendFactory = "cpu",
         timeout_s: float = 60.0,
         threads: bool = True,
+        seed: int | None = None,
     ) -> None:
         """Join the world, keep this rank's segment modules, build the optimizers.
         ``backend``: a registered name or a factory (``piper_runtime.backends``);
-        ``threads``: one thread per stream (else one sequential walk of the plan)."""
+        ``threads``: one thread per stream (else one sequential walk of the plan); ``seed``:
+        what every forward's random numbers are drawn from (``piper_runtime.randomness``;
+        ``Runtime`` always gives one). ``None`` leaves the process's generators as they are,
+        with no lock: for a backend that runs several ranks in one process, whose forwards
+        wait on each other inside collectives while a seeded forward holds the process's
+        generators (a test backend; dropout then draws what it draws)."""
         self.rank = rank
         self.program = program
         plan = program.plan(rank)
@@ -123,6 +132,7 @@ class RankWorker:
         if missing:
             raise ExecutionError(f"rank {rank}: no module for segments {missing}", ranks=(rank,))
         self._modules = {s: modules[s].to(self.backend.device) for s in mine}
+        alias_tied(program, self._modules)
         cut_parameters(program, rank, self._modules)
         self._data_parallel = dp = DataParallel(
             program, rank, self._modules, unbucketed_experts(program, rank), self._grads_lock
@@ -152,7 +162,10 @@ class RankWorker:
             # (Python's default is 5 ms, longer than many of our instructions).
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         handlers = {
-            NodeKind.COMPUTE: SegmentCompute(program, self._modules, self._grads_lock, dp.weight_pass),
+            NodeKind.COMPUTE: SegmentCompute(
+                program, self._modules, self._grads_lock, dp.weight_pass,
+                seed=seed, replica=plan.replica, device=self.backend.device, sample=self._sampler.sample_now,
+            ),
             NodeKind.OPTIMIZER: optimizers,
             NodeKind.SEND: transport.send,
             NodeKind.RECV: transport.recv,
@@ -194,7 +207,10 @@ class RankWorker:
                 dp.check(ins)
         transport = Transport(program, plan, self._comms, self.backend.device)
         handlers = {
-            NodeKind.COMPUTE: SegmentCompute(program, self._modules, self._grads_lock, dp.weight_pass, forward_only=True),
+            NodeKind.COMPUTE: SegmentCompute(
+                program, self._modules, self._grads_lock, dp.weight_pass, forward_only=True,
+                replica=plan.replica, device=self.backend.device,
+            ),
             NodeKind.SEND: transport.send,
             NodeKind.RECV: transport.recv,
             NodeKind.MARKER: lambda ins, st: None,
@@ -265,7 +281,7 @@ class RankWorker:
             )
             for name, t in batch.items()
         }
-        st = StepState(chunks, keep_grads)
+        st = StepState(chunks, keep_grads, step=self._step - 1)
         self._reads.start(st)
         self._sampler.begin(st, excluded=[t for ts in chunks.values() for t in ts])
         try:

@@ -7,7 +7,9 @@ interleave them freely without breaking in-order matching on either.
 
 Data-parallel traffic (collectives, MATERIALIZE) gets one communicator per device group and
 stream: ``dp:<r0>-<r1>-...`` for the default stream ``dp`` (``dp.<stream>:<ranks>`` for
-another), ranks in replica order, traffic ``dp``. A stream's instructions run in list order,
+another), ranks in replica order, traffic ``dp``. The sums of a tied parameter's gradient
+over the ranks holding it (stream ``tie``, ``piper_memory.plan_ties``) get
+``tie:<r0>-<r1>-...``, traffic ``tie``. A stream's instructions run in list order,
 so one communicator per stream keeps its collectives in one order on every member.
 
 The global gradient norm (``GRAD_NORM``, one per step) sums one number over its devices
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from piper_ir import Communicator, Graph, NodeKind, is_grad
+from piper_ir import TIE_STREAM, Communicator, Graph, NodeKind, is_grad
 
 PP_FWD = "pp.fwd"
 PP_BWD = "pp.bwd"
@@ -42,10 +44,20 @@ GROUP_COMM_KINDS = frozenset(
 )
 
 
+# Bucket collectives of these streams are a traffic class of their own, not ``dp``.
+_OWN_CLASS = frozenset({TIE_STREAM})
+
+
 def group_communicator(stream: str, devices: Sequence[int]) -> str:
-    """The communicator id of ``devices``' collectives on ``stream``."""
-    prefix = "dp" if stream == "dp" else f"dp.{stream}"
+    """The communicator id of ``devices``' collectives on ``stream``: ``tie:<ranks>`` for the
+    sums of tied parameters' gradients over their holders (stream ``tie``)."""
+    prefix = stream if stream in _OWN_CLASS else "dp" if stream == "dp" else f"dp.{stream}"
     return f"{prefix}:{'-'.join(map(str, devices))}"
+
+
+def group_traffic(stream: str) -> str:
+    """The traffic class of a bucket collective on ``stream``."""
+    return stream if stream in _OWN_CLASS else "dp"
 
 
 def norm_communicator(devices: Sequence[int]) -> str:
@@ -67,11 +79,11 @@ def communicators_for(graph: Graph) -> tuple[Communicator, ...]:
     used = {communicator_for(n.value or "") for n in graph.nodes if n.kind is NodeKind.SEND}
     ranks = tuple(range(graph.world_size))
     out = [Communicator(c, ranks, _TRAFFIC[c]) for c in (PP_FWD, PP_BWD) if c in used]
-    groups: dict[str, tuple[int, ...]] = {}
+    groups: dict[str, tuple[tuple[int, ...], str]] = {}
     for n in graph.nodes:
         if n.kind in GROUP_COMM_KINDS:
-            groups.setdefault(group_communicator(n.stream, n.devices), n.devices)
-    out += [Communicator(c, ranks, "dp") for c, ranks in groups.items()]
+            groups.setdefault(group_communicator(n.stream, n.devices), (n.devices, group_traffic(n.stream)))
+    out += [Communicator(c, ranks, traffic) for c, (ranks, traffic) in groups.items()]
     tp: dict[str, tuple[tuple[int, ...], str]] = {}
     for sh in graph.sharding:
         if sh.collectives:

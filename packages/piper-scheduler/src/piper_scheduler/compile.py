@@ -140,6 +140,8 @@ def _program(
         buckets=graph.buckets,
         sharding=graph.sharding,
         execution=execution,
+        ties=graph.ties,
+        precision=graph.precision,
         grad_norm=graph.grad_norm,
     )
 

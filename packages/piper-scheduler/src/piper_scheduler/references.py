@@ -11,7 +11,9 @@ mid-step, far from the cause. So every name must resolve and every count must be
 - tables: ids unique (segments, values, communicators, buckets); communicators hold
   distinct ranks in range; placement, replication, buckets (with their mirrors) and
   sharding name existing segments, parameters of those segments and ranks in range, with
-  positive sizes; segments read and write existing values, as do the program's inputs and
+  positive sizes; ties name two or more existing segments and parameters they hold and,
+  when their holders span several ranks, sit in buckets of their own there (which the
+  plan sums); a precision names floating dtypes; segments read and write existing values, as do the program's inputs and
   targets;
 - instructions: compute and optimizer steps name an existing segment, a phase of their kind
   and, where placed, a rank of the segment's placement; transfers an existing value; bucket
@@ -37,10 +39,12 @@ from piper_ir import (
     Phase,
     Program,
     SchedulingError,
+    Tie,
 )
 from piper_scheduler.diagnostics import describe, excerpts
 
 COMPUTE_PHASES = frozenset({Phase.F, Phase.B, Phase.BI, Phase.BW})
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
 def check_tables(program: Program) -> None:
@@ -143,6 +147,20 @@ def _check_tables(program: Program) -> None:
         for m in b.mirrors:
             if m not in buckets:
                 raise SchedulingError(f"bucket {b.id} mirrors bucket {m!r}, which the program does not have")
+    _unique("ties", (t.name for t in program.ties))
+    for tie in program.ties:
+        if len({seg for seg, _ in tie.holders}) < 2:
+            raise SchedulingError(f"tie {tie.name!r} names fewer than two segments: {list(tie.holders)}")
+        for seg, qualname in tie.holders:
+            segment(f"tie {tie.name!r}", seg)
+            if qualname not in dict(segments[seg].params):
+                raise SchedulingError(f"tie {tie.name!r} names parameter {qualname!r}, which segment {seg} does not have")
+        _check_tie_summed(program, tie)
+    if program.precision is not None:
+        for what in ("compute", "master"):
+            dtype = getattr(program.precision, what)
+            if dtype not in FLOAT_DTYPES:
+                raise SchedulingError(f"the program's {what} precision {dtype!r} is not one of {sorted(FLOAT_DTYPES)}")
     for sh in program.sharding:
         segment("a sharding", sh.segment)
         _ranks(program, f"the sharding of segment {sh.segment}", sh.devices)
@@ -157,6 +175,23 @@ def _check_tables(program: Program) -> None:
                 f"the sharding of segment {sh.segment} has degree {sh.degree} over {len(sh.devices)} devices and "
                 f"{sh.collectives} collectives; the degree must divide the devices, the count be non-negative"
             )
+
+
+def _check_tie_summed(program: Program, tie: Tie) -> None:
+    """A tie whose holders span several ranks must sit, on each of them, in a bucket of its
+    own (a tie bucket, ``piper_memory.plan_memory``), which the plan's collectives sum;
+    otherwise each rank would train its own copy."""
+    placement = dict(program.placement)
+    ranks = sorted({r for seg, _ in tie.holders for r in placement.get(seg, ())})
+    if len(ranks) < 2:
+        return
+    held = set(tie.holders)
+    covered = {r for b in program.buckets if len(b.params) == 1 and (b.segment, b.params[0]) in held for r in b.devices}
+    if missing := [r for r in ranks if r not in covered]:
+        raise SchedulingError(
+            f"tie {tie.name!r} is held on ranks {ranks}, but no bucket of its own sums its gradient on ranks "
+            f"{missing}; run piper_memory.plan_memory before compile_program"
+        )
 
 
 def _problem(

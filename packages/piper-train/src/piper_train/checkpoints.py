@@ -155,8 +155,12 @@ def export(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[st
     """Write the model of checkpoint ``path`` (or the latest under it) to ``out`` as a plain
     single-device ``state_dict`` (``torch.save``), which ``model.load_state_dict`` accepts."""
     source = resolve(path)
-    read_manifest(source)
+    manifest = read_manifest(source)
     state = read_model(str(source))
+    for alias, name in manifest.get("ties", {}).items():  # a tied parameter under each name the model has
+        state[alias] = state[name]
+    if "state_dict" in manifest:  # exactly the model's keys: not the non-persistent buffers a segment kept
+        state = {k: state[k] for k in manifest["state_dict"] if k in state}
     torch.save(state, out)
     return state
 

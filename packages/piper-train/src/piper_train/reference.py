@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import torch
@@ -47,6 +47,12 @@ class ReferenceTrainer:
     ``precision``: run the model as the captured segments run with that ``Precision``
     (piper_directives.precision.PrecisionModel): fp32 master weights, compute in the low dtype.
 
+    ``threads``: run each step with torch using that many CPU threads (restored afterwards).
+    A CPU kernel may split a reduction differently over another thread count (a matmul's
+    blocking), so its results differ in the last bits; in bf16, where a last-bit difference
+    can round a value to its neighbour (2**-8 apart), that shows. ``run_check`` passes the
+    runtime workers' count (one), so the reference does the workers' arithmetic.
+
     The training-loop basics are torch's own: the optimizer groups parameters for weight
     decay by ``OptimizerSpec.build_named``, ``lr_schedule`` builds a ``torch.optim.lr_scheduler``
     on it, stepped after each update, and ``clip_grad_norm`` clips with
@@ -66,6 +72,7 @@ class ReferenceTrainer:
         precision: Precision | None = None,
         lr_schedule: LRSchedule | None = None,
         clip_grad_norm: float | None = None,
+        threads: int | None = None,
     ) -> None:
         if shards < 1:
             raise ValueError(f"shards must be >= 1, got {shards}")
@@ -79,14 +86,18 @@ class ReferenceTrainer:
         self.shards = shards
         self.randomness = randomness
         self.steps = 0
+        self.threads = threads
         self.clip_grad_norm = clip_grad_norm
         self.optimizer = optimizer.build_named(self.model.named_parameters())
         self.scheduler = (lr_schedule or LRSchedule()).build(self.optimizer)
 
-    @torch.no_grad()
     def evaluate(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> float:
         """The loss of a batch, forward only and in eval mode, as the mean of its
         microbatches' losses (what ``Trainer.evaluate`` reports)."""
+        with _torch_threads(self.threads), torch.no_grad():
+            return self._evaluate(inputs, targets)
+
+    def _evaluate(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> float:
         m, n_in = self.microbatches, len(inputs)
         chunks = list(zip(*(t.chunk(m) for t in (*inputs, *targets)), strict=True))
         self.model.eval()
@@ -96,6 +107,10 @@ class ReferenceTrainer:
             self.model.train()
 
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> ReferenceStep:
+        with _torch_threads(self.threads):
+            return self._step(inputs, targets)
+
+    def _step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> ReferenceStep:
         m, n_in = self.microbatches, len(inputs)
         if any(t.shape[0] % (m * self.shards) for t in (*inputs, *targets)):
             pieces = f"{m} microbatches" + (f" of {self.shards} shards" if self.shards > 1 else "")
@@ -139,3 +154,17 @@ class ReferenceTrainer:
 
     def parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+
+@contextlib.contextmanager
+def _torch_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to ``count`` (``None``: unchanged) for the body."""
+    if count is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from piper_directives import Strategy, build_schedule, capture, shard_modules
-from piper_directives.capturing import CapturedModel, tie_locations
 from piper_ir import DirectiveError, Graph, Program, to_json
 from piper_memory import add_grad_norm, check_budget, plan_memory
 from piper_runtime import OptimizerSpec, Runtime, StepResult, WorkerPool
@@ -40,7 +39,6 @@ from piper_scheduler import compile_program, forward_only
 from piper_train.checkpoints import check_compatible, read_manifest, resolve, write_atomically
 from piper_train.schedule import LearningRate, LRSchedule
 from piper_train.state import TrainState
-from piper_train.user_code import ship_by_value
 
 
 def pipeline_stages(graph: Graph, tag: str = "PP") -> int:
@@ -49,18 +47,6 @@ def pipeline_stages(graph: Graph, tag: str = "PP") -> int:
     if not indices:
         raise DirectiveError(f"the model has no annotate({tag!r}) region")
     return len(indices)
-
-
-def refuse_unsupported(captured: CapturedModel) -> None:
-    """Refuse what capture records but the runtime does not carry out yet, rather than train
-    a different model: tied parameters (each holder would train its own copy)."""
-    if captured.graph.ties:
-        tie = captured.graph.ties[0]
-        raise DirectiveError(
-            f"parameter {tie.name!r} is tied (one tensor used by several regions): {tie_locations(captured, tie)}. "
-            "The runtime does not sum tied gradients over their holders yet, so each would train its own "
-            "copy; untie them in the model (give each region its own parameter) to train it with Piper."
-        )
 
 
 class Trainer:
@@ -74,6 +60,10 @@ class Trainer:
     worker starts) if a rank's estimated memory (``piper_memory.estimate_memory``) exceeds it;
     it is per GPU, so with ``ranks_per_gpu`` N each rank may use 1/N of it.
     ``threads=False`` runs each rank's plan sequentially instead of one thread per stream.
+    ``seed``: what random numbers (dropout) are drawn from, per (region, microbatch, step,
+    replica), so every strategy draws the same masks (``piper_runtime.randomness``);
+    ``precision`` (``"bf16"``): compute in that dtype on fp32 master weights, gradients and
+    optimizer state (``piper_directives.precision``). ``captured`` is the ``CapturedModel``.
 
     ``backend``: ``"cpu"``, ``"cuda"``, or ``None`` to choose: ``cuda`` when the Ray cluster has
     a GPU for every rank (a share of one with ``ranks_per_gpu``) and the CUDA backend can run
@@ -104,6 +94,8 @@ class Trainer:
         memory_budget_bytes: int | None = None,
         log: Callable[[str], None] | None = None,
         threads: bool = True,
+        seed: int = 0,
+        precision: str | None = None,
         backend: str | None = None,
         placement: str = "pack",
         ranks_per_gpu: int = 1,
@@ -114,13 +106,8 @@ class Trainer:
     ) -> None:
         say = log or (lambda _: None)
         started = time.perf_counter()
-        captured = capture(model, example_inputs, example_targets, loss_fn)
-        refuse_unsupported(captured)
-        ship_by_value(captured.user_modules)  # the model file, its neighbours: by value to the workers
-        recompute = [s.id for s in captured.graph.stage_segments() if s.recompute]
-        if recompute:
-            say(f"regions {', '.join(recompute)} call torch.utils.checkpoint; this runtime keeps their "
-                "activations instead of recomputing them (same gradients, more memory)")
+        captured = capture(model, example_inputs, example_targets, loss_fn, precision=precision)
+        self.captured = captured
         if not isinstance(strategy, Strategy):
             strategy = strategy(pipeline_stages(captured.graph))
         self.strategy = strategy
@@ -140,6 +127,7 @@ class Trainer:
             check_budget(self.program, memory_budget_bytes // max(1, ranks_per_gpu), optimizer.name)
         self.compile_seconds = time.perf_counter() - started
         self.batch_size = captured.batch_size
+        self.state_dict_keys = sorted(model.state_dict())
         self.param_shapes = {
             name: tuple(meta.shape) for seg in captured.graph.segments for name, meta in seg.params
         }
@@ -154,6 +142,8 @@ class Trainer:
             address=address,
             step_timeout_s=step_timeout_s,
             threads=threads,
+            seed=seed,
+            by_value=captured.user_modules,  # the model file, its neighbours: by value to the workers
             backend=backend,
             placement=placement,
             ranks_per_gpu=ranks_per_gpu,
@@ -248,6 +238,11 @@ class Trainer:
             "microbatches": self.program.microbatches,
             "replicas": self.program.replicas,
             "program": self.program_digest,
+            # What the model's own state_dict holds (a captured segment keeps non-persistent
+            # buffers too), and tied parameters, stored once under the tie's name: for ``export``.
+            "state_dict": self.state_dict_keys,
+            # ``export`` restores a tie under each of its names.
+            "ties": {q: tie.name for tie in self.program.ties for _, q in tie.holders if q != tie.name},
         }
         state = {"train_state": self.state.state_dict()}
         return write_atomically(path, lambda tmp: self.runtime.save_checkpoint(str(tmp), state), manifest)

@@ -6,7 +6,7 @@ take it, and the checks argparse cannot express.
 | model | --model (default lm), --batch-size | train, check |
 | pipeline | --schedule, --strategy, --pp, --stages, --microbatches | train, check, simulate, plan |
 | parallelism | --dp, --zero, --tp, --ep | train, check |
-| run | --memory-budget-mb, --optimizer, --lr, --seed, --address, --backend, --placement, --ranks-per-gpu | train, check |
+| run | --memory-budget-mb, --optimizer, --lr, --seed, --precision, --address, --backend, --placement, --ranks-per-gpu | train, check |
 | optimization | --lr-schedule, --warmup-steps, --min-lr, --lr-step-size, --lr-gamma, --clip-grad-norm, --weight-decay | train, check |
 | summary | --json (a machine-readable summary) | train, check |
 | length, evaluation, metrics | --steps, --epochs, --eval-every, --eval-batches, --metrics, --tensorboard, --profile-step, ... | train |
@@ -58,7 +58,14 @@ def add_parallelism(p: argparse.ArgumentParser) -> None:
 
 
 def add_seed(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the built-in models and every random draw (dropout) of the run (default: 0)")
+
+
+def add_precision(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--precision", choices=["fp32", "bf16"], default=None,
+                   help="bf16: compute in bfloat16 on fp32 master weights, gradients and optimizer state "
+                        "(default: the model's own dtypes)")
 
 
 def add_run(p: argparse.ArgumentParser) -> None:
@@ -68,6 +75,7 @@ def add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw"], help="(default: adamw)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: 3e-3 for adam/adamw, 0.05 for sgd)")
     add_seed(p)
+    add_precision(p)
     p.add_argument("--address", help="an existing Ray cluster's address (host:port of its head, as `ray start --head` "
                    "prints; or 'auto'); default: start an embedded local cluster")
     p.add_argument("--backend", choices=["cpu", "cuda"], default=None,
@@ -148,8 +156,9 @@ def _add_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--eval-batches", type=int, default=0,
                    help="also compare the held-out loss of this many batches (forward only; default: 0)")
-    p.add_argument("--rtol", type=float, default=1e-5)
-    p.add_argument("--atol", type=float, default=1e-6)
+    p.add_argument("--rtol", type=float, default=None,
+                   help="relative tolerance (default: 1e-5; with --precision bf16 5e-2 of each tensor's largest entry: check.TOLERANCES)")
+    p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: 1e-6, bf16 1e-5)")
 
 
 def _add_simulate(p: argparse.ArgumentParser) -> None:
@@ -166,6 +175,7 @@ def _add_plan_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-csv", type=Path, help="also write the strategy's compute actions as a torch "
                    "pipelining schedule CSV (one row per rank)")
     add_seed(p)
+    add_precision(p)
     p.add_argument("--out", type=Path, required=True, help="where to write the program (piper-ir JSON)")
 
 
@@ -200,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What argparse cannot check (a usage error, exit code 2, like argparse's own)."""
     for name in ("rtol", "atol"):
-        if getattr(args, name, 0) < 0:
+        if (getattr(args, name, 0) or 0) < 0:
             parser.error(f"--{name} must be >= 0")
     for name in ("pp", "microbatches", "steps", "dp", "tp", "ep", "epochs", "batch_size", "profile_step",
                  "lr_step_size", "ranks_per_gpu"):

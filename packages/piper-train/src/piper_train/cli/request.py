@@ -15,7 +15,7 @@ from pathlib import Path
 import attrs
 
 from piper_directives import Place, Split, Strategy, build_schedule, parallelize, strategy_from_torch_csv
-from piper_ir import PiperError
+from piper_ir import DirectiveError, PiperError
 
 
 @attrs.frozen
@@ -33,6 +33,7 @@ class StrategyRequest:
     zero: int = 0
     tp: int = 1
     ep: int = 1
+    stages: int | None = None  # --stages: the model's annotated regions, when the user says
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StrategyRequest:
@@ -52,6 +53,7 @@ class StrategyRequest:
         return cls(
             args.schedule, args.pp, args.microbatches, args.strategy, program, torch_csv,
             getattr(args, "dp", 1), getattr(args, "zero", 0), getattr(args, "tp", 1), getattr(args, "ep", 1),
+            getattr(args, "stages", None),
         )
 
     @property
@@ -75,13 +77,45 @@ class StrategyRequest:
         return build_schedule(self.schedule, self.pp, self.microbatches, stages=regions)
 
     def resolve(self, regions: int | None) -> Strategy:
+        self.check_regions(regions)
         return parallelize(self.pipeline(regions), dp=self.dp, zero=self.zero, tp=self.tp, ep=self.ep)
+
+    def check_regions(self, regions: int | None) -> None:
+        """``--stages`` is honoured, never ignored: a model whose region count differs from it
+        is refused (a built-in model is built with that many; a model file has the regions
+        its ``forward`` annotates)."""
+        if self.stages is not None and regions is not None and regions != self.stages:
+            raise DirectiveError(
+                f"--stages {self.stages}: the model has {regions} annotated regions. --stages chooses the "
+                "regions of a built-in model; a model from a file has the regions its forward annotates "
+                f"(drop --stages, or pass --stages {regions})"
+            )
 
     def for_trainer(self) -> Strategy | Callable[[int], Strategy]:
         """What ``Trainer`` and ``run_check`` take: ``resolve`` itself, called with the
         captured model's region count, or, when the pipeline does not depend on it, the
-        strategy (composed now, so its errors come before the model is captured)."""
-        return self.resolve if self.needs_regions else self.resolve(None)
+        strategy (composed now, so its errors come before the model is captured), checked
+        against ``--stages`` once the model is captured."""
+        if self.needs_regions:
+            return self.resolve
+        strategy = self.resolve(None)
+        if self.stages is None:
+            return strategy
+
+        def checked(regions: int) -> Strategy:
+            self.check_regions(regions)
+            return strategy
+
+        return checked
+
+    def shape(self) -> tuple[int, int]:
+        """``(pipeline ranks, microbatches)`` of the pipeline program: what ``--pp`` and
+        ``--microbatches`` say, or what a ``--strategy`` file itself says."""
+        if self.file is None:
+            return self.pp, self.microbatches
+        pipeline = self.pipeline(None)
+        ranks = {d for place in pipeline.of(Place) for d in place.devices}
+        return len(ranks), split_microbatches(pipeline, self.microbatches)
 
 
 def placed_regions(strategy: Strategy) -> int:

@@ -12,6 +12,7 @@ import time
 from piper_directives import strategy_to_torch_csv
 from piper_directives.synthetic import synthetic_graph
 from piper_ir import Graph, Program, from_json, graph_summary, program_text, to_json
+from piper_memory import plan_memory
 from piper_scheduler import CostModel, compile_program, plot_gantt, simulate, to_chrome_trace, verify
 from piper_train.cli.options import say
 from piper_train.cli.request import StrategyRequest, model_regions, placed_regions, split_microbatches
@@ -85,16 +86,19 @@ def simulate_command(args: argparse.Namespace) -> int:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    regions = model_regions(args)
+    request = StrategyRequest.from_args(args)
     if args.model is not None:
-        graph = _capture(args, regions)
-        strategy = StrategyRequest.from_args(args).resolve(regions)
+        graph = _capture(args, model_regions(args))
+        regions = len({s.tags.get("PP") for s in graph.stage_segments()} - {None})
+        strategy = request.resolve(regions if request.needs_regions else None)
+        request.check_regions(regions)
     else:
-        strategy = StrategyRequest.from_args(args).resolve(args.stages)
+        strategy = request.resolve(args.stages)
         graph = _synthetic(args, placed_regions(strategy), split_microbatches(strategy, args.microbatches))
     started = time.perf_counter()
     placed = strategy.apply(graph)
-    program = compile_program(placed)
+    # ZeRO's reductions and a tied parameter's sums over its holders are part of the plan.
+    program = compile_program(plan_memory(placed))
     seconds = time.perf_counter() - started
     args.out.write_text(to_json(program))
     if args.torch_csv is not None:
@@ -103,7 +107,16 @@ def plan_command(args: argparse.Namespace) -> int:
     print(graph_summary(placed).splitlines()[0])
     print(f"compiled {program.world_size} rank plans, {sum(len(p.instructions) for p in program.ranks)} "
           f"instructions in {seconds:.2f} s; wrote {args.out}")
+    print(f"communicators: {_communicators(program)}; verified")
+    for tie in program.ties:
+        sums = sorted({c.id for c in program.communicators if c.traffic == "tie"})
+        print(f"tied: {tie.name} held by {', '.join(f'{s}:{q}' for s, q in tie.holders)}"
+              + (f"; gradients summed on {', '.join(sums)}" if sums else "; one tensor per rank, no sum needed"))
     return 0
+
+
+def _communicators(program: Program) -> str:
+    return ", ".join(f"{c.id} ({c.traffic})" for c in program.communicators) or "none"
 
 
 def _capture(args: argparse.Namespace, regions: int) -> Graph:
@@ -113,7 +126,9 @@ def _capture(args: argparse.Namespace, regions: int) -> Graph:
     from piper_train.workload import load_workload
 
     workload = load_workload(args.model, stages=regions, seed=args.seed)
-    return capture(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn).graph
+    return capture(
+        workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, precision=args.precision
+    ).graph
 
 
 def show_command(args: argparse.Namespace) -> int:
@@ -131,5 +146,5 @@ def show_command(args: argparse.Namespace) -> int:
     say(args, program_text(program))
     say(args, f"\n{program.world_size} ranks, {program.microbatches} microbatches, "
               f"{sum(counts.values())} instructions ({', '.join(f'{k}={v}' for k, v in sorted(counts.items()))}); "
-              f"communicators: {', '.join(f'{c.id} ({c.traffic})' for c in program.communicators) or 'none'}; verified")
+              f"communicators: {_communicators(program)}; verified")
     return _report(args, program, str(args.program))

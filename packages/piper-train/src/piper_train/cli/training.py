@@ -12,7 +12,7 @@ import time
 from piper_ir import CheckpointError
 from piper_runtime import OptimizerSpec
 from piper_train.batches import Prefetcher
-from piper_train.check import run_check
+from piper_train.check import TOLERANCES, run_check
 from piper_train.checkpoints import Checkpoints, check_compatible, export, read_manifest, resolve
 from piper_train.cli.options import say
 from piper_train.cli.request import StrategyRequest, model_regions
@@ -56,9 +56,13 @@ def _load(args: argparse.Namespace) -> ModelSpec:
     return load_workload(args.model, stages=model_regions(args), seed=args.seed, batch_size=args.batch_size)
 
 
-def _describe(args: argparse.Namespace) -> str:
-    return (f"model {args.model}, {args.strategy or args.schedule}, pp={args.pp}, dp={args.dp}, tp={args.tp}, "
-            f"ep={args.ep}, zero={args.zero}, microbatches={args.microbatches}")
+def _describe(args: argparse.Namespace, request: StrategyRequest) -> str:
+    """What runs: the strategy's own pipeline ranks and microbatches (a ``--strategy`` file
+    says them, not ``--pp``/``--microbatches``), the parallelisms and the precision."""
+    pp, microbatches = request.shape()
+    precision = f", precision={args.precision}" if args.precision else ""
+    return (f"model {args.model}, {request.name}, pp={pp}, dp={args.dp}, tp={args.tp}, ep={args.ep}, "
+            f"zero={args.zero}, microbatches={microbatches}{precision}")
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -77,7 +81,8 @@ def train_command(args: argparse.Namespace) -> int:
     length = f"{steps} steps" if steps is not None else ""
     if args.epochs is not None:
         length = f"{args.epochs} epochs" + (f" or {length}" if length else "")
-    say(args, f"piper train: {_describe(args)}, {length}")
+    request = StrategyRequest.from_args(args)
+    say(args, f"piper train: {_describe(args, request)}, {length}")
     started = time.perf_counter()
     checkpoints = (Checkpoints(args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints)
                    if args.checkpoint_dir is not None else None)
@@ -95,11 +100,11 @@ def train_command(args: argparse.Namespace) -> int:
         sinks = _sinks(args, stack)  # before any worker starts: a sink that cannot be made is bad input
         trainer = stack.enter_context(Trainer(
             workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
-            StrategyRequest.from_args(args).for_trainer(), optimizer=_optimizer(args), address=args.address,
+            request.for_trainer(), optimizer=_optimizer(args), address=args.address,
             memory_budget_bytes=_budget(args), log=lambda text: say(args, text),
             lr_schedule=_schedule(args, total), clip_grad_norm=args.clip_grad_norm,
             measure_grad_norm=args.log_grad_norm, backend=args.backend, placement=args.placement,
-            ranks_per_gpu=args.ranks_per_gpu,
+            ranks_per_gpu=args.ranks_per_gpu, seed=args.seed, precision=args.precision,
         ))
         say(args, f"workers up after {time.perf_counter() - started:.1f} s")
         if args.profile_step is not None:
@@ -169,13 +174,17 @@ def check_command(args: argparse.Namespace) -> int:
     workload = _load(args)
     if args.eval_batches and workload.eval_batches is None:
         raise ValueError(f"--eval-batches: model {args.model} has no held-out data (a factory returns it as eval_data)")
-    say(args, f"piper check: {_describe(args)}, {args.steps} steps vs single-device training")
-    report = run_check(workload, StrategyRequest.from_args(args).for_trainer(), steps=args.steps,
+    request = StrategyRequest.from_args(args)
+    say(args, f"piper check: {_describe(args, request)}, {args.steps} steps vs single-device training")
+    rtol, atol = TOLERANCES[args.precision or "fp32"]
+    args.rtol = rtol if args.rtol is None else args.rtol
+    args.atol = atol if args.atol is None else args.atol
+    report = run_check(workload, request.for_trainer(), steps=args.steps,
                        optimizer=_optimizer(args), rtol=args.rtol, atol=args.atol, address=args.address,
                        log=lambda s: say(args, s), memory_budget_bytes=_budget(args), backend=args.backend,
                        placement=args.placement, ranks_per_gpu=args.ranks_per_gpu,
                        lr_schedule=_schedule(args, args.steps), clip_grad_norm=args.clip_grad_norm,
-                       eval_batches=args.eval_batches)
+                       eval_batches=args.eval_batches, seed=args.seed, precision=args.precision)
     quantities = ["loss", "grad", "param"] + [w for w in ("grad_norm", "eval") if any(
         d.what == w for d in report.differences)]
     rows = {what: report.worst(what) for what in quantities}
