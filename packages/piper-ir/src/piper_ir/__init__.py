@@ -8,7 +8,9 @@ from piper_ir.errors import (
     DeadlockError,
     DirectiveError,
     ExecutionError,
+    HangError,
     MemoryPlanError,
+    NumericalError,
     PiperError,
     SchedulingError,
     SerializationError,
@@ -50,7 +52,7 @@ from piper_ir.validate import validate
 __all__ = [
     "ANY", "MB", "PASS", "SEG", "BUCKET_KINDS", "COMMUNICATION_KINDS", "COMPUTE_KINDS", "GRAD_PREFIX",
     "POINT_TO_POINT_KINDS", "Residency", "ShardKind", "ExecutionOptions", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "ClusterError", "CodeRef", "Communicator",
-    "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph",
+    "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph", "HangError", "NumericalError",
     "Instruction", "Listing", "MemoryPlanError", "Node", "NodeKind", "ParamShard", "Phase", "Precision", "PiperError",
     "Program", "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Sharding", "Tags",
     "TensorMeta", "Tie", "ValidationError", "Value", "critical_path", "find_cycle", "format_instruction",

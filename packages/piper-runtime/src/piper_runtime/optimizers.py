@@ -3,7 +3,8 @@
 An optimizer steps what ``DataParallel.optimizer_params`` names (the shards of buckets whose
 optimizer state is sharded, so that state is sharded too), or else every parameter of the
 segment's module. With ``keep_grads`` the gradients it is about to consume are copied into
-the step's report first. The step holds the rank's gradient lock.
+the step's report first; a non-finite one among them is reported in ``StepState.nonfinite``
+(``piper_runtime.numerics``). The step holds the rank's gradient lock.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 from piper_ir import Instruction, Program, SegmentRole
 from piper_runtime.backends.base import used_on_this_lane
 from piper_runtime.data_parallel import DataParallel
+from piper_runtime.numerics import nonfinite_grad
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.state import StepState
 
@@ -35,6 +37,7 @@ class Optimizers:
         self.data_parallel = data_parallel
         self.grads_lock = grads_lock
         self.by_segment: dict[str, torch.optim.Optimizer] = {}
+        self.names = {id(p): q for m in modules.values() for q, p in m.named_parameters()}
         for sid, module in modules.items():
             params = data_parallel.optimizer_params(sid)
             if params is None:
@@ -49,6 +52,9 @@ class Optimizers:
         with self.grads_lock:
             if st.keep_grads:
                 self.data_parallel.report_grads(ins.segment, st)
+            bad = nonfinite_grad((p for group in opt.param_groups for p in group["params"]), self.names)
+            if bad is not None:
+                st.nonfinite.append(f"segment {ins.segment}, parameter {bad}")
             opt.step()
             # Gradients another lane allocated (a bucket's reduction) are freed here: keep
             # them until this lane's step has read them (GPU backends; nothing on the host).

@@ -27,6 +27,7 @@ class StepOutput:
     grad_shards: dict[str, tuple[int, torch.Tensor]] | None = None
     memory: RankMemory | None = None
     collective_seconds: float = 0.0  # inside the collectives that compute issues (TP, EP)
+    nonfinite: tuple[str, ...] = ()  # gradients found NaN/Inf before an optimizer step
 
 
 @attrs.frozen
@@ -56,3 +57,7 @@ class StepResult:
     memory: tuple[RankMemory, ...] = ()
     # Each rank's time inside the tensor- and expert-parallel collectives of its compute.
     collective_seconds: tuple[float, ...] = ()
+    # Where a NaN/Inf loss or gradient first appeared in this step (``piper_runtime.numerics``),
+    # and whether the step was undone for it (``on_nan="skip-step"``).
+    nonfinite: str | None = None
+    skipped: bool = False

@@ -46,8 +46,10 @@ from piper_runtime.comms import Communicators
 from piper_runtime.compute import COMPUTE_PHASES, SegmentCompute
 from piper_runtime.data_parallel import DataParallel
 from piper_runtime.executor import Executor
+from piper_runtime.numerics import StateBackup
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.optimizers import Optimizers
+from piper_runtime.progress import Progress, RankProgress
 from piper_runtime.rendezvous import open_listener
 from piper_runtime.results import StepOutput
 from piper_runtime.sharding import bind_collectives, collective_seconds, cut_parameters, unbucketed_experts
@@ -77,6 +79,8 @@ class RankWorker:
         self._modules: dict[str, nn.Module] = {}
         self._grads_lock = threading.RLock()
         self._step = 0
+        self._progress: Progress | None = None
+        self._backup: StateBackup | None = None
 
     def ping(self) -> int:
         return os.getpid()
@@ -98,10 +102,13 @@ class RankWorker:
         backend: str | BackendFactory = "cpu",
         timeout_s: float = 60.0,
         threads: bool = True,
+        backup: bool = False,
     ) -> None:
         """Join the world, keep this rank's segment modules, build the optimizers.
         ``backend``: a registered name or a factory (``piper_runtime.backends``);
-        ``threads``: one thread per stream (else one sequential walk of the plan)."""
+        ``timeout_s``: the bound on joining and on any one wait of a step (a receive, a
+        collective, an event); ``threads``: one thread per stream (else one sequential walk
+        of the plan); ``backup``: keep the state from before each step, for ``restore``."""
         self.rank = rank
         self.program = program
         plan = program.plan(rank)
@@ -118,6 +125,8 @@ class RankWorker:
         )
         optimizers = Optimizers(program, self._modules, optimizer, dp, self._grads_lock)
         params = [p for m in self._modules.values() for p in m.parameters()]
+        if backup:
+            self._backup = StateBackup(params + dp.shards(), list(optimizers.by_segment.values()))
         self._sampler = MemorySampler(
             self.backend.memory_tracker(rank), self._grads_lock, params, dp, optimizers
         )
@@ -148,6 +157,7 @@ class RankWorker:
             NodeKind.FREE: dp.free,
         }
         self._reads = ReadCounts(program, plan.instructions)
+        self._progress = Progress(rank, plan.instructions)
         self._executor = Executor(
             plan,
             handlers,
@@ -157,6 +167,7 @@ class RankWorker:
             streams=self.backend,
             threads=threaded,
             timeout_s=timeout_s,
+            progress=self._progress,
         )
 
     @property
@@ -170,6 +181,8 @@ class RankWorker:
         instruction started and ended."""
         self._step += 1
         started = time.perf_counter()
+        if self._backup is not None:
+            self._backup.save()
         program = self.program
         chunks = {
             name: split_microbatches(
@@ -203,7 +216,22 @@ class RankWorker:
             st.grad_shards if keep_grads else None,
             self._sampler.tracker.result(),
             collective_seconds(self._modules),
+            tuple(st.nonfinite),
         )
+
+    def restore(self) -> None:
+        """Undo the last step: parameters and optimizer state as before it (``setup`` with
+        ``backup``; ``piper_runtime.numerics``)."""
+        if self._backup is None:
+            raise ExecutionError(f"rank {self.rank}: restore without a backup (setup with backup=True)")
+        with self._grads_lock:
+            self._backup.restore()
+
+    def progress(self) -> RankProgress | None:
+        """What this rank is doing (``piper_runtime.progress``; ``None`` before ``setup``).
+        The driver calls it on a concurrency group of its own (``MONITOR``), so it answers
+        while a step runs."""
+        return None if self._progress is None else self._progress.snapshot()
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """This rank's current full parameters by qualified name (CPU copies); parameters

@@ -9,7 +9,7 @@ import torch
 
 from piper_directives import Strategy
 from piper_ir import Program
-from piper_runtime import OptimizerSpec
+from piper_runtime import DEFAULT_TIMEOUT_S, OptimizerSpec
 from piper_train.models import ModelSpec
 from piper_train.reference import ReferenceTrainer
 from piper_train.trainer import Trainer
@@ -76,16 +76,17 @@ def run_check(
     backend: str | None = None,
     placement: str = "pack",
     ranks_per_gpu: int = 1,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> CheckReport:
     """Train ``steps`` steps both ways; compare every microbatch loss, every gradient and,
     after the last step, every parameter. ``threads=False`` runs the plans sequentially;
-    ``backend``, ``placement``, ``ranks_per_gpu`` as for ``Trainer``."""
+    ``backend``, ``placement``, ``ranks_per_gpu``, ``timeout_s`` as for ``Trainer``."""
     optimizer = optimizer or OptimizerSpec()
     diffs: list[Difference] = []
     with Trainer(
         workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
         optimizer=optimizer, address=address, memory_budget_bytes=memory_budget_bytes, log=log,
-        threads=threads, backend=backend, placement=placement, ranks_per_gpu=ranks_per_gpu,
+        threads=threads, backend=backend, placement=placement, ranks_per_gpu=ranks_per_gpu, timeout_s=timeout_s,
     ) as trainer:
         reference = ReferenceTrainer(workload.model, workload.loss_fn, optimizer, trainer.program.microbatches)
         for step in range(steps):

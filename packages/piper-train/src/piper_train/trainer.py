@@ -18,7 +18,7 @@ from piper_directives import Strategy, build_schedule, capture, shard_modules
 from piper_directives.capturing import CapturedModel, tie_locations
 from piper_ir import DirectiveError, Graph, Program
 from piper_memory import check_budget, plan_memory
-from piper_runtime import OptimizerSpec, Runtime, StepResult, WorkerPool
+from piper_runtime import DEFAULT_TIMEOUT_S, OptimizerSpec, Runtime, StepResult, WorkerPool
 from piper_scheduler import compile_program
 from piper_train.user_code import ship_by_value
 
@@ -59,7 +59,12 @@ class Trainer:
     a GPU for every rank (a share of one with ``ranks_per_gpu``) and the CUDA backend can run
     there, else ``cpu``; the choice and why go to ``log``. ``placement``: ``"pack"`` (ranks on
     as few nodes as possible) or ``"spread"`` (``piper_runtime.placement``).
-    ``reuse_workers`` is ``Runtime``'s: ``True`` (or a ``piper_runtime.WorkerPool``) takes the
+    ``timeout_s``: a rank that makes no progress for this long fails the step with
+    ``piper_ir.HangError`` naming it, its instruction and what its peers were doing;
+    ``step_timeout_s`` (default: none) also bounds a whole step. ``on_nan``: ``"stop"``
+    (``piper_ir.NumericalError`` at the first NaN/Inf loss or gradient), ``"skip-step"`` (undo
+    that step: parameters and optimizer state exactly as before it) or ``"continue"``
+    (``piper_runtime.numerics``; ``StepResult.nonfinite`` and ``skipped`` say what happened). ``reuse_workers`` is ``Runtime``'s: ``True`` (or a ``piper_runtime.WorkerPool``) takes the
     Ray workers from a pool and gives them back at ``close``; ``None`` follows
     ``PIPER_REUSE_WORKERS``.
     """
@@ -74,7 +79,9 @@ class Trainer:
         *,
         optimizer: OptimizerSpec | None = None,
         address: str | None = None,
-        step_timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        step_timeout_s: float | None = None,
+        on_nan: str = "stop",
         memory_budget_bytes: int | None = None,
         log: Callable[[str], None] | None = None,
         threads: bool = True,
@@ -114,7 +121,9 @@ class Trainer:
             modules,
             optimizer=optimizer,
             address=address,
+            timeout_s=timeout_s,
             step_timeout_s=step_timeout_s,
+            on_nan=on_nan,
             threads=threads,
             backend=backend,
             placement=placement,

@@ -6,17 +6,21 @@ take it, and the checks argparse cannot express.
 | model | --model (default lm) | train, check |
 | pipeline | --schedule, --strategy, --pp, --stages, --microbatches | train, check, simulate, plan |
 | parallelism | --dp, --zero, --tp, --ep | train, check |
-| run | --memory-budget-mb, --optimizer, --lr, --seed, --address, --backend, --placement, --ranks-per-gpu | train, check |
-| summary | --json (a machine-readable summary) | train, check |
+| run | --memory-budget-mb, --optimizer, --lr, --seed, --address, --backend, --placement, --ranks-per-gpu, --timeout | train, check |
+| summary | --json (a machine-readable summary; standard JSON: a NaN or infinite number is written as the string "NaN", "Infinity" or "-Infinity") | train, check |
+| train | --steps, --on-nan | train |
 | simulation | --cost, --json, --png, --trace | simulate, show |
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from piper_directives import SCHEDULES
 
@@ -74,6 +78,9 @@ def add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks-per-gpu", type=int, default=1,
                    help="ranks sharing one GPU with --backend cuda (e.g. a multi-rank strategy checked on one "
                         "GPU; they talk through host memory, not NCCL) (default: 1)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a rank that makes no progress for this long stops the run (exit code 3), naming the rank, "
+                        "the instruction it is stuck in and what its peers were doing (default: 60)")
 
 
 def add_summary(p: argparse.ArgumentParser) -> None:
@@ -90,6 +97,11 @@ def add_simulation(p: argparse.ArgumentParser) -> None:
 
 def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--on-nan", choices=["stop", "skip-step", "continue"], default="stop",
+                   help="a NaN or Inf loss or gradient: stop the run (exit code 3) naming the step, microbatch and "
+                        "rank where it first appeared; skip-step: undo that step (parameters and optimizer state "
+                        "exactly as before it; the workers keep a copy of that state) and go on; continue: keep "
+                        "it (default: stop)")
 
 
 def _add_check(p: argparse.ArgumentParser) -> None:
@@ -155,6 +167,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if getattr(args, "zero", 0) and getattr(args, "dp", 1) < 2 and getattr(args, "ep", 1) < 2:
         parser.error("--zero shards over data-parallel replicas: it needs --dp 2 or more (or --ep 2 or more, "
                      "whose group is data-parallel for the non-expert weights)")
+    if getattr(args, "timeout", 1.0) <= 0:
+        parser.error("--timeout must be > 0 (seconds)")
     if getattr(args, "memory_budget_mb", None) is not None and args.memory_budget_mb <= 0:
         parser.error("--memory-budget-mb must be > 0")
 
@@ -162,3 +176,20 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 def say(args: argparse.Namespace, text: str) -> None:
     """Progress and reports: on stdout, or on stderr when ``--json`` owns stdout."""
     print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by the string ``"NaN"``,
+    ``"Infinity"`` or ``"-Infinity"``: ``--json`` prints standard JSON, which has no such
+    numbers (Python's ``json`` would write bare ``NaN``, which most parsers refuse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def print_json(summary: dict[str, Any]) -> None:
+    print(json.dumps(finite_json(summary), allow_nan=False))

@@ -13,7 +13,7 @@ from piper_directives import strategy_to_torch_csv
 from piper_directives.synthetic import synthetic_graph
 from piper_ir import Graph, Program, from_json, graph_summary, program_text, to_json
 from piper_scheduler import CostModel, compile_program, plot_gantt, simulate, to_chrome_trace, verify
-from piper_train.cli.options import say
+from piper_train.cli.options import print_json, say
 from piper_train.cli.request import StrategyRequest, model_regions, placed_regions, split_microbatches
 
 _COST_KEYS = {"F": "F", "B": "B", "BI": "BI", "BW": "BW", "W": "BW", "OPT": "OPT", "FB": "FB"}
@@ -62,7 +62,7 @@ def _report(args: argparse.Namespace, program: Program, what: str) -> int:
         plot_gantt(timeline, args.png, title=f"{what}: makespan {timeline.makespan:g}")
         say(args, f"wrote {args.png}")
     if args.json:
-        print(json.dumps(summary))
+        print_json(summary)
         return 0
     say(args, f"{what}: makespan {timeline.makespan:g} (costs {args.cost})")
     say(args, "rank      busy      idle  bubble  peak activations")
