@@ -143,3 +143,26 @@ def test_scheduling_commands_import_neither_torch_nor_ray(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(("command", "args", "option"), [
+    ("simulate", ["--microbatches", "10000000"], "10000000 microbatches (--microbatches)"),
+    ("simulate", ["--pp", "200000"], "200000 stages (--stages/--pp)"),
+    ("simulate", ["--pp", "4", "--segments-per-stage", "100000"], "100000 segments per stage (--segments-per-stage)"),
+    ("plan", ["--microbatches", "10000000", "--out", "never.json"], "10000000 microbatches (--microbatches)"),
+])
+def test_huge_sizes_are_refused_before_anything_is_built(capsys, command, args, option):
+    """Bounded work: exit 2 at once (nothing is built: this would take minutes and GBs)."""
+    assert main([command, *args]) == 2
+    err = capsys.readouterr().err
+    assert f"the pipeline is too large to {command}" in err and option in err and "the limit is 100,000" in err
+
+
+def test_a_strategy_file_with_a_huge_split_is_refused(tmp_path, capsys):
+    strategy = tmp_path / "s.json"
+    strategy.write_text(json.dumps({"directives": [
+        {"op": "split", "microbatches": 1000000},
+        {"op": "place", "filter": {"PP": 0}, "devices": [0]},
+    ]}))
+    assert main(["simulate", "--strategy", str(strategy)]) == 2
+    assert "1000000 microbatches" in capsys.readouterr().err
