@@ -276,3 +276,49 @@ def test_skip_step_goes_on_and_json_stays_standard(piper):
     summary = json.loads(done.stdout, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
     assert summary["skipped_steps"] == [2] and summary["losses"][1] == "NaN"
     assert all(isinstance(x, float) for x in (summary["losses"][0], summary["losses"][2]))
+
+
+def _alive(pids: dict[int, str]) -> list[str]:
+    """Those of ``pids`` (pid -> command line) still running (not gone, not a zombie)."""
+    alive = []
+    for pid, command in pids.items():
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(f"{pid} {command}")
+    return alive
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_sigkilled_driver_takes_the_embedded_clusters_processes_with_it():
+    """Without the reaper, Ray's dashboard and runtime-env agents outlive a SIGKILLed driver
+    by about a minute; with it, every process the driver started is gone within seconds."""
+    from piper_runtime.reaper import descendants
+
+    ray_tmp = tempfile.mkdtemp(prefix="piper-kill-")
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo",
+               RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=ray_tmp)
+    env.pop(REUSE_ENV, None)
+    started: dict[int, str] = {}
+    proc = subprocess.Popen([sys.executable, "-m", "piper_train.cli", "train", "--model", "mlp", "--pp", "2",
+                             "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env, cwd=ROOT)
+    try:
+        _read_until(proc, "step ", time.monotonic() + CLI_TIMEOUT_S)
+        started = {pid: Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:80]
+                   for pid in descendants(proc.pid)}
+        assert any("DashboardAgent" in c for c in started.values()), started  # what used to linger
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30  # they used to linger for 60-70 s
+        while _alive(started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(started), f"still running after the driver was killed: {_alive(started)}"
+    finally:
+        proc.kill()
+        proc.communicate()
+        for line in _alive(started):  # nothing may outlive the test, whatever happened
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
