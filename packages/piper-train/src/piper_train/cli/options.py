@@ -28,7 +28,8 @@ Group = Callable[[argparse.ArgumentParser], None]
 
 
 def add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="lm", help="mlp, transformer, lm, moe, or path/to/file.py:factory (default: lm)")
+    p.add_argument("--model", default="lm", help="mlp, transformer, lm, moe, or path/to/file.py:factory (default: lm). "
+                   "A file is EXECUTED (like `python file.py`): name only files you trust")
 
 
 def add_pipeline(p: argparse.ArgumentParser) -> None:
@@ -116,7 +117,8 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
 
 def _add_plan_source(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--model", help="mlp, transformer, lm, or path/to/file.py:factory: capture this model")
+    source.add_argument("--model", help="mlp, transformer, lm, or path/to/file.py:factory: capture this model. "
+                        "A file is EXECUTED (like `python file.py`): name only files you trust")
     source.add_argument("--synthetic", action="store_true", help="a synthetic chain of regions (default)")
 
 
