@@ -16,12 +16,11 @@ from __future__ import annotations
 import os
 import select
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 REFRESH_S = 0.5
-_watcher: subprocess.Popen | None = None
+_watcher: tuple[int, int] | None = None  # (pid, the write end of its stdin)
 
 
 def _start_time(pid: int) -> str | None:
@@ -81,26 +80,40 @@ def watch(driver: int) -> None:
 
 
 def start() -> None:
-    """Start the watcher for this process (once; Linux only)."""
+    """Start the watcher for this process (once; Linux only). ``posix_spawn``, not
+    ``subprocess``: the watcher outlives a driver that exits without ``stop``, and a ``Popen``
+    object would then warn about a child still running."""
     global _watcher
     if _watcher is not None or not sys.platform.startswith("linux") or not os.path.isdir("/proc"):
         return
-    _watcher = subprocess.Popen(
-        [sys.executable, "-m", "piper_runtime.reaper", str(os.getpid())],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,  # a Ctrl-C meant for the driver does not stop the watcher first
-    )
+    read, write = os.pipe()  # neither end is inherited by Ray's later children
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        pid = os.posix_spawn(
+            sys.executable,
+            [sys.executable, "-m", "piper_runtime.reaper", str(os.getpid())],
+            dict(os.environ),
+            file_actions=[(os.POSIX_SPAWN_DUP2, read, 0), (os.POSIX_SPAWN_DUP2, devnull, 1),
+                          (os.POSIX_SPAWN_DUP2, devnull, 2)],
+            setsid=True,  # a Ctrl-C meant for the driver does not stop the watcher first
+        )
+    finally:
+        os.close(read)
+        os.close(devnull)
+    _watcher = (pid, write)
 
 
 def stop() -> None:
     """After Ray was shut down cleanly: let the watcher go (it kills whatever is left)."""
     global _watcher
     if _watcher is not None:
-        _watcher.stdin.close()
-        _watcher.wait(timeout=10)
+        pid, write = _watcher
         _watcher = None
+        os.close(write)
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
 
 
 if __name__ == "__main__":
