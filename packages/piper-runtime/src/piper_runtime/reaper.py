@@ -4,8 +4,9 @@ Ray's own fate-sharing stops most of its processes when the driver dies, but its
 and runtime-env agents notice late and then spend a minute trying to report to the dead GCS
 (measured: 64 s; docs/reliability.md). When ``piper_runtime.cluster.ensure_ray`` starts the
 embedded cluster (never when it connects to someone else's), it starts this watcher as a
-process of its own session, holding the write end of a pipe whose read end is the watcher's
-stdin. The watcher records the driver's descendant processes (Ray's) every
+process of its own session (a bare interpreter running this file: it starts in milliseconds,
+importing neither torch nor Ray), holding the write end of a pipe whose read end is the
+watcher's stdin. The watcher records the driver's descendant processes (Ray's) every
 ``REFRESH_S``; when stdin reaches end-of-file, which happens the moment the driver exits in
 any way, it SIGKILLs those it recorded that are still the same processes (same start time),
 and exits. Linux only (``/proc``); elsewhere ``start`` does nothing.
@@ -66,11 +67,11 @@ def watch(driver: int) -> None:
     me = os.getpid()
     known: dict[int, str] = {}
     while True:
+        known.update(descendants(driver))  # first, before the driver may be gone
+        known.pop(me, None)
         ready, _, _ = select.select([sys.stdin], [], [], REFRESH_S)
         if ready and not os.read(sys.stdin.fileno(), 4096):
             break  # the driver is gone (or closed the pipe after shutting Ray down)
-        known.update(descendants(driver))
-        known.pop(me, None)
     for pid, started in known.items():
         if _start_time(pid) == started:
             try:
@@ -89,9 +90,11 @@ def start() -> None:
     read, write = os.pipe()  # neither end is inherited by Ray's later children
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
+        # The file itself, without site packages: ``-m piper_runtime.reaper`` would import
+        # the package (torch, ray) first, seconds during which the watcher watches nothing.
         pid = os.posix_spawn(
             sys.executable,
-            [sys.executable, "-m", "piper_runtime.reaper", str(os.getpid())],
+            [sys.executable, "-S", os.path.abspath(__file__), str(os.getpid())],
             dict(os.environ),
             file_actions=[(os.POSIX_SPAWN_DUP2, read, 0), (os.POSIX_SPAWN_DUP2, devnull, 1),
                           (os.POSIX_SPAWN_DUP2, devnull, 2)],
