@@ -52,6 +52,13 @@ def integration(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def properties(session: nox.Session) -> None:
+    """The cross-pass property tests with 2,000 cases instead of CI's 300 (no processes)."""
+    session.env["PIPER_HYPOTHESIS_EXAMPLES"] = session.env.get("PIPER_HYPOTHESIS_EXAMPLES", "2000")
+    _pytest(session, "integration/test_properties.py")
+
+
+@nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
     """ruff over every package, the integration tests, the benchmarks, the examples and tools; the
     layering rules (which package may import what) are ruff's banned-api per package."""

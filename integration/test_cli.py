@@ -31,6 +31,7 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_MODEL = ROOT / "integration" / "fixtures" / "user_model.py"
+FAULTY_MODEL = ROOT / "integration" / "fixtures" / "faulty_model.py"
 CLI_TIMEOUT_S = 240
 
 
@@ -224,3 +225,84 @@ def test_train_says_which_backend_it_chose(piper):
                  "--placement", "spread")
     assert done.returncode == 0, done.stderr
     assert "backend 'cpu' (the Ray cluster has no GPU)" in done.stdout or "backend 'cuda'" in done.stdout
+
+
+def test_a_hung_rank_stops_the_run_with_exit_code_3_naming_it(piper):
+    """Region 1's forward never returns on rank 1: within the 3 s bound (plus the watchdog's
+    look), the run stops naming rank 1, the instruction, and rank 0 waiting for it."""
+    done = piper("train", "--model", f"{FAULTY_MODEL}:hang", "--pp", "2", "--microbatches", "2", "--steps", "2",
+                 "--timeout", "3")
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "piper train: run failed: step 1: rank 1 is stuck: no progress for" in done.stderr
+    assert "(bound 3 s), in compute F.s1.mb0 (s1:F0), microbatch 0" in done.stderr
+    assert "rank 0: in recv" in done.stderr and "from rank 1" in done.stderr
+    assert "step    1/2" not in done.stdout
+
+
+def test_timeout_must_be_positive(piper):
+    done = piper("check", "--model", "mlp", "--timeout", "0")
+    assert done.returncode == 2 and "--timeout must be > 0" in done.stderr
+
+
+def test_a_nan_loss_stops_the_run_naming_step_microbatch_and_rank(piper):
+    done = piper("train", "--model", f"{FAULTY_MODEL}:nan", "--pp", "2", "--microbatches", "2", "--steps", "3")
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "run failed: step 2: the loss of microbatch 1 is nan (rank 1)" in done.stderr
+    assert "step    1/3" in done.stdout and "step    2/3" not in done.stdout
+
+
+def test_skip_step_goes_on_and_json_stays_standard(piper):
+    done = piper("train", "--model", f"{FAULTY_MODEL}:nan", "--pp", "2", "--microbatches", "2", "--steps", "3",
+                 "--on-nan", "skip-step", "--json")
+    assert done.returncode == 0, done.stderr
+    assert "step 2: the loss of microbatch 1 is nan (rank 1); step skipped" in done.stderr
+    # Standard JSON: a parser that refuses bare NaN/Infinity reads it.
+    summary = json.loads(done.stdout, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert summary["skipped_steps"] == [2] and summary["losses"][1] == "NaN"
+    assert all(isinstance(x, float) for x in (summary["losses"][0], summary["losses"][2]))
+
+
+def _alive(pids: dict[int, str]) -> list[str]:
+    """Those of ``pids`` (pid -> command line) still running (not gone, not a zombie)."""
+    alive = []
+    for pid, command in pids.items():
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(f"{pid} {command}")
+    return alive
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_sigkilled_driver_takes_the_embedded_clusters_processes_with_it():
+    """Without the reaper, Ray's dashboard and runtime-env agents outlive a SIGKILLed driver
+    by about a minute; with it, every process the driver started is gone within seconds."""
+    from piper_runtime.reaper import descendants
+
+    ray_tmp = tempfile.mkdtemp(prefix="piper-kill-")
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo",
+               RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=ray_tmp)
+    env.pop(REUSE_ENV, None)
+    started: dict[int, str] = {}
+    proc = subprocess.Popen([sys.executable, "-m", "piper_train.cli", "train", "--model", "mlp", "--pp", "2",
+                             "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env, cwd=ROOT)
+    try:
+        _read_until(proc, "step ", time.monotonic() + CLI_TIMEOUT_S)
+        started = {pid: Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:80]
+                   for pid in descendants(proc.pid)}
+        assert any("DashboardAgent" in c for c in started.values()), started  # what used to linger
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30  # they used to linger for 60-70 s
+        while _alive(started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(started), f"still running after the driver was killed: {_alive(started)}"
+    finally:
+        proc.kill()
+        proc.communicate()
+        for line in _alive(started):  # nothing may outlive the test, whatever happened
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        shutil.rmtree(ray_tmp, ignore_errors=True)

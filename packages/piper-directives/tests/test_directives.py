@@ -86,8 +86,12 @@ def test_place_conflict_and_no_match(three_stage):
 
 
 def test_place_with_a_gap_in_device_numbers(three_stage):
-    with pytest.raises(DirectiveError, match=r"devices \[1\] hold no region"):
+    """The first Place beyond the gap is named (directive and where it was written)."""
+    with pytest.raises(DirectiveError, match=r"this Place names device 2, but device 1 holds no region") as info:
         Strategy([Place({"PP": 0}, 0), Place({"PP": 1}, 2), Place({"PP": 2}, 2)]).apply(three_stage.graph)
+    assert info.value.directive.startswith("Place({PP: 1}, devices=[2]")
+    with pytest.raises(DirectiveError, match=r"names device 99, but devices 1\.\.98 hold no region"):
+        Strategy([Place({"PP": 0}, 0), Place({"PP": 1}, 0), Place({"PP": 2}, 99)]).apply(three_stage.graph)
 
 
 def test_place_by_microbatch_makes_mirrored_replicas(three_stage):

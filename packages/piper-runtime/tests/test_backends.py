@@ -138,3 +138,52 @@ def test_cpu_backend_communicator_operations_between_two_processes() -> None:
     assert seen[0]["all_to_all_even"] == [0.0, 2.0]
     assert seen[1]["all_to_all_even"] == [1.0, 3.0]
     assert seen[1]["recv"] == [5.0, 7.0]
+
+
+# A receive that nothing sends, and an all-reduce one member never joins, on groups made by
+# ``communicator``: each fails after connect's 2 s timeout instead of waiting forever. Rank 0
+# only stays alive meanwhile.
+STARVED = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch
+    from piper_runtime.backends import CpuBackend
+
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    backend = CpuBackend()
+    backend.connect(rank, 2, "127.0.0.1", port, 2.0)
+    comm = backend.communicator([0, 1])
+    seen = {}
+    if rank == 1:
+        for name, op in [("recv", lambda: comm.recv(torch.empty(1), 0).wait()),
+                         ("all_reduce", lambda: comm.all_reduce(torch.ones(1)))]:
+            try:
+                op()
+                seen[name] = "returned"
+            except Exception as exc:
+                seen[name] = type(exc).__name__ + ": " + str(exc)[:200]
+    else:
+        time.sleep(15)
+    print(json.dumps(seen))
+    """
+)
+
+
+def test_a_receive_or_collective_nothing_answers_fails_after_the_connect_timeout() -> None:
+    port = str(_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", STARVED, str(rank), port], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        out, err = procs[1].communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert "timed out" in seen["recv"].lower() or "timeout" in seen["recv"].lower(), seen
+    assert "timed out" in seen["all_reduce"].lower() or "timeout" in seen["all_reduce"].lower(), seen

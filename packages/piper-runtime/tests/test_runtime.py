@@ -20,8 +20,10 @@ from torch import nn
 from piper_ir import (
     Communicator,
     ExecutionError,
+    HangError,
     Instruction,
     NodeKind,
+    NumericalError,
     Phase,
     Program,
     RankPlan,
@@ -213,6 +215,70 @@ def test_step_timeout_names_silent_ranks(ray_cluster) -> None:
         with pytest.raises(ExecutionError, match=r"ranks \[0, 1\] did not answer within 1 s") as info:
             rt.step(*((t,) for t in _batch(0)))
         assert info.value.ranks == (0, 1) and rt.closed
+
+
+def test_a_hung_rank_is_named_with_its_instruction_and_its_peers(ray_cluster) -> None:
+    """Rank 1's first forward never returns: the watchdog names rank 1 and that instruction
+    (not every rank), says rank 0 waits for it, and kills both workers."""
+    l0, l1 = _layers()
+    modules = {"s0": Stage0(l0), "s1": Stage1(l1, sleep_s=3600.0), "loss": MSE()}
+    rt = Runtime(gpipe_program(), modules, timeout_s=2.0)
+    workers = list(rt._workers)
+    with pytest.raises(HangError) as info:
+        rt.step(*((t,) for t in _batch(0)))
+    err = info.value
+    assert err.ranks == (1,) and err.nodes == ("F.s1.mb0",) and err.step == 1
+    text = str(err)
+    assert "rank 1 is stuck: no progress for" in text and "in compute F.s1.mb0 (s1:F0), microbatch 0" in text
+    # Rank 0 sent its activations and waits for the first gradient from rank 1.
+    assert "rank 0: in recv recv.grad:v:h.mb0.1-0 (RECV grad:v:h#0 <-1), microbatch 0, from rank 1" in text
+    assert rt.closed
+    for w in workers:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(w.ping.remote(), timeout=30)
+
+
+def _poisoned(step: int, mb: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s batch with a NaN in microbatch ``mb``'s inputs."""
+    x, y = _batch(step)
+    x = x.clone()
+    x[mb * MB, 0] = float("nan")
+    return x, y
+
+
+def test_a_nan_stops_the_run_naming_step_microbatch_and_rank(ray_cluster) -> None:
+    l0, l1 = _layers()
+    with Runtime(gpipe_program(), {"s0": Stage0(l0), "s1": Stage1(l1), "loss": MSE()}) as rt:
+        rt.step(*((t,) for t in _batch(0)))
+        with pytest.raises(NumericalError, match=r"step 2: the loss of microbatch 1 is nan \(rank 1\)") as info:
+            rt.step(*((t,) for t in _poisoned(1)))
+        assert info.value.step == 2
+
+
+def test_skip_step_leaves_parameters_and_optimizer_state_exactly_as_before(ray_cluster) -> None:
+    """A skipped step is as if it never ran: Adam (whose moments and step count a step would
+    change) then trains to the same parameters, bit for bit, as a run without that batch."""
+    spec = OptimizerSpec("adam", lr=0.01)
+
+    def run(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list, dict]:
+        l0, l1 = _layers()
+        with Runtime(gpipe_program(), {"s0": Stage0(l0), "s1": Stage1(l1), "loss": MSE()}, spec,
+                     on_nan="skip-step") as rt:
+            seen = []
+            for x, y in batches:
+                before = rt.parameters()
+                result = rt.step((x,), (y,))
+                after = rt.parameters()
+                seen.append((result, all(torch.equal(before[n], after[n]) for n in before)))
+            return seen, rt.parameters()
+
+    with_bad, params = run([_batch(0), _poisoned(1), _batch(2), _batch(3)])
+    without, want = run([_batch(0), _batch(2), _batch(3)])
+    (r0, _), (bad, unchanged), *_ = with_bad
+    assert bad.skipped and unchanged and bad.nonfinite == "the loss of microbatch 1 is nan (rank 1)"
+    assert not r0.skipped and r0.nonfinite is None and not any(same for _, same in without)
+    assert [r.losses for r, _ in with_bad[2:]] == [r.losses for r, _ in without[1:]]
+    assert params.keys() == want.keys() and all(torch.equal(params[n], want[n]) for n in want)
 
 
 # -- reusing workers (piper_runtime.pool) --------------------------------------------------------

@@ -143,3 +143,95 @@ def test_scheduling_commands_import_neither_torch_nor_ray(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(("command", "args", "option"), [
+    ("simulate", ["--microbatches", "10000000"], "10000000 microbatches (--microbatches)"),
+    ("simulate", ["--pp", "200000"], "200000 stages (--stages/--pp)"),
+    ("simulate", ["--pp", "4", "--segments-per-stage", "100000"], "100000 segments per stage (--segments-per-stage)"),
+    ("plan", ["--microbatches", "10000000", "--out", "never.json"], "10000000 microbatches (--microbatches)"),
+])
+def test_huge_sizes_are_refused_before_anything_is_built(capsys, command, args, option):
+    """Bounded work: exit 2 at once (nothing is built: this would take minutes and GBs)."""
+    assert main([command, *args]) == 2
+    err = capsys.readouterr().err
+    assert f"the pipeline is too large to {command}" in err and option in err and "the limit is 100,000" in err
+
+
+def test_a_strategy_file_with_a_huge_split_is_refused(tmp_path, capsys):
+    strategy = tmp_path / "s.json"
+    strategy.write_text(json.dumps({"directives": [
+        {"op": "split", "microbatches": 1000000},
+        {"op": "place", "filter": {"PP": 0}, "devices": [0]},
+    ]}))
+    assert main(["simulate", "--strategy", str(strategy)]) == 2
+    assert "1000000 microbatches" in capsys.readouterr().err
+
+
+# -- bad input: exit code 2, the culprit named, no traceback ----------------------------------
+
+
+def _refused(capsys, *argv: str) -> str:
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return err
+
+
+def test_a_deeply_nested_strategy_file_is_refused_naming_it(tmp_path, capsys):
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"directives": ' + "[" * 100000 + "]" * 100000 + "}")
+    err = _refused(capsys, "simulate", "--strategy", str(deep))
+    assert f"{deep}: JSON nested too deeply to read" in err
+
+
+def test_a_strategy_file_that_is_not_utf8_is_refused_naming_it(tmp_path, capsys):
+    binary = tmp_path / "s.json"
+    binary.write_bytes(b"\xff\xfe\x00 not text")
+    err = _refused(capsys, "simulate", "--strategy", str(binary))
+    assert f"--strategy {binary} is not UTF-8 text (byte 0" in err
+
+
+def test_place_on_a_device_beyond_the_others_names_the_directive_and_its_index(tmp_path, capsys):
+    strategy = tmp_path / "s.json"
+    strategy.write_text(json.dumps({"directives": [
+        {"op": "split", "microbatches": 2},
+        {"op": "place", "filter": {"PP": 0}, "devices": [0]},
+        {"op": "place", "filter": {"PP": 1}, "devices": [99]},
+    ]}))
+    err = _refused(capsys, "simulate", "--strategy", str(strategy))
+    assert "this Place names device 99, but devices 1..98 hold no region" in err
+    assert f"directive: Place({{PP: 1}}, devices=[99], stream='pp') at {strategy}#2" in err
+
+
+@pytest.mark.parametrize("count", [-1, 0])
+def test_a_bad_split_count_in_a_strategy_file_blames_the_split(tmp_path, capsys, count):
+    strategy = tmp_path / "s.json"
+    strategy.write_text(json.dumps({"directives": [
+        {"op": "split", "microbatches": count}, {"op": "place", "filter": {"PP": 0}, "devices": [0]},
+    ]}))
+    err = _refused(capsys, "simulate", "--strategy", str(strategy))
+    assert f"microbatches must be a positive int, got {count}" in err
+    assert f"directive: Split(microbatches={count}) at {strategy}#0" in err and "synthetic_graph" not in err
+
+
+def test_a_model_file_with_a_syntax_error_is_refused_naming_file_and_line(tmp_path, capsys):
+    model = tmp_path / "broken.py"
+    model.write_text("import torch\n\ndef make(:\n    pass\n")
+    err = _refused(capsys, "plan", "--model", f"{model}:make", "--out", str(tmp_path / "p.json"))
+    assert f"running {model} failed: SyntaxError at {model}:3: invalid syntax" in err
+
+
+def test_a_factory_that_raises_is_refused_naming_file_and_line(tmp_path, capsys):
+    model = tmp_path / "raising.py"
+    model.write_text("def make():\n    return helper()\n\ndef helper():\n    raise RuntimeError('no data here')\n")
+    err = _refused(capsys, "plan", "--model", f"{model}:make", "--out", str(tmp_path / "p.json"))
+    assert "the factory make() raised RuntimeError: no data here" in err
+    assert f"(at {model}:5 in helper)" in err
+
+
+@pytest.mark.parametrize("command", ["train", "check", "plan"])
+def test_help_says_that_a_model_file_is_executed(capsys, command):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "A file is EXECUTED" in " ".join(capsys.readouterr().out.split())

@@ -48,10 +48,10 @@ def test_jsonl_is_standard_json_with_a_schema(tmp_path) -> None:
     writer.close()
     step, ev = (_strict(line) for line in path.read_text().splitlines())
     assert step["schema"] == SCHEMA and step["kind"] == "step" and step["step"] == 3
-    assert step["loss"] is None and step["grad_norm"] is None  # NaN and inf are not JSON
+    assert step["loss"] == "NaN" and step["grad_norm"] == "Infinity"  # NaN and inf are not JSON numbers
     assert step["peak_memory_bytes"] == [2**20, 3 * 2**20] and step["tokens_per_s"] == 51200.0
     assert ev == {"schema": SCHEMA, "kind": "eval", "step": 3, "loss": 0.25, "batches": 2, "seconds": 0.1}
-    assert _strict(dumps({"x": [math.nan, 1.0]})) == {"x": [None, 1.0]}
+    assert _strict(dumps({"x": [math.nan, 1.0]})) == {"x": ["NaN", 1.0]}
     with pytest.raises(ValueError, match="cannot write metrics"):
         JsonlWriter(tmp_path / "missing" / "m.jsonl")
 

@@ -96,13 +96,39 @@ def place_all(graph: Graph, places: Sequence[Place]) -> Graph:
     world = used[-1] + 1
     idle = sorted(set(range(world)) - set(used))
     if idle:
-        raise DirectiveError(f"devices {idle} hold no region; number devices 0..N-1 without gaps")
+        # Blame the first Place that names a device beyond the gap (device 99 of a 2-device
+        # pipeline), and say the gap as a range, not 98 numbers.
+        culprit = next((p for p in places if any(d > idle[0] for d in p.devices)), None)
+        gap = _ranges(idle)
+        if culprit is None:
+            raise DirectiveError(f"devices {gap} hold no region; number devices 0..N-1 without gaps")
+        beyond = sorted(d for d in culprit.devices if d > idle[0])
+        raise DirectiveError(
+            f"this Place names device{'s' if len(beyond) > 1 else ''} {_ranges(beyond)}, but "
+            + (f"devices {gap} hold" if len(idle) > 1 else f"device {gap} holds")
+            + " no region; number devices 0..N-1 without gaps",
+            directive=str(culprit),
+        )
     whole = {s.id: segment_group([_group_of(group, s.id, mb) for mb in mbs]) for s in graph.segments}
     nodes = tuple(
         attrs.evolve(n, devices=_node_group(n, group, whole)) if n.segment is not None else n
         for n in graph.nodes
     )
     return attrs.evolve(graph, nodes=nodes, world_size=world)
+
+
+def _ranges(numbers: Sequence[int]) -> str:
+    """``[1, 2, 3, 7]`` as ``1..3, 7``."""
+    parts: list[str] = []
+    start = prev = numbers[0]
+    for n in [*numbers[1:], None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        parts.append(str(start) if start == prev else f"{start}..{prev}")
+        if n is not None:
+            start = prev = n
+    return ", ".join(parts)
 
 
 def send_streams(graph: Graph, places: Sequence[Place]) -> dict[str, str]:

@@ -90,6 +90,8 @@ class Strategy:
             doc = json.loads(text)
         except json.JSONDecodeError as err:
             raise DirectiveError(f"{source}: not valid JSON: {err}") from None
+        except RecursionError:  # Python's decoder recurses once per nesting level
+            raise DirectiveError(f"{source}: JSON nested too deeply to read (a strategy is a flat list)") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("directives"), list):
             raise DirectiveError(f'{source}: expected an object {{"directives": [...]}}')
         return cls(_decode(item, f"{source}#{i}") for i, item in enumerate(doc["directives"]))

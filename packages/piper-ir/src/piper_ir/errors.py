@@ -85,6 +85,16 @@ class ExecutionError(PiperError):
     """Running a plan failed on a worker (an exception, a dead worker or a timeout)."""
 
 
+class HangError(ExecutionError):
+    """A rank made no progress for the run's bound: names the rank, the instruction it is
+    stuck in and what its peers were doing."""
+
+
+class NumericalError(ExecutionError):
+    """A loss or gradient became NaN or infinite: names the step, microbatch and rank where
+    it first appeared."""
+
+
 class ClusterError(PiperError):
     """The cluster cannot run the program as asked: an unreachable Ray address, fewer CPUs or
     GPUs than the ranks need, a backend that cannot run there (no GPU, no cupy)."""

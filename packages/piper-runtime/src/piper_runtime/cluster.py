@@ -3,7 +3,8 @@
 - ``ensure_ray``: reuse an initialised Ray, connect to ``address`` (checked first: an
   address nothing answers on fails within ``CONNECT_TIMEOUT_S`` with the address in the
   message; Ray itself would retry for minutes), or start an embedded single-node cluster
-  bound to 127.0.0.1.
+  bound to 127.0.0.1, whose processes die with this one (``piper_runtime.reaper``, also when
+  this process is SIGKILLed).
 - ``choose_backend``: ``cuda`` when the cluster has a GPU for every rank and a GPU worker
   has what the CUDA backend needs, else ``cpu``; always with the reason, for the log.
 - ``worker_env``: the environment every rank gets (the socket interface variables only
@@ -20,6 +21,7 @@ import time
 import ray
 
 from piper_ir import ClusterError
+from piper_runtime import reaper
 from piper_runtime.rendezvous import SOCKET_ENV
 
 # Environment every Piper worker gets.
@@ -65,6 +67,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         log_to_driver=False,
     )
     _started_here = True
+    reaper.start()
 
 
 def shutdown() -> None:
@@ -72,6 +75,7 @@ def shutdown() -> None:
     global _started_here
     if _started_here and ray.is_initialized():
         ray.shutdown()
+        reaper.stop()
     _started_here = False
 
 

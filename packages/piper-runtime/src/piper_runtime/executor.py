@@ -9,7 +9,8 @@ events are satisfied by construction.
 Around every instruction: the ``before`` hook (posting receives ahead), the handler, then
 the values it was the last reader of are dropped (``ReadCounts``) and memory is sampled.
 A failure becomes an ``ExecutionError`` naming the rank, the instruction and the step, with
-the worker's traceback. The executor knows instruction kinds and the backend protocol only:
+the worker's traceback. Each instruction's start and end go to a ``Progress`` record, which
+the driver's watchdog reads while a step is in flight. The executor knows instruction kinds and the backend protocol only:
 what each kind does is its handler's business, the hardware is the backend's.
 """
 
@@ -22,6 +23,7 @@ from collections.abc import Callable, Mapping
 from piper_ir import ExecutionError, Instruction, NodeKind, RankPlan
 from piper_runtime.accounting import MemorySampler, keeps_model_state
 from piper_runtime.backends.base import Streams
+from piper_runtime.progress import Progress
 from piper_runtime.results import InstructionTiming
 from piper_runtime.state import ReadCounts, StepState
 from piper_runtime.streams import run_streams
@@ -43,6 +45,7 @@ class Executor:
         streams: Streams,
         threads: bool,
         timeout_s: float,
+        progress: Progress | None = None,
     ) -> None:
         self.plan = plan
         self.handlers = dict(handlers)
@@ -52,6 +55,7 @@ class Executor:
         self.streams = streams
         self.threads = threads
         self.timeout_s = timeout_s
+        self.progress = progress or Progress(plan.rank, plan.instructions)
 
     def run(self, st: StepState, step: int, started: float, profile: bool) -> list[InstructionTiming]:
         """Run every instruction of the plan once; returns their timings with ``profile``
@@ -59,8 +63,11 @@ class Executor:
         rank = self.plan.rank
         timings: list[InstructionTiming] = []
 
+        progress = self.progress
+
         def execute(k: int, ins: Instruction) -> None:
             t0 = time.perf_counter() if profile else 0.0
+            progress.started(k)
             try:
                 self.before(k, st)
                 self.handlers[ins.kind](ins, st)
@@ -70,14 +77,20 @@ class Executor:
                 timings.append(InstructionTiming(rank, ins.id, t0 - started, time.perf_counter() - started))
             self.reads.release(k, st)
             self.sampler.sample(st, model_state=not keeps_model_state(ins))
+            progress.finished(k)
 
         instructions = self.plan.instructions
-        if self.threads:
-            run_streams(instructions, execute, timeout_s=self.timeout_s, streams=self.streams)
-        else:
-            with self.streams.lane(instructions[0].stream if instructions else "compute"):
-                for k, ins in enumerate(instructions):
-                    execute(k, ins)
+        progress.begin_step(step)
+        try:
+            if self.threads:
+                run_streams(instructions, execute, timeout_s=self.timeout_s, streams=self.streams,
+                            waiting=progress.waiting)
+            else:
+                with self.streams.lane(instructions[0].stream if instructions else "compute"):
+                    for k, ins in enumerate(instructions):
+                        execute(k, ins)
+        finally:
+            progress.end_step()
         return timings
 
     def error(self, where: str, exc: BaseException, step: int, node: str | None = None) -> ExecutionError:

@@ -4,7 +4,8 @@ An optimizer steps what ``DataParallel.optimizer_params`` names (the shards of b
 optimizer state is sharded, so that state is sharded too), or else the parameters of the
 segment's module that it owns (one optimizer per tensor: holders of a tied parameter that
 share it on a rank leave it to the first). With ``keep_grads`` the gradients it is about to
-consume are copied into the step's report first. The step holds the rank's gradient lock.
+consume are copied into the step's report first; a non-finite one among them is reported in
+``StepState.nonfinite`` (``piper_runtime.numerics``). The step holds the rank's gradient lock.
 
 Weight decay goes by parameter (``OptimizerSpec.decays``: by full name and dimensions), so a
 bucket shard that mixes parameters that decay and parameters that do not (a weight and its
@@ -30,6 +31,7 @@ from piper_ir import Instruction, Program, SegmentRole
 from piper_runtime.backends.base import used_on_this_lane
 from piper_runtime.buckets import BucketState
 from piper_runtime.data_parallel import DataParallel
+from piper_runtime.numerics import nonfinite_grad
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.state import StepState
 
@@ -53,6 +55,7 @@ class Optimizers:
         self.pieces: dict[str, list[Piece]] = {}
         self.sources: dict[str, list[nn.Parameter]] = {}  # what each optimizer's gradients live on
         shards = {id(b.shard): b for b in data_parallel.buckets.values() if b.shard is not None}
+        self.names = {id(p): q for m in modules.values() for q, p in m.named_parameters()}
         for sid, module in modules.items():
             params = data_parallel.optimizer_params(sid)
             if program.segment_by_id[sid].role is not SegmentRole.STAGE or not params:
@@ -86,6 +89,9 @@ class Optimizers:
                 self.data_parallel.report_grads(ins.segment, st)
             for piece, shard, start, stop in self.pieces[ins.segment]:
                 piece.grad = None if shard.grad is None else shard.grad[start:stop]
+            bad = nonfinite_grad((p for group in opt.param_groups for p in group["params"]), self.names)
+            if bad is not None:
+                st.nonfinite.append(f"segment {ins.segment}, parameter {bad}")
             opt.step()
             # Gradients another lane allocated (a bucket's reduction) are freed here: keep
             # them until this lane's step has read them (GPU backends; nothing on the host).

@@ -29,6 +29,15 @@ from piper_runtime.worker import RankWorker
 
 REUSE_ENV = "PIPER_REUSE_WORKERS"  # "1": runtimes use the shared pool unless told otherwise
 _PING_TIMEOUT_S = 10.0
+# The concurrency group of ``RankWorker.progress``: the watchdog's reads run on a thread of
+# their own, beside a step (every other method runs one at a time, in call order).
+MONITOR = "monitor"
+
+
+def worker_actor(**options: Any) -> Any:
+    """The ``RankWorker`` actor class, with ``options``."""
+    actor = ray.remote(concurrency_groups={MONITOR: 1})(RankWorker)
+    return actor.options(**options) if options else actor
 
 
 @attrs.frozen
@@ -47,7 +56,7 @@ class WorkerSpec:
     def start(self, count: int) -> list[Any]:
         """``count`` new ``RankWorker`` actors (the process starts in the background; the
         first call to an actor waits for it)."""
-        actor = ray.remote(RankWorker).options(
+        actor = worker_actor(
             num_cpus=0.01,  # ranks mostly wait on each other; never block on whole CPUs
             num_gpus=self.gpus,
             max_restarts=0,

@@ -28,6 +28,7 @@ class StepOutput:
     memory: RankMemory | None = None
     collective_seconds: float = 0.0  # inside the collectives that compute issues (TP, EP)
     grad_norm: float | None = None  # the global gradient norm, where the plan computes it
+    nonfinite: tuple[str, ...] = ()  # gradients found NaN/Inf before an optimizer step
 
 
 @attrs.frozen
@@ -61,3 +62,7 @@ class StepResult:
     collective_seconds: tuple[float, ...] = ()
     grad_norm: float | None = None
     lr: float | None = None
+    # Where a NaN/Inf loss or gradient first appeared in this step (``piper_runtime.numerics``),
+    # and whether the step was undone for it (``on_nan="skip-step"``).
+    nonfinite: str | None = None
+    skipped: bool = False

@@ -16,6 +16,15 @@ Failure policy: whatever goes wrong on a worker (an exception, a dead actor, no 
 before the timeout) tears every actor down first, so no rank is left blocked in a receive,
 and then raises ``piper_ir.ExecutionError`` naming the ranks (and, for an exception, the
 instruction and the worker's traceback).
+
+Hung ranks: while a step is in flight, once it has run for ``timeout_s``, the driver reads
+every unfinished rank's progress (``piper_runtime.progress``) every ``_WATCH_INTERVAL_S``;
+when some rank has made no progress for ``timeout_s`` (60 s by default) the step fails with
+``HangError``: which rank is stuck in which instruction, for how long, and what its peers
+were doing. A step that keeps making progress may run as long as it needs (unless
+``step_timeout_s`` bounds it). On the workers, every single wait (a receive, a collective,
+an event) is bounded too, at ``worker_timeout(timeout_s)``, longer than the watchdog's bound
+so that the driver's report, which names the culprit, comes first.
 """
 
 from __future__ import annotations
@@ -32,23 +41,34 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from torch import nn
 
-from piper_ir import ClusterError, ExecutionError, PiperError, Program
+from piper_ir import ClusterError, ExecutionError, HangError, NumericalError, PiperError, Program
 from piper_runtime.backends import backend_factory, cuda_missing
 from piper_runtime.batch import batch_reads, check_batch, replica_slice
 from piper_runtime.checkpoint import finish, plan_globally
 from piper_runtime.cluster import choose_backend, ensure_ray, worker_env
 from piper_runtime.merge import merge_outputs, merge_parameters
+from piper_runtime.numerics import check_on_nan, first_nonfinite
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.placement import Placement, check_resources, place_ranks
-from piper_runtime.pool import WorkerPool, WorkerSpec, kill_workers, pool_for
+from piper_runtime.pool import MONITOR, WorkerPool, WorkerSpec, kill_workers, pool_for, worker_actor
 from piper_runtime.precision import compute_inputs
+from piper_runtime.progress import RankProgress, hang_report
 from piper_runtime.rendezvous import LOOPBACK
 from piper_runtime.results import StepOutput, StepResult
 from piper_runtime.user_code import ship_by_value
-from piper_runtime.worker import RankWorker
 
 _INLINE_BYTES = 64 * 1024  # below this, batch tensors go inline with each call
 _RESET_TIMEOUT_S = 30.0
+DEFAULT_TIMEOUT_S = 60.0  # no progress on a rank for this long: the step fails (HangError)
+_WATCH_INTERVAL_S = 1.0  # how often the watchdog reads progress, once a step ran for timeout_s
+_PROGRESS_ANSWER_S = 5.0  # a rank that does not say what it does within this is reported silent
+
+
+def worker_timeout(timeout_s: float) -> float:
+    """The bound on any single wait inside a worker for a run with watchdog bound
+    ``timeout_s``: twice that plus a margin (and at least a minute, the join's bound), so
+    the driver's watchdog, which names the culprit, fires first."""
+    return max(60.0, 2 * timeout_s + 10.0)
 
 
 class Runtime:
@@ -68,6 +88,16 @@ class Runtime:
     on a GPU backend, ``1 / ranks_per_gpu`` of a GPU (``ranks_per_gpu`` > 1 shares GPUs).
     A cluster too small for the program, or an unreachable ``address``, raises
     ``piper_ir.ClusterError`` before any actor starts.
+
+    ``timeout_s``: a rank that makes no progress (starts or ends no instruction) for this
+    long during a step fails the step with ``piper_ir.HangError`` naming it (module doc);
+    ``step_timeout_s``, when given, also bounds each step's whole duration.
+
+    ``on_nan``: what a NaN or Inf loss or gradient does (``piper_runtime.numerics``):
+    ``"stop"`` raises ``piper_ir.NumericalError`` naming the step, microbatch and rank where
+    it first appeared; ``"skip-step"`` undoes the step on every rank (parameters and
+    optimizer state exactly as before it; each worker keeps a copy of that state);
+    ``"continue"`` keeps the step. ``StepResult.nonfinite`` says what was found.
 
     ``reuse_workers``: ``True`` takes workers from the process's shared ``WorkerPool`` and
     gives them back on a clean ``shutdown``; a ``WorkerPool`` uses that pool; ``False``
@@ -91,7 +121,9 @@ class Runtime:
         *,
         address: str | None = None,
         backend: str | None = "cpu",
-        step_timeout_s: float = 120.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        step_timeout_s: float | None = None,
+        on_nan: str = "stop",
         setup_timeout_s: float = 120.0,
         threads: bool = True,
         placement: str = "pack",
@@ -102,7 +134,11 @@ class Runtime:
         seed: int = 0,
         by_value: Sequence[str] = (),
     ) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.program = program
+        self.on_nan = check_on_nan(on_nan)
+        self.timeout_s = timeout_s
         self.step_timeout_s = step_timeout_s
         self._workers: list[Any] = []
         self._steps = 0
@@ -159,10 +195,9 @@ class Runtime:
                 backend=self.backend_name,
                 timeout_s=min(setup_timeout_s, 30.0),
             )
-            actor = ray.remote(RankWorker)
             env = {"env_vars": worker_env()}
             self._workers = [
-                actor.options(max_restarts=0, runtime_env=env, **self.placement.actor_options(rank)).remote()
+                worker_actor(max_restarts=0, runtime_env=env, **self.placement.actor_options(rank)).remote()
                 for rank in range(program.world_size)
             ]
             # Kills the actors and releases their reservation on shutdown, garbage collection
@@ -185,9 +220,10 @@ class Runtime:
                 {s: modules[s] for s in program.plan(rank).segments()},
                 optimizer or OptimizerSpec(),
                 factory,
-                min(setup_timeout_s, 60.0),
+                worker_timeout(timeout_s),
                 threads,
                 seed,
+                on_nan == "skip-step",
             )
             for rank, w in enumerate(self._workers)
         ]
@@ -222,8 +258,19 @@ class Runtime:
             )
             for rank, w in enumerate(self._workers)
         ]
-        outputs: list[StepOutput] = self._gather(calls, self.step_timeout_s, "step")
+        outputs: list[StepOutput] = self._gather(calls, self.step_timeout_s, "step", watch=True)
+        found = first_nonfinite([(o.rank, o.losses, o.nonfinite) for o in outputs])
+        if found is not None and self.on_nan == "stop":
+            raise NumericalError(
+                f"step {self._steps}: {found}; the run stops (on_nan='stop'; 'skip-step' undoes such a step, "
+                "'continue' keeps it)",
+                step=self._steps,
+            )
+        skipped = found is not None and self.on_nan == "skip-step"
+        if skipped:
+            self._gather([w.restore.remote() for w in self._workers], 60.0, "restore")
         result = merge_outputs(outputs, program, keep_grads)
+        result = attrs.evolve(result, nonfinite=found, skipped=skipped)
         return result if lr is None else attrs.evolve(result, lr=lr)
 
     def load_forward(self, program: Program) -> None:
@@ -334,22 +381,33 @@ class Runtime:
             return False
         return True
 
-    def _gather(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
-        """Results of one call per rank, in rank order; the first failure tears down and raises."""
+    def _gather(self, refs: list[Any], timeout_s: float | None, what: str, watch: bool = False) -> list[Any]:
+        """Results of one call per rank, in rank order; the first failure tears down and
+        raises. ``timeout_s``: for all the answers (``None``: no bound); ``watch``: the
+        hung-rank watchdog (module doc) watches the ranks meanwhile."""
         self._in_flight = True  # until every answer is in: a rank may still be running
         pending = {ref: rank for rank, ref in enumerate(refs)}
         results: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = None if timeout_s is None else started + timeout_s
         step = self._steps if what == "step" else None
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
+            now = time.monotonic()
+            wait_s = None if deadline is None else max(0.0, deadline - now)
+            if watch:
+                # No rank can have been idle for timeout_s before the step ran that long.
+                look = max(started + self.timeout_s - now, _WATCH_INTERVAL_S)
+                wait_s = look if wait_s is None else min(wait_s, look)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
+            if not ready and deadline is not None and time.monotonic() >= deadline:
                 ranks = sorted(pending.values())
                 self._fail(
                     ExecutionError(
                         f"{what}: ranks {ranks} did not answer within {timeout_s:g} s", ranks=ranks, step=step
                     )
                 )
+            if not ready and watch and time.monotonic() >= started + self.timeout_s:
+                self._watch(sorted(pending.values()), sorted(results), step)
             for ref in ready:
                 rank = pending.pop(ref)
                 try:
@@ -357,7 +415,9 @@ class Runtime:
                 except RayTaskError as exc:
                     cause = exc.cause
                     if isinstance(cause, PiperError):
-                        err = ExecutionError(
+                        # An ExecutionError subclass (HangError, NumericalError) keeps its type.
+                        kind = type(cause) if isinstance(cause, ExecutionError) else ExecutionError
+                        err = kind(
                             cause.message, ranks=cause.ranks or (rank,), nodes=cause.nodes, step=step
                         )
                     else:
@@ -375,6 +435,30 @@ class Runtime:
                     )
         self._in_flight = False
         return [results[r] for r in range(len(refs))]
+
+    def _watch(self, pending: list[int], finished: list[int], step: int | None) -> None:
+        """Fail with ``HangError`` if some rank of ``pending`` made no progress for
+        ``timeout_s`` (or does not say what it does)."""
+        calls = {rank: self._workers[rank].progress.options(concurrency_group=MONITOR).remote() for rank in pending}
+        ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=_PROGRESS_ANSWER_S)
+        answered: dict[int, RankProgress] = {}
+        for rank, ref in calls.items():
+            if ref in ready:
+                try:
+                    snapshot = ray.get(ref, timeout=1)
+                except RayActorError:
+                    continue  # dead: the step's own answer says so
+                except Exception:
+                    snapshot = None
+                if snapshot is not None:
+                    answered[rank] = snapshot
+        silent = [r for r in pending if calls[r] not in ready]
+        stuck = silent or [r for r, p in answered.items() if p.running and p.idle_s >= self.timeout_s]
+        if not stuck:
+            return
+        groups = {c.id: c.ranks for c in self.program.communicators}
+        rank, node, message = hang_report(answered, silent, finished, groups, self.timeout_s)
+        self._fail(HangError(f"step {step}: {message}", ranks=(rank,), nodes=(node,) if node else (), step=step))
 
     def _fail(self, err: ExecutionError) -> None:
         self._finalizer()  # kill every actor: peers may be blocked in a receive from the culprit

@@ -38,6 +38,7 @@ class StepState:
         # outputs keep the retained autograd graph alive until BW releases it.
         self.pending_bw: dict[Key, tuple[list[torch.Tensor], list[torch.Tensor] | None]] = {}
         self.losses: dict[int, float] = {}
+        self.nonfinite: list[str] = []  # gradients found NaN/Inf before an optimizer step
         self.sends: list[tuple[Any, torch.Tensor]] = []  # (Work, tensor kept alive until waited)
         self.keep_grads = keep_grads
         self.grads: dict[str, torch.Tensor] = {}

@@ -153,11 +153,13 @@ def run_streams(
     *,
     timeout_s: float,
     streams: Streams | None = None,
+    waiting: Callable[[int], None] | None = None,
 ) -> None:
     """Run ``execute(k, instruction)`` for every instruction, one thread per lane, honouring
     ``waits``/``record`` with ``streams``' events and lane contexts (host-only by default).
     Raises the first exception any thread raised (the others stop at their next
-    instruction); an event not recorded within ``timeout_s`` is an error."""
+    instruction); an event not recorded within ``timeout_s`` is an error. ``waiting(k)`` is
+    told when a thread starts waiting for instruction ``k``'s events (progress records)."""
     streams = streams or HostStreams()
     events = {ins.record: streams.event(ins.record) for ins in instructions if ins.record}
     failures: list[BaseException] = []
@@ -191,6 +193,8 @@ def run_streams(
 
     def run_one(k: int) -> None:
         ins = instructions[k]
+        if waiting is not None:
+            waiting(k)
         wait_for(ins)
         if abort.is_set():
             raise _Aborted

@@ -54,8 +54,10 @@ from piper_runtime.compute import COMPUTE_PHASES, SegmentCompute
 from piper_runtime.data_parallel import DataParallel
 from piper_runtime.executor import Executor
 from piper_runtime.grad_norm import GradNorm
+from piper_runtime.numerics import StateBackup
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.optimizers import Optimizers
+from piper_runtime.progress import Progress, RankProgress
 from piper_runtime.rendezvous import open_listener
 from piper_runtime.results import StepOutput
 from piper_runtime.sharding import bind_collectives, collective_seconds, cut_parameters, unbucketed_experts
@@ -91,6 +93,8 @@ class RankWorker:
         self._grads_lock = threading.RLock()
         self._step = 0
         self._saving: SaveSide | None = None
+        self._progress: Progress | None = None
+        self._backup: StateBackup | None = None
 
     def ping(self) -> int:
         return os.getpid()
@@ -113,10 +117,13 @@ class RankWorker:
         timeout_s: float = 60.0,
         threads: bool = True,
         seed: int | None = None,
+        backup: bool = False,
     ) -> None:
         """Join the world, keep this rank's segment modules, build the optimizers.
         ``backend``: a registered name or a factory (``piper_runtime.backends``);
-        ``threads``: one thread per stream (else one sequential walk of the plan); ``seed``:
+        ``timeout_s``: the bound on joining and on any one wait of a step (a receive, a
+        collective, an event); ``threads``: one thread per stream (else one sequential walk
+        of the plan); ``backup``: keep the state from before each step, for ``restore``; ``seed``:
         what every forward's random numbers are drawn from (``piper_runtime.randomness``;
         ``Runtime`` always gives one). ``None`` leaves the process's generators as they are,
         with no lock: for a backend that runs several ranks in one process, whose forwards
@@ -142,6 +149,8 @@ class RankWorker:
             program, rank, self._modules, dp, optimizers.gradients, self._grads_lock, self.backend.device
         )
         params = [p for m in self._modules.values() for p in m.parameters()]
+        if backup:
+            self._backup = StateBackup(params + dp.shards(), list(optimizers.by_segment.values()))
         self._sampler = MemorySampler(
             self.backend.memory_tracker(rank), self._grads_lock, params, dp, optimizers
         )
@@ -178,6 +187,7 @@ class RankWorker:
             NodeKind.GRAD_NORM: grad_norm,
         }
         self._reads = ReadCounts(program, plan.instructions)
+        self._progress = Progress(rank, plan.instructions)
         self._executor = Executor(
             plan,
             handlers,
@@ -187,6 +197,7 @@ class RankWorker:
             streams=self.backend,
             threads=threaded,
             timeout_s=timeout_s,
+            progress=self._progress,
         )
         self._forward: tuple[Program, Transport, ReadCounts, Executor] | None = None
 
@@ -274,6 +285,8 @@ class RankWorker:
         if lr is not None:
             self._optimizers.set_lr(lr)
         started = time.perf_counter()
+        if self._backup is not None:
+            self._backup.save()
         program = self.program
         chunks = {
             name: split_microbatches(
@@ -308,7 +321,22 @@ class RankWorker:
             self._sampler.tracker.result(),
             collective_seconds(self._modules),
             st.grad_norm,
+            tuple(st.nonfinite),
         )
+
+    def restore(self) -> None:
+        """Undo the last step: parameters and optimizer state as before it (``setup`` with
+        ``backup``; ``piper_runtime.numerics``)."""
+        if self._backup is None:
+            raise ExecutionError(f"rank {self.rank}: restore without a backup (setup with backup=True)")
+        with self._grads_lock:
+            self._backup.restore()
+
+    def progress(self) -> RankProgress | None:
+        """What this rank is doing (``piper_runtime.progress``; ``None`` before ``setup``).
+        The driver calls it on a concurrency group of its own (``MONITOR``), so it answers
+        while a step runs."""
+        return None if self._progress is None else self._progress.snapshot()
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """This rank's current full parameters by qualified name (CPU copies); parameters

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import attrs
 
-from piper_ir import CheckpointError, ExecutionError
+from piper_ir import CheckpointError, ExecutionError, NumericalError
 from piper_train.batches import Batch
 from piper_train.checkpoints import Checkpoints, prune
 from piper_train.metrics import EvalMetrics, Sink, StepMetrics
@@ -115,7 +115,9 @@ def fit(
     saved_at = state.step if resume else -1
 
     def recover(err: ExecutionError) -> None:
-        if len(restarts) >= max_restarts:
+        # A NaN is the model's, not the workers': replaying the same data would find it
+        # again (``on_nan`` says what to do with one), so it never restarts the workers.
+        if len(restarts) >= max_restarts or isinstance(err, NumericalError):
             raise err
         failed, began = state.step + 1, time.perf_counter()
         source = checkpoints.latest() if checkpoints is not None else None
@@ -177,6 +179,8 @@ def fit(
             peak_memory_bytes=tuple(m.total for m in result.memory),
             eta_seconds=pace * (total - state.step) if total is not None else None,
             total_steps=total,
+            nonfinite=result.nonfinite,
+            skipped=result.skipped,
         )
         history.append(metrics)
         for sink in sinks:

@@ -52,6 +52,8 @@ class StepMetrics:
     peak_memory_bytes: tuple[int, ...]
     eta_seconds: float | None
     total_steps: int | None = None
+    nonfinite: str | None = None  # where a NaN/Inf loss or gradient first appeared (``--on-nan``)
+    skipped: bool = False  # the step was undone for it (``on_nan="skip-step"``)
 
     def as_dict(self) -> dict[str, Any]:
         return json_safe({"schema": SCHEMA, "kind": "step", **attrs.asdict(self)})
@@ -79,9 +81,11 @@ class Sink(Protocol):
 
 
 def json_safe(value: Any) -> Any:
-    """``value`` with NaN and infinite floats replaced by ``None`` (standard JSON has none)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
+    """``value`` with every NaN or infinite float replaced by the string ``"NaN"``,
+    ``"Infinity"`` or ``"-Infinity"``: standard JSON has no such numbers (Python's ``json``
+    would write a bare ``NaN``, which most parsers refuse), and a string keeps what it was."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, dict):
         return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):

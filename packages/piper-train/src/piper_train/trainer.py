@@ -32,7 +32,7 @@ import torch
 from piper_directives import Strategy, build_schedule, capture, shard_modules
 from piper_ir import DirectiveError, Graph, Program, to_json
 from piper_memory import add_grad_norm, check_budget, plan_memory
-from piper_runtime import OptimizerSpec, Runtime, StepResult, WorkerPool
+from piper_runtime import DEFAULT_TIMEOUT_S, OptimizerSpec, Runtime, StepResult, WorkerPool
 from piper_runtime.batch import full_batch_shape
 from piper_runtime.checkpoint import read_objects
 from piper_scheduler import compile_program, forward_only
@@ -69,7 +69,12 @@ class Trainer:
     a GPU for every rank (a share of one with ``ranks_per_gpu``) and the CUDA backend can run
     there, else ``cpu``; the choice and why go to ``log``. ``placement``: ``"pack"`` (ranks on
     as few nodes as possible) or ``"spread"`` (``piper_runtime.placement``).
-    ``reuse_workers`` is ``Runtime``'s: ``True`` (or a ``piper_runtime.WorkerPool``) takes the
+    ``timeout_s``: a rank that makes no progress for this long fails the step with
+    ``piper_ir.HangError`` naming it, its instruction and what its peers were doing;
+    ``step_timeout_s`` (default: none) also bounds a whole step. ``on_nan``: ``"stop"``
+    (``piper_ir.NumericalError`` at the first NaN/Inf loss or gradient), ``"skip-step"`` (undo
+    that step: parameters and optimizer state exactly as before it) or ``"continue"``
+    (``piper_runtime.numerics``; ``StepResult.nonfinite`` and ``skipped`` say what happened). ``reuse_workers`` is ``Runtime``'s: ``True`` (or a ``piper_runtime.WorkerPool``) takes the
     Ray workers from a pool and gives them back at ``close``; ``None`` follows
     ``PIPER_REUSE_WORKERS``.
 
@@ -90,7 +95,9 @@ class Trainer:
         *,
         optimizer: OptimizerSpec | None = None,
         address: str | None = None,
-        step_timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        step_timeout_s: float | None = None,
+        on_nan: str = "stop",
         memory_budget_bytes: int | None = None,
         log: Callable[[str], None] | None = None,
         threads: bool = True,
@@ -140,7 +147,9 @@ class Trainer:
         self._runtime_options: dict[str, Any] = dict(
             optimizer=optimizer,
             address=address,
+            timeout_s=timeout_s,
             step_timeout_s=step_timeout_s,
+            on_nan=on_nan,
             threads=threads,
             seed=seed,
             by_value=captured.user_modules,  # the model file, its neighbours: by value to the workers

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,11 +57,18 @@ def load_factory(spec: str, *, batch_size: int | None = None, seed: int = 0) -> 
         raise ValueError(f"model {spec!r}: cannot import {path}")
     module = importlib.util.module_from_spec(loader)
     sys.modules[module_name] = module
-    loader.loader.exec_module(module)
+    try:
+        loader.loader.exec_module(module)
+    except Exception as err:  # the user's file: say where, no traceback of ours
+        del sys.modules[module_name]
+        raise ValueError(f"model {spec!r}: running {path} failed: {user_failure(err, path)}") from None
     factory = getattr(module, name, None)
     if not callable(factory):
         raise ValueError(f"model {spec!r}: {path} has no callable {name!r}")
-    result = factory()
+    try:
+        result = factory()
+    except Exception as err:
+        raise ValueError(f"model {spec!r}: the factory {name}() raised {user_failure(err, path)}") from None
     forms = ("(model, inputs, targets, loss_fn[, batches]), (model, data, loss_fn) or "
              "(model, data, loss_fn, eval_data)")
     if not isinstance(result, tuple) or len(result) not in (3, 4, 5) or not isinstance(result[0], torch.nn.Module):
@@ -90,6 +98,20 @@ def load_factory(spec: str, *, batch_size: int | None = None, seed: int = 0) -> 
         )
     inputs_t, targets_t = train(0)
     return ModelSpec(spec, model, inputs_t, targets_t, loss_fn, train, 0, seed, held_out, data, batch_size)
+
+
+def user_failure(err: Exception, path: Path) -> str:
+    """``err`` in a user's file as one line: its type and message, and where: the line of a
+    ``SyntaxError``, else the last frame in ``path`` (and the frame that raised, if another)."""
+    if isinstance(err, SyntaxError):
+        return f"{type(err).__name__} at {err.filename}:{err.lineno}: {err.msg}" + (
+            f": {err.text.strip()}" if err.text else ""
+        )
+    frames = traceback.extract_tb(err.__traceback__)
+    mine = [f for f in frames if Path(f.filename).resolve() == path.resolve()]
+    where = [f"{f.filename}:{f.lineno} in {f.name}" for f in (mine[-1:] + frames[-1:]) if f is not None]
+    where = list(dict.fromkeys(where))
+    return f"{type(err).__name__}: {err}" + (f" (at {', raised at '.join(where)})" if where else "")
 
 
 def _checked_batches(batches: Callable[[int], object], spec: str) -> Callable[[int], tuple[tuple[torch.Tensor, ...], ...]]:

@@ -9,7 +9,9 @@ computes.
 
 ``connect`` joins through ``piper_runtime.rendezvous``: the TCP store listens on the
 rendezvous address only, and gloo's sockets use the interface owning this rank's address
-(``GLOO_SOCKET_IFNAME``, unless set).
+(``GLOO_SOCKET_IFNAME``, unless set). ``connect``'s timeout also bounds every operation on
+every group (a receive's wait, a collective): torch gives groups made by ``new_group`` 30
+minutes otherwise, whatever the world's timeout.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class CpuBackend(HostStreams):
 
     def __init__(self) -> None:
         self._tags = 0
+        self._timeout: timedelta | None = None  # per operation, from connect
 
     @property
     def device(self) -> torch.device:
@@ -85,17 +88,18 @@ class CpuBackend(HostStreams):
         if dist.is_initialized():  # a test process that already joined a world reuses it
             return
         set_socket_interfaces(master_addr, ("GLOO_SOCKET_IFNAME",))
+        self._timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
             "gloo",
             store=make_store(rank, world_size, master_addr, master_port, timeout_s),
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=self._timeout,
         )
 
     def communicator(self, ranks: Sequence[int], channels: Sequence[tuple[int, int]] = ()) -> GlooCommunicator:
         self._tags += 1
-        return GlooCommunicator(dist.new_group(sorted(ranks)), ranks, self._tags)
+        return GlooCommunicator(dist.new_group(sorted(ranks), timeout=self._timeout), ranks, self._tags)
 
     def memory_tracker(self, rank: int) -> MemoryTracker:
         return MemoryTracker(rank)

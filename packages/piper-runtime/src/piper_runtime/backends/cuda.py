@@ -83,8 +83,9 @@ JoinHost = Callable[[int, int, str, int, float], HostWorld]  # (rank, world size
 class GlooWorld:
     """``HostWorld`` on gloo and the rendezvous store (``piper_runtime.rendezvous``)."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, timeout: timedelta | None = None) -> None:
         self.store = store
+        self.timeout = timeout  # of every group's operations (torch's default is 30 minutes)
         self._tags = 0
 
     @classmethod
@@ -98,7 +99,7 @@ class GlooWorld:
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
-        return cls(store)
+        return cls(store, timedelta(seconds=timeout_s))
 
     def set(self, key: str, value: str) -> None:
         self.store.set(key, value)
@@ -112,7 +113,7 @@ class GlooWorld:
         from piper_runtime.backends.cpu import GlooCommunicator
 
         self._tags += 1
-        return GlooCommunicator(dist.new_group(sorted(ranks)), ranks, self._tags)
+        return GlooCommunicator(dist.new_group(sorted(ranks), timeout=self.timeout), ranks, self._tags)
 
     def shutdown(self) -> None:
         import torch.distributed as dist

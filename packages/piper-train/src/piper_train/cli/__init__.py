@@ -4,8 +4,10 @@
 ``options`` defines the option groups and the parser, ``request`` the strategy the user
 asked for (``StrategyRequest``), ``scheduling`` the commands that run no processes
 (simulate, plan, show) and ``training`` those on Ray (train, check). Exit codes: 0 ok, 1 a
-check failed, 2 bad input (argparse's usage errors, or a ``PiperError``/``ValueError``
-printed as ``piper <command>: error: ...``), 130 interrupted.
+check found a difference, 2 bad input (argparse's usage errors, or a ``PiperError``/``ValueError``
+printed as ``piper <command>: error: ...``), 3 the run failed (an ``ExecutionError``: a worker
+died, hung past ``--timeout`` or raised; a NaN/Inf with ``--on-nan stop``; printed as
+``piper <command>: run failed: ...``), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from piper_ir import PiperError
+from piper_ir import ExecutionError, PiperError
 from piper_train.cli.options import build_parser, check_args
 from piper_train.cli.request import StrategyRequest
 from piper_train.cli.scheduling import plan_command, show_command, simulate_command
@@ -39,6 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_args(parser, args)
     try:
         return _command(args.command)(args)
+    except ExecutionError as err:  # the input was fine; the run itself failed
+        print(f"piper {args.command}: run failed: {err}", file=sys.stderr)
+        return 3
     except (PiperError, ValueError) as err:
         print(f"piper {args.command}: error: {err}", file=sys.stderr)
         return 2

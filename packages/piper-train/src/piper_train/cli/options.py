@@ -6,10 +6,10 @@ take it, and the checks argparse cannot express.
 | model | --model (default lm), --batch-size | train, check |
 | pipeline | --schedule, --strategy, --pp, --stages, --microbatches | train, check, simulate, plan |
 | parallelism | --dp, --zero, --tp, --ep | train, check |
-| run | --memory-budget-mb, --optimizer, --lr, --seed, --precision, --address, --backend, --placement, --ranks-per-gpu | train, check |
+| run | --memory-budget-mb, --optimizer, --lr, --seed, --precision, --address, --backend, --placement, --ranks-per-gpu, --timeout | train, check |
 | optimization | --lr-schedule, --warmup-steps, --min-lr, --lr-step-size, --lr-gamma, --clip-grad-norm, --weight-decay | train, check |
-| summary | --json (a machine-readable summary) | train, check |
-| length, evaluation, metrics | --steps, --epochs, --eval-every, --eval-batches, --metrics, --tensorboard, --profile-step, ... | train |
+| summary | --json (a machine-readable summary; standard JSON: a NaN or infinite number is written as the string "NaN", "Infinity" or "-Infinity") | train, check |
+| length, evaluation, metrics | --steps, --epochs, --eval-every, --eval-batches, --metrics, --tensorboard, --profile-step, --on-nan, ... | train |
 | checkpoints | --checkpoint-dir, --checkpoint-every, --keep-checkpoints, --resume, --max-restarts | train |
 | simulation | --cost, --json, --png, --trace | simulate, show |
 """
@@ -20,15 +20,18 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from piper_directives import SCHEDULES
+from piper_train.metrics import dumps
 from piper_train.schedule import SCHEDULES as LR_SCHEDULES
 
 Group = Callable[[argparse.ArgumentParser], None]
 
 
 def add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="lm", help="mlp, transformer, lm, moe, or path/to/file.py:factory (default: lm)")
+    p.add_argument("--model", default="lm", help="mlp, transformer, lm, moe, or path/to/file.py:factory (default: lm). "
+                   "A file is EXECUTED (like `python file.py`): name only files you trust")
     p.add_argument("--batch-size", type=int, help="samples per batch, for a factory that returns a Dataset")
 
 
@@ -87,6 +90,9 @@ def add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks-per-gpu", type=int, default=1,
                    help="ranks sharing one GPU with --backend cuda (e.g. a multi-rank strategy checked on one "
                         "GPU; they talk through host memory, not NCCL) (default: 1)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a rank that makes no progress for this long stops the run (exit code 3), naming the rank, "
+                        "the instruction it is stuck in and what its peers were doing (default: 60)")
 
 
 def add_optimization(p: argparse.ArgumentParser) -> None:
@@ -132,6 +138,11 @@ def _add_train(p: argparse.ArgumentParser) -> None:
                    "Chrome/Perfetto trace and a Gantt PNG")
     p.add_argument("--profile-dir", type=Path, default=Path("."), help="where --profile-step writes (default: .)")
     p.add_argument("--no-progress-bar", action="store_true", help="plain progress lines even on a terminal")
+    p.add_argument("--on-nan", choices=["stop", "skip-step", "continue"], default="stop",
+                   help="a NaN or Inf loss or gradient: stop the run (exit code 3) naming the step, microbatch and "
+                        "rank where it first appeared; skip-step: undo that step (parameters and optimizer state "
+                        "exactly as before it; the workers keep a copy of that state) and go on; continue: keep "
+                        "it (default: stop)")
 
 
 def add_checkpoints(p: argparse.ArgumentParser) -> None:
@@ -167,7 +178,8 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
 
 def _add_plan_source(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--model", help="mlp, transformer, lm, or path/to/file.py:factory: capture this model")
+    source.add_argument("--model", help="mlp, transformer, lm, or path/to/file.py:factory: capture this model. "
+                        "A file is EXECUTED (like `python file.py`): name only files you trust")
     source.add_argument("--synthetic", action="store_true", help="a synthetic chain of regions (default)")
 
 
@@ -239,6 +251,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         for name in ("resume", "checkpoint_every", "max_restarts"):
             if getattr(args, name, None):
                 parser.error(f"--{name.replace('_', '-')} needs --checkpoint-dir")
+    if getattr(args, "timeout", 1.0) <= 0:
+        parser.error("--timeout must be > 0 (seconds)")
     if getattr(args, "memory_budget_mb", None) is not None and args.memory_budget_mb <= 0:
         parser.error("--memory-budget-mb must be > 0")
 
@@ -246,3 +260,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 def say(args: argparse.Namespace, text: str) -> None:
     """Progress and reports: on stdout, or on stderr when ``--json`` owns stdout."""
     print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+
+def print_json(summary: dict[str, Any]) -> None:
+    """``--json`` output: standard JSON (``piper_train.metrics.dumps``)."""
+    print(dumps(summary))

@@ -43,9 +43,12 @@ class StrategyRequest:
         program = torch_csv = None
         if args.strategy is not None:
             try:
-                text = args.strategy.read_text()
+                text = args.strategy.read_text(encoding="utf-8")
             except OSError as err:
                 raise ValueError(f"cannot read --strategy {args.strategy}: {err}") from None
+            except UnicodeDecodeError as err:
+                raise ValueError(f"--strategy {args.strategy} is not UTF-8 text (byte {err.start}: "
+                                 f"{err.reason}); a strategy is a .json directive program or a .csv schedule") from None
             if args.strategy.suffix.lower() == ".csv":
                 torch_csv = text
             else:
@@ -124,8 +127,15 @@ def placed_regions(strategy: Strategy) -> int:
 
 
 def split_microbatches(strategy: Strategy, default: int) -> int:
-    """The strategy's ``Split`` count (a loaded strategy fixes its own), else ``default``."""
-    return next((d.microbatches for d in strategy.of(Split)), default)
+    """The strategy's ``Split`` count (a loaded strategy fixes its own), else ``default``;
+    a count that is not a positive int is the Split's error (before a graph is built for it)."""
+    split = next(iter(strategy.of(Split)), None)
+    if split is None:
+        return default
+    m = split.microbatches
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise DirectiveError(f"microbatches must be a positive int, got {m!r}", directive=str(split))
+    return m
 
 
 def model_regions(args: argparse.Namespace) -> int:

@@ -14,10 +14,14 @@ from piper_directives.synthetic import synthetic_graph
 from piper_ir import Graph, Program, from_json, graph_summary, program_text, to_json
 from piper_memory import plan_memory
 from piper_scheduler import CostModel, compile_program, plot_gantt, simulate, to_chrome_trace, verify
-from piper_train.cli.options import say
+from piper_train.cli.options import print_json, say
 from piper_train.cli.request import StrategyRequest, model_regions, placed_regions, split_microbatches
-from piper_train.metrics import SCHEMA, dumps
+from piper_train.metrics import SCHEMA
 
+# The largest synthetic pipeline simulate and plan build: regions x microbatches x segments
+# per region. Work and memory grow with it (64 x 256 x 2 compiles in ~12 s, docs/
+# compile-scaling.md); beyond it, refusing at once beats minutes of swapping.
+MAX_CELLS = 100_000
 _COST_KEYS = {"F": "F", "B": "B", "BI": "BI", "BW": "BW", "W": "BW", "OPT": "OPT", "FB": "FB"}
 
 
@@ -39,6 +43,22 @@ def costs(text: str) -> CostModel:
         else:
             fields[_COST_KEYS[key]] = number
     return CostModel(**fields, overrides={"loss": {"F": loss, "B": loss, "BI": loss, "BW": loss}})
+
+
+def check_size(args: argparse.Namespace, regions: int | None = None, microbatches: int | None = None) -> None:
+    """Refuse a synthetic pipeline larger than ``MAX_CELLS`` before building it, naming the
+    options. Without ``regions``/``microbatches`` (before the strategy is built) it bounds
+    what the options alone say: --stages (or --pp) x --microbatches x --segments-per-stage."""
+    stages = regions or args.stages or args.pp
+    mbs = microbatches or args.microbatches
+    segments = getattr(args, "segments_per_stage", 1)
+    cells = stages * mbs * segments
+    if cells > MAX_CELLS:
+        raise ValueError(
+            f"the pipeline is too large to {args.command}: {stages} stages (--stages/--pp) x {mbs} microbatches "
+            f"(--microbatches) x {segments} segments per stage (--segments-per-stage) = {cells:,} compute cells; "
+            f"the limit is {MAX_CELLS:,} (docs/reliability.md)"
+        )
 
 
 def _synthetic(args: argparse.Namespace, regions: int, microbatches: int, segments_per_region: int = 1) -> Graph:
@@ -66,7 +86,7 @@ def _report(args: argparse.Namespace, program: Program, what: str) -> int:
         plot_gantt(timeline, args.png, title=f"{what}: makespan {timeline.makespan:g}")
         say(args, f"wrote {args.png}")
     if args.json:
-        print(dumps(summary))
+        print_json(summary)
         return 0
     say(args, f"{what}: makespan {timeline.makespan:g} (costs {args.cost})")
     say(args, "rank      busy      idle  bubble  peak activations")
@@ -77,15 +97,18 @@ def _report(args: argparse.Namespace, program: Program, what: str) -> int:
 
 
 def simulate_command(args: argparse.Namespace) -> int:
+    check_size(args)
     request = StrategyRequest.from_args(args)
     strategy = request.resolve(args.stages)
     regions = placed_regions(strategy)
     microbatches = split_microbatches(strategy, args.microbatches)
+    check_size(args, regions, microbatches)  # a --strategy file sets its own
     program = compile_program(strategy.apply(_synthetic(args, regions, microbatches, args.segments_per_stage)))
     return _report(args, program, f"{request.name} pp={program.world_size} stages={regions} microbatches={microbatches}")
 
 
 def plan_command(args: argparse.Namespace) -> int:
+    check_size(args)
     request = StrategyRequest.from_args(args)
     if args.model is not None:
         graph = _capture(args, model_regions(args))
@@ -94,6 +117,7 @@ def plan_command(args: argparse.Namespace) -> int:
         request.check_regions(regions)
     else:
         strategy = request.resolve(args.stages)
+        check_size(args, placed_regions(strategy), split_microbatches(strategy, args.microbatches))
         graph = _synthetic(args, placed_regions(strategy), split_microbatches(strategy, args.microbatches))
     started = time.perf_counter()
     placed = strategy.apply(graph)

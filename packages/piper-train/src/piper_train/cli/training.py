@@ -10,11 +10,11 @@ import sys
 import time
 
 from piper_ir import CheckpointError
-from piper_runtime import OptimizerSpec
+from piper_runtime import OptimizerSpec, StepResult
 from piper_train.batches import Prefetcher
 from piper_train.check import TOLERANCES, run_check
 from piper_train.checkpoints import Checkpoints, check_compatible, export, read_manifest, resolve
-from piper_train.cli.options import say
+from piper_train.cli.options import print_json, say
 from piper_train.cli.request import StrategyRequest, model_regions
 from piper_train.loop import fit
 from piper_train.metrics import (
@@ -23,8 +23,8 @@ from piper_train.metrics import (
     ProfileWriter,
     Progress,
     Sink,
+    StepMetrics,
     TensorBoardWriter,
-    dumps,
 )
 from piper_train.models import ModelSpec
 from piper_train.schedule import LRSchedule
@@ -98,6 +98,7 @@ def train_command(args: argparse.Namespace) -> int:
                          {name: tuple(p.shape) for name, p in workload.model.named_parameters()}, args.optimizer)
     with contextlib.ExitStack() as stack:
         sinks = _sinks(args, stack)  # before any worker starts: a sink that cannot be made is bad input
+        sinks.append(_NonFinite(args))
         trainer = stack.enter_context(Trainer(
             workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
             request.for_trainer(), optimizer=_optimizer(args), address=args.address,
@@ -105,6 +106,7 @@ def train_command(args: argparse.Namespace) -> int:
             lr_schedule=_schedule(args, total), clip_grad_norm=args.clip_grad_norm,
             measure_grad_norm=args.log_grad_norm, backend=args.backend, placement=args.placement,
             ranks_per_gpu=args.ranks_per_gpu, seed=args.seed, precision=args.precision,
+            timeout_s=args.timeout, on_nan=args.on_nan,
         ))
         say(args, f"workers up after {time.perf_counter() - started:.1f} s")
         if args.profile_step is not None:
@@ -140,9 +142,10 @@ def train_command(args: argparse.Namespace) -> int:
         "checkpoints": [str(p) for p in run.checkpoints],
         "restarts": [{"failed_step": r.failed_step, "resumed_from": r.resumed_from, "recomputed": r.recomputed,
                       "seconds": r.seconds, "error": r.error} for r in run.restarts],
+        "skipped_steps": [m.step for m in history if m.skipped],
     }
     if args.json:
-        print(dumps(summary))
+        print_json(summary)
     elif losses:
         say(args, f"done: {len(history)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
                   f"{summary['mean_step_seconds'] * 1000:.1f} ms/step")
@@ -170,6 +173,26 @@ def _sinks(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[Sink]:
     return sinks
 
 
+class _NonFinite:
+    """Says where a step went non-finite and what ``--on-nan`` did with it (with ``stop`` the
+    run has already failed, naming it)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def on_step(self, metrics: StepMetrics, result: StepResult) -> None:
+        if metrics.nonfinite is not None:
+            what = ("step skipped (parameters and optimizer state as before it)" if metrics.skipped
+                    else "kept (--on-nan continue)")
+            say(self.args, f"step {metrics.step}: {metrics.nonfinite}; {what}")
+
+    def on_eval(self, metrics: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def check_command(args: argparse.Namespace) -> int:
     workload = _load(args)
     if args.eval_batches and workload.eval_batches is None:
@@ -184,7 +207,8 @@ def check_command(args: argparse.Namespace) -> int:
                        log=lambda s: say(args, s), memory_budget_bytes=_budget(args), backend=args.backend,
                        placement=args.placement, ranks_per_gpu=args.ranks_per_gpu,
                        lr_schedule=_schedule(args, args.steps), clip_grad_norm=args.clip_grad_norm,
-                       eval_batches=args.eval_batches, seed=args.seed, precision=args.precision)
+                       eval_batches=args.eval_batches, seed=args.seed, precision=args.precision,
+                       timeout_s=args.timeout)
     quantities = ["loss", "grad", "param"] + [w for w in ("grad_norm", "eval") if any(
         d.what == w for d in report.differences)]
     rows = {what: report.worst(what) for what in quantities}
@@ -196,9 +220,9 @@ def check_command(args: argparse.Namespace) -> int:
     if not report.ok:
         say(args, report.failures())
     if args.json:
-        print(dumps({"schema": SCHEMA, "command": "check", "ok": report.ok, "steps": report.steps,
+        print_json({"schema": SCHEMA, "command": "check", "ok": report.ok, "steps": report.steps,
                      "grad_norms": list(report.grad_norms),
                      **{f"max_{w}_abs": d.abs for w, d in rows.items()},
-                     **{f"max_{w}_rel": d.rel for w, d in rows.items()}}))
+                     **{f"max_{w}_rel": d.rel for w, d in rows.items()}})
     return 0 if report.ok else 1
 
