@@ -9,13 +9,14 @@ from piper_runtime.memory import RankMemory
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.pool import WorkerPool, shared_pool
 from piper_runtime.results import InstructionTiming, StepOutput, StepResult
-from piper_runtime.runtime import Runtime
+from piper_runtime.runtime import PendingStep, Runtime
 from piper_runtime.worker import RankWorker
 
 __all__ = [
     "Backend",
     "InstructionTiming",
     "OptimizerSpec",
+    "PendingStep",
     "RankMemory",
     "RankWorker",
     "Runtime",

@@ -15,7 +15,8 @@ backward here, exactly once. Backward passes hold the rank's gradient lock (auto
 that write parameter gradients (``B``, ``BW``) run inside ``weight_pass(segment)``, where the
 buckets whose gradients live sharded are reduce-scattered as they complete. What autograd
 saves for a backward is tracked by weak reference (``StepState.autograd_saved``), for the
-memory accounting only: it never keeps a tensor alive.
+memory accounting only, in accounted steps only (``StepState.accounted``): it never keeps a
+tensor alive.
 
 ``forward_only`` (a plan without backward passes: an evaluation step) runs forwards without
 autograd and keeps nothing for a backward.
@@ -74,18 +75,22 @@ class SegmentCompute:
             if t.is_floating_point() and self.program.value_by_name[name].meta.requires_grad:
                 t = t.detach().requires_grad_(True)
             args.append(t)
-        saved: list[weakref.ref] = []
+        if st.accounted:
+            saved: list[weakref.ref] = []
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            # A detached alias (not ``t`` itself: saving an op's own output would make a
-            # reference cycle through its grad_fn); it shares the storage being counted.
-            d = t.detach()
-            saved.append(weakref.ref(d))  # autograd holds ``d``; a weak reference never extends it
-            return d
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                # A detached alias (not ``t`` itself: saving an op's own output would make a
+                # reference cycle through its grad_fn); it shares the storage being counted.
+                d = t.detach()
+                saved.append(weakref.ref(d))  # autograd holds ``d``; a weak reference never extends it
+                return d
 
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = self.modules[seg.id](*args)
-        st.autograd_saved[(seg.id, mb)] = saved
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = self.modules[seg.id](*args)
+            st.autograd_saved[(seg.id, mb)] = saved
+        else:  # no accounting: autograd keeps what it saves without a Python call per tensor
+            with torch.enable_grad():
+                out = self.modules[seg.id](*args)
         if seg.role is SegmentRole.LOSS:
             if not isinstance(out, torch.Tensor) or out.numel() != 1:
                 raise TypeError(f"the loss module must return a scalar tensor, got {_describe(out)}")

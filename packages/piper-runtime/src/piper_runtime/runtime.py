@@ -20,6 +20,7 @@ instruction and the worker's traceback).
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 import weakref
@@ -96,6 +97,7 @@ class Runtime:
         self._workers: list[Any] = []
         self._steps = 0
         self._in_flight = False  # a call was sent and its answers not all gathered
+        self._pending: collections.deque[PendingStep] = collections.deque()  # submitted, not gathered
         if backend is not None:
             backend_factory(backend)  # an unknown name fails before anything starts
         if ranks_per_gpu < 1:
@@ -189,33 +191,65 @@ class Runtime:
         keep_grads: bool = False,
         profile: bool = False,
         lr: float | None = None,
+        memory: bool = False,
     ) -> StepResult:
         """Run one training step on a whole batch (split into the program's microbatches).
 
         ``keep_grads`` returns every parameter's gradient; ``profile`` returns when each
         instruction ran on each rank (``StepResult.timings``); ``lr`` sets the learning rate
-        of every optimizer group from this step on (a schedule's value for the step)."""
+        of every optimizer group from this step on (a schedule's value for the step);
+        ``memory`` returns each rank's peak memory by category (``StepResult.memory``; it
+        costs time on every instruction, so it is off unless asked for).
+        ``step`` is ``submit(...).result()``."""
+        return self.submit(inputs, targets, keep_grads, profile, lr, memory).result()
+
+    def submit(
+        self,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        keep_grads: bool = False,
+        profile: bool = False,
+        lr: float | None = None,
+        memory: bool = False,
+    ) -> PendingStep:
+        """Send one training step to the workers and return at once (arguments as for
+        ``step``); ``PendingStep.result()`` waits for it. Steps run in submission order on
+        every rank (one actor runs one call at a time, in the order its caller sent them), so
+        submitting step N+1 before N's result is in computes exactly what ``step`` after
+        ``step`` does, while the batch hand-over and the driver's round trip overlap the
+        workers' compute. Results are gathered in order; a failure tears the run down as
+        ``step`` does, and fails every later pending step too. The caller bounds how many
+        steps it keeps in flight (one or two ahead suffice to hide the round trip)."""
         self._check_open()
         program = self.program
         shipments = _shipments(program, self._batch_names, check_batch(program, inputs, targets))
         self._steps += 1
         calls = [
-            w.run_step.remote(
-                shipments[rank],
-                keep_grads,
-                profile,
-                lr,
-            )
+            w.run_step.remote(shipments[rank], keep_grads, profile, lr, memory)
             for rank, w in enumerate(self._workers)
         ]
-        outputs: list[StepOutput] = self._gather(calls, self.step_timeout_s, "step")
-        result = merge_outputs(outputs, program, keep_grads)
-        return result if lr is None else attrs.evolve(result, lr=lr)
+        pending = PendingStep(self, self._steps, calls, keep_grads, lr)
+        self._pending.append(pending)
+        self._in_flight = True
+        return pending
+
+    def _collect(self, upto: PendingStep | None = None) -> None:
+        """Gather pending steps in submission order, through ``upto`` (all without it)."""
+        while self._pending:
+            head = self._pending[0]
+            outputs: list[StepOutput] = self._gather(head.refs, self.step_timeout_s, "step", head.step)
+            self._pending.popleft()
+            self._in_flight = bool(self._pending)
+            result = merge_outputs(outputs, self.program, head.keep_grads)
+            head.done = result if head.lr is None else attrs.evolve(result, lr=head.lr)
+            if head is upto:
+                return
 
     def load_forward(self, program: Program) -> None:
         """Give the workers ``program``, a forward-only step of the same world compiled from
         the training graph (``piper_scheduler.forward_only``), for ``evaluate``."""
         self._check_open()
+        self._collect()
         if program.world_size != self.program.world_size:
             raise ValueError(
                 f"the forward-only program has {program.world_size} ranks, the runtime {self.program.world_size}"
@@ -229,6 +263,7 @@ class Runtime:
         """Run the program of ``load_forward`` on a whole batch, the modules in eval mode: no
         gradient, no update. ``losses``/``loss`` as for ``step``."""
         self._check_open()
+        self._collect()
         program = self._forward
         if program is None:
             raise ExecutionError("no forward-only program: call load_forward first")
@@ -238,8 +273,10 @@ class Runtime:
         return merge_outputs(outputs, program, False)
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """Current parameters of every segment, by qualified name, merged over ranks."""
+        """Current parameters of every segment, by qualified name, merged over ranks (after
+        every submitted step)."""
         self._check_open()
+        self._collect()
         per_rank = self._gather([w.parameters.remote() for w in self._workers], 60.0, "parameters")
         shards = self._gather([w.parameter_shards.remote() for w in self._workers], 60.0, "parameters")
         return merge_parameters(self.program, per_rank, shards)
@@ -287,13 +324,12 @@ class Runtime:
             return False
         return True
 
-    def _gather(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
+    def _gather(self, refs: list[Any], timeout_s: float, what: str, step: int | None = None) -> list[Any]:
         """Results of one call per rank, in rank order; the first failure tears down and raises."""
         self._in_flight = True  # until every answer is in: a rank may still be running
         pending = {ref: rank for rank, ref in enumerate(refs)}
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
-        step = self._steps if what == "step" else None
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
@@ -326,12 +362,32 @@ class Runtime:
                     self._fail(
                         ExecutionError(f"{what}: rank {rank} did not answer", ranks=(rank,), step=step)
                     )
-        self._in_flight = False
+        self._in_flight = bool(self._pending)  # submitted steps not gathered yet
         return [results[r] for r in range(len(refs))]
 
     def _fail(self, err: ExecutionError) -> None:
         self._finalizer()  # kill every actor: peers may be blocked in a receive from the culprit
         raise err
+
+
+class PendingStep:
+    """A step sent by ``Runtime.submit``; ``result()`` waits for it (and for the steps
+    submitted before it) and returns its ``StepResult``."""
+
+    def __init__(self, runtime: Runtime, step: int, refs: list[Any], keep_grads: bool, lr: float | None) -> None:
+        self.runtime = runtime
+        self.step = step
+        self.refs = refs
+        self.keep_grads = keep_grads
+        self.lr = lr
+        self.done: StepResult | None = None
+
+    def result(self) -> StepResult:
+        if self.done is None:
+            self.runtime._check_open()
+            self.runtime._collect(self)
+        assert self.done is not None  # _collect gathered it or raised
+        return self.done
 
 
 def _one_node() -> bool:

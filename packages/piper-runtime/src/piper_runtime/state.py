@@ -27,8 +27,11 @@ Key = tuple[str, int]  # (value name, microbatch)
 class StepState:
     """Everything one step keeps between instructions (dropped when the step ends)."""
 
-    def __init__(self, batch: Mapping[str, tuple[torch.Tensor, ...]], keep_grads: bool) -> None:
+    def __init__(
+        self, batch: Mapping[str, tuple[torch.Tensor, ...]], keep_grads: bool, accounted: bool = True
+    ) -> None:
         self.batch = batch  # batch value name -> its microbatch chunks
+        self.accounted = accounted  # memory accounting on: forwards track what autograd saves
         self.values: dict[Key, torch.Tensor] = {}  # activations and gradients, local or received
         self.saved: dict[Key, tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
         # (segment, microbatch) -> (outputs, their gradients) between a BI and its BW; the
@@ -81,8 +84,11 @@ class ReadCounts:
 
     def release(self, k: int, st: StepState) -> None:
         """Forget the values instruction ``k`` was the last to read."""
+        keys = self.reads.get(k)
+        if not keys:  # most instructions read nothing: no lock to take
+            return
         with st.lock:
-            for key in self.reads.get(k, ()):
+            for key in keys:
                 left = st.reads_left[key] - 1
                 st.reads_left[key] = left
                 if left == 0:
