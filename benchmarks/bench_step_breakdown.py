@@ -114,7 +114,7 @@ def main() -> None:
     print(f"Step breakdown: {args.model}, 1F1B, pp={args.pp}, {args.microbatches} microbatches, AdamW; ms per step "
           f"on the slowest rank, medians of {args.steps * args.rounds} steps per mode; load average "
           f"{min(loads):.1f}-{max(loads):.1f}")
-    print(f"| part | before (ms) | after (ms) |\n|---|---|---|")
+    print("| part | before (ms) | after (ms) |\n|---|---|---|")
     for part in (*PARTS, "total"):
         before = statistics.median(r[part] for r in rows["before"]) * 1e3
         after = statistics.median(r[part] for r in rows["after"]) * 1e3
