@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from piper_directives import build_schedule, expert_parallel
 from piper_directives.synthetic import synthetic_graph
-from piper_runtime import OptimizerSpec
+from piper_runtime import OptimizerSpec, ensure_ray
 from piper_scheduler import CostModel, compile_program, measured_timeline, plot_gantt, simulate
 from piper_train.models import MoEModel
 from piper_train.trainer import Trainer
@@ -148,6 +148,7 @@ def main() -> None:
     if args.simulate:
         simulated_gains()
         return
+    ensure_ray(num_cpus=max(os.cpu_count() or 1, PP * EP))
     if args.curve:
         curve(args)
         return

@@ -32,7 +32,7 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 from torch_pipelining import CHUNKS, run_torch_pipeline
 
-from piper_runtime import OptimizerSpec
+from piper_runtime import OptimizerSpec, ensure_ray
 from piper_train.models import build_model
 from piper_train.trainer import Trainer
 
@@ -108,6 +108,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
+    # One embedded cluster for every row: with as many logical CPUs as the widest row's ranks
+    # (reused workers reserve no bundle, but the cluster must be large enough for them).
+    ensure_ray(num_cpus=max(os.cpu_count() or 1, 2 * max(args.pp)))
     print(f"Piper vs torch.distributed.pipelining — gloo/CPU, AdamW, {args.microbatches} microbatches, "
           f"{args.steps} timed steps per round after 1 warm-up, {args.repeats} alternating rounds, medians")
     header = (f"{'model':<12} {'schedule':<17} {'pp':>2} {'torch ms':>9} {'piper ms':>9} {'piper/torch':>12}"
