@@ -7,7 +7,9 @@ regions r and r + pp on both sides). torch's side times each step between barrie
 loop gets from ``Trainer.submit`` with one step in flight ahead (as ``fit`` runs): the time
 between consecutive steps' results arriving on the driver, batches made beforehand. Also
 printed: the slowest rank's time inside its step ("in-worker") and the same Trainer stepping
-one call at a time (``Trainer.step``: a driver round trip per step, "sync").
+one call at a time (``Trainer.step``: a driver round trip per step, "sync"), and the CPU
+time the ranks' processes spent per step (all threads, summed over ranks), Piper's over
+torch's: on an oversubscribed machine wall times follow the load, CPU time much less.
 
 The two sides alternate (torch, Piper, Piper, torch, ...) for ``--repeats`` rounds and each
 figure is the median over every timed step of its rounds, so load that drifts during the
@@ -26,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+import ray
+
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -39,10 +43,19 @@ from piper_train.trainer import Trainer
 LR = 1e-3
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads; Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_piper(
-    schedule: str, model_name: str, pp: int, microbatches: int, steps: int, warmup: int = 1, sync_steps: int = 0
+    schedule: str, model_name: str, pp: int, microbatches: int, steps: int, warmup: int = 1, sync_steps: int = 0,
+    cpu: list[float] | None = None,
 ) -> tuple[list[float], list[float], list[float]]:
-    """Pipelined step times (between results), in-worker times, and sync step times."""
+    """Pipelined step times (between results), in-worker times, and sync step times; ``cpu``
+    receives the workers' CPU seconds per pipelined step, summed over ranks."""
     spec = build_model(model_name, stages=pp * CHUNKS[schedule])
     batches = [spec.batches(step) for step in range(warmup + steps + sync_steps)]
     with Trainer.with_schedule(
@@ -52,6 +65,8 @@ def run_piper(
     ) as trainer:
         for batch in batches[:warmup]:
             trainer.step(*batch)
+        pids = ray.get([w.ping.remote() for w in trainer.runtime._workers], timeout=60)
+        cpu_start = sum(_cpu_seconds(p) for p in pids)
         times, inside = [], []
         last = time.perf_counter()
         pending = None
@@ -66,6 +81,8 @@ def run_piper(
         if pending is not None:
             inside.append(max(pending.result().worker_seconds))
             times.append(time.perf_counter() - last)
+        if cpu is not None:
+            cpu.append((sum(_cpu_seconds(p) for p in pids) - cpu_start) / steps)
         sync = []
         for batch in batches[warmup + steps :]:
             t0 = time.perf_counter()
@@ -79,13 +96,16 @@ def compare(model: str, schedule: str, pp: int, microbatches: int, steps: int, r
     piper_t: list[float] = []
     inside: list[float] = []
     sync: list[float] = []
+    torch_cpu: list[float] = []
+    piper_cpu: list[float] = []
     loads = [os.getloadavg()[0]]
 
     def torch_side() -> None:
-        torch_t.extend(run_torch_pipeline(schedule, model, pp, microbatches, steps, warmup=1, lr=LR, optimizer="adamw"))
+        torch_t.extend(run_torch_pipeline(schedule, model, pp, microbatches, steps, warmup=1, lr=LR, optimizer="adamw",
+                                          cpu=torch_cpu))
 
     def piper_side() -> None:
-        t, i, s = run_piper(schedule, model, pp, microbatches, steps, sync_steps=max(2, steps // 2))
+        t, i, s = run_piper(schedule, model, pp, microbatches, steps, sync_steps=max(2, steps // 2), cpu=piper_cpu)
         piper_t.extend(t)
         inside.extend(i)
         sync.extend(s)
@@ -96,7 +116,7 @@ def compare(model: str, schedule: str, pp: int, microbatches: int, steps: int, r
             loads.append(os.getloadavg()[0])
     t, p = statistics.median(torch_t), statistics.median(piper_t)
     return {"torch": t, "piper": p, "inside": statistics.median(inside), "sync": statistics.median(sync),
-            "load": statistics.fmean(loads)}
+            "load": statistics.fmean(loads), "cpu": statistics.median(piper_cpu) / statistics.median(torch_cpu)}
 
 
 def main() -> None:
@@ -114,7 +134,7 @@ def main() -> None:
     print(f"Piper vs torch.distributed.pipelining — gloo/CPU, AdamW, {args.microbatches} microbatches, "
           f"{args.steps} timed steps per round after 1 warm-up, {args.repeats} alternating rounds, medians")
     header = (f"{'model':<12} {'schedule':<17} {'pp':>2} {'torch ms':>9} {'piper ms':>9} {'piper/torch':>12}"
-              f" {'in-worker/torch':>16} {'sync/torch':>11} {'load':>5}")
+              f" {'in-worker/torch':>16} {'sync/torch':>11} {'CPU/torch':>10} {'load':>5}")
     print(header + "\n" + "-" * len(header), flush=True)
     for model in args.models.split(","):
         for pp in args.pp:
@@ -122,7 +142,7 @@ def main() -> None:
                 r = compare(model, schedule, pp, args.microbatches, args.steps, args.repeats)
                 print(f"{model:<12} {schedule:<17} {pp:>2} {r['torch'] * 1e3:>9.1f} {r['piper'] * 1e3:>9.1f}"
                       f" {r['piper'] / r['torch']:>12.2f} {r['inside'] / r['torch']:>16.2f}"
-                      f" {r['sync'] / r['torch']:>11.2f} {r['load']:>5.1f}", flush=True)
+                      f" {r['sync'] / r['torch']:>11.2f} {r['cpu']:>10.2f} {r['load']:>5.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ def run_torch_pipeline(
     lr: float = 0.01,
     seed: int = 0,
     optimizer: str = "sgd",
+    cpu: list[float] | None = None,
 ) -> list[float]:
     """Time ``steps`` training steps (after ``warmup`` more) and return them in seconds.
 
@@ -65,7 +66,15 @@ def run_torch_pipeline(
         join=True,
         start_method="spawn",
     )
-    times = results.get()
+    times: list[float] = []
+    spent = 0.0
+    for _ in range(pp):
+        rank, rank_times, rank_cpu = results.get()
+        spent += rank_cpu
+        if rank == 0:
+            times = rank_times
+    if cpu is not None:
+        cpu.append(spent / steps)
     return times
 
 
@@ -114,7 +123,10 @@ def _worker(
         opt = OPTIMIZERS[optimizer]([p for m in modules for p in m.parameters()], lr=lr)
         first, last = rank == 0, rank == pp - 1
         times: list[float] = []
+        cpu_start = 0.0
         for step in range(warmup + steps):
+            if step == warmup:
+                cpu_start = time.process_time()
             (x,), (y,) = spec.batches(step)
             opt.zero_grad()
             dist.barrier()
@@ -126,8 +138,7 @@ def _worker(
             dist.barrier()
             if step >= warmup:
                 times.append(time.perf_counter() - start)
-        if first:
-            results.put(times)
+        results.put((rank, times, time.process_time() - cpu_start))
     finally:
         dist.destroy_process_group()
 
