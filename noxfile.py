@@ -1,8 +1,11 @@
 """Test, lint and benchmark sessions for the Piper monorepo.
 
 Sessions run inside the one shared virtual environment that ``./dev`` builds (``.venv``), so
-they use ``venv_backend="none"`` and call ``sys.executable``. ``nox -s all`` is the whole
-suite, the command CI runs.
+they use ``venv_backend="none"`` and call ``sys.executable``; ``standalone`` builds a venv per
+package of its own. The default sessions (``./dev test``, what CI runs) are ``lint``,
+``standalone`` (each package installed alone, with its own tests) and ``integration``: every
+test runs once. ``nox -s all`` runs every test in the shared venv instead (one pytest run,
+quicker while developing).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 import nox
 
 nox.options.default_venv_backend = "none"
-nox.options.sessions = ["all"]
+nox.options.sessions = ["lint", "standalone", "integration"]
 
 ROOT = Path(__file__).parent
 PACKAGES = ["ir", "directives", "scheduler", "memory", "runtime", "train"]

@@ -4,8 +4,42 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
 import pytest
+import ray
 import torch
+
+from piper_train.cli import main
+
+
+@attrs.frozen
+class Done:
+    """What a run of the ``piper`` command gave: its exit code and its output."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def piper(capsys: pytest.CaptureFixture[str]) -> Callable[..., Done]:
+    """``piper ARGS`` in this process: ``main``'s return value (argparse's exit code for a
+    usage error) and what it printed. ``main`` must raise nothing else, print no traceback
+    and leave the session's Ray running (tests that use it need the ``ray_cluster``
+    fixture)."""
+
+    def run(*args: str) -> Done:
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse: usage errors
+            code = exit_.code
+        assert ray.is_initialized(), "the command shut down the session's Ray"
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err, err
+        return Done(code, out, err)
+
+    return run
 
 
 def router_counts(workload) -> list[list[int]]:  # a piper_train ModelSpec

@@ -19,50 +19,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-import attrs
 import pytest
-import ray
 
 from piper_runtime.pool import REUSE_ENV
-from piper_train.cli import main
+
+from .conftest import Done
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_MODEL = ROOT / "integration" / "fixtures" / "user_model.py"
 CLI_TIMEOUT_S = 240
-
-
-@attrs.frozen
-class Done:
-    """What a run of the command gave: its exit code and its output."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@pytest.fixture
-def piper(capsys: pytest.CaptureFixture[str]) -> Callable[..., Done]:
-    """``piper ARGS`` in this process: ``main``'s return value (argparse's exit code for a
-    usage error) and what it printed. ``main`` must raise nothing else, print no traceback
-    and leave the session's Ray running."""
-
-    def run(*args: str) -> Done:
-        capsys.readouterr()
-        try:
-            code = main(list(args))
-        except SystemExit as exit_:  # argparse: usage errors
-            code = exit_.code
-        assert ray.is_initialized(), "the command shut down the session's Ray"
-        out, err = capsys.readouterr()
-        assert "Traceback" not in err, err
-        return Done(code, out, err)
-
-    return run
 
 
 def _processes_under(path: str) -> list[str]:

@@ -74,9 +74,8 @@ def test_it_learns_on_one_device_with_seeded_dropout(gpt2):
     assert sum(losses[-5:]) / 5 < losses[0] - 1.5, losses
 
 
-def test_piper_train_refuses_the_tie_with_exit_2_and_no_traceback():
-    from .test_cli import piper
-
+@pytest.mark.usefixtures("ray_cluster")
+def test_piper_train_refuses_the_tie_with_exit_2_and_no_traceback(piper):
     done = piper("train", "--model", f"{EXAMPLE}:factory", "--pp", "2", "--steps", "1")
     assert done.returncode == 2, done.stdout + done.stderr
     assert "parameter 'transformer.wte.weight' is tied" in done.stderr and "'lm_head.weight' in s3" in done.stderr

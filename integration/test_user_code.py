@@ -18,8 +18,6 @@ from piper_train.check import run_check
 from piper_train.models import ModelSpec
 from piper_train.workload import load_workload
 
-from .test_cli import piper
-
 MODEL = Path(__file__).resolve().parent / "fixtures" / "tinymoe" / "model.py"
 SGD = OptimizerSpec("sgd", 0.05)
 
@@ -50,7 +48,8 @@ def test_python_api_with_a_privately_imported_model_module():
     assert [len(plan.segments()) for plan in report.program.ranks] == [2, 3]
 
 
-def test_piper_train_with_a_model_file_and_its_neighbours():
+@pytest.mark.usefixtures("ray_cluster")
+def test_piper_train_with_a_model_file_and_its_neighbours(piper):
     done = piper("train", "--model", f"{MODEL}:factory", "--pp", "2", "--microbatches", "2", "--steps", "3",
                  "--optimizer", "sgd", "--json")
     assert done.returncode == 0, done.stdout + done.stderr

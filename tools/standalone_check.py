@@ -96,8 +96,11 @@ def main(dist: str) -> int:
     for e in errors:
         print(f"standalone {dist}: {e}", file=sys.stderr)
     extra = f", {skipped} skipped for a missing extra" if skipped else ""
+    if errors:
+        print(f"standalone {dist} {version}: FAILED, {len(errors)} problems above ({count} modules import{extra})")
+        return 1
     print(f"standalone {dist} {version}: {count} modules import{extra}; imports only declared distributions")
-    return 1 if errors else 0
+    return 0
 
 
 if __name__ == "__main__":

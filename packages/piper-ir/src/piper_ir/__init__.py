@@ -12,6 +12,7 @@ from piper_ir.algorithms import (
 )
 from piper_ir.errors import (
     CaptureError,
+    CheckpointError,
     ClusterError,
     DeadlockError,
     DirectiveError,
@@ -59,7 +60,7 @@ from piper_ir.validate import cycle_error, validate
 
 __all__ = [
     "ANY", "MB", "PASS", "SEG", "BUCKET_KINDS", "COMMUNICATION_KINDS", "COMPUTE_KINDS", "GRAD_PREFIX",
-    "POINT_TO_POINT_KINDS", "Residency", "ShardKind", "ExecutionOptions", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "ClusterError", "CodeRef", "Communicator",
+    "POINT_TO_POINT_KINDS", "Residency", "ShardKind", "ExecutionOptions", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "CheckpointError", "ClusterError", "CodeRef", "Communicator",
     "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph",
     "GradNorm", "Instruction", "Listing", "MemoryPlanError", "Node", "NodeKind", "NormTerm", "ParamShard", "Phase", "Precision", "PiperError",
     "Program", "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Sharding", "Tags",

@@ -88,3 +88,9 @@ class ExecutionError(PiperError):
 class ClusterError(PiperError):
     """The cluster cannot run the program as asked: an unreachable Ray address, fewer CPUs or
     GPUs than the ranks need, a backend that cannot run there (no GPU, no cupy)."""
+
+
+class CheckpointError(PiperError):
+    """A checkpoint cannot be written or read as asked: none to resume from, a partial or
+    corrupt one, one from another model (names or shapes differ), or a directory that already
+    holds checkpoints of another run."""

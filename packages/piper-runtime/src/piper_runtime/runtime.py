@@ -36,6 +36,7 @@ from torch import nn
 from piper_ir import ClusterError, ExecutionError, PiperError, Program
 from piper_runtime.backends import backend_factory, cuda_missing
 from piper_runtime.batch import batch_reads, check_batch, replica_slice
+from piper_runtime.checkpoint import finish, plan_globally
 from piper_runtime.cluster import choose_backend, ensure_ray, worker_env
 from piper_runtime.merge import merge_outputs, merge_parameters
 from piper_runtime.optim import OptimizerSpec
@@ -280,6 +281,39 @@ class Runtime:
         per_rank = self._gather([w.parameters.remote() for w in self._workers], 60.0, "parameters")
         shards = self._gather([w.parameter_shards.remote() for w in self._workers], 60.0, "parameters")
         return merge_parameters(self.program, per_rank, shards)
+
+    def save_checkpoint(self, path: str, objects: Mapping[str, Any] | None = None, timeout_s: float = 300.0) -> None:
+        """Write a DCP checkpoint into the (new, empty) directory ``path``: every rank writes
+        what it holds (``piper_runtime.checkpoint``), rank 0 also ``objects`` (picklable values
+        by key); ``.metadata`` is written last, by this process. Not atomic by itself: the
+        caller writes into a temporary directory and renames it."""
+        self._check_open()
+        self._collect()  # after every submitted step
+        extra = dict(objects or {})
+        plans = self._gather(
+            [w.checkpoint_plan.remote(path, extra if rank == 0 else {}) for rank, w in enumerate(self._workers)],
+            timeout_s, "checkpoint",
+        )
+        plans, metadata = plan_globally(path, plans)
+        results = self._gather(
+            [w.checkpoint_write.remote(plan) for w, plan in zip(self._workers, plans, strict=True)],
+            timeout_s, "checkpoint",
+        )
+        finish(path, metadata, results)
+
+    def load_checkpoint(self, path: str, step: int, rng: bool = False, timeout_s: float = 300.0) -> None:
+        """Every rank reads its parameters and optimizer state from the checkpoint at
+        ``path``, whatever strategy wrote it; ``step``: the optimizer steps it holds. ``rng``:
+        each rank also restores its generators (only for a checkpoint of this very program)."""
+        self._check_open()
+        self._collect()
+        self._gather([w.load_checkpoint.remote(path, step, rng) for w in self._workers], timeout_s, "load checkpoint")
+        self._steps = step
+
+    def worker_pids(self) -> list[int]:
+        """The process id of each rank's worker, in rank order."""
+        self._check_open()
+        return self._gather([w.ping.remote() for w in self._workers], 30.0, "ping")
 
     def shutdown(self) -> None:
         """Stop the workers (leaving the process group first), or, when reusing workers,

@@ -47,6 +47,7 @@ from piper_ir import BUCKET_KINDS, ExecutionError, NodeKind, Phase, Program
 from piper_runtime.accounting import MemorySampler
 from piper_runtime.backends import Backend, BackendFactory, backend_factory
 from piper_runtime.batch import split_microbatches
+from piper_runtime.checkpoint import RankState, SaveSide, read_objects
 from piper_runtime.comms import Communicators
 from piper_runtime.compute import COMPUTE_PHASES, SegmentCompute
 from piper_runtime.data_parallel import DataParallel
@@ -86,6 +87,7 @@ class RankWorker:
         self._modules: dict[str, nn.Module] = {}
         self._grads_lock = threading.RLock()
         self._step = 0
+        self._saving: SaveSide | None = None
 
     def ping(self) -> int:
         return os.getpid()
@@ -314,6 +316,33 @@ class RankWorker:
         parameters live sharded."""
         return self._data_parallel.parameter_shards()
 
+    def checkpoint_plan(self, path: str, objects: Mapping[str, Any]) -> Any:
+        """The first half of a save (``piper_runtime.checkpoint``): this rank's DCP local plan
+        for what it holds (and ``objects``, which the driver gives rank 0 only)."""
+        state = RankState(self.program, self.rank, self._modules, self._data_parallel, self._optimizers)
+        # This process's generators (what unseeded dropout draws from), under a key of its own.
+        objects = {**objects, f"rng.rank{self.rank}": _rng_state(self.backend.device)}
+        self._saving = SaveSide(path, self.rank, state.pieces(), objects)
+        return self._saving.plan()
+
+    def checkpoint_write(self, plan: Any) -> list[Any]:
+        """The second half: write this rank's files by the driver's global ``plan``."""
+        saving, self._saving = self._saving, None
+        return saving.write(plan)
+
+    def load_checkpoint(self, path: str, step: int, rng: bool = False) -> None:
+        """Read this rank's parameters and optimizer state from the checkpoint at ``path``
+        (written under any strategy); ``step``: the optimizer steps it had taken; ``rng``:
+        also restore this rank's generators as that rank saved them (the same program only)."""
+        RankState(self.program, self.rank, self._modules, self._data_parallel, self._optimizers).load(path, self.rank)
+        self._step = step
+        if rng:
+            key = f"rng.rank{self.rank}"
+            state = read_objects(path, [key])[key]
+            torch.set_rng_state(state["torch"])
+            if state.get("cuda") is not None:
+                torch.cuda.set_rng_state(state["cuda"], self.backend.device)
+
     def shutdown(self) -> None:
         if self.backend is not None:
             self.backend.shutdown()
@@ -353,6 +382,11 @@ class _ProcessSettings:
         torch.set_num_threads(self.threads)
         torch.set_default_dtype(self.dtype)
         torch.seed()  # a new process's generators are seeded at random too
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"torch": torch.get_rng_state(), "cuda": cuda}
 
 
 def _check_supported(rank: int, instructions: tuple) -> None:

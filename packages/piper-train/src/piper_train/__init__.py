@@ -15,6 +15,8 @@ _LAZY = {
     "TrainState": "piper_train.state",
     "BatchStream": "piper_train.batches",
     "fit": "piper_train.loop",
+    "Checkpoints": "piper_train.checkpoints",
+    "export": "piper_train.checkpoints",
 }
 
 __all__ = list(_LAZY)

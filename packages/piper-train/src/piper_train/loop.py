@@ -9,17 +9,30 @@ memory per rank, ETA) to each sink; the next step is sent while this one compute
 ``TrainState`` (so a trainer restored from a checkpoint continues to the same end), after
 ``epochs`` epochs, or when the data ends. With ``eval_every`` it evaluates ``held_out``
 after every that many steps. The batch stream is the ``TrainState``'s ``data`` while it runs.
+
+Checkpoints (``Checkpoints``): every ``every`` steps and at the end, into ``root``, keeping
+the newest ``keep``; ``resume`` continues from the latest complete one. A root that already
+holds checkpoints is refused without ``resume`` (nothing of another run is overwritten or
+pruned). Fault tolerance: ``max_restarts`` times, an ``ExecutionError`` (a worker died,
+raised, or did not answer within the step timeout; the runtime has torn every worker down)
+makes ``fit`` start new workers (``Trainer.restart``), reload the latest complete checkpoint
+(or, without one, go back to the state ``fit`` began with, when that was the start of
+training) and go on; the steps after that checkpoint are recomputed (``FitResult.restarts``
+says how many) and drop out of ``FitResult.steps``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import attrs
 
+from piper_ir import CheckpointError, ExecutionError
 from piper_runtime import PendingStep
 from piper_train.batches import Batch
+from piper_train.checkpoints import Checkpoints, prune
 from piper_train.metrics import EvalMetrics, Sink, StepMetrics
 from piper_train.trainer import Trainer
 
@@ -27,9 +40,24 @@ MEMORY_EVERY = 100  # fit accounts memory on steps 1, 2 and every this many
 
 
 @attrs.frozen
+class Restart:
+    """One recovery from a failed step: the step that failed, the step of the checkpoint
+    reloaded (0: the start), how many finished steps were lost and recomputed, and how long
+    new workers took to start and load it."""
+
+    failed_step: int
+    resumed_from: int
+    recomputed: int
+    seconds: float
+    error: str
+
+
+@attrs.frozen
 class FitResult:
     steps: tuple[StepMetrics, ...]
     evals: tuple[EvalMetrics, ...]
+    restarts: tuple[Restart, ...] = ()
+    checkpoints: tuple[Path, ...] = ()  # written by this run, oldest first
 
 
 def evaluate(trainer: Trainer, held_out: Callable[[int], Batch], batches: int) -> EvalMetrics:
@@ -52,67 +80,124 @@ def fit(
     eval_batches: int = 1,
     sinks: Sequence[Sink] = (),
     profile_step: int | None = None,
+    checkpoints: Checkpoints | None = None,
+    resume: bool = False,
+    max_restarts: int = 0,
     memory_every: int = MEMORY_EVERY,
 ) -> FitResult:
     """Train until ``steps`` steps (counted by ``trainer.state.step``) or ``epochs`` epochs
     are done, or ``data`` ends (module doc). ``data`` reports its position through
     ``state_dict()`` (``epoch``) where it has one. ``profile_step``: that step returns its
-    instruction timings (``StepResult.timings``) to the sinks. ``memory_every``: steps 1, 2
-    and every that many account memory (``StepResult.memory``); the metrics of the others
-    carry the latest accounted peaks (every step of one program peaks alike once the
-    optimizer state exists, which step 2 shows), since accounting costs time on every
-    instruction.
+    instruction timings (``StepResult.timings``) to the sinks. ``checkpoints``, ``resume``,
+    ``max_restarts``: module doc. ``memory_every``: steps 1, 2 and every that many account
+    memory (``StepResult.memory``); the metrics of the others carry the latest accounted
+    peaks (every step of one program peaks alike once the optimizer state exists, which
+    step 2 shows), since accounting costs time on every instruction.
 
     One step is kept in flight ahead (``Trainer.submit``): the next batch is drawn and sent
     while the workers compute this one, so the driver's round trip is off the step's
     critical path; steps run in order on the workers, so the run is the same as stepping
     one at a time. Nothing is sent ahead of a step after which the loop needs the workers
-    quiet (an evaluation); ``step_seconds`` is the time from when the workers could start
-    the step (its submission, or the previous step's end) to its result."""
+    quiet (an evaluation or a checkpoint); ``step_seconds`` is the time from when the
+    workers could start the step (its submission, or the previous step's end) to its
+    result. A step sent ahead of one that fails is dropped with it (the restart goes back
+    to a checkpoint or the start either way)."""
     if steps is None and epochs is None:
         raise ValueError("fit needs steps or epochs")
     if eval_every and held_out is None:
         raise ValueError("evaluation every few steps needs held-out batches")
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     if memory_every < 1:
         raise ValueError(f"memory_every must be >= 1, got {memory_every}")
     state = trainer.state
     state.data = data if hasattr(data, "state_dict") else None  # type: ignore[assignment]
+    if checkpoints is not None:
+        latest = checkpoints.latest()
+        if resume:
+            trainer.load_checkpoint(checkpoints.root)
+        elif latest is not None:
+            raise CheckpointError(
+                f"{checkpoints.root} already holds checkpoints (the latest: {latest.name}); resume from them, "
+                "or choose another checkpoint directory (no checkpoint of another run is overwritten)"
+            )
+    elif resume:
+        raise ValueError("resume needs a checkpoint directory")
+    # Where a restart goes back to when no checkpoint is written yet: only the very start.
+    start = state.state_dict() if state.step == 0 and state.data is not None else None
     total = steps if steps is not None else _epoch_steps(data, epochs)
     history: list[StepMetrics] = []
     evals: list[EvalMetrics] = []
     paces: list[float] = []
+    restarts: list[Restart] = []
+    written: list[Path] = []
+    saved_at = state.step if resume else -1
     peaks: tuple[int, ...] = ()
     ahead: _Flight | None = None  # the submitted step whose result is not in yet
     last_done = time.perf_counter()
-    ended = False
+
+    def recover(err: ExecutionError, failed: int | None = None) -> None:
+        if len(restarts) >= max_restarts:
+            raise err
+        failed, began = failed or state.step + 1, time.perf_counter()
+        source = checkpoints.latest() if checkpoints is not None else None
+        if source is None and start is None:
+            raise err
+        trainer.restart()
+        if source is not None:
+            trainer.load_checkpoint(source)
+        else:
+            state.load_state_dict(start)
+        restarts.append(Restart(failed, state.step, failed - 1 - state.step, time.perf_counter() - began,
+                                str(err).splitlines()[0]))
+        del history[sum(1 for m in history if m.step <= state.step):]
+        del evals[sum(1 for e in evals if e.step <= state.step):]
 
     def quiet_after(step: int) -> bool:
         """Whether the workers must be idle after ``step`` (no step sent ahead of it)."""
-        return bool(eval_every) and step % eval_every == 0 and held_out is not None
+        evaluating = bool(eval_every) and step % eval_every == 0 and held_out is not None
+        saving = checkpoints is not None and bool(checkpoints.every) and step % checkpoints.every == 0
+        return evaluating or saving
 
     while True:
-        flight = None
-        if not ended and (steps is None or state.step < steps) and not (ahead and quiet_after(ahead.step)):
+        # Send the next step unless the one in flight must be followed by quiet workers.
+        # Done (the step count reached, the data or the epochs ended): the last checkpoint
+        # first, which a failure while writing it sends back to the one before.
+        flight: _Flight | None = None
+        done = steps is not None and state.step >= steps
+        if not done and not (ahead is not None and quiet_after(ahead.step)):
             t0 = time.perf_counter()
             try:
                 inputs, targets = next(data)
                 epoch = _epoch(data)
-                ended = epochs is not None and epoch >= epochs
+                done = epochs is not None and epoch >= epochs
             except StopIteration:
-                ended = True
-            if not ended:
+                done = True
+            if not done:
                 t1 = time.perf_counter()
                 tokens_before = state.tokens
                 number = state.step + 1
-                accounted = number <= 2 or number % memory_every == 0
-                pending = trainer.submit(inputs, targets, profile=number == profile_step, memory=accounted)
+                pending = trainer.submit(inputs, targets, profile=number == profile_step,
+                                         memory=number <= 2 or number % memory_every == 0)
                 flight = _Flight(number, pending, epoch, t1 - t0, t1, state.tokens - tokens_before)
         if ahead is None:
-            if flight is None:
+            if flight is not None:
+                ahead = flight
+                continue
+            if checkpoints is None or saved_at == state.step or state.step == 0:
                 break
-            ahead = flight
+            try:
+                written.append(_save(trainer, checkpoints))
+                saved_at = state.step
+            except ExecutionError as err:
+                recover(err)
             continue
-        result = ahead.pending.result()
+        try:
+            result = ahead.pending.result()
+        except ExecutionError as err:
+            recover(err, ahead.step)
+            ahead, last_done = None, time.perf_counter()
+            continue
         t2 = time.perf_counter()
         seconds = t2 - max(ahead.submitted, last_done)
         last_done = t2
@@ -138,16 +223,22 @@ def fit(
         history.append(metrics)
         for sink in sinks:
             sink.on_step(metrics, result)
-        if quiet_after(ahead.step) and held_out is not None:
-            ev = evaluate(trainer, held_out, eval_batches)
-            evals.append(ev)
-            for sink in sinks:
-                sink.on_eval(ev)
+        try:
+            if eval_every and ahead.step % eval_every == 0 and held_out is not None:
+                ev = evaluate(trainer, held_out, eval_batches)
+                evals.append(ev)
+                for sink in sinks:
+                    sink.on_eval(ev)
+            if checkpoints is not None and checkpoints.every and ahead.step % checkpoints.every == 0:
+                written.append(_save(trainer, checkpoints))
+                saved_at = state.step
+        except ExecutionError as err:
+            recover(err)
+            flight = None
+        if quiet_after(ahead.step):
             last_done = time.perf_counter()
         ahead = flight
-        if ahead is None and (ended or (steps is not None and state.step >= steps)):
-            break
-    return FitResult(tuple(history), tuple(evals))
+    return FitResult(tuple(history), tuple(evals), tuple(restarts), tuple(written))
 
 
 @attrs.frozen
@@ -161,6 +252,12 @@ class _Flight:
     data_seconds: float
     submitted: float
     tokens: int
+
+
+def _save(trainer: Trainer, checkpoints: Checkpoints) -> Path:
+    path = trainer.save_checkpoint(checkpoints.path(trainer.state.step))
+    prune(checkpoints.root, checkpoints.keep)
+    return path
 
 
 def _epoch(data: object) -> int:

@@ -11,22 +11,33 @@ sends each step's learning rate with the step; gradient clipping is a ``GRAD_NOR
 the program (``piper_memory.add_grad_norm``); weight decay is the ``OptimizerSpec``'s.
 ``evaluate`` runs a second, forward-only program (``piper_scheduler.forward_only`` of the
 same graph, compiled on first use) on the same workers.
+
+Checkpoints (``save_checkpoint``/``load_checkpoint``, docs/checkpoints.md): the ranks write
+what they hold in ``torch.distributed.checkpoint`` format, keyed by single-device parameter
+names, the driver adds the ``TrainState``; a checkpoint loads under any strategy.
+``restart`` replaces the workers (after a failure) by new ones holding the initial model.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from piper_directives import Strategy, build_schedule, capture, shard_modules
 from piper_directives.capturing import CapturedModel, tie_locations
-from piper_ir import DirectiveError, Graph, Program
+from piper_ir import DirectiveError, Graph, Program, to_json
 from piper_memory import add_grad_norm, check_budget, plan_memory
 from piper_runtime import OptimizerSpec, PendingStep, Runtime, StepResult, WorkerPool
 from piper_runtime.batch import full_batch_shape
+from piper_runtime.checkpoint import read_objects
 from piper_scheduler import compile_program, forward_only
+from piper_train.checkpoints import check_compatible, read_manifest, resolve, write_atomically
 from piper_train.schedule import LearningRate, LRSchedule
 from piper_train.state import TrainState
 from piper_train.user_code import ship_by_value
@@ -121,6 +132,7 @@ class Trainer:
         self.graph = planned
         self.program: Program = compile_program(self.graph)
         self.eval_program: Program | None = None  # compiled by the first ``evaluate``
+        self.program_digest = hashlib.sha256(to_json(self.program).encode()).hexdigest()
         optimizer = optimizer or OptimizerSpec()
         self.optimizer = optimizer
         self.state = TrainState(LearningRate(optimizer.lr, lr_schedule))
@@ -128,14 +140,16 @@ class Trainer:
             check_budget(self.program, memory_budget_bytes // max(1, ranks_per_gpu), optimizer.name)
         self.compile_seconds = time.perf_counter() - started
         self.batch_size = captured.batch_size
+        self.param_shapes = {
+            name: tuple(meta.shape) for seg in captured.graph.segments for name, meta in seg.params
+        }
         say(
             f"captured {len(self.graph.stage_segments())} regions, compiled and verified "
             f"{self.program.world_size} rank plans in {self.compile_seconds:.2f} s; "
             f"starting {self.program.world_size} Ray workers"
         )
-        self.runtime = Runtime(
-            self.program,
-            modules,
+        self._modules = modules
+        self._runtime_options: dict[str, Any] = dict(
             optimizer=optimizer,
             address=address,
             step_timeout_s=step_timeout_s,
@@ -146,6 +160,7 @@ class Trainer:
             log=say,
             reuse_workers=reuse_workers,
         )
+        self.runtime = Runtime(self.program, modules, **self._runtime_options)
 
     @classmethod
     def with_schedule(
@@ -238,6 +253,48 @@ class Trainer:
 
     def parameters(self) -> dict[str, torch.Tensor]:
         return self.runtime.parameters()
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+        """Write a checkpoint of the model, optimizer and ``state`` to the directory ``path``
+        (which must not exist), atomically: into a temporary sibling, renamed when complete."""
+        path = Path(path)
+        manifest = {
+            "step": self.state.step,
+            "optimizer": self.optimizer.name,
+            "parameters": {name: list(shape) for name, shape in self.param_shapes.items()},
+            "world_size": self.program.world_size,
+            "microbatches": self.program.microbatches,
+            "replicas": self.program.replicas,
+            "program": self.program_digest,
+        }
+        state = {"train_state": self.state.state_dict()}
+        return write_atomically(path, lambda tmp: self.runtime.save_checkpoint(str(tmp), state), manifest)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+        """Continue from the checkpoint ``path`` (or the latest complete one under it), saved
+        under any strategy: the ranks read their parameters and optimizer state, ``state``
+        its step, schedule and data position (set ``state.data`` first, as ``fit`` does).
+        Returns the checkpoint read; ``CheckpointError`` names what does not fit."""
+        source = resolve(path)
+        manifest = read_manifest(source)
+        check_compatible(source, manifest, self.param_shapes, self.optimizer.name)
+        objects = read_objects(str(source), ["train_state"])
+        self.state.load_state_dict(objects["train_state"])
+        # The ranks' own generators (unseeded dropout) mean something only to the same program.
+        self.runtime.load_checkpoint(str(source), self.state.step, rng=manifest.get("program") == self.program_digest)
+        return source
+
+    def restart(self) -> None:
+        """Replace the workers (after a failure, which has torn them down already) by new
+        ones holding the model as it was given; ``load_checkpoint`` then brings them forward."""
+        self.runtime.shutdown()
+        self.runtime = Runtime(self.program, self._modules, **self._runtime_options)
+        if self.eval_program is not None:
+            self.runtime.load_forward(self.eval_program)
+
+    def worker_pids(self) -> list[int]:
+        """Each rank's worker process id (rank order)."""
+        return self.runtime.worker_pids()
 
     def close(self) -> None:
         self.runtime.shutdown()

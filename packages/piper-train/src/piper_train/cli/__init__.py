@@ -1,5 +1,5 @@
-"""The ``piper`` command: ``piper train``, ``piper check``, ``piper simulate``, ``piper plan``
-and ``piper show``.
+"""The ``piper`` command: ``piper train``, ``piper check``, ``piper simulate``, ``piper plan``,
+``piper show`` and ``piper export``.
 
 ``options`` defines the option groups and the parser, ``request`` the strategy the user
 asked for (``StrategyRequest``), ``scheduling`` the commands that run no processes
@@ -23,12 +23,13 @@ __all__ = ["StrategyRequest", "main"]
 
 
 def _command(name: str) -> Callable[[argparse.Namespace], int]:
-    if name in ("train", "check"):
+    if name in ("train", "check", "export"):
         # Imported here, not at the top: train and check need torch and ray, and importing
         # them only for these keeps `piper simulate/plan/show` (no processes) free of both.
         from piper_train.cli import training
 
-        return training.train_command if name == "train" else training.check_command
+        return {"train": training.train_command, "check": training.check_command,
+                "export": training.export_command}[name]
     return {"simulate": simulate_command, "plan": plan_command, "show": show_command}[name]
 
 

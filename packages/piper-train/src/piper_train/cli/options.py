@@ -10,6 +10,7 @@ take it, and the checks argparse cannot express.
 | optimization | --lr-schedule, --warmup-steps, --min-lr, --lr-step-size, --lr-gamma, --clip-grad-norm, --weight-decay | train, check |
 | summary | --json (a machine-readable summary) | train, check |
 | length, evaluation, metrics | --steps, --epochs, --eval-every, --eval-batches, --metrics, --tensorboard, --profile-step, ... | train |
+| checkpoints | --checkpoint-dir, --checkpoint-every, --keep-checkpoints, --resume, --max-restarts | train |
 | simulation | --cost, --json, --png, --trace | simulate, show |
 """
 
@@ -125,6 +126,24 @@ def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress-bar", action="store_true", help="plain progress lines even on a terminal")
 
 
+def add_checkpoints(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint-dir", type=Path, help="write checkpoints here (torch.distributed.checkpoint format, "
+                   "one step-NNNNNNNN directory each; on several nodes a filesystem every node shares)")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="checkpoint every N steps (default: 0, only at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest K checkpoints (default: 3)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint in --checkpoint-dir (saved under any strategy)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="when a worker dies or a step fails, start new workers and continue from the latest "
+                        "checkpoint, at most N times (default: 0)")
+
+
+def _add_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", type=Path, help="a checkpoint, or a --checkpoint-dir (its latest checkpoint)")
+    p.add_argument("--out", type=Path, required=True, help="where to write the state_dict (torch.save)")
+
+
 def _add_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--eval-batches", type=int, default=0,
@@ -158,12 +177,13 @@ _TRAINING = (add_model, add_pipeline, add_parallelism, add_run, add_optimization
 
 #: subcommand -> (help, its option groups in the order --help lists them)
 SUBCOMMANDS: dict[str, tuple[str, tuple[Group, ...]]] = {
-    "train": ("train a model with a strategy on Ray", (*_TRAINING, _add_train)),
+    "train": ("train a model with a strategy on Ray", (*_TRAINING, _add_train, add_checkpoints)),
     "check": ("compare a strategy with single-device training", (*_TRAINING, _add_check)),
     "simulate": ("simulate a schedule on a synthetic model (no torch work)",
                  (add_pipeline, _add_simulate, add_simulation)),
     "plan": ("compile a strategy to a program and save it as JSON", (add_pipeline, _add_plan_source, _add_plan_output)),
     "show": ("print a saved program as a rank x step grid, simulate it", (_add_program, add_simulation)),
+    "export": ("write a checkpoint's model as a plain single-device state_dict", (_add_export,)),
 }
 
 
@@ -187,7 +207,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         value = getattr(args, name, None)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("warmup_steps", "eval_every", "prefetch", "weight_decay", "min_lr", "eval_batches"):
+    for name in ("warmup_steps", "eval_every", "prefetch", "weight_decay", "min_lr", "eval_batches", "checkpoint_every",
+                 "max_restarts"):
         value = getattr(args, name, None)
         if value is not None and value < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0")
@@ -202,6 +223,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if getattr(args, "zero", 0) and getattr(args, "dp", 1) < 2 and getattr(args, "ep", 1) < 2:
         parser.error("--zero shards over data-parallel replicas: it needs --dp 2 or more (or --ep 2 or more, "
                      "whose group is data-parallel for the non-expert weights)")
+    if getattr(args, "keep_checkpoints", 1) < 1:
+        parser.error("--keep-checkpoints must be >= 1")
+    if getattr(args, "checkpoint_dir", None) is None:
+        for name in ("resume", "checkpoint_every", "max_restarts"):
+            if getattr(args, name, None):
+                parser.error(f"--{name.replace('_', '-')} needs --checkpoint-dir")
     if getattr(args, "memory_budget_mb", None) is not None and args.memory_budget_mb <= 0:
         parser.error("--memory-budget-mb must be > 0")
 

@@ -1,5 +1,6 @@
 """``piper train`` and ``piper check``: a strategy on Ray workers, and against single-device
-training. Imports torch and ray (``piper_train.cli`` imports this module only for them)."""
+training; ``piper export``: a checkpoint's model as a plain ``state_dict``. Imports torch and
+ray (``piper_train.cli`` imports this module only for them)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import contextlib
 import sys
 import time
 
+from piper_ir import CheckpointError
 from piper_runtime import OptimizerSpec
 from piper_train.batches import Prefetcher
 from piper_train.check import run_check
+from piper_train.checkpoints import Checkpoints, check_compatible, export, read_manifest, resolve
 from piper_train.cli.options import say
 from piper_train.cli.request import StrategyRequest, model_regions
 from piper_train.loop import fit
@@ -76,6 +79,18 @@ def train_command(args: argparse.Namespace) -> int:
         length = f"{args.epochs} epochs" + (f" or {length}" if length else "")
     say(args, f"piper train: {_describe(args)}, {length}")
     started = time.perf_counter()
+    checkpoints = (Checkpoints(args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints)
+                   if args.checkpoint_dir is not None else None)
+    if checkpoints is not None and not args.resume and checkpoints.latest() is not None:
+        # Refused before any worker starts (fit refuses too).
+        raise CheckpointError(f"{args.checkpoint_dir} already holds checkpoints (the latest: "
+                              f"{checkpoints.latest().name}); pass --resume to continue from it, or choose another "
+                              "--checkpoint-dir (no checkpoint of another run is overwritten)")
+    if checkpoints is not None and args.resume:
+        # Nothing to resume from, or a checkpoint of another model: said before any worker starts.
+        source = resolve(args.checkpoint_dir)
+        check_compatible(source, read_manifest(source),
+                         {name: tuple(p.shape) for name, p in workload.model.named_parameters()}, args.optimizer)
     with contextlib.ExitStack() as stack:
         sinks = _sinks(args, stack)  # before any worker starts: a sink that cannot be made is bad input
         trainer = stack.enter_context(Trainer(
@@ -94,7 +109,11 @@ def train_command(args: argparse.Namespace) -> int:
             stack.callback(data.close)
         run = fit(trainer, data, steps=steps, epochs=args.epochs, held_out=workload.eval_batches,
                   eval_every=args.eval_every, eval_batches=args.eval_batches, sinks=sinks,
-                  profile_step=args.profile_step)
+                  profile_step=args.profile_step, checkpoints=checkpoints, resume=args.resume,
+                  max_restarts=args.max_restarts)
+        for r in run.restarts:
+            say(args, f"restarted after step {r.failed_step - 1} failed ({r.error}): new workers, checkpoint of step "
+                      f"{r.resumed_from} loaded in {r.seconds:.1f} s, {r.recomputed} steps recomputed")
     history = run.steps
     losses = [m.loss for m in history]
     steady = [m.step_seconds for m in history[1:]] or [m.step_seconds for m in history]
@@ -112,12 +131,23 @@ def train_command(args: argparse.Namespace) -> int:
         "mean_step_seconds": sum(steady) / len(steady) if steady else None,
         "compile_seconds": trainer.compile_seconds,
         "peak_memory_bytes": [max(per_rank) for per_rank in zip(*(m.peak_memory_bytes for m in history), strict=True)],
+        "first_step": history[0].step if history else None,
+        "checkpoints": [str(p) for p in run.checkpoints],
+        "restarts": [{"failed_step": r.failed_step, "resumed_from": r.resumed_from, "recomputed": r.recomputed,
+                      "seconds": r.seconds, "error": r.error} for r in run.restarts],
     }
     if args.json:
         print(dumps(summary))
     elif losses:
         say(args, f"done: {len(history)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
                   f"{summary['mean_step_seconds'] * 1000:.1f} ms/step")
+    return 0
+
+
+def export_command(args: argparse.Namespace) -> int:
+    state = export(args.checkpoint, args.out)
+    count = sum(t.numel() for t in state.values())
+    print(f"piper export: {len(state)} tensors ({count} elements) to {args.out}")
     return 0
 
 

@@ -1,0 +1,191 @@
+"""Checkpoints on Ray (gloo, CPU), small MLPs:
+
+- resume is exact: 2N steps in one run equal N steps, a new trainer resuming from the
+  checkpoint, and N more (every loss and parameter bit for bit, fp32 AdamW), under DualPipeV
+  x DP=2 x ZeRO-3 and 1F1B x DP=2 x ZeRO-1 (shards stepped as decay pieces);
+- resharding: a checkpoint of DualPipeV x DP=2 x ZeRO-3 continues under 1F1B on 4 ranks and on
+  one device with single-device training's losses and parameters (fp64, optimizer state
+  included), and ``export`` gives a ``state_dict`` the model loads;
+- fault tolerance: a worker SIGKILLed twice mid-run; ``fit`` restarts and finishes with the
+  parameters of an uninterrupted run, recomputing the steps after each checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from piper_directives import build_schedule
+from piper_ir import CheckpointError
+from piper_runtime import OptimizerSpec
+from piper_train.checkpoints import Checkpoints, export, read_manifest
+from piper_train.cli import main
+from piper_train.loop import fit
+from piper_train.models import build_model
+from piper_train.reference import ReferenceTrainer
+from piper_train.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+ADAMW = OptimizerSpec("adamw", 1e-2, weight_decay=0.1)
+
+
+def _trainer(workload, strategy, optimizer=ADAMW) -> Trainer:
+    return Trainer(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
+                   optimizer=optimizer)
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "zero"), [("dualpipev", 3), ("1f1b", 1)], ids=["dualpipev-dp2-zero3", "1f1b-dp2-zero1"]
+)
+def test_resume_is_exact(schedule, zero, tmp_path) -> None:
+    n = 3
+    workload = build_model("mlp", stages=4, seed=11)
+    strategy = build_schedule(schedule, 2, 4, stages=4, dp=2, zero=zero)
+    with _trainer(workload, strategy) as trainer:
+        whole = fit(trainer, workload.stream(), steps=2 * n)
+        expected = trainer.parameters()
+    root = Checkpoints(tmp_path, every=n)
+    with _trainer(workload, strategy) as trainer:
+        first = fit(trainer, workload.stream(), steps=n, checkpoints=root)
+    assert [p.name for p in first.checkpoints] == [f"step-{n:08d}"]
+    with _trainer(workload, strategy) as trainer:  # a new process's view: the initial model, then the checkpoint
+        second = fit(trainer, workload.stream(), steps=2 * n, checkpoints=root, resume=True)
+        resumed = trainer.parameters()
+        # The same program: each rank's own generators were restored too.
+        assert read_manifest(first.checkpoints[0])["program"] == trainer.program_digest
+    assert [m.step for m in second.steps] == list(range(n + 1, 2 * n + 1))
+    assert [m.loss for m in first.steps + second.steps] == [m.loss for m in whole.steps]
+    assert [m.lr for m in first.steps + second.steps] == [m.lr for m in whole.steps]
+    assert _equal(resumed, expected)
+
+
+def test_a_checkpoint_reshards_to_other_strategies_and_exports(tmp_path) -> None:
+    n = 2
+    workload = build_model("mlp", stages=4, seed=12, dtype=torch.float64)
+    reference = ReferenceTrainer(workload.model, workload.loss_fn, ADAMW, 4)
+    expected = [reference.step(*workload.batches(step)) for step in range(2 * n)]
+    root = Checkpoints(tmp_path / "ckpt", every=n)
+    with _trainer(workload, build_schedule("dualpipev", 2, 4, stages=4, dp=2, zero=3)) as trainer:
+        first = fit(trainer, workload.stream(), steps=n, checkpoints=root)
+        saved = trainer.parameters()
+    out = tmp_path / "model.pt"
+    state = export(root.root, out)
+    model = build_model("mlp", stages=4, seed=12, dtype=torch.float64).model
+    model.load_state_dict(torch.load(out))  # strict: every name and shape
+    assert _equal({k: v for k, v in model.state_dict().items()}, saved) and _equal(state, saved)
+    for strategy in (build_schedule("1f1b", 4, 4, stages=4), build_schedule("gpipe", 1, 4, stages=4)):
+        with _trainer(workload, strategy) as trainer:
+            trainer.state.data = workload.stream()
+            trainer.load_checkpoint(root.root)
+            assert _equal(trainer.parameters(), saved)  # loaded exactly, whatever the layout
+            second = fit(trainer, trainer.state.data, steps=2 * n)
+            params = trainer.parameters()
+        losses = [m.loss for m in first.steps + second.steps]
+        # Optimizer state included: a fresh AdamW state would move the losses by far more.
+        assert losses == pytest.approx([r.loss for r in expected], rel=1e-10, abs=1e-12)
+        want = reference.parameters()
+        assert all(torch.allclose(params[k], want[k], rtol=1e-9, atol=1e-12) for k in want)
+
+
+def test_another_models_checkpoint_is_refused(tmp_path) -> None:
+    workload = build_model("mlp", stages=2, seed=1)
+    with _trainer(workload, build_schedule("1f1b", 2, 2, stages=2)) as trainer:
+        fit(trainer, workload.stream(), steps=1, checkpoints=Checkpoints(tmp_path))
+    other = build_model("mlp", stages=4, seed=1)
+    with _trainer(other, build_schedule("1f1b", 2, 2, stages=4)) as trainer:
+        with pytest.raises(CheckpointError, match="saved from another model: parameters missing"):
+            trainer.load_checkpoint(tmp_path)
+        with pytest.raises(CheckpointError, match="already holds checkpoints"):
+            fit(trainer, other.stream(), steps=1, checkpoints=Checkpoints(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
+
+
+class _Killer:
+    """A sink that SIGKILLs one worker process after the given steps (once each)."""
+
+    def __init__(self, trainer: Trainer, at: set[int]) -> None:
+        self.trainer, self.at = trainer, set(at)
+        self.killed: list[tuple[int, int, float]] = []  # (step, pid, when)
+        self.first_after: list[float] = []  # when each restarted run finished its first step
+
+    def on_step(self, metrics, result) -> None:
+        if len(self.first_after) < len(self.killed):
+            self.first_after.append(time.perf_counter() - metrics.step_seconds)  # when that step began
+        if metrics.step in self.at:
+            self.at.discard(metrics.step)
+            pid = self.trainer.worker_pids()[1]
+            os.kill(pid, signal.SIGKILL)
+            self.killed.append((metrics.step, pid, time.perf_counter()))
+
+    def on_eval(self, metrics) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_restarts_after_killed_workers_finish_like_an_uninterrupted_run(tmp_path) -> None:
+    steps, every = 10, 3
+    workload = build_model("mlp", stages=2, seed=13)
+    strategy = build_schedule("1f1b", 2, 2, stages=2)
+    with _trainer(workload, strategy) as trainer:
+        whole = fit(trainer, workload.stream(), steps=steps, checkpoints=Checkpoints(tmp_path / "a", every))
+        expected = trainer.parameters()
+    with _trainer(workload, strategy) as trainer:
+        killer = _Killer(trainer, {4, 8})
+        run = fit(trainer, workload.stream(), steps=steps, checkpoints=Checkpoints(tmp_path / "b", every),
+                  sinks=[killer], max_restarts=2)
+        params = trainer.parameters()
+        pids = trainer.worker_pids()
+    assert [r.resumed_from for r in run.restarts] == [3, 6]
+    assert [r.recomputed for r in run.restarts] == [1, 2]  # steps 4; 7 and 8
+    assert [r.failed_step for r in run.restarts] == [5, 9]
+    assert not {pid for _, pid, _ in killer.killed} & set(pids)  # new workers
+    assert [m.step for m in run.steps] == list(range(1, steps + 1))
+    assert [m.loss for m in run.steps] == [m.loss for m in whole.steps]
+    assert _equal(params, expected)
+    for (step, _, killed), back, restart in zip(killer.killed, killer.first_after, run.restarts, strict=True):
+        print(f"killed after step {step}: training again after {back - killed:.2f} s "
+              f"(restart and load {restart.seconds:.2f} s), {restart.recomputed} steps recomputed")
+
+
+def test_cli_checkpoints_resume_and_export(tmp_path, capsys) -> None:
+    ckpt = tmp_path / "ckpt"
+    base = ["train", "--model", "mlp", "--pp", "2", "--microbatches", "2", "--optimizer", "adam", "--json",
+            "--no-progress-bar"]
+    saving = [*base, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--keep-checkpoints", "2"]
+    assert main([*saving, "--steps", "3"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert [p.rsplit("/", 1)[1] for p in first["checkpoints"]] == ["step-00000002", "step-00000003"]
+    assert main([*saving, "--steps", "3"]) == 2
+    assert "already holds checkpoints (the latest: step-00000003); pass --resume" in capsys.readouterr().err
+    assert main([*saving, "--steps", "5", "--resume"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["first_step"] == 4 and second["steps"] == 2
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000004", "step-00000005"]  # the newest 2 kept
+    assert main([*base, "--steps", "5"]) == 0
+    assert first["losses"] + second["losses"] == json.loads(capsys.readouterr().out)["losses"]
+
+    assert main(["export", str(ckpt), "--out", str(tmp_path / "model.pt")]) == 0
+    assert "to " + str(tmp_path / "model.pt") in capsys.readouterr().out
+    build_model("mlp", stages=2).model.load_state_dict(torch.load(tmp_path / "model.pt"))
+
+    # Bad input, each refused before any worker starts, nothing deleted.
+    assert main([*saving, "--stages", "4", "--resume"]) == 2
+    assert "saved from another model: parameters missing from the checkpoint" in capsys.readouterr().err
+    assert main([*base, "--checkpoint-dir", str(tmp_path / "empty"), "--resume"]) == 2
+    assert "nothing to resume from" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "empty"), "--out", str(tmp_path / "x.pt")]) == 2
+    with pytest.raises(SystemExit):
+        main([*base, "--resume"])
+    assert "--resume needs --checkpoint-dir" in capsys.readouterr().err
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000004", "step-00000005"]

@@ -1,0 +1,194 @@
+"""Checkpoint directories: atomic writes, the latest complete one, keeping the last few.
+
+A checkpoint root holds one directory per checkpoint, ``step-00000040``: a DCP checkpoint
+(``.metadata`` plus one ``__<rank>_0.distcp`` file per rank, ``piper_runtime.checkpoint``) and
+``piper.json``, a manifest naming the format, the step, every parameter's shape and the
+optimizer. A checkpoint is written into a hidden sibling ``.tmp-step-...`` and renamed into
+place only when every rank's files, ``.metadata`` and the manifest are on disk, so a crash
+while writing leaves a ``.tmp-`` directory that nothing reads, never a checkpoint that looks
+complete. A rename never replaces an existing checkpoint, and older checkpoints are deleted
+(beyond the newest ``keep``) only after a new one is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from piper_ir import CheckpointError
+from piper_runtime.checkpoint import read_model
+
+FORMAT = "piper-checkpoint"
+VERSION = 1
+MANIFEST = "piper.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    """Whether ``path`` is a whole checkpoint (renamed into place: metadata and manifest in it;
+    a temporary directory never is, it has no manifest until just before the rename)."""
+    return (path / MANIFEST).is_file() and (path / ".metadata").is_file()
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the complete checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _STEP_DIR.match(child.name)
+        if m and is_complete(child):
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def resolve(path: str | os.PathLike[str]) -> Path:
+    """The checkpoint ``path`` names: itself when it is one, else the latest complete one
+    under it; ``CheckpointError`` when there is none."""
+    path = Path(path)
+    if is_complete(path):
+        return path
+    if (path / MANIFEST).exists() or (path / ".metadata").exists() or (_STEP_DIR.match(path.name) and path.is_dir()):
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST} or .metadata: a partial write?)")
+    latest = latest_checkpoint(path)
+    if latest is None:
+        what = "does not exist" if not path.exists() else "holds no complete checkpoint"
+        raise CheckpointError(f"nothing to resume from: {path} {what}")
+    return latest
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of checkpoint ``path``, checked for format and version."""
+    file = path / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{file}: not a readable checkpoint manifest ({err})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{file}: not a Piper checkpoint manifest")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{file}: checkpoint format version {manifest.get('version')}, this Piper reads {VERSION}")
+    return manifest
+
+
+def check_compatible(path: Path, manifest: Mapping[str, Any], params: Mapping[str, tuple[int, ...]],
+                     optimizer: str) -> None:
+    """``CheckpointError`` naming the culprit when checkpoint ``path`` was saved from another
+    model (parameter names or shapes differ) or with another optimizer."""
+    saved = {name: tuple(shape) for name, shape in manifest.get("parameters", {}).items()}
+    missing = sorted(set(params) - set(saved))
+    extra = sorted(set(saved) - set(params))
+    shapes = [f"{n}: {list(params[n])} here, {list(saved[n])} saved" for n in sorted(set(params) & set(saved))
+              if tuple(params[n]) != saved[n]]
+    problems = []
+    if missing:
+        problems.append(f"parameters missing from the checkpoint: {', '.join(missing[:5])}"
+                        + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    if extra:
+        problems.append(f"parameters the model does not have: {', '.join(extra[:5])}"
+                        + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""))
+    if shapes:
+        problems.append("shapes differ: " + "; ".join(shapes[:5]))
+    if problems:
+        raise CheckpointError(f"checkpoint {path} was saved from another model: " + "; ".join(problems))
+    if manifest.get("optimizer") not in (None, optimizer):
+        raise CheckpointError(
+            f"checkpoint {path} holds {manifest['optimizer']} optimizer state; this run uses {optimizer}"
+        )
+
+
+def write_atomically(path: Path, write: Callable[[Path], None], manifest: Mapping[str, Any]) -> Path:
+    """Write a checkpoint to ``path`` (which must not exist): ``write(tmp)`` fills a fresh
+    temporary sibling, the manifest goes in last, then one rename makes it visible. On any
+    failure the temporary directory is removed and nothing else is touched."""
+    if path.exists():
+        raise CheckpointError(f"{path} already exists: a checkpoint is never overwritten")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump({"format": FORMAT, "version": VERSION, **manifest}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, path)  # atomic on one filesystem; fails (rather than replacing) if path appeared
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints under ``root``; the deleted."""
+    if keep < 1:
+        return []
+    old = [path for _, path in complete_checkpoints(root)[:-keep]]
+    for path in old:
+        # Rename first, so a crash half-way through the delete leaves no partial checkpoint
+        # under a checkpoint's name.
+        doomed = path.parent / f".tmp-deleting-{path.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    return old
+
+
+def export(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Write the model of checkpoint ``path`` (or the latest under it) to ``out`` as a plain
+    single-device ``state_dict`` (``torch.save``), which ``model.load_state_dict`` accepts."""
+    source = resolve(path)
+    read_manifest(source)
+    state = read_model(str(source))
+    torch.save(state, out)
+    return state
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class Checkpoints:
+    """Where and how often ``fit`` checkpoints: every ``every`` steps (0: only at the end)
+    into ``root``, keeping the newest ``keep``."""
+
+    def __init__(self, root: str | os.PathLike[str], every: int = 0, keep: int = 3) -> None:
+        if every < 0:
+            raise ValueError(f"checkpoint interval must be >= 0 steps, got {every}")
+        if keep < 1:
+            raise ValueError(f"must keep at least 1 checkpoint, got {keep}")
+        self.root = Path(root)
+        self.every = every
+        self.keep = keep
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.root)
+
+    def path(self, step: int) -> Path:
+        return self.root / checkpoint_name(step)
