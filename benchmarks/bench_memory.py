@@ -153,7 +153,7 @@ class Bench:
         )
         try:
             runtime.step(*self.batch(mb, 0))
-            return runtime.step(*self.batch(mb, 1)).memory
+            return runtime.step(*self.batch(mb, 1), memory=True).memory
         finally:
             runtime.shutdown()
 

@@ -12,6 +12,13 @@ share of the sequential run's all-to-all time that threading removed from the st
 
     .venv/bin/python benchmarks/bench_overlap.py [--microbatches 8] [--batch 256] [--steps 10]
         [--png docs/overlap/dualpipev-ep.png]
+
+``--curve 32,64,128,256`` instead measures the fraction hidden as a function of the
+compute/communication ratio: DualPipeV with threads and on one stream at each ``d_model``
+(expert width 2x), the two runs alternating over ``--repeats`` rounds. The ratio is the
+one-stream step's time outside the all-to-alls over its time inside them; "hidden" as above.
+``--simulate`` prints the simulator's DualPipeV gain over 1F1B at DeepSeek's ratios
+(``simulated_gains``), without running anything.
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from piper_directives import build_schedule, expert_parallel
-from piper_runtime import OptimizerSpec
-from piper_scheduler import measured_timeline, plot_gantt
+from piper_directives.synthetic import synthetic_graph
+from piper_runtime import OptimizerSpec, ensure_ray
+from piper_scheduler import CostModel, compile_program, measured_timeline, plot_gantt, simulate
 from piper_train.models import MoEModel
 from piper_train.trainer import Trainer
 
@@ -49,9 +57,9 @@ def _data(batch: int, d_in: int, d_out: int):
     return batches
 
 
-def run(schedule: str, threads: bool, args: argparse.Namespace) -> dict:
+def run(schedule: str, threads: bool, args: argparse.Namespace, d_model: int | None = None) -> dict:
     torch.manual_seed(0)
-    model = MoEModel(args.d_in, args.d_model, args.d_out, REGIONS, num_experts=4, k=2, shared=True)
+    model = MoEModel(args.d_in, d_model or args.d_model, args.d_out, REGIONS, num_experts=4, k=2, shared=True)
     batches = _data(args.batch, args.d_in, args.d_out)
     inputs, targets = batches(0)
 
@@ -60,7 +68,8 @@ def run(schedule: str, threads: bool, args: argparse.Namespace) -> dict:
 
     inside, a2a, timings = [], [], None
     with Trainer(
-        model, inputs, targets, F.mse_loss, strategy, optimizer=OptimizerSpec("sgd", 0.01), threads=threads
+        model, inputs, targets, F.mse_loss, strategy, optimizer=OptimizerSpec("sgd", 0.01), threads=threads,
+        reuse_workers=True,
     ) as trainer:
         for step in range(args.warmup + args.steps):
             profile = step == args.warmup + args.steps - 1
@@ -73,6 +82,55 @@ def run(schedule: str, threads: bool, args: argparse.Namespace) -> dict:
     return {"step": statistics.median(inside), "a2a": statistics.median(a2a), "timings": timings, "program": program}
 
 
+def curve(args: argparse.Namespace) -> None:
+    """Fraction of the all-to-all hidden by DualPipeV's threads, against compute/comm."""
+    widths = [int(w) for w in args.curve.split(",")]
+    print(f"DualPipeV, MoE PP={PP} x EP={EP}, batch {args.batch}, {args.microbatches} microbatches; "
+          f"median of {args.steps} steps after {args.warmup}, {args.repeats} alternating rounds")
+    print("| d_model | one stream ms | threads ms | all-to-all ms (one stream) | compute/comm | hidden "
+          "| min(1, compute/comm) | load |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    for width in widths:
+        steps: dict[bool, list[float]] = {True: [], False: []}
+        a2a: list[float] = []
+        for r in range(args.repeats):
+            for threads in (True, False) if r % 2 == 0 else (False, True):
+                out = run("dualpipev", threads, args, d_model=width)
+                steps[threads].append(out["step"])
+                if not threads:
+                    a2a.append(out["a2a"])
+        seq, thr, comm = statistics.median(steps[False]), statistics.median(steps[True]), statistics.median(a2a)
+        ratio = (seq - comm) / comm if comm else float("inf")
+        print(f"| {width} | {seq * 1e3:.1f} | {thr * 1e3:.1f} | {comm * 1e3:.1f} | {ratio:.2f} | "
+              f"{(seq - thr) / comm:.0%} | {min(1.0, ratio):.0%} | {os.getloadavg()[0]:.1f} |", flush=True)
+
+
+def simulated_gains(ratios: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0), pps: tuple[int, ...] = (4, 8)) -> None:
+    """The simulator's DualPipeV step against 1F1B's on the same ranks and ``2 pp`` regions,
+    each region costing F=1, B=2 (W=1) of compute plus ``r`` times that in expert all-to-all.
+    1F1B pays both in turn; a DualPipeV F&B pair hides one chunk's all-to-all under the
+    other's compute, ``F&B = (F + B) max(1, r)`` (DeepSeek's premise), published at the
+    pair's end (``pairs="atomic"``, their table's model); its unpaired chunks pay in full.
+    DeepSeek-V3 reports a compute/communication ratio of about 1:1 for its cross-node
+    expert parallelism (r = 1)."""
+    print("| ranks | microbatches | comm/compute r | 1F1B step | DualPipeV, pairs not overlapped | DualPipeV step "
+          "| DualPipeV gain | of which overlap |")
+    print("|---|---|---|---|---|---|---|---|")
+    for pp in pps:
+        m = 4 * pp
+        graph = synthetic_graph(2 * pp, m)
+        one = compile_program(build_schedule("1f1b", pp, m, stages=2 * pp).apply(graph))
+        dual = compile_program(build_schedule("dualpipev", pp, m, stages=2 * pp).apply(graph))
+        for r in ratios:
+            f, b = 1.0 * (1 + r), 2.0 * (1 + r)
+            base = CostModel(F=f, B=b, BI=b / 2, BW=b / 2, overrides={"loss": {"F": 0, "B": 0}})
+            fb = max(b, 3.0 * max(1.0, r))
+            paired = CostModel(F=f, B=b, BI=b / 2, BW=b / 2, FB=fb, pairs="atomic", overrides={"loss": {"F": 0, "B": 0}})
+            t1, t2 = simulate(one, base).makespan, simulate(dual, paired).makespan
+            flat = simulate(dual, base).makespan
+            print(f"| {pp} | {m} | {r:g} | {t1:.1f} | {flat:.1f} | {t2:.1f} | {t1 / t2:.2f} | {flat / t2:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatches", type=int, default=8)
@@ -83,7 +141,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--png", type=Path, help="write the Gantt chart of a threaded DualPipeV step")
+    parser.add_argument("--curve", help="d_model values (comma-separated): the hidden-fraction curve")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--simulate", action="store_true", help="only the simulator's DualPipeV gains")
     args = parser.parse_args()
+    if args.simulate:
+        simulated_gains()
+        return
+    ensure_ray(num_cpus=max(os.cpu_count() or 1, PP * EP))
+    if args.curve:
+        curve(args)
+        return
 
     print(
         f"MoE d_model={args.d_model}, 4 experts top-2 + shared, {REGIONS} regions, batch {args.batch}, "

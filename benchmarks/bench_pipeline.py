@@ -1,14 +1,22 @@
 """Piper vs ``torch.distributed.pipelining``: the same model, data, ranks and schedule.
 
-Both sides run on gloo over loopback, one CPU thread per rank, SGD, ``pp`` ranks and
-``microbatches`` microbatches. torch's side times each step between barriers on rank 0
-(``torch_pipelining.py``); Piper's side times ``Trainer.step`` from the driver, so its
-figure also includes handing the batch to the Ray workers and collecting the losses, and
-reports the slowest rank's time inside its step ("in-worker"), the figure comparable to
-torch's barrier-to-barrier time. Piper runs with one thread per stream (its default); the last
-column is the same plan walked sequentially by one thread per rank (``threads=False``).
+Both sides run on gloo over loopback, one CPU thread per rank, AdamW, ``pp`` ranks and
+``microbatches`` microbatches; interleaved 1F1B runs two regions per rank (rank r holds
+regions r and r + pp on both sides). torch's side times each step between barriers on rank 0
+(``torch_pipelining.py``, batches made before the barrier). Piper's side is what a training
+loop gets from ``Trainer.submit`` with one step in flight ahead (as ``fit`` runs): the time
+between consecutive steps' results arriving on the driver, batches made beforehand. Also
+printed: the slowest rank's time inside its step ("in-worker") and the same Trainer stepping
+one call at a time (``Trainer.step``: a driver round trip per step, "sync"), and the CPU
+time the ranks' processes spent per step (all threads, summed over ranks), Piper's over
+torch's: on an oversubscribed machine wall times follow the load, CPU time much less.
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--pp 2] [--microbatches 4] [--steps 10]
+The two sides alternate (torch, Piper, Piper, torch, ...) for ``--repeats`` rounds and each
+figure is the median over every timed step of its rounds, so load that drifts during the
+run (this machine is shared) falls on both. The load average is printed with each row.
+
+    .venv/bin/python benchmarks/bench_pipeline.py [--models stack,mlp,transformer,lm]
+        [--schedules gpipe,1f1b,interleaved_1f1b] [--pp 2 4] [--microbatches 8] [--steps 6] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -20,60 +28,121 @@ import sys
 import time
 from pathlib import Path
 
+import ray
+
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-from torch_pipelining import run_torch_pipeline
+from torch_pipelining import CHUNKS, run_torch_pipeline
 
-from piper_runtime import OptimizerSpec
+from piper_runtime import OptimizerSpec, ensure_ray
 from piper_train.models import build_model
 from piper_train.trainer import Trainer
 
+LR = 1e-3
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads; Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
 
 def run_piper(
-    schedule: str, model_name: str, pp: int, microbatches: int, steps: int, warmup: int = 2, threads: bool = True
-) -> tuple[list[float], list[float]]:
-    """Step times from the driver, and the slowest rank's time inside its step."""
-    spec = build_model(model_name, stages=pp)
+    schedule: str, model_name: str, pp: int, microbatches: int, steps: int, warmup: int = 1, sync_steps: int = 0,
+    cpu: list[float] | None = None,
+) -> tuple[list[float], list[float], list[float]]:
+    """Pipelined step times (between results), in-worker times, and sync step times; ``cpu``
+    receives the workers' CPU seconds per pipelined step, summed over ranks."""
+    spec = build_model(model_name, stages=pp * CHUNKS[schedule])
+    batches = [spec.batches(step) for step in range(warmup + steps + sync_steps)]
     with Trainer.with_schedule(
         spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn,
-        schedule=schedule, pp=pp, microbatches=microbatches, optimizer=OptimizerSpec("sgd", 0.01),
-        threads=threads,
+        schedule=schedule, pp=pp, microbatches=microbatches, optimizer=OptimizerSpec("adamw", LR),
+        reuse_workers=True,
     ) as trainer:
+        for batch in batches[:warmup]:
+            trainer.step(*batch)
+        pids = ray.get([w.ping.remote() for w in trainer.runtime._workers], timeout=60)
+        cpu_start = sum(_cpu_seconds(p) for p in pids)
         times, inside = [], []
-        for step in range(warmup + steps):
-            inputs, targets = spec.batches(step)
-            start = time.perf_counter()
-            result = trainer.step(inputs, targets)
-            if step >= warmup:
-                times.append(time.perf_counter() - start)
-                inside.append(max(result.worker_seconds))
-    return times, inside
+        last = time.perf_counter()
+        pending = None
+        for batch in batches[warmup : warmup + steps]:
+            ahead = trainer.submit(*batch)
+            if pending is not None:
+                inside.append(max(pending.result().worker_seconds))
+                now = time.perf_counter()
+                times.append(now - last)
+                last = now
+            pending = ahead
+        if pending is not None:
+            inside.append(max(pending.result().worker_seconds))
+            times.append(time.perf_counter() - last)
+        if cpu is not None:
+            cpu.append((sum(_cpu_seconds(p) for p in pids) - cpu_start) / steps)
+        sync = []
+        for batch in batches[warmup + steps :]:
+            t0 = time.perf_counter()
+            trainer.step(*batch)
+            sync.append(time.perf_counter() - t0)
+    return times, inside, sync
+
+
+def compare(model: str, schedule: str, pp: int, microbatches: int, steps: int, repeats: int) -> dict[str, float]:
+    torch_t: list[float] = []
+    piper_t: list[float] = []
+    inside: list[float] = []
+    sync: list[float] = []
+    torch_cpu: list[float] = []
+    piper_cpu: list[float] = []
+    loads = [os.getloadavg()[0]]
+
+    def torch_side() -> None:
+        torch_t.extend(run_torch_pipeline(schedule, model, pp, microbatches, steps, warmup=1, lr=LR, optimizer="adamw",
+                                          cpu=torch_cpu))
+
+    def piper_side() -> None:
+        t, i, s = run_piper(schedule, model, pp, microbatches, steps, sync_steps=max(2, steps // 2), cpu=piper_cpu)
+        piper_t.extend(t)
+        inside.extend(i)
+        sync.extend(s)
+
+    for r in range(repeats):
+        for side in (torch_side, piper_side) if r % 2 == 0 else (piper_side, torch_side):
+            side()
+            loads.append(os.getloadavg()[0])
+    t, p = statistics.median(torch_t), statistics.median(piper_t)
+    return {"torch": t, "piper": p, "inside": statistics.median(inside), "sync": statistics.median(sync),
+            "load": statistics.fmean(loads), "cpu": statistics.median(piper_cpu) / statistics.median(torch_cpu)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--models", default="mlp,transformer,lm")
+    parser.add_argument("--models", default="stack,mlp,transformer,lm")
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b")
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    print(f"Piper vs torch.distributed.pipelining — gloo/CPU, pp={args.pp}, {args.microbatches} microbatches, "
-          f"median of {args.steps} steps after 2 warm-up steps")
-    header = (f"{'model':<12} {'schedule':<8} {'torch ms':>9} {'piper ms':>9} {'piper/torch':>12}"
-              f" {'in-worker ms':>13} {'in-worker/torch':>16} {'sequential/torch':>17}")
-    print(header)
-    print("-" * len(header))
-    for model_name in args.models.split(","):
-        for schedule in ("gpipe", "1f1b"):
-            torch_ms = 1000 * statistics.median(run_torch_pipeline(schedule, model_name, args.pp, args.microbatches, args.steps))
-            times, inside = run_piper(schedule, model_name, args.pp, args.microbatches, args.steps)
-            _, serial = run_piper(schedule, model_name, args.pp, args.microbatches, args.steps, threads=False)
-            piper_ms, inside_ms = 1000 * statistics.median(times), 1000 * statistics.median(inside)
-            serial_ms = 1000 * statistics.median(serial)
-            print(f"{model_name:<12} {schedule:<8} {torch_ms:>9.2f} {piper_ms:>9.2f} {piper_ms / torch_ms:>12.2f}"
-                  f" {inside_ms:>13.2f} {inside_ms / torch_ms:>16.2f} {serial_ms / torch_ms:>17.2f}", flush=True)
+    # One embedded cluster for every row: with as many logical CPUs as the widest row's ranks
+    # (reused workers reserve no bundle, but the cluster must be large enough for them).
+    ensure_ray(num_cpus=max(os.cpu_count() or 1, 2 * max(args.pp)))
+    print(f"Piper vs torch.distributed.pipelining — gloo/CPU, AdamW, {args.microbatches} microbatches, "
+          f"{args.steps} timed steps per round after 1 warm-up, {args.repeats} alternating rounds, medians")
+    header = (f"{'model':<12} {'schedule':<17} {'pp':>2} {'torch ms':>9} {'piper ms':>9} {'piper/torch':>12}"
+              f" {'in-worker/torch':>16} {'sync/torch':>11} {'CPU/torch':>10} {'load':>5}")
+    print(header + "\n" + "-" * len(header), flush=True)
+    for model in args.models.split(","):
+        for pp in args.pp:
+            for schedule in args.schedules.split(","):
+                r = compare(model, schedule, pp, args.microbatches, args.steps, args.repeats)
+                print(f"{model:<12} {schedule:<17} {pp:>2} {r['torch'] * 1e3:>9.1f} {r['piper'] * 1e3:>9.1f}"
+                      f" {r['piper'] / r['torch']:>12.2f} {r['inside'] / r['torch']:>16.2f}"
+                      f" {r['sync'] / r['torch']:>11.2f} {r['cpu']:>10.2f} {r['load']:>5.1f}", flush=True)
 
 
 if __name__ == "__main__":

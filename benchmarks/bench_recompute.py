@@ -62,8 +62,8 @@ def main() -> None:
         profile = activation_bytes(program, captured.modules, *batch(0))
         estimate = estimate_memory(program, "adamw", activation_bytes=profile)
         with Runtime(program, captured.modules, OptimizerSpec("adamw", 1e-3), step_timeout_s=600) as runtime:
-            runtime.step(*batch(0))
-            result = runtime.step(*batch(1), keep_grads=True)
+            runtime.step(*batch(0), memory=True)
+            result = runtime.step(*batch(1), keep_grads=True, memory=True)
         runs[name] = (estimate, result)
     print(f"transformer d_model {D_MODEL}, {HEADS} heads, seq {args.seq}, {LAYERS} blocks; 1F1B pp={PP}, "
           f"{MICROBATCHES} microbatches of {args.microbatch}; MiB, estimate / measured (second step)")

@@ -1,13 +1,17 @@
-"""Does the simulator predict the CPU runtime? Costs from a 1F1B run's own timings.
+"""Does the simulator predict the CPU runtime? Costs from each run's own timings.
 
-1. Run ``Trainer.with_schedule`` (1F1B, Ray + gloo on 127.0.0.1) for warm-up + timed steps
+For each model and schedule (1F1B, interleaved 1F1B, ZB1P, DualPipeV by default):
+
+1. Run ``Trainer.with_schedule`` (Ray + gloo on 127.0.0.1) for warm-up + timed steps
    with ``profile=True``: every worker returns when each instruction started and ended
    (``StepResult.timings``) and its time inside the step (``StepResult.worker_seconds``); the
    driver times each ``step`` call.
 2. Costs from the timed steps of that same run (means over its instructions):
-   - compute: the mean duration of each (segment, phase) instruction -> ``CostModel.overrides``;
+   - compute: the mean duration of each (segment, phase) instruction that ran alone ->
+     ``CostModel.overrides``; DualPipeV's overlapped pairs calibrate ``FB`` (the mean of a
+     pair's wall time over its members' costs alone);
    - ``overhead``: the gap between one instruction's end and the next one's start on a rank
-     (freeing values, memory sampling), charged to every compute instruction;
+     (freeing values, posting receives, waking a lane), charged to every compute instruction;
    - ``latency``: a SEND's mean duration (posting the message to gloo); ``comm_overhead``:
      the gap plus the shortest RECV (a receive whose message had already arrived: completing
      and copying it; the rest of a RECV's time is waiting, which the
@@ -18,7 +22,8 @@
    (``max(worker_seconds)``) and with the driver-measured step time.
 
     RAY_USAGE_STATS_ENABLED=0 GLOO_SOCKET_IFNAME=lo .venv/bin/python benchmarks/bench_simulate_vs_runtime.py \
-        [--model lm] [--pp 2] [--microbatches 2 8 16] [--steps 10]
+        [--models lm,transformer] [--schedules 1f1b,interleaved_1f1b,zb1p,dualpipev] [--pp 2]
+        [--microbatches 8] [--steps 8]
 
 Timings on a shared machine are noisy; the script prints its figures, it asserts nothing.
 """
@@ -38,11 +43,11 @@ from piper_train import Trainer
 from piper_train.models import build_model
 
 
-def run(spec, pp: int, microbatches: int, steps: int, warmup: int):
+def run(spec, pp: int, microbatches: int, steps: int, warmup: int, schedule: str = "1f1b"):
     """(program, driver seconds per step, StepResults) for the timed steps."""
     with Trainer.with_schedule(spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn,
-                               schedule="1f1b", pp=pp, microbatches=microbatches,
-                               optimizer=OptimizerSpec("sgd", 0.01)) as trainer:
+                               schedule=schedule, pp=pp, microbatches=microbatches,
+                               optimizer=OptimizerSpec("sgd", 0.01), reuse_workers=True) as trainer:
         driver, results = [], []
         for step in range(warmup + steps):
             inputs, targets = spec.batches(step)
@@ -55,23 +60,36 @@ def run(spec, pp: int, microbatches: int, steps: int, warmup: int):
 
 
 def costs_from_run(program, results) -> tuple[CostModel, float, dict[str, float]]:
-    """A CostModel from the run's per-instruction timings, the tail to add, and a summary."""
+    """A CostModel from the run's per-instruction timings, the tail to add, and a summary.
+
+    Compute costs are the means of the instructions that ran alone; the instructions of an
+    overlapped slot (DualPipeV's F&B pairs, run side by side on two threads) calibrate the
+    pair model instead: ``FB / (F + B)`` is the mean over the run's pairs of the pair's wall
+    time over what its members cost alone. Gaps are the time a rank runs no instruction
+    between two (measured against the latest end so far, since lanes overlap)."""
     by_id = {(plan.rank, ins.id): ins for plan in program.ranks for ins in plan.instructions}
     compute: dict[tuple[str, str], list[float]] = defaultdict(list)
     sends, recvs, gaps, starts, tails = [], [], [], [], []
-    for result in results:
+    slots: dict[tuple[int, int, int], list] = defaultdict(list)  # (step, rank, overlap) -> timings
+    for index, result in enumerate(results):
         per_rank: dict[int, list] = defaultdict(list)
         for t in result.timings:
             per_rank[t.rank].append(t)
         for rank, timings in per_rank.items():
             timings.sort(key=lambda t: t.start)
             starts.append(timings[0].start)
-            tails.append(result.worker_seconds[rank] - timings[-1].end)
-            gaps.extend(b.start - a.end for a, b in zip(timings, timings[1:], strict=False))
+            tails.append(result.worker_seconds[rank] - max(t.end for t in timings))
+            reach = timings[0].start
+            for t in timings:
+                gaps.append(max(0.0, t.start - reach))
+                reach = max(reach, t.end)
             for t in timings:
                 ins = by_id[(rank, t.instruction)]
                 if ins.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER):
-                    compute[(ins.segment, ins.phase.value)].append(t.end - t.start)
+                    if ins.overlap is not None:
+                        slots[(index, rank, ins.overlap)].append((ins, t))
+                    else:
+                        compute[(ins.segment, ins.phase.value)].append(t.end - t.start)
                 elif ins.kind is NodeKind.SEND:
                     sends.append(t.end - t.start)
                 elif ins.kind is NodeKind.RECV:
@@ -82,50 +100,68 @@ def costs_from_run(program, results) -> tuple[CostModel, float, dict[str, float]
     overrides: dict[str, dict[str, float]] = defaultdict(dict)
     for (seg, phase), ds in compute.items():
         overrides[seg][phase] = statistics.fmean(ds)
+    paired: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for members in slots.values():
+        for ins, t in members:
+            paired[(ins.segment, ins.phase.value)].append(t.end - t.start)
+    for (seg, phase), ds in paired.items():  # a phase that only ever ran paired: its paired mean
+        overrides[seg].setdefault(phase, statistics.fmean(ds))
+    ratios = []
+    for members in slots.values():
+        alone = sum(overrides[ins.segment][ins.phase.value] for ins, _ in members)
+        wall = max(t.end for _, t in members) - min(t.start for _, t in members)
+        if alone > 0:
+            ratios.append(min(1.0, max(0.5, wall / alone)))
+    factor = statistics.fmean(ratios) if ratios else 1.0
     latency = statistics.fmean(sends) if sends else 0.0
     recv_done = min(recvs, default=0.0)
-    costs = CostModel(F=0, B=0, BI=0, BW=0, OPT=0, overrides=overrides, latency=latency,
-                      overhead=gap, comm_overhead=gap + recv_done, startup=statistics.median(starts))
+    costs = CostModel(F=1.0, B=1.0, BI=0.5, BW=0.5, OPT=0, overrides=overrides, latency=latency,
+                      overhead=gap, comm_overhead=gap + recv_done, startup=statistics.median(starts),
+                      FB=2.0 * factor if ratios else None)
     summary = {"gap": gap, "send": latency, "recv_done": recv_done, "recv_median": statistics.median(recvs),
-               "startup": costs.startup, "tail": statistics.median(tails),
+               "startup": costs.startup, "tail": statistics.median(tails), "pair_factor": factor,
                "compute_per_step": sum(sum(ds) / len(results) for ds in compute.values()),
                "compute_median_per_step": sum(statistics.median(ds) * len(ds) / len(results) for ds in compute.values()),
                "gaps_per_step": sum(gaps) / len(results)}
     return costs, summary["tail"], summary
 
 
+def compare(model: str, schedule: str, pp: int, m: int, steps: int, warmup: int) -> dict[str, float]:
+    """Run, take the costs from the run, simulate; the figures of one row."""
+    spec = build_model(model, stages=pp * REGIONS_PER_RANK.get(schedule, 1), seed=0)
+    program, driver, results = run(spec, pp, m, steps, warmup, schedule)
+    costs, tail, s = costs_from_run(program, results)
+    simulated = simulate(program, costs).makespan + tail
+    worker = statistics.median(max(r.worker_seconds) for r in results)
+    return {"sim": simulated, "worker": worker, "driver": statistics.median(driver), **s}
+
+
+REGIONS_PER_RANK = {"interleaved_1f1b": 2, "dualpipev": 2}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="lm", choices=["mlp", "transformer", "lm"])
+    parser.add_argument("--models", default="lm,transformer")
+    parser.add_argument("--schedules", default="1f1b,interleaved_1f1b,zb1p,dualpipev")
     parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 8, 16])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[8])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-
-    spec = build_model(args.model, stages=args.pp, seed=0)
-    rows = []
-    for m in args.microbatches:
-        program, driver, results = run(spec, args.pp, m, args.steps, args.warmup)
-        costs, tail, s = costs_from_run(program, results)
-        simulated = simulate(program, costs).makespan + tail
-        bare = simulate(program, CostModel(F=0, B=0, BI=0, BW=0, OPT=0, overrides=costs.overrides)).makespan
-        worker = statistics.median(max(r.worker_seconds) for r in results)
-        step = statistics.median(driver)
-        rows.append((m, s, bare, simulated, worker, step))
-        print(f"M={m}: compute {s['compute_per_step'] * 1e3:.1f} ms/step over all ranks (at the medians "
-              f"{s['compute_median_per_step'] * 1e3:.1f}), gaps {s['gaps_per_step'] * 1e3:.1f}; gap {s['gap'] * 1e3:.3f} ms, "
-              f"send {s['send'] * 1e3:.3f} ms, recv min {s['recv_done'] * 1e3:.3f} / median "
-              f"{s['recv_median'] * 1e3:.3f} ms, startup {s['startup'] * 1e3:.2f} ms, tail {s['tail'] * 1e3:.2f} ms",
-              flush=True)
-    print(f"\nmodel {args.model}, 1F1B, pp={args.pp}, {args.steps} timed steps after {args.warmup} warm-up (medians)")
-    print("| microbatches | simulated, compute only (ms) | simulated, all costs (ms) | in-worker step, max over "
-          "ranks (ms) | sim / worker | driver step (ms) | sim / driver |")
-    print("|---|---|---|---|---|---|---|")
-    for m, _s, bare, sim, worker, step in rows:
-        print(f"| {m} | {bare * 1e3:.1f} | {sim * 1e3:.1f} | {worker * 1e3:.1f} | {sim / worker:.2f} | "
-              f"{step * 1e3:.1f} | {sim / step:.2f} |")
+    print(f"Simulated vs measured step, pp={args.pp}, {args.steps} timed steps after {args.warmup} warm-up "
+          f"(medians), costs from each run's own timings; load average {os.getloadavg()[0]:.1f}")
+    print("| model | schedule | microbatches | simulated (ms) | in-worker step, max over ranks (ms) | sim / worker "
+          "| driver step (ms) | sim / driver | pair factor | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for model in args.models.split(","):
+        for schedule in args.schedules.split(","):
+            for m in args.microbatches:
+                r = compare(model, schedule, args.pp, m, args.steps, args.warmup)
+                factor = f"{r['pair_factor']:.2f}" if schedule == "dualpipev" else "-"
+                print(f"| {model} | {schedule} | {m} | {r['sim'] * 1e3:.1f} | {r['worker'] * 1e3:.1f} | "
+                      f"{r['sim'] / r['worker']:.2f} | {r['driver'] * 1e3:.1f} | {r['sim'] / r['driver']:.2f} | "
+                      f"{factor} | {os.getloadavg()[0]:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from piper_train.models import build_model
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}  # stages per rank (as Piper's library)
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 
 
 def run_torch_pipeline(
@@ -36,10 +38,13 @@ def run_torch_pipeline(
     warmup: int = 2,
     lr: float = 0.01,
     seed: int = 0,
+    optimizer: str = "sgd",
+    cpu: list[float] | None = None,
 ) -> list[float]:
     """Time ``steps`` training steps (after ``warmup`` more) and return them in seconds.
 
-    The model has ``pp`` annotated regions and stage i runs region i; the batch of
+    The model has ``pp`` annotated regions and stage i runs region i (interleaved 1F1B:
+    ``2 pp`` regions, rank r running regions r and r + pp, as Piper's schedule); the batch of
     ``build_model(model_name)`` is split into ``microbatches`` equal microbatches (the
     batch size must divide evenly).
     """
@@ -47,19 +52,29 @@ def run_torch_pipeline(
         raise ValueError(f"unknown schedule {schedule!r}; choose from {sorted(SCHEDULES)}")
     if pp < 1 or microbatches < 1 or steps < 1 or warmup < 0:
         raise ValueError("pp, microbatches and steps must be positive and warmup non-negative")
-    batch = build_model(model_name, stages=pp, seed=seed).example_inputs[0].size(0)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose from {sorted(OPTIMIZERS)}")
+    batch = build_model(model_name, stages=pp * CHUNKS[schedule], seed=seed).example_inputs[0].size(0)
     if batch % microbatches:
         raise ValueError(f"{model_name} batch {batch} does not split into {microbatches} microbatches")
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     mp.start_processes(
         _worker,
-        args=(pp, _free_port(), schedule, model_name, microbatches, steps, warmup, lr, seed, results),
+        args=(pp, _free_port(), schedule, model_name, microbatches, steps, warmup, lr, seed, optimizer, results),
         nprocs=pp,
         join=True,
         start_method="spawn",
     )
-    times = results.get()
+    times: list[float] = []
+    spent = 0.0
+    for _ in range(pp):
+        rank, rank_times, rank_cpu = results.get()
+        spent += rank_cpu
+        if rank == 0:
+            times = rank_times
+    if cpu is not None:
+        cpu.append(spent / steps)
     return times
 
 
@@ -80,6 +95,7 @@ def _worker(
     warmup: int,
     lr: float,
     seed: int,
+    optimizer: str,
     results: mp.SimpleQueue,
 ) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -88,19 +104,29 @@ def _worker(
     try:
         # Every rank builds the whole model from the same seed (identical weights), keeps
         # its own stage, and derives its stage's input shape by running the stages before it.
-        spec = build_model(model_name, stages=pp, seed=seed)
-        parts = spec.model.stage_modules(pp)
-        example = spec.example_inputs[0].chunk(microbatches)[0]
-        with torch.no_grad():
-            for part in parts[:rank]:
-                example = part(example)
-        module = parts[rank]
-        stage = PipelineStage(module, rank, pp, torch.device("cpu"), input_args=(example,))
-        sched = SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=spec.loss_fn)
-        opt = torch.optim.SGD(module.parameters(), lr=lr)
+        chunks = CHUNKS[schedule]
+        spec = build_model(model_name, stages=pp * chunks, seed=seed)
+        parts = spec.model.stage_modules(pp * chunks)
+        mine = [rank + k * pp for k in range(chunks)]
+        stages, modules = [], []
+        for index in mine:
+            example = spec.example_inputs[0].chunk(microbatches)[0]
+            with torch.no_grad():
+                for part in parts[:index]:
+                    example = part(example)
+            modules.append(parts[index])
+            stages.append(PipelineStage(parts[index], index, pp * chunks, torch.device("cpu"), input_args=(example,)))
+        if chunks == 1:
+            sched = SCHEDULES[schedule](stages[0], n_microbatches=microbatches, loss_fn=spec.loss_fn)
+        else:
+            sched = SCHEDULES[schedule](stages, n_microbatches=microbatches, loss_fn=spec.loss_fn)
+        opt = OPTIMIZERS[optimizer]([p for m in modules for p in m.parameters()], lr=lr)
         first, last = rank == 0, rank == pp - 1
         times: list[float] = []
+        cpu_start = 0.0
         for step in range(warmup + steps):
+            if step == warmup:
+                cpu_start = time.process_time()
             (x,), (y,) = spec.batches(step)
             opt.zero_grad()
             dist.barrier()
@@ -112,8 +138,7 @@ def _worker(
             dist.barrier()
             if step >= warmup:
                 times.append(time.perf_counter() - start)
-        if first:
-            results.put(times)
+        results.put((rank, times, time.process_time() - cpu_start))
     finally:
         dist.destroy_process_group()
 

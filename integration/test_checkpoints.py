@@ -181,8 +181,11 @@ def test_restarts_after_killed_workers_finish_like_an_uninterrupted_run(tmp_path
         params = trainer.parameters()
         pids = trainer.worker_pids()
     assert [r.resumed_from for r in run.restarts] == [3, 6]
-    assert [r.recomputed for r in run.restarts] == [1, 2]  # steps 4; 7 and 8
-    assert [r.failed_step for r in run.restarts] == [5, 9]
+    # fit sends step k + 1 before step k's result reaches the sinks: the worker killed after
+    # step k may have finished step k + 1 already (then step k + 2, or the checkpoint after
+    # it, is what fails), so steps 4 (and 5); 7, 8 (and 9) are recomputed.
+    assert [r.failed_step for r in run.restarts] in ([5, 9], [5, 10], [6, 9], [6, 10])
+    assert [r.recomputed for r in run.restarts] == [r.failed_step - 1 - r.resumed_from for r in run.restarts]
     assert not {pid for _, pid, _ in killer.killed} & set(pids)  # new workers
     assert [m.step for m in run.steps] == list(range(1, steps + 1))
     assert [m.loss for m in run.steps] == [m.loss for m in whole.steps]

@@ -48,7 +48,7 @@ def _run(zero: int):
     program = compile_program(plan_memory(strategy.apply(captured.graph)))
     runtime = Runtime(program, captured.modules, OptimizerSpec("adamw", 1e-3))
     try:
-        memory = runtime.step(*spec.batches(0)).memory
+        memory = runtime.step(*spec.batches(0), memory=True).memory
     finally:
         runtime.shutdown()
     return program, memory

@@ -25,7 +25,7 @@ ADAMW = OptimizerSpec("adamw", 1e-3)
 def _two_steps(workload: ModelSpec, strategy: Strategy):
     with Trainer(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
                  optimizer=ADAMW) as trainer:
-        results = [trainer.step(*workload.batches(step), keep_grads=True) for step in range(2)]
+        results = [trainer.step(*workload.batches(step), keep_grads=True, memory=True) for step in range(2)]
         reference = reference_for(trainer, workload, ADAMW, 0)
         wanted = [reference.step(*workload.batches(step)) for step in range(2)]
         profile = activation_bytes(trainer.program, trainer.captured.modules, *workload.batches(0))

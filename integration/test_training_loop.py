@@ -22,6 +22,7 @@ from piper_directives import build_schedule
 from piper_runtime import OptimizerSpec
 from piper_train.check import run_check
 from piper_train.cli import main
+from piper_train.loop import fit
 from piper_train.models import build_model
 from piper_train.reference import ReferenceTrainer
 from piper_train.schedule import LRSchedule
@@ -91,5 +92,47 @@ def test_evaluation_between_steps_leaves_training_exact() -> None:
         with pytest.raises(ValueError, match=r"expected shape \(16, 32\)"):
             trainer.evaluate((torch.zeros(16, 31, dtype=torch.float64),), targets)
         params = trainer.parameters()
+    for name, p in reference.parameters().items():
+        torch.testing.assert_close(params[name], p, rtol=1e-9, atol=1e-12)
+
+
+def test_fit_with_a_step_in_flight_ahead_matches_one_device() -> None:
+    """``fit`` sends each step before the previous one's result is in (and holds back before
+    an evaluation): losses, held-out losses and parameters match one device; memory is
+    accounted on steps 1, 2 and every ``memory_every``-th only, the others repeating the
+    latest peaks."""
+    workload = build_model("mlp", stages=2, seed=7, dtype=torch.float64)
+    optimizer = OptimizerSpec("adamw", 1e-2)
+    reference = ReferenceTrainer(workload.model, workload.loss_fn, optimizer, 4)
+    seen: list[tuple[int, float, bool, tuple[int, ...]]] = []
+
+    class Record:
+        def on_step(self, metrics, result) -> None:
+            seen.append((metrics.step, metrics.loss, bool(result.memory), metrics.peak_memory_bytes))
+
+        def on_eval(self, metrics) -> None:
+            seen.append((metrics.step, metrics.loss, False, ()))
+
+        def close(self) -> None:
+            pass
+
+    batches = iter([workload.batches(k) for k in range(5)])
+    with Trainer.with_schedule(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
+                               schedule="1f1b", pp=2, microbatches=4, optimizer=optimizer) as trainer:
+        run = fit(trainer, batches, steps=5, held_out=workload.eval_batches, eval_every=2, sinks=[Record()],
+                  memory_every=4)
+        params = trainer.parameters()
+    want = []
+    for k in range(5):
+        want.append((k + 1, reference.step(*workload.batches(k)).loss))
+        if (k + 1) % 2 == 0:
+            want.append((k + 1, reference.evaluate(*workload.eval_batches(0))))
+    assert [s for s, *_ in seen] == [s for s, _ in want]
+    for (_, got, *_), (_, expected) in zip(seen, want, strict=True):
+        assert got == pytest.approx(expected, rel=1e-10)
+    steps = [row for row in seen if row[3]]
+    assert [s for s, _, accounted, _ in steps if accounted] == [1, 2, 4] and len(steps) == 5
+    assert steps[2][3] == steps[1][3] and all(len(row[3]) == 2 for row in steps)  # step 3 repeats step 2's peaks
+    assert len(run.steps) == 5 and len(run.evals) == 2
     for name, p in reference.parameters().items():
         torch.testing.assert_close(params[name], p, rtol=1e-9, atol=1e-12)

@@ -150,7 +150,7 @@ def test_zero_matches_single_device(ray_cluster, zero: int) -> None:
     with Runtime(dp_program(zero), {"s0": Stage(lin), "loss": MSE()}, spec) as rt:
         for step in range(3):
             x, t = _batch(step)
-            result = rt.step((x,), (t,), keep_grads=True)
+            result = rt.step((x,), (t,), keep_grads=True, memory=True)
             ref_opt.zero_grad()
             full = nn.functional.mse_loss(ref["l0"](x), t)
             full.backward()
@@ -202,7 +202,7 @@ def test_zero0_memory_matches_hand_count(ray_cluster) -> None:
         state = 2 * PARAM_BYTES + 2 * F32
         acts = 2 * Y_BYTES + M * F32
         for step, total in ((0, PARAM_BYTES + state + M * F32), (1, 2 * PARAM_BYTES + state + acts)):
-            result = rt.step(*((t,) for t in _batch(step)))
+            result = rt.step(*((t,) for t in _batch(step)), memory=True)
             for rank, mem in enumerate(result.memory):
                 assert mem == RankMemory(
                     rank,

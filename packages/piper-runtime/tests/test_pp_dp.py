@@ -185,7 +185,7 @@ def test_pp2_dp2_zero3_and_zero2_match_single_device(ray_cluster) -> None:
         for step in range(3):
             g = torch.Generator().manual_seed(300 + step)
             x, t = torch.randn(BATCH, D_IN, generator=g), torch.randn(BATCH, D_OUT, generator=g)
-            result = rt.step((x,), (t,), keep_grads=True)
+            result = rt.step((x,), (t,), keep_grads=True, memory=True)
             with torch.no_grad():
                 ref_losses = [
                     nn.functional.mse_loss(model(xc), tc).item()

@@ -190,6 +190,46 @@ def test_pipeline_matches_single_device(ray_cluster) -> None:
     rt.shutdown()  # idempotent, also after __exit__
 
 
+def test_submitted_steps_match_single_device(ray_cluster) -> None:
+    """Steps submitted ahead (``Runtime.submit``: all four queued before any result is read,
+    results read last first) compute what single-device training does, step after step;
+    memory is accounted only in the step that asks for it."""
+    l0, l1 = _layers()
+    modules = {"s0": Stage0(l0), "s1": Stage1(l1), "loss": MSE()}
+    ref = nn.ModuleDict({"l0": l0, "l1": l1})
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    spec = OptimizerSpec("sgd", lr=0.1, kwargs={"momentum": 0.9})
+    with Runtime(gpipe_program(), modules, spec) as rt:
+        pending = [rt.submit(*((t,) for t in _batch(step)), keep_grads=True, memory=step == 2) for step in range(4)]
+        results = [p.result() for p in reversed(pending)][::-1]
+        for step, result in enumerate(results):
+            x, t = _batch(step)
+            ref_opt.zero_grad()
+            full = nn.functional.mse_loss(ref["l1"](torch.tanh(ref["l0"](x))), t)
+            full.backward()
+            assert result.loss == pytest.approx(full.item(), rel=1e-5, abs=1e-6)
+            for name, p in ref.named_parameters():
+                _close(result.grads[name], p.grad)
+            ref_opt.step()
+            assert (len(result.memory) == 2 and all(m.total > 0 for m in result.memory)) if step == 2 else not result.memory
+        params = rt.parameters()
+        for name, p in ref.named_parameters():
+            _close(params[name], p.detach())
+
+
+def test_a_failed_submitted_step_fails_the_steps_after_it(ray_cluster) -> None:
+    l0, l1 = _layers()
+    modules = {"s0": Stage0(l0), "s1": Stage1(l1, fail_on_call=M + 1), "loss": MSE()}  # fails in step 2
+    rt = Runtime(gpipe_program(), modules, OptimizerSpec("sgd", lr=0.1), step_timeout_s=30)
+    first, second, third = (rt.submit(*((t,) for t in _batch(step))) for step in range(3))
+    assert first.result().loss > 0
+    with pytest.raises(ExecutionError, match="boom in Stage1.forward"):
+        second.result()
+    with pytest.raises(ExecutionError, match="shut down"):
+        third.result()
+    assert rt.closed
+
+
 def test_worker_exception_names_rank_and_instruction(ray_cluster) -> None:
     l0, l1 = _layers()
     modules = {"s0": Stage0(l0), "s1": Stage1(l1, fail_on_call=2), "loss": MSE()}

@@ -1,7 +1,13 @@
 """What one rank holds, by category, handed to its ``MemoryTracker`` (``piper_runtime.memory``).
 
-``MemorySampler.sample`` is called after every instruction and, by the bucket operations,
-inside collectives while their buffers are alive. It lists the tensors of each category:
+Accounting is opt-in per step (``begin(..., active=True)``, the worker's ``memory``
+argument): listing what a rank holds after every instruction cost more than the bookkeeping
+of running it. In a step without it, ``sample`` returns at once, the executor does not call
+it, and forwards do not track what autograd saves.
+
+``MemorySampler.sample`` is called after every instruction of an accounted step and, by the
+bucket operations, inside collectives while their buffers are alive. It lists the tensors of
+each category:
 
 - parameters: every module parameter except those whose memory is the flat buffer of a
   bucket with sharded parameters (communication while gathered), plus the bucket shards;
@@ -61,15 +67,20 @@ class MemorySampler:
         self.data_parallel = data_parallel
         self.optimizers = optimizers
         self.current: StepState | None = None  # the step running now, for ``sample_now``
+        self.active = False  # whether the step running now is accounted
 
-    def begin(self, st: StepState, excluded: Iterable[torch.Tensor]) -> None:
-        """Start a step's peaks; ``excluded`` (the batch) is never counted."""
+    def begin(self, st: StepState, excluded: Iterable[torch.Tensor], active: bool = True) -> None:
+        """Start a step's peaks; ``excluded`` (the batch) is never counted. With
+        ``active=False`` the step is not accounted: every sample is skipped."""
         self.current = st
-        self.tracker.reset(excluded=excluded)
-        self.sample(st)
+        self.active = active
+        self.tracker.reset(excluded=excluded if active else ())
+        if active:
+            self.sample(st)
 
     def end(self) -> None:
         self.current = None
+        self.active = False
 
     def sample_now(self, buffers: list[torch.Tensor]) -> None:
         """``sample`` in the step running now (from gradient hooks, which do not know it)."""
@@ -80,6 +91,8 @@ class MemorySampler:
         """Record what this rank holds now; ``buffers`` are a collective's live buffers.
         With ``model_state=False`` the parameters, gradients and optimizer state counted at
         the previous sample are taken as unchanged."""
+        if not self.active:
+            return
         dp = self.data_parallel
         with self.grads_lock if model_state else contextlib.nullcontext(), st.lock:
             held: dict[str, list] = {}

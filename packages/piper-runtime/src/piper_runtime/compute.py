@@ -22,7 +22,8 @@ backward here, exactly once. Backward passes hold the rank's gradient lock (auto
 that write parameter gradients (``B``, ``BW``) run inside ``weight_pass(segment)``, where the
 buckets whose gradients live sharded are reduce-scattered as they complete. What autograd
 saves for a backward is tracked by weak reference (``StepState.autograd_saved``), for the
-memory accounting only: it never keeps a tensor alive.
+memory accounting only, in accounted steps only (``StepState.accounted``): it never keeps a
+tensor alive.
 
 ``forward_only`` (a plan without backward passes: an evaluation step) runs forwards without
 autograd and keeps nothing for a backward; casts apply as in training, and the worker has
@@ -133,7 +134,12 @@ class SegmentCompute:
         st.saved[(seg.id, mb)] = (args, None if seg.recompute and seg.role is SegmentRole.STAGE else outs)
 
     def _tracked(self, seg: Segment, mb: int, st: StepState, args: list[torch.Tensor]) -> object:
-        """``_run`` with autograd on, what it saves for backward tracked for the accounting."""
+        """``_run`` with autograd on, what it saves for backward tracked for the accounting in
+        an accounted step (``StepState.accounted``; otherwise autograd keeps what it saves
+        without a Python call per tensor)."""
+        if not st.accounted:
+            with torch.enable_grad():
+                return self._run(seg, mb, st.step, args)
         saved: list[weakref.ref] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -153,9 +159,10 @@ class SegmentCompute:
         numbers (same key) in the same dtypes: its outputs equal the first forward's."""
         out = self._tracked(seg, mb, st, args)
         outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
-        st.saved[(seg.id, mb)] = (args, outs)  # held while the pass runs: the accounting sees them
-        self.sample([])
-        del st.saved[(seg.id, mb)]
+        if st.accounted:
+            st.saved[(seg.id, mb)] = (args, outs)  # held while the pass runs: the accounting sees them
+            self.sample([])
+            del st.saved[(seg.id, mb)]
         return outs
 
     def evaluate(self, ins: Instruction, st: StepState) -> None:

@@ -7,7 +7,9 @@ communicator is used by two lanes) it walks the list sequentially in one lane, w
 events are satisfied by construction.
 
 Around every instruction: the ``before`` hook (posting receives ahead), the handler, then
-the values it was the last reader of are dropped (``ReadCounts``) and memory is sampled.
+the values it was the last reader of are dropped (``ReadCounts``) and, in a step that
+accounts memory (opt-in: ``memory=True``), memory is sampled. This is the hot path: a few
+microseconds per instruction (``benchmarks/bench_executor.py``).
 A failure becomes an ``ExecutionError`` naming the rank, the instruction and the step, with
 the worker's traceback. Each instruction's start and end go to a ``Progress`` record, which
 the driver's watchdog reads while a step is in flight. The executor knows instruction kinds and the backend protocol only:
@@ -57,29 +59,38 @@ class Executor:
         self.timeout_s = timeout_s
         self.progress = progress or Progress(plan.rank, plan.instructions)
 
-    def run(self, st: StepState, step: int, started: float, profile: bool) -> list[InstructionTiming]:
+    def run(
+        self, st: StepState, step: int, started: float, profile: bool, memory: bool = True
+    ) -> list[InstructionTiming]:
         """Run every instruction of the plan once; returns their timings with ``profile``
-        (seconds from ``started``, a ``time.perf_counter`` value)."""
+        (seconds from ``started``, a ``time.perf_counter`` value). ``memory``: sample memory
+        after every instruction (the sampler's step must have begun ``active``)."""
         rank = self.plan.rank
         timings: list[InstructionTiming] = []
+        instructions = self.plan.instructions
+        # Looked up once per step, not once per instruction: this loop is the hot path.
+        handlers = [self.handlers[ins.kind] for ins in instructions]
+        before, release, sample = self.before, self.reads.release, self.sampler.sample
+        perf_counter = time.perf_counter
 
         progress = self.progress
+        started_at, finished = progress.started, progress.finished
 
         def execute(k: int, ins: Instruction) -> None:
-            t0 = time.perf_counter() if profile else 0.0
-            progress.started(k)
+            t0 = perf_counter() if profile else 0.0
+            started_at(k)
             try:
-                self.before(k, st)
-                self.handlers[ins.kind](ins, st)
+                before(k, st)
+                handlers[k](ins, st)
             except Exception as exc:
                 raise self.error(f"instruction {ins.id} ({ins.short()})", exc, step, ins.id) from None
             if profile:
-                timings.append(InstructionTiming(rank, ins.id, t0 - started, time.perf_counter() - started))
-            self.reads.release(k, st)
-            self.sampler.sample(st, model_state=not keeps_model_state(ins))
-            progress.finished(k)
+                timings.append(InstructionTiming(rank, ins.id, t0 - started, perf_counter() - started))
+            release(k, st)
+            if memory:
+                sample(st, model_state=not keeps_model_state(ins))
+            finished(k)
 
-        instructions = self.plan.instructions
         progress.begin_step(step)
         try:
             if self.threads:

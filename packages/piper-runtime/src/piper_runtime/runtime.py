@@ -29,6 +29,7 @@ so that the driver's report, which names the culprit, comes first.
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 import weakref
@@ -143,6 +144,7 @@ class Runtime:
         self._workers: list[Any] = []
         self._steps = 0
         self._in_flight = False  # a call was sent and its answers not all gathered
+        self._pending: collections.deque[PendingStep] = collections.deque()  # submitted, not gathered
         if backend is not None:
             backend_factory(backend)  # an unknown name fails before anything starts
         if ranks_per_gpu < 1:
@@ -238,45 +240,80 @@ class Runtime:
         keep_grads: bool = False,
         profile: bool = False,
         lr: float | None = None,
+        memory: bool = False,
     ) -> StepResult:
         """Run one training step on a whole batch (split into the program's microbatches).
 
         ``keep_grads`` returns every parameter's gradient; ``profile`` returns when each
         instruction ran on each rank (``StepResult.timings``); ``lr`` sets the learning rate
-        of every optimizer group from this step on (a schedule's value for the step)."""
+        of every optimizer group from this step on (a schedule's value for the step);
+        ``memory`` returns each rank's peak memory by category (``StepResult.memory``; it
+        costs time on every instruction, so it is off unless asked for).
+        ``step`` is ``submit(...).result()``."""
+        return self.submit(inputs, targets, keep_grads, profile, lr, memory).result()
+
+    def submit(
+        self,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        keep_grads: bool = False,
+        profile: bool = False,
+        lr: float | None = None,
+        memory: bool = False,
+    ) -> PendingStep:
+        """Send one training step to the workers and return at once (arguments as for
+        ``step``); ``PendingStep.result()`` waits for it. Steps run in submission order on
+        every rank (one actor runs one call at a time, in the order its caller sent them), so
+        submitting step N+1 before N's result is in computes exactly what ``step`` after
+        ``step`` does, while the batch hand-over and the driver's round trip overlap the
+        workers' compute. Results are gathered in order; a failure tears the run down as
+        ``step`` does, and fails every later pending step too. The caller bounds how many
+        steps it keeps in flight (one or two ahead suffice to hide the round trip)."""
         self._check_open()
         program = self.program
         batch = check_batch(program, compute_inputs(program.precision, inputs), targets)
         shipments = _shipments(program, self._batch_names, batch)
+        if self.on_nan == "skip-step" and self._pending:
+            # Undoing a step restores the state from before it: no later step may have run.
+            self._collect()
         self._steps += 1
         calls = [
-            w.run_step.remote(
-                shipments[rank],
-                keep_grads,
-                profile,
-                lr,
-            )
+            w.run_step.remote(shipments[rank], keep_grads, profile, lr, memory)
             for rank, w in enumerate(self._workers)
         ]
-        outputs: list[StepOutput] = self._gather(calls, self.step_timeout_s, "step", watch=True)
-        found = first_nonfinite([(o.rank, o.losses, o.nonfinite) for o in outputs])
-        if found is not None and self.on_nan == "stop":
-            raise NumericalError(
-                f"step {self._steps}: {found}; the run stops (on_nan='stop'; 'skip-step' undoes such a step, "
-                "'continue' keeps it)",
-                step=self._steps,
-            )
-        skipped = found is not None and self.on_nan == "skip-step"
-        if skipped:
-            self._gather([w.restore.remote() for w in self._workers], 60.0, "restore")
-        result = merge_outputs(outputs, program, keep_grads)
-        result = attrs.evolve(result, nonfinite=found, skipped=skipped)
-        return result if lr is None else attrs.evolve(result, lr=lr)
+        pending = PendingStep(self, self._steps, calls, keep_grads, lr)
+        self._pending.append(pending)
+        self._in_flight = True
+        return pending
+
+    def _collect(self, upto: PendingStep | None = None) -> None:
+        """Gather pending steps in submission order, through ``upto`` (all without it)."""
+        while self._pending:
+            head = self._pending[0]
+            outputs: list[StepOutput] = self._gather(head.refs, self.step_timeout_s, "step", head.step, watch=True)
+            self._pending.popleft()
+            self._in_flight = bool(self._pending)
+            found = first_nonfinite([(o.rank, o.losses, o.nonfinite) for o in outputs])
+            if found is not None and self.on_nan == "stop":
+                self._fail(NumericalError(
+                    f"step {head.step}: {found}; the run stops (on_nan='stop'; 'skip-step' undoes such a step, "
+                    "'continue' keeps it)",
+                    step=head.step,
+                ))
+            skipped = found is not None and self.on_nan == "skip-step"
+            if skipped:  # no step runs ahead under skip-step (``submit``): the backup is this step's
+                self._gather([w.restore.remote() for w in self._workers], 60.0, "restore")
+            result = merge_outputs(outputs, self.program, head.keep_grads)
+            result = attrs.evolve(result, nonfinite=found, skipped=skipped)
+            head.done = result if head.lr is None else attrs.evolve(result, lr=head.lr)
+            if head is upto:
+                return
 
     def load_forward(self, program: Program) -> None:
         """Give the workers ``program``, a forward-only step of the same world compiled from
         the training graph (``piper_scheduler.forward_only``), for ``evaluate``."""
         self._check_open()
+        self._collect()
         if program.world_size != self.program.world_size:
             raise ValueError(
                 f"the forward-only program has {program.world_size} ranks, the runtime {self.program.world_size}"
@@ -290,6 +327,7 @@ class Runtime:
         """Run the program of ``load_forward`` on a whole batch, the modules in eval mode: no
         gradient, no update. ``losses``/``loss`` as for ``step``."""
         self._check_open()
+        self._collect()
         program = self._forward
         if program is None:
             raise ExecutionError("no forward-only program: call load_forward first")
@@ -301,8 +339,10 @@ class Runtime:
         return merge_outputs(outputs, program, False)
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """Current parameters of every segment, by qualified name, merged over ranks."""
+        """Current parameters of every segment, by qualified name, merged over ranks (after
+        every submitted step)."""
         self._check_open()
+        self._collect()
         per_rank = self._gather([w.parameters.remote() for w in self._workers], 60.0, "parameters")
         shards = self._gather([w.parameter_shards.remote() for w in self._workers], 60.0, "parameters")
         return merge_parameters(self.program, per_rank, shards)
@@ -313,6 +353,7 @@ class Runtime:
         by key); ``.metadata`` is written last, by this process. Not atomic by itself: the
         caller writes into a temporary directory and renames it."""
         self._check_open()
+        self._collect()  # after every submitted step
         extra = dict(objects or {})
         plans = self._gather(
             [w.checkpoint_plan.remote(path, extra if rank == 0 else {}) for rank, w in enumerate(self._workers)],
@@ -330,6 +371,7 @@ class Runtime:
         ``path``, whatever strategy wrote it; ``step``: the optimizer steps it holds. ``rng``:
         each rank also restores its generators (only for a checkpoint of this very program)."""
         self._check_open()
+        self._collect()
         self._gather([w.load_checkpoint.remote(path, step, rng) for w in self._workers], timeout_s, "load checkpoint")
         self._steps = step
 
@@ -381,7 +423,9 @@ class Runtime:
             return False
         return True
 
-    def _gather(self, refs: list[Any], timeout_s: float | None, what: str, watch: bool = False) -> list[Any]:
+    def _gather(
+        self, refs: list[Any], timeout_s: float | None, what: str, step: int | None = None, watch: bool = False
+    ) -> list[Any]:
         """Results of one call per rank, in rank order; the first failure tears down and
         raises. ``timeout_s``: for all the answers (``None``: no bound); ``watch``: the
         hung-rank watchdog (module doc) watches the ranks meanwhile."""
@@ -390,7 +434,7 @@ class Runtime:
         results: dict[int, Any] = {}
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s
-        step = self._steps if what == "step" else None
+        step = step if step is not None or what != "step" else self._steps
         while pending:
             now = time.monotonic()
             wait_s = None if deadline is None else max(0.0, deadline - now)
@@ -433,7 +477,7 @@ class Runtime:
                     self._fail(
                         ExecutionError(f"{what}: rank {rank} did not answer", ranks=(rank,), step=step)
                     )
-        self._in_flight = False
+        self._in_flight = bool(self._pending)  # submitted steps not gathered yet
         return [results[r] for r in range(len(refs))]
 
     def _watch(self, pending: list[int], finished: list[int], step: int | None) -> None:
@@ -463,6 +507,26 @@ class Runtime:
     def _fail(self, err: ExecutionError) -> None:
         self._finalizer()  # kill every actor: peers may be blocked in a receive from the culprit
         raise err
+
+
+class PendingStep:
+    """A step sent by ``Runtime.submit``; ``result()`` waits for it (and for the steps
+    submitted before it) and returns its ``StepResult``."""
+
+    def __init__(self, runtime: Runtime, step: int, refs: list[Any], keep_grads: bool, lr: float | None) -> None:
+        self.runtime = runtime
+        self.step = step
+        self.refs = refs
+        self.keep_grads = keep_grads
+        self.lr = lr
+        self.done: StepResult | None = None
+
+    def result(self) -> StepResult:
+        if self.done is None:
+            self.runtime._check_open()
+            self.runtime._collect(self)
+        assert self.done is not None  # _collect gathered it or raised
+        return self.done
 
 
 def _one_node() -> bool:

@@ -27,9 +27,12 @@ Key = tuple[str, int]  # (value name, microbatch)
 class StepState:
     """Everything one step keeps between instructions (dropped when the step ends)."""
 
-    def __init__(self, batch: Mapping[str, tuple[torch.Tensor, ...]], keep_grads: bool, step: int = 0) -> None:
+    def __init__(
+        self, batch: Mapping[str, tuple[torch.Tensor, ...]], keep_grads: bool, step: int = 0, accounted: bool = True
+    ) -> None:
         self.batch = batch  # batch value name -> its microbatch chunks
         self.step = step  # the step's number, from 0 (what random numbers are drawn for)
+        self.accounted = accounted  # memory accounting on: forwards track what autograd saves
         self.values: dict[Key, torch.Tensor] = {}  # activations and gradients, local or received
         # (segment, microbatch) -> a forward's inputs and outputs until its backward (outputs
         # None: the segment is recomputed, only the inputs are kept)
@@ -85,8 +88,11 @@ class ReadCounts:
 
     def release(self, k: int, st: StepState) -> None:
         """Forget the values instruction ``k`` was the last to read."""
+        keys = self.reads.get(k)
+        if not keys:  # most instructions read nothing: no lock to take
+            return
         with st.lock:
-            for key in self.reads.get(k, ()):
+            for key in keys:
                 left = st.reads_left[key] - 1
                 st.reads_left[key] = left
                 if left == 0:

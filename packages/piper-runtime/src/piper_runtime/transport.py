@@ -39,6 +39,9 @@ class Transport:
     def post_recvs(self, position: int, st: StepState) -> None:
         """Post every receive up to instruction ``position``, and the next ``lookahead``."""
         recvs = self.recv_positions
+        upto = st.posted_upto
+        if upto >= len(recvs) or (upto >= st.consumed + self.lookahead and recvs[upto] > position):
+            return  # nothing to post (counts only grow: a stale look posts at a later call)
         with st.lock:
             while st.posted_upto < len(recvs) and (
                 st.posted_upto < st.consumed + self.lookahead or recvs[st.posted_upto] <= position

@@ -249,13 +249,13 @@ class RankWorker:
             )
             for name, t in batch.items()
         }
-        st = StepState(chunks, keep_grads=False)
+        st = StepState(chunks, keep_grads=False, accounted=False)
         reads.start(st)
-        self._sampler.begin(st, excluded=[t for ts in chunks.values() for t in ts])
+        self._sampler.begin(st, excluded=(), active=False)
         for module in self._modules.values():
             module.eval()
         try:
-            executor.run(st, self._step, started, False)
+            executor.run(st, self._step, started, False, memory=False)
         except BaseException:
             self._abandoned = st
             raise
@@ -275,12 +275,18 @@ class RankWorker:
         return self._executor.threads
 
     def run_step(
-        self, batch: Mapping[str, Any], keep_grads: bool = False, profile: bool = False, lr: float | None = None
+        self,
+        batch: Mapping[str, Any],
+        keep_grads: bool = False,
+        profile: bool = False,
+        lr: float | None = None,
+        memory: bool = False,
     ) -> StepOutput:
         """Run this rank's instructions once. ``batch`` maps the batch values this rank reads
         to whole-batch tensors (or Ray object refs to them); ``profile`` records when each
         instruction started and ended; ``lr`` is the learning rate of this step's updates
-        (``None``: the one of the step before)."""
+        (``None``: the one of the step before); ``memory`` accounts the rank's memory over
+        the step (``StepOutput.memory``, else ``None``), at a cost per instruction."""
         self._step += 1
         if lr is not None:
             self._optimizers.set_lr(lr)
@@ -294,11 +300,11 @@ class RankWorker:
             )
             for name, t in batch.items()
         }
-        st = StepState(chunks, keep_grads, step=self._step - 1)
+        st = StepState(chunks, keep_grads, step=self._step - 1, accounted=memory)
         self._reads.start(st)
-        self._sampler.begin(st, excluded=[t for ts in chunks.values() for t in ts])
+        self._sampler.begin(st, excluded=[t for ts in chunks.values() for t in ts], active=memory)
         try:
-            timings = self._executor.run(st, self._step, started, profile)
+            timings = self._executor.run(st, self._step, started, profile, memory)
         except BaseException:
             # Keep posted receives and unfinished sends referenced: destroying pending
             # transfers could take the process down before the error reaches the driver
@@ -318,7 +324,7 @@ class RankWorker:
             tuple(sorted(timings, key=lambda t: t.start)),
             time.perf_counter() - started,
             st.grad_shards if keep_grads else None,
-            self._sampler.tracker.result(),
+            self._sampler.tracker.result() if memory else None,
             collective_seconds(self._modules),
             st.grad_norm,
             tuple(st.nonfinite),

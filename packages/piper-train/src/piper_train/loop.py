@@ -4,7 +4,8 @@ The loop draws each step's batch from an iterator of ``(inputs, targets)`` (a
 ``BatchStream``, or a ``Prefetcher`` over one so the next batch loads while the workers run
 this step), runs ``Trainer.step`` at the schedule's learning rate, and hands
 ``StepMetrics`` (loss, learning rate, gradient norm, step time, samples/s, tokens/s, peak
-memory per rank, ETA) to each sink. It stops after ``steps`` steps of the trainer's
+memory per rank, ETA) to each sink; the next step is sent while this one computes
+(``Trainer.submit``). It stops after ``steps`` steps of the trainer's
 ``TrainState`` (so a trainer restored from a checkpoint continues to the same end), after
 ``epochs`` epochs, or when the data ends. With ``eval_every`` it evaluates ``held_out``
 after every that many steps. The batch stream is the ``TrainState``'s ``data`` while it runs.
@@ -29,10 +30,13 @@ from pathlib import Path
 import attrs
 
 from piper_ir import CheckpointError, ExecutionError, NumericalError
+from piper_runtime import PendingStep
 from piper_train.batches import Batch
 from piper_train.checkpoints import Checkpoints, prune
 from piper_train.metrics import EvalMetrics, Sink, StepMetrics
 from piper_train.trainer import Trainer
+
+MEMORY_EVERY = 100  # fit accounts memory on steps 1, 2 and every this many
 
 
 @attrs.frozen
@@ -79,18 +83,33 @@ def fit(
     checkpoints: Checkpoints | None = None,
     resume: bool = False,
     max_restarts: int = 0,
+    memory_every: int = MEMORY_EVERY,
 ) -> FitResult:
     """Train until ``steps`` steps (counted by ``trainer.state.step``) or ``epochs`` epochs
     are done, or ``data`` ends (module doc). ``data`` reports its position through
     ``state_dict()`` (``epoch``) where it has one. ``profile_step``: that step returns its
     instruction timings (``StepResult.timings``) to the sinks. ``checkpoints``, ``resume``,
-    ``max_restarts``: module doc."""
+    ``max_restarts``: module doc. ``memory_every``: steps 1, 2 and every that many account
+    memory (``StepResult.memory``); the metrics of the others carry the latest accounted
+    peaks (every step of one program peaks alike once the optimizer state exists, which
+    step 2 shows), since accounting costs time on every instruction.
+
+    One step is kept in flight ahead (``Trainer.submit``): the next batch is drawn and sent
+    while the workers compute this one, so the driver's round trip is off the step's
+    critical path; steps run in order on the workers, so the run is the same as stepping
+    one at a time. Nothing is sent ahead of a step after which the loop needs the workers
+    quiet (an evaluation or a checkpoint); ``step_seconds`` is the time from when the
+    workers could start the step (its submission, or the previous step's end) to its
+    result. A step sent ahead of one that fails is dropped with it (the restart goes back
+    to a checkpoint or the start either way)."""
     if steps is None and epochs is None:
         raise ValueError("fit needs steps or epochs")
     if eval_every and held_out is None:
         raise ValueError("evaluation every few steps needs held-out batches")
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    if memory_every < 1:
+        raise ValueError(f"memory_every must be >= 1, got {memory_every}")
     state = trainer.state
     state.data = data if hasattr(data, "state_dict") else None  # type: ignore[assignment]
     if checkpoints is not None:
@@ -113,13 +132,16 @@ def fit(
     restarts: list[Restart] = []
     written: list[Path] = []
     saved_at = state.step if resume else -1
+    peaks: tuple[int, ...] = ()
+    ahead: _Flight | None = None  # the submitted step whose result is not in yet
+    last_done = time.perf_counter()
 
-    def recover(err: ExecutionError) -> None:
+    def recover(err: ExecutionError, failed: int | None = None) -> None:
         # A NaN is the model's, not the workers': replaying the same data would find it
         # again (``on_nan`` says what to do with one), so it never restarts the workers.
         if len(restarts) >= max_restarts or isinstance(err, NumericalError):
             raise err
-        failed, began = state.step + 1, time.perf_counter()
+        failed, began = failed or state.step + 1, time.perf_counter()
         source = checkpoints.latest() if checkpoints is not None else None
         if source is None and start is None:
             raise err
@@ -133,11 +155,19 @@ def fit(
         del history[sum(1 for m in history if m.step <= state.step):]
         del evals[sum(1 for e in evals if e.step <= state.step):]
 
+    def quiet_after(step: int) -> bool:
+        """Whether the workers must be idle after ``step`` (no step sent ahead of it)."""
+        evaluating = bool(eval_every) and step % eval_every == 0 and held_out is not None
+        saving = checkpoints is not None and bool(checkpoints.every) and step % checkpoints.every == 0
+        return evaluating or saving
+
     while True:
+        # Send the next step unless the one in flight must be followed by quiet workers.
         # Done (the step count reached, the data or the epochs ended): the last checkpoint
         # first, which a failure while writing it sends back to the one before.
+        flight: _Flight | None = None
         done = steps is not None and state.step >= steps
-        if not done:
+        if not done and not (ahead is not None and quiet_after(ahead.step)):
             t0 = time.perf_counter()
             try:
                 inputs, targets = next(data)
@@ -145,7 +175,17 @@ def fit(
                 done = epochs is not None and epoch >= epochs
             except StopIteration:
                 done = True
-        if done:
+            if not done:
+                t1 = time.perf_counter()
+                tokens_before = state.tokens
+                number = state.step + 1
+                pending = trainer.submit(inputs, targets, profile=number == profile_step,
+                                         memory=number <= 2 or number % memory_every == 0)
+                flight = _Flight(number, pending, epoch, t1 - t0, t1, state.tokens - tokens_before)
+        if ahead is None:
+            if flight is not None:
+                ahead = flight
+                continue
             if checkpoints is None or saved_at == state.step or state.step == 0:
                 break
             try:
@@ -154,30 +194,32 @@ def fit(
             except ExecutionError as err:
                 recover(err)
             continue
-        t1 = time.perf_counter()
-        tokens_before = state.tokens
         try:
-            result = trainer.step(inputs, targets, profile=state.step + 1 == profile_step)
+            result = ahead.pending.result()
         except ExecutionError as err:
-            recover(err)
+            recover(err, ahead.step)
+            ahead, last_done = None, time.perf_counter()
             continue
         t2 = time.perf_counter()
-        paces.append(t2 - t0)
+        seconds = t2 - max(ahead.submitted, last_done)
+        last_done = t2
+        paces.append(seconds + ahead.data_seconds)
         # The first step includes warm-up (threads, communicators): leave it out of the pace.
         pace = sum(paces[1:]) / len(paces[1:]) if len(paces) > 1 else paces[0]
-        tokens = state.tokens - tokens_before
+        if result.memory:
+            peaks = tuple(m.total for m in result.memory)
         metrics = StepMetrics(
-            step=state.step,
-            epoch=epoch,
+            step=ahead.step,
+            epoch=ahead.epoch,
             loss=result.loss,
             lr=result.lr,
             grad_norm=result.grad_norm,
-            step_seconds=t2 - t1,
-            data_seconds=t1 - t0,
-            samples_per_s=trainer.batch_size / (t2 - t1),
-            tokens_per_s=tokens / (t2 - t1) if tokens else None,
-            peak_memory_bytes=tuple(m.total for m in result.memory),
-            eta_seconds=pace * (total - state.step) if total is not None else None,
+            step_seconds=seconds,
+            data_seconds=ahead.data_seconds,
+            samples_per_s=trainer.batch_size / seconds,
+            tokens_per_s=ahead.tokens / seconds if ahead.tokens else None,
+            peak_memory_bytes=peaks,
+            eta_seconds=pace * (total - ahead.step) if total is not None else None,
             total_steps=total,
             nonfinite=result.nonfinite,
             skipped=result.skipped,
@@ -186,17 +228,34 @@ def fit(
         for sink in sinks:
             sink.on_step(metrics, result)
         try:
-            if eval_every and state.step % eval_every == 0 and held_out is not None:
+            if eval_every and ahead.step % eval_every == 0 and held_out is not None:
                 ev = evaluate(trainer, held_out, eval_batches)
                 evals.append(ev)
                 for sink in sinks:
                     sink.on_eval(ev)
-            if checkpoints is not None and checkpoints.every and state.step % checkpoints.every == 0:
+            if checkpoints is not None and checkpoints.every and ahead.step % checkpoints.every == 0:
                 written.append(_save(trainer, checkpoints))
                 saved_at = state.step
         except ExecutionError as err:
             recover(err)
+            flight = None
+        if quiet_after(ahead.step):
+            last_done = time.perf_counter()
+        ahead = flight
     return FitResult(tuple(history), tuple(evals), tuple(restarts), tuple(written))
+
+
+@attrs.frozen
+class _Flight:
+    """A step sent to the workers: its number, handle, epoch, batch wait, when it was sent
+    and its tokens."""
+
+    step: int
+    pending: PendingStep
+    epoch: int
+    data_seconds: float
+    submitted: float
+    tokens: int
 
 
 def _save(trainer: Trainer, checkpoints: Checkpoints) -> Path:

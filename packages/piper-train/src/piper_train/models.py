@@ -70,6 +70,42 @@ class MLP(nn.Module):
         return _group(list(self.blocks), pp)
 
 
+class ResidualStack(nn.Module):
+    """``n_blocks`` residual MLP blocks (``x + W2 gelu(W1 x)``) grouped into ``regions``
+    annotated regions: a model whose step is dominated by matrix products, so per-step
+    fixed costs of a pipeline runtime show against real compute."""
+
+    def __init__(self, d_model: int, d_hidden: int, n_blocks: int, regions: int) -> None:
+        super().__init__()
+        if not 1 <= regions <= n_blocks:
+            raise ValueError(f"cannot group {n_blocks} blocks into {regions} regions")
+        blocks = [
+            nn.Sequential(nn.Linear(d_model, d_hidden), nn.GELU(), nn.Linear(d_hidden, d_model))
+            for _ in range(n_blocks)
+        ]
+        self.regions = nn.ModuleList(_Residuals(list(g)) for g in _group(blocks, regions))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for region in self.regions:
+            with _annotate("PP"):
+                x = region(x)
+        return x
+
+    def stage_modules(self, pp: int) -> list[nn.Module]:
+        return _group(list(self.regions), pp)
+
+
+class _Residuals(nn.Module):
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.group = nn.ModuleList(blocks)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.group:
+            x = x + block(x)
+        return x
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, seq_len: int) -> None:
         super().__init__()
@@ -336,6 +372,17 @@ def _mlp(stages: int, seed: int) -> Built:
     return MLP(d_in, d_hidden, d_out, stages), F.mse_loss, batches, lambda k: batches(_held_out(k))
 
 
+def _stack(stages: int, seed: int) -> Built:
+    d_model, batch, seq = 256, 32, 32
+    teacher = torch.randn(d_model, d_model, generator=torch.Generator().manual_seed(_mix(seed, -1)))
+
+    def batches(step: int) -> Batch:
+        x = torch.randn(batch, seq, d_model, generator=torch.Generator().manual_seed(_mix(seed, step)))
+        return (x,), (torch.tanh(x @ teacher / math.sqrt(d_model)),)
+
+    return ResidualStack(d_model, 1024, 8, stages), F.mse_loss, batches, lambda k: batches(_held_out(k))
+
+
 def _random_tokens(stages: int, seed: int) -> Built:
     vocab, seq_len, batch = 64, 16, 8
 
@@ -380,7 +427,7 @@ def _moe(stages: int, seed: int) -> Built:
     return model, F.mse_loss, batches, lambda k: batches(_held_out(k))
 
 
-MODELS = {"mlp": _mlp, "transformer": _random_tokens, "lm": _byte_lm, "moe": _moe}
+MODELS = {"mlp": _mlp, "transformer": _random_tokens, "lm": _byte_lm, "moe": _moe, "stack": _stack}
 
 
 def build_model(name: str, *, stages: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> ModelSpec:
@@ -393,6 +440,9 @@ def build_model(name: str, *, stages: int, seed: int = 0, dtype: torch.dtype = t
     - ``lm``: byte-level LM on the standard library's source (vocab 256, d 64, 4 heads,
       seq 64, batch 16); one block per stage. It trains on the first 90% of the corpus; its
       held-out batches come from the last 10%.
+    - ``stack``: regression with MSE through 8 residual MLP blocks (d 256, hidden 1024),
+      inputs (32, 32, 256), the blocks grouped into ``stages`` regions (at most 8): compute
+      dominates its step (the pipeline benchmarks' model).
 
     Every model has held-out batches (``eval_batches``): the others draw them like training
     batches, from seeds no training step uses.

@@ -32,7 +32,7 @@ import torch
 from piper_directives import Strategy, build_schedule, capture, shard_modules
 from piper_ir import DirectiveError, Graph, Program, to_json
 from piper_memory import add_grad_norm, check_budget, plan_memory
-from piper_runtime import DEFAULT_TIMEOUT_S, OptimizerSpec, Runtime, StepResult, WorkerPool
+from piper_runtime import DEFAULT_TIMEOUT_S, OptimizerSpec, PendingStep, Runtime, StepResult, WorkerPool
 from piper_runtime.batch import full_batch_shape
 from piper_runtime.checkpoint import read_objects
 from piper_scheduler import compile_program, forward_only
@@ -195,15 +195,33 @@ class Trainer:
         *,
         keep_grads: bool = False,
         profile: bool = False,
+        memory: bool = False,
     ) -> StepResult:
         """One training step on a full batch at the schedule's learning rate; returns the
         per-microbatch losses, the learning rate, the gradient norm where the program
-        computes one (and, when asked, the gradients and per-instruction timings)."""
+        computes one (and, when asked, the gradients, per-instruction timings and each
+        rank's peak memory). ``submit(...).result()``."""
+        return self.submit(inputs, targets, keep_grads=keep_grads, profile=profile, memory=memory).result()
+
+    def submit(
+        self,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        *,
+        keep_grads: bool = False,
+        profile: bool = False,
+        memory: bool = False,
+    ) -> PendingStep:
+        """Send one training step to the workers and return at once (``Runtime.submit``):
+        the next batch can be handed over while this step computes; ``result()`` waits. The
+        step counts (learning rate, ``state``) as soon as it is submitted."""
         inputs, targets = tuple(inputs), tuple(targets)
         self._check_batch_size(inputs, targets)
-        result = self.runtime.step(inputs, targets, keep_grads=keep_grads, profile=profile, lr=self.state.lr.current)
+        pending = self.runtime.submit(
+            inputs, targets, keep_grads=keep_grads, profile=profile, lr=self.state.lr.current, memory=memory
+        )
         self.state.advance(self.batch_size, _tokens(inputs))
-        return result
+        return pending
 
     def evaluate(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> float:
         """The loss of one batch, forward only (no gradient, no update, the modules in eval
