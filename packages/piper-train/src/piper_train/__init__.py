@@ -15,6 +15,7 @@ _LAZY = {
     "TrainState": "piper_train.state",
     "BatchStream": "piper_train.batches",
     "fit": "piper_train.loop",
+    "tune": "piper_train.tuning.api",
 }
 
 __all__ = list(_LAZY)
