@@ -13,7 +13,7 @@ from piper_directives.synthetic import synthetic_graph
 from piper_memory import estimate_memory
 from piper_scheduler import simulate
 from piper_train.tuning.costs import Profile, cost_model, segment_activation_bytes
-from piper_train.tuning.search import INVALID, OK, OVER_BUDGET, compile_candidate, search
+from piper_train.tuning.search import DOMINATED, INVALID, OK, OVER_BUDGET, compile_candidate, lower_bound, search
 from piper_train.tuning.space import Candidate, enumerate_space
 
 REGIONS, BATCH = 4, 8
@@ -62,6 +62,26 @@ def test_predictions_are_the_simulators_and_the_ranking_follows_them() -> None:
             program, activation_bytes=segment_activation_bytes(profile, e.candidate)).values())
         assert e.peak_bytes == peak
     assert result.best is fitting[0]
+
+
+@pytest.mark.parametrize("cores", [None, 1])
+def test_lower_bound_never_exceeds_the_prediction(cores: int | None) -> None:
+    profile = _profile(heavy=2.0, cores=cores)
+    space = enumerate_space(4, REGIONS, microbatches=[1, 2, 4, 8], kinds=(), weights=profile.region_weights())
+    result = search(_graph(), profile, space)
+    assert len(result.fitting) > 20
+    for e in result.fitting:
+        assert lower_bound(profile, e.candidate) <= e.predicted + 1e-12, e.candidate.label
+
+
+def test_keep_ranks_the_top_k_exactly_and_compiles_less() -> None:
+    profile = _profile(heavy=2.0)
+    space = enumerate_space(4, REGIONS, microbatches=[1, 2, 4, 8], kinds=(), weights=profile.region_weights())
+    full = search(_graph(), profile, space)
+    top = search(_graph(), profile, space, keep=5)
+    assert [(e.candidate, e.predicted) for e in top.fitting[:5]] == [(e.candidate, e.predicted) for e in full.fitting[:5]]
+    assert top.count(DOMINATED) > 0 and top.count(DOMINATED) + len(top.fitting) <= len(full.fitting) + top.count(DOMINATED)
+    assert all(e.predicted is None and e.peak_bytes is None for e in top.evaluations if e.status == DOMINATED)
 
 
 def test_cores_bound_the_step_when_ranks_share_them() -> None:

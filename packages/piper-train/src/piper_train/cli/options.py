@@ -138,7 +138,12 @@ def add_tune(p: argparse.ArgumentParser) -> None:
                    help="schedules to try, comma-separated (default: all)")
     p.add_argument("--zero-levels", type=_comma_list(int, [0, 1, 2, 3]), default=[0, 1, 2, 3],
                    help="ZeRO levels to try, comma-separated (default: 0,1,2,3)")
+    p.add_argument("--pp", type=_comma_list(int), default=None,
+                   help="pipeline degrees to try, comma-separated (default: every divisor of --devices)")
     p.add_argument("--top", type=int, default=10, help="rows of the ranking to print (default: 10)")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="compile and simulate every candidate (default: only those that could still enter the "
+                        "top --top / --validate, by a lower bound of their step time)")
     p.add_argument("--out", type=Path, help="write the best strategy here as a directive program (JSON) that "
                    "`piper train --strategy` runs")
     p.add_argument("--validate", type=int, default=0, metavar="K",
@@ -239,7 +244,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     for name in ("pp", "microbatches", "steps", "dp", "tp", "ep", "epochs", "batch_size", "profile_step",
                  "lr_step_size", "ranks_per_gpu", "devices", "stages", "top", "validate_steps", "profile_steps"):
         value = getattr(args, name, None)
-        if value is not None and value < 1:
+        if value is not None and min(value if isinstance(value, list) else [value]) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("warmup_steps", "eval_every", "prefetch", "weight_decay", "min_lr", "eval_batches", "validate",
                  "latency_us"):

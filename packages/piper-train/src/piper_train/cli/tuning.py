@@ -14,7 +14,7 @@ from piper_train.cli.options import say
 from piper_train.metrics import SCHEMA, dumps
 from piper_train.tuning.api import Measured, TuneReport, tune, validate
 from piper_train.tuning.profiler import DEFAULT_CACHE
-from piper_train.tuning.search import INVALID, OVER_BUDGET, Evaluation
+from piper_train.tuning.search import DOMINATED, INVALID, OVER_BUDGET, Evaluation
 
 
 def _progress(args: argparse.Namespace) -> Callable[[int], Callable[[Evaluation], None]]:
@@ -45,7 +45,10 @@ def _table(args: argparse.Namespace, report: TuneReport) -> None:
     fitting = result.fitting
     say(args, f"\n{report.space} strategies for {report.devices} devices ({report.regions} regions): "
               f"{len(fitting)} fit, {result.count(OVER_BUDGET)} over the memory budget, "
-              f"{result.count(INVALID)} cannot run; searched in {result.seconds:.1f} s")
+              f"{result.count(INVALID)} cannot run"
+              + (f", {result.count(DOMINATED)} cannot enter the top {max(args.top, args.validate, 1)} (not compiled)"
+                 if result.count(DOMINATED) else "")
+              + f"; searched in {result.seconds:.1f} s")
     say(args, f"{'#':>3}  {'strategy':<52} {'predicted ms':>12} {'peak MiB/rank':>13} {'bubble':>7}")
     for k, e in enumerate(fitting[: args.top], 1):
         say(args, f"{k:>3}  {e.candidate.label:<52} {e.predicted * 1e3:>12.2f} {_mib(e.peak_bytes):>13} "
@@ -108,10 +111,11 @@ def tune_command(args: argparse.Namespace) -> int:
               f"schedules {', '.join(args.schedules)}" + (f", budget {args.memory_budget_mb:g} MiB" if budget else ""))
     try:
         report = tune(args.model, args.devices, stages=args.stages, memory_budget_bytes=budget,
-                      microbatches=microbatches, schedules=args.schedules, zeros=args.zero_levels,
+                      microbatches=microbatches, schedules=args.schedules, zeros=args.zero_levels, pps=args.pp,
                       optimizer=optimizer, backend=args.backend, address=args.address,
                       cache_dir=None if args.no_cache else (args.cache_dir or DEFAULT_CACHE), comm=comm,
-                      profile_steps=args.profile_steps, seed=args.seed, progress=_progress(args),
+                      profile_steps=args.profile_steps, seed=args.seed,
+                      keep=None if args.exhaustive else max(args.top, args.validate, 1), progress=_progress(args),
                       log=lambda s: say(args, s))
         _table(args, report)
         best = report.best

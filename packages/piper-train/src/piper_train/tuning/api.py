@@ -99,12 +99,14 @@ def tune(
     schedules: Sequence[str] = tuple(SCHEDULES),
     zeros: Sequence[int] = (0, 1, 2, 3),
     kinds: Sequence[str] = ("tp", "ep"),
+    pps: Sequence[int] | None = None,
     optimizer: OptimizerSpec | None = None,
     backend: str | None = "cpu",
     address: str | None = None,
     cache_dir: Path | None = DEFAULT_CACHE,
     comm: tuple[float, float] | None = None,
     profile_steps: int = 3,
+    keep: int | None = None,
     seed: int = 0,
     progress: Callable[[int], Callable[[Evaluation], None]] | None = None,
     log: Log | None = None,
@@ -114,8 +116,11 @@ def tune(
     ``model``: a built-in name (``transformer``, ``moe``, ...; built with ``stages`` regions,
     default ``2 * devices``), ``path/to/file.py:factory``, or a ``ModelSpec``.
     ``memory_budget_bytes`` is per rank; a budget no candidate fits raises ``MemoryPlanError``
-    naming the smallest estimated requirement. ``comm`` = (latency s, bandwidth bytes/s)
-    replaces the measured link. ``progress(total)`` returns what hears each evaluation.
+    naming the smallest estimated requirement. ``pps`` limits the pipeline degrees, ``kinds``
+    the shard kinds (``"tp"``, ``"ep"``). ``comm`` = (latency s, bandwidth bytes/s)
+    replaces the measured link. ``keep=K`` ranks only the best K exactly (``search``: the
+    rest are compiled only while they could still enter the top K); ``None`` ranks every
+    candidate. ``progress(total)`` returns what hears each evaluation.
     """
     say = log or (lambda _: None)
     if devices < 1:
@@ -134,7 +139,7 @@ def tune(
         profiler.need("none", captured.batch_size, False)
         weights = profiler.profile.region_weights()
     candidates = enumerate_space(devices, regions, microbatches=microbatches, schedules=schedules, zeros=zeros,
-                                 kinds=kinds, weights=weights)
+                                 kinds=kinds, weights=weights, pps=pps)
     shard = _Sharder(captured)
     buildable = _buildable(candidates, captured, regions, shard)
     for variant, local, split in _needs(buildable, captured.batch_size):
@@ -146,7 +151,7 @@ def tune(
     say(f"profile: {profiler.measured} runs in {profile_seconds:.1f} s")
     hear = progress(len(candidates)) if progress is not None else None
     result = search(captured.graph, profiler.profile, candidates, budget_bytes=memory_budget_bytes,
-                    optimizer=(optimizer or OptimizerSpec()).name, shard=shard, progress=hear)
+                    optimizer=(optimizer or OptimizerSpec()).name, shard=shard, keep=keep, progress=hear)
     report = TuneReport(name, devices, regions, result, profiler.profile, len(candidates), profile_seconds,
                         memory_budget_bytes)
     if result.best is None and memory_budget_bytes is not None:

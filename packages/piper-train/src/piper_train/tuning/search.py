@@ -13,13 +13,18 @@ For each ``Candidate`` (``space``), on the captured model's graph (an IR value):
    rank spread over the cores if that is longer, plus the rank's tail and the driver's
    per-step cost.
 
-``search`` ranks what fits by predicted step time (ties: less memory). It imports no torch:
+``search`` ranks what fits by predicted step time (ties: less memory). With ``keep=K`` it
+guarantees only the top K: candidates are visited by a lower bound of their predicted step
+(``lower_bound``: the compute a pipeline rank must do at least, from the profile alone), and
+once that bound reaches the K-th best prediction the rest cannot enter the top K and are
+marked *dominated* without being compiled. It imports no torch:
 the only torch-side step, rewriting sharded segments' code (which fills in which parameters
 a tensor- or expert-parallel group cuts), comes in as the ``shard`` function.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -29,9 +34,9 @@ from piper_ir import Graph, PiperError, Program
 from piper_memory import estimate_memory, plan_memory
 from piper_scheduler import compile_program, simulate
 from piper_train.tuning.costs import Profile, cost_model, segment_activation_bytes
-from piper_train.tuning.space import Candidate
+from piper_train.tuning.space import SPLIT_BACKWARD, Candidate
 
-OK, OVER_BUDGET, INVALID = "ok", "over budget", "invalid"
+OK, OVER_BUDGET, INVALID, DOMINATED = "ok", "over budget", "invalid", "dominated"
 Shard = Callable[[Graph], Graph]
 
 
@@ -85,11 +90,21 @@ class SearchResult:
         return sum(e.status == status for e in self.evaluations)
 
 
+class ShardError(PiperError):
+    """The tensor/expert-parallel rewrite refused the model (no Linear pair, no expert
+    module, a degree that does not divide the heads): a property of the model and the
+    variant, not of the placement, so every candidate of that variant fails alike."""
+
+
 def compile_candidate(graph: Graph, candidate: Candidate, regions: int, shard: Shard | None = None) -> Program:
-    """``candidate``'s verified program for ``graph``, compiled as ``Trainer`` compiles it."""
+    """``candidate``'s verified program for ``graph``, compiled as ``Trainer`` compiles it;
+    ``ShardError`` when ``shard`` refuses it."""
     placed = candidate.strategy(regions).apply(graph)
     if shard is not None:
-        placed = shard(placed)
+        try:
+            placed = shard(placed)
+        except PiperError as err:
+            raise ShardError(str(err)) from err
     return compile_program(plan_memory(placed))
 
 
@@ -101,13 +116,22 @@ def evaluate(
     budget_bytes: int | None = None,
     optimizer: str = "adamw",
     shard: Shard | None = None,
+    refused: dict[str, str] | None = None,
 ) -> Evaluation:
-    """One candidate through the steps of the module doc."""
+    """One candidate through the steps of the module doc. ``refused`` (variant -> reason)
+    remembers the variants the ``shard`` rewrite refused, which are not compiled again."""
     if profile.batch % (candidate.microbatches * candidate.shards):
         return Evaluation(candidate, INVALID, f"a batch of {profile.batch} does not split into "
                           f"{candidate.microbatches} microbatches x {candidate.shards} shards")
+    if refused is not None and candidate.variant in refused:
+        return Evaluation(candidate, INVALID, refused[candidate.variant])
     try:
         program = compile_candidate(graph, candidate, profile.regions, shard)
+    except ShardError as err:
+        reason = str(err).splitlines()[0]
+        if refused is not None:
+            refused[candidate.variant] = reason
+        return Evaluation(candidate, INVALID, reason)
     except PiperError as err:
         return Evaluation(candidate, INVALID, str(err).splitlines()[0])
     estimates = estimate_memory(program, optimizer, activation_bytes=segment_activation_bytes(profile, candidate))
@@ -131,10 +155,35 @@ def evaluate(
                       peak_bytes=peak, bubble=bubble)
 
 
+def lower_bound(profile: Profile, candidate: Candidate) -> float:
+    """A step time ``candidate`` cannot beat, from the profile alone: the busiest pipeline
+    rank does at least its share of one replica's compute (every region's forward and
+    backward for every microbatch, each instruction with its overhead, spread over ``pp``
+    ranks), and where ranks share fewer cores, the cores do every rank's compute; plus the
+    step's fixed costs. 0 when the candidate's variant and size are not profiled."""
+    try:
+        times = profile.times(candidate.variant, candidate.local_batch(profile.batch))
+    except KeyError:
+        return 0.0
+    split = candidate.schedule in SPLIT_BACKWARD
+    per_mb = 0.0
+    for phases in times.values():
+        backward = phases.get("B", 0.0)
+        if split:  # such a schedule splits some backwards, not necessarily all: the cheaper way
+            backward = min(backward if "B" in phases else float("inf"), phases.get("BI", 0.0) + phases.get("BW", 0.0))
+        per_mb += phases.get("F", 0.0) + backward + 2 * profile.overhead
+    work = candidate.microbatches * per_mb
+    step = work / candidate.pp
+    world = candidate.devices
+    if profile.cores is not None and world > profile.cores:
+        step = max(step, work * (world // candidate.pp) / profile.cores)
+    return profile.startup + step + profile.tail + profile.dispatch
+
+
 def rank(evaluations: Iterable[Evaluation]) -> list[Evaluation]:
     """Fitting candidates by predicted step (then memory, then label: a stable order), then
     those over budget by memory, then the invalid ones."""
-    order = {OK: 0, OVER_BUDGET: 1, INVALID: 2}
+    order = {OK: 0, OVER_BUDGET: 1, DOMINATED: 2, INVALID: 3}
 
     def key(e: Evaluation) -> tuple:
         metric = e.predicted if e.status == OK else (e.peak_bytes or 0)
@@ -151,13 +200,25 @@ def search(
     budget_bytes: int | None = None,
     optimizer: str = "adamw",
     shard: Shard | None = None,
+    keep: int | None = None,
     progress: Callable[[Evaluation], None] | None = None,
 ) -> SearchResult:
-    """Evaluate and rank ``candidates`` (module doc); ``progress`` hears each evaluation."""
+    """Evaluate and rank ``candidates`` (module doc): all of them, or with ``keep=K`` enough
+    to rank the best K exactly; ``progress`` hears each evaluation."""
     started = time.perf_counter()
     out = []
-    for candidate in candidates:
-        e = evaluate(graph, profile, candidate, budget_bytes=budget_bytes, optimizer=optimizer, shard=shard)
+    refused: dict[str, str] = {}
+    order = sorted(candidates, key=lambda c: lower_bound(profile, c)) if keep else list(candidates)
+    best: list[float] = []  # the K best predictions so far, ascending
+    for candidate in order:
+        bound = lower_bound(profile, candidate) if keep else 0.0
+        if keep and len(best) >= keep and bound >= best[keep - 1]:
+            e = Evaluation(candidate, DOMINATED, f"cannot enter the top {keep}: at least {bound * 1e3:.2f} ms")
+        else:
+            e = evaluate(graph, profile, candidate, budget_bytes=budget_bytes, optimizer=optimizer, shard=shard,
+                         refused=refused)
+            if e.status == OK and e.predicted is not None:
+                bisect.insort(best, e.predicted)
         out.append(e)
         if progress is not None:
             progress(e)

@@ -162,13 +162,17 @@ def balanced_bounds(weights: Sequence[float], chunks: int) -> tuple[int, ...] | 
     return tuple(reversed(bounds))
 
 
-def factorizations(devices: int, kinds: Iterable[str] = ("tp", "ep")) -> list[tuple[int, int, int, int]]:
-    """Every ``(pp, dp, tp, ep)`` whose product is ``devices``, with at most one of tp, ep > 1."""
+def factorizations(
+    devices: int, kinds: Iterable[str] = ("tp", "ep"), pps: Iterable[int] | None = None
+) -> list[tuple[int, int, int, int]]:
+    """Every ``(pp, dp, tp, ep)`` whose product is ``devices``, with at most one of tp, ep > 1
+    (and pp among ``pps`` when given)."""
     out = []
     divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+    allowed = set(divisors if pps is None else pps)
     for k in divisors:
         for pp in divisors:
-            if (devices // k) % pp:
+            if (devices // k) % pp or pp not in allowed:
                 continue
             dp = devices // (k * pp)
             if k == 1:
@@ -190,6 +194,7 @@ def enumerate_space(
     zeros: Iterable[int] = (0, 1, 2, 3),
     kinds: Iterable[str] = ("tp", "ep"),
     weights: Sequence[float] | None = None,
+    pps: Iterable[int] | None = None,
 ) -> list[Candidate]:
     """The candidates for ``devices`` devices and a model of ``regions`` regions (module
     doc). ``weights``, one per region (e.g. profiled forward + backward time), adds the
@@ -198,7 +203,7 @@ def enumerate_space(
     weights)."""
     microbatches, zeros, schedules, kinds = sorted(set(microbatches)), sorted(set(zeros)), list(schedules), tuple(kinds)
     out: list[Candidate] = []
-    for pp, dp, tp, ep in factorizations(devices, kinds):
+    for pp, dp, tp, ep in factorizations(devices, kinds, pps):
         for zero in zeros:
             if zero and dp < 2 and ep < 2:
                 continue
