@@ -13,7 +13,15 @@ from piper_directives.synthetic import synthetic_graph
 from piper_memory import estimate_memory
 from piper_scheduler import simulate
 from piper_train.tuning.costs import Profile, cost_model, segment_activation_bytes
-from piper_train.tuning.search import DOMINATED, INVALID, OK, OVER_BUDGET, compile_candidate, lower_bound, search
+from piper_train.tuning.search import (
+    DOMINATED,
+    INVALID,
+    OK,
+    OVER_BUDGET,
+    compile_candidate,
+    lower_bound,
+    search,
+)
 from piper_train.tuning.space import Candidate, enumerate_space
 
 REGIONS, BATCH = 4, 8

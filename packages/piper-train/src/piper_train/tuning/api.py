@@ -48,6 +48,7 @@ class TuneReport:
     space: int
     profile_seconds: float
     budget_bytes: int | None = None
+    profile_runs: int = 0  # measurements this call made (0: all from the cache)
 
     @property
     def best(self) -> Evaluation | None:
@@ -153,7 +154,7 @@ def tune(
     result = search(captured.graph, profiler.profile, candidates, budget_bytes=memory_budget_bytes,
                     optimizer=(optimizer or OptimizerSpec()).name, shard=shard, keep=keep, progress=hear)
     report = TuneReport(name, devices, regions, result, profiler.profile, len(candidates), profile_seconds,
-                        memory_budget_bytes)
+                        memory_budget_bytes, profiler.measured)
     if result.best is None and memory_budget_bytes is not None:
         smallest = result.smallest_requirement
         if smallest is not None:
