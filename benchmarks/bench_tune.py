@@ -10,7 +10,9 @@ For each model (default: the tiny transformer and the mixture-of-experts model) 
    keeping each candidate's fastest median (a shared machine slows a run down, never speeds
    it up);
 3. it prints the tuned pick's measured step against the best measured one, and the
-   Spearman rank correlation of predicted and measured step times.
+   Spearman rank correlation of predicted and measured step times. ``--reuse-measurements``
+   takes the measured times from an earlier ``--out`` file (they do not depend on the
+   predictor) and measures only what it lacks.
 
 Then the memory-budget case (``--budget-model``, the pipeline held at ``--budget-pp``
 stages: a budget just under the smallest ZeRO-0 estimate; the pick is run with that budget
@@ -79,12 +81,20 @@ def measure_all(model: str, args: argparse.Namespace) -> dict[str, object]:
           f"profile {report.profile_seconds:.1f} s", flush=True)
     spec = build_model(model, stages=report.regions)
     best: dict[int, float] = {}
-    for round_ in range(args.rounds):
+    if args.reuse_measurements is not None:  # the runtime's times do not depend on the predictor
+        earlier = json.loads(args.reuse_measurements.read_text())
+        by_label = {c["strategy"]: c["measured"] for r in earlier.get("models", []) if r["model"] == model
+                    for c in r["candidates"]}
+        best = {i: by_label[e.candidate.label] for i, e in enumerate(fitting) if e.candidate.label in by_label}
+        print(f"{model}: {len(best)} of {len(fitting)} measurements reused from {args.reuse_measurements}")
+    for round_ in range(args.rounds if len(best) < len(fitting) else 0):
         order = list(range(len(fitting)))
         if round_ % 2:
             order.reverse()
         for i in order:
             e = fitting[i]
+            if args.reuse_measurements is not None and i in best:
+                continue
             seconds, _ = measure_step(spec, e.candidate, report.regions, steps=args.steps, warmup=args.warmup)
             best[i] = min(best.get(i, float("inf")), seconds)
             print(f"  round {round_ + 1} {e.candidate.label:<52} predicted {e.predicted * 1e3:7.2f} ms  measured "
@@ -175,6 +185,9 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], choices=["measure", "budget", "search"])
     parser.add_argument("--cache-dir", type=Path, default=Path(".bench-cache/tune"))
     parser.add_argument("--out", type=Path, default=None, help="write every figure as JSON here")
+    parser.add_argument("--reuse-measurements", type=Path, default=None,
+                        help="a JSON written by --out: take the measured step times from it (e.g. after the "
+                             "predictor changed) and measure only candidates it lacks")
     args = parser.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("PIPER_REUSE_WORKERS", "1")

@@ -12,6 +12,9 @@ A ``Profile`` is plain data, written to and read from JSON (the on-disk cache):
   (the driver's per-step cost on top of the slowest rank);
 - the communication model, ``latency`` (s) and ``bandwidth`` (bytes/s), measured with a
   ping-pong on the backend or given;
+- ``collective_share[variant]``: the share of a tensor- or expert-parallel segment's time
+  spent inside its collectives (``StepResult.collective_seconds``), waiting on the other
+  ranks rather than computing;
 - ``cores``: how many ranks can compute at once on this machine (ranks beyond it share
   cores: the CPU backend on a small machine), ``None`` when every rank has a device.
 
@@ -42,6 +45,7 @@ class Profile:
     regions: int
     compute: Table = attrs.field(factory=dict)
     activation_bytes: dict[str, float] = attrs.field(factory=dict)  # per sample
+    collective_share: dict[str, float] = attrs.field(factory=dict)  # variant -> share of compute in collectives
     overhead: float = 0.0
     comm_overhead: float = 0.0
     startup: float = 0.0
@@ -74,6 +78,11 @@ class Profile:
         loss = times.get("loss", {})
         weights[-1] += loss.get("F", 0.0) + loss.get("B", 0.0)
         return weights
+
+    def cpu_share(self, variant: str) -> float:
+        """The share of a compute instruction's time that occupies a core (the rest is
+        waiting inside tensor- or expert-parallel collectives)."""
+        return 1.0 - self.collective_share.get(variant, 0.0)
 
     def with_comm(self, latency: float, bandwidth: float) -> Profile:
         return attrs.evolve(self, latency=latency, bandwidth=bandwidth)

@@ -8,7 +8,8 @@ the executor's own costs and the link, cached on disk.
   steps whose per-instruction timings (``StepResult.timings``) give the mean time of each
   (segment, phase). The same runs give the gap between one compute instruction and the next
   (``overhead``), the time before the first and after the last (``startup``, ``tail``), and
-  what the driver adds per step (``dispatch``); as in ``benchmarks/bench_simulate_vs_runtime.py``,
+  what the driver adds per step (``dispatch``), and for a sharded variant the share of the
+  compute spent waiting inside its collectives; as in ``benchmarks/bench_simulate_vs_runtime.py``,
   means rather than medians, since a step takes what its instructions really took.
 - **Activations** (``activation_bytes``): each captured segment's forward on the example
   batch in this process, counting the storages autograd saves (parameters excluded) and its
@@ -105,6 +106,7 @@ class RunStats:
     startup: float
     tail: float
     dispatch: float
+    collective_share: float = 0.0  # of the compute instructions' time, inside TP/EP collectives
 
 
 def measure(
@@ -157,8 +159,10 @@ def measure(
     for (seg, phase), ds in compute.items():
         times[seg][phase] = statistics.fmean(ds)
     worker = statistics.median(max(r.worker_seconds) for r in results)
+    busy = sum(sum(ds) for ds in compute.values())
+    waiting = sum(sum(r.collective_seconds) for r in results)
     stats = RunStats(statistics.fmean(gaps) if gaps else 0.0, statistics.median(starts), statistics.median(tails),
-                     max(0.0, statistics.median(driver) - worker))
+                     max(0.0, statistics.median(driver) - worker), min(1.0, waiting / busy) if busy else 0.0)
     return dict(times), stats
 
 
@@ -283,6 +287,9 @@ class Profiler:
             entry[seg] = {**entry.get(seg, {}), **phases}
         table[variant][local] = entry
         profile = attrs.evolve(self.profile, compute=table)
+        if variant != "none" and not split:
+            profile = attrs.evolve(profile, collective_share={**profile.collective_share,
+                                                               variant: stats.collective_share})
         if variant == "none" and not split and local == min(table["none"]):
             # the run with the most instructions per step sets the executor's own costs
             profile = attrs.evolve(profile, overhead=stats.gap, comm_overhead=stats.gap, startup=stats.startup,

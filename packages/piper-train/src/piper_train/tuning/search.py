@@ -10,7 +10,8 @@ For each ``Candidate`` (``space``), on the captured model's graph (an IR value):
    activation bytes); a rank over the budget makes it *over budget*, and it is not simulated;
 3. simulate it with the profiled costs (``costs.cost_model``); the predicted step is the
    makespan, or, where more ranks share the machine than it has cores, the compute of every
-   rank spread over the cores if that is longer, plus the rank's tail and the driver's
+   rank spread over the cores if that is longer (less the time tensor- and expert-parallel
+   segments wait inside their collectives, which holds no core), plus the rank's tail and the driver's
    per-step cost.
 
 ``search`` ranks what fits by predicted step time (ties: less memory). With ``keep=K`` it
@@ -149,7 +150,7 @@ def evaluate(
     span = timeline.makespan
     step = span
     if profile.cores is not None and program.world_size > profile.cores:
-        step = max(step, profile.startup + sum(timeline.busy) / profile.cores)
+        step = max(step, profile.startup + sum(timeline.busy) * profile.cpu_share(candidate.variant) / profile.cores)
     bubble = sum(timeline.idle) / (span * len(timeline.idle)) if span > 0 else 0.0
     return Evaluation(candidate, OK, predicted=step + profile.tail + profile.dispatch, makespan=span,
                       peak_bytes=peak, bubble=bubble)
@@ -176,7 +177,7 @@ def lower_bound(profile: Profile, candidate: Candidate) -> float:
     step = work / candidate.pp
     world = candidate.devices
     if profile.cores is not None and world > profile.cores:
-        step = max(step, work * (world // candidate.pp) / profile.cores)
+        step = max(step, work * (world // candidate.pp) * profile.cpu_share(candidate.variant) / profile.cores)
     return profile.startup + step + profile.tail + profile.dispatch
 
 
