@@ -51,6 +51,17 @@ CASES = [
     ("train", "from piper_scheduler import compile_program", False),
 ]
 
+# piper_train.tuning: the search is torch-free, the profiler and the API are not
+TUNING = "packages/piper-train/src/piper_train/tuning/{}.py"
+TUNING_CASES = [
+    ("search", "import torch", True),
+    ("space", "import ray", True),
+    ("costs", "from torch import nn", True),
+    ("search", "from piper_scheduler import simulate", False),
+    ("profiler", "import torch", False),
+    ("api", "import ray", False),
+]
+
 
 def _banned(path: str, line: str) -> bool:
     proc = subprocess.run(
@@ -67,6 +78,11 @@ def _banned(path: str, line: str) -> bool:
 @pytest.mark.parametrize(("package", "line", "banned"), CASES, ids=[f"{p}: {line}" for p, line, _ in CASES])
 def test_layering_rule(package: str, line: str, banned: bool) -> None:
     assert _banned(SRC.format(package), line) is banned
+
+
+@pytest.mark.parametrize(("module", "line", "banned"), TUNING_CASES, ids=[f"{m}: {line}" for m, line, _ in TUNING_CASES])
+def test_tune_search_is_torch_free(module: str, line: str, banned: bool) -> None:
+    assert _banned(TUNING.format(module), line) is banned
 
 
 def test_memory_store_may_import_torch() -> None:

@@ -17,6 +17,7 @@ _LAZY = {
     "fit": "piper_train.loop",
     "Checkpoints": "piper_train.checkpoints",
     "export": "piper_train.checkpoints",
+    "tune": "piper_train.tuning.api",
 }
 
 __all__ = list(_LAZY)

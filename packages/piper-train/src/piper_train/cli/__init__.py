@@ -1,9 +1,10 @@
 """The ``piper`` command: ``piper train``, ``piper check``, ``piper simulate``, ``piper plan``,
-``piper show`` and ``piper export``.
+``piper show``, ``piper export`` and ``piper tune``.
 
 ``options`` defines the option groups and the parser, ``request`` the strategy the user
 asked for (``StrategyRequest``), ``scheduling`` the commands that run no processes
-(simulate, plan, show) and ``training`` those on Ray (train, check). Exit codes: 0 ok, 1 a
+(simulate, plan, show), ``training`` those on Ray (train, check) and ``tuning`` the
+strategy search (tune). Exit codes: 0 ok, 1 a
 check found a difference, 2 bad input (argparse's usage errors, or a ``PiperError``/``ValueError``
 printed as ``piper <command>: error: ...``), 3 the run failed (an ``ExecutionError``: a worker
 died, hung past ``--timeout`` or raised; a NaN/Inf with ``--on-nan stop``; printed as
@@ -25,6 +26,11 @@ __all__ = ["StrategyRequest", "main"]
 
 
 def _command(name: str) -> Callable[[argparse.Namespace], int]:
+    if name == "tune":
+        # Imported here for the same reason: tune profiles the model on the runtime.
+        from piper_train.cli import tuning
+
+        return tuning.tune_command
     if name in ("train", "check", "export"):
         # Imported here, not at the top: train and check need torch and ray, and importing
         # them only for these keeps `piper simulate/plan/show` (no processes) free of both.

@@ -12,13 +12,14 @@ take it, and the checks argparse cannot express.
 | length, evaluation, metrics | --steps, --epochs, --eval-every, --eval-batches, --metrics, --tensorboard, --profile-step, --on-nan, ... | train |
 | checkpoints | --checkpoint-dir, --checkpoint-every, --keep-checkpoints, --resume, --max-restarts | train |
 | simulation | --cost, --json, --png, --trace | simulate, show |
+| tune | --devices, --stages, --memory-budget-mb, --microbatch-range, --schedules, --zero-levels, --top, --out, --validate, ... | tune |
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,62 @@ def add_simulation(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the simulated step")
 
 
+def _comma_list(kind: Callable[[str], object], choices: Sequence[object] | None = None) -> Callable[[str], list]:
+    """An argparse type: a comma-separated list of ``kind`` values, each among ``choices``."""
+
+    def parse(text: str) -> list:
+        try:
+            values = [kind(part.strip()) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+        bad = [v for v in values if choices is not None and v not in choices]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(map(str, choices or []))}"
+                                             f"; got {text!r}")
+        return values
+
+    return parse
+
+
+def add_tune(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", type=int, required=True, help="devices (ranks) to tune for")
+    p.add_argument("--stages", type=int, help="annotated regions of a built-in model (default: 2 x --devices)")
+    p.add_argument("--memory-budget-mb", type=float, default=None,
+                   help="per-rank memory budget: strategies whose estimate exceeds it are pruned before simulation")
+    p.add_argument("--microbatch-range", default="1-16",
+                   help="microbatch counts to try: LO-HI (the powers of two between) or a list like 2,4,8 "
+                        "(default: 1-16)")
+    p.add_argument("--schedules", type=_comma_list(str, sorted(SCHEDULES)), default=sorted(SCHEDULES),
+                   help="schedules to try, comma-separated (default: all)")
+    p.add_argument("--zero-levels", type=_comma_list(int, [0, 1, 2, 3]), default=[0, 1, 2, 3],
+                   help="ZeRO levels to try, comma-separated (default: 0,1,2,3)")
+    p.add_argument("--pp", type=_comma_list(int), default=None,
+                   help="pipeline degrees to try, comma-separated (default: every divisor of --devices)")
+    p.add_argument("--top", type=int, default=10, help="rows of the ranking to print (default: 10)")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="compile and simulate every candidate (default: only those that could still enter the "
+                        "top --top / --validate, by a lower bound of their step time)")
+    p.add_argument("--out", type=Path, help="write the best strategy here as a directive program (JSON) that "
+                   "`piper train --strategy` runs")
+    p.add_argument("--validate", type=int, default=0, metavar="K",
+                   help="run the top K strategies on the runtime and print predicted vs measured step times")
+    p.add_argument("--validate-steps", type=int, default=5, help="timed steps per validated strategy (default: 5)")
+    p.add_argument("--profile-steps", type=int, default=3, help="timed steps per profiling run (default: 3)")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="where profiles are cached (default: $PIPER_CACHE_DIR/tune or ~/.cache/piper/tune)")
+    p.add_argument("--no-cache", action="store_true", help="profile again, and do not write the cache")
+    p.add_argument("--latency-us", type=float, help="link latency in microseconds (with --bandwidth-mbs: instead "
+                   "of measuring it)")
+    p.add_argument("--bandwidth-mbs", type=float, help="link bandwidth in MiB/s (with --latency-us)")
+    p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw"],
+                   help="the optimizer whose state the memory estimate counts (default: adamw)")
+    add_seed(p)
+    p.add_argument("--address", help="an existing Ray cluster's address (default: start an embedded local cluster)")
+    p.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="where ranks run (default: cpu)")
+    p.add_argument("--json", action="store_true", help="print the ranking and the best strategy as JSON on stdout")
+    p.add_argument("--no-progress-bar", action="store_true", help="no progress bar even on a terminal")
+
+
 def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="training steps (default: 20, unless --epochs is given)")
     p.add_argument("--epochs", type=int, default=None, help="passes over the model's data (with --steps: whichever "
@@ -206,6 +263,8 @@ SUBCOMMANDS: dict[str, tuple[str, tuple[Group, ...]]] = {
     "plan": ("compile a strategy to a program and save it as JSON", (add_pipeline, _add_plan_source, _add_plan_output)),
     "show": ("print a saved program as a rank x step grid, simulate it", (_add_program, add_simulation)),
     "export": ("write a checkpoint's model as a plain single-device state_dict", (_add_export,)),
+    "tune": ("search strategies with the simulator and the memory estimate; write the best",
+             (add_model, add_tune)),
 }
 
 
@@ -225,12 +284,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if (getattr(args, name, 0) or 0) < 0:
             parser.error(f"--{name} must be >= 0")
     for name in ("pp", "microbatches", "steps", "dp", "tp", "ep", "epochs", "batch_size", "profile_step",
-                 "lr_step_size", "ranks_per_gpu"):
+                 "lr_step_size", "ranks_per_gpu", "devices", "stages", "top", "validate_steps", "profile_steps"):
         value = getattr(args, name, None)
-        if value is not None and value < 1:
+        if value is not None and min(value if isinstance(value, list) else [value]) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("warmup_steps", "eval_every", "prefetch", "weight_decay", "min_lr", "eval_batches", "checkpoint_every",
-                 "max_restarts"):
+                 "max_restarts",
+                 "validate", "latency_us"):
         value = getattr(args, name, None)
         if value is not None and value < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0")
@@ -253,6 +313,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                 parser.error(f"--{name.replace('_', '-')} needs --checkpoint-dir")
     if getattr(args, "timeout", 1.0) <= 0:
         parser.error("--timeout must be > 0 (seconds)")
+    if getattr(args, "bandwidth_mbs", None) is not None and not args.bandwidth_mbs > 0:
+        parser.error("--bandwidth-mbs must be > 0")
     if getattr(args, "memory_budget_mb", None) is not None and args.memory_budget_mb <= 0:
         parser.error("--memory-budget-mb must be > 0")
 

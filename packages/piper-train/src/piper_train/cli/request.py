@@ -139,10 +139,17 @@ def split_microbatches(strategy: Strategy, default: int) -> int:
 
 
 def model_regions(args: argparse.Namespace) -> int:
-    """Regions a built-in model gets: ``--stages``, else what the schedule places on ``--pp``
-    ranks (``2 * pp`` for interleaved_1f1b and dualpipev), else ``--pp``."""
+    """Regions a built-in model gets: ``--stages``, else the regions a JSON ``--strategy``
+    places, else what the schedule places on ``--pp`` ranks (``2 * pp`` for interleaved_1f1b
+    and dualpipev), else ``--pp``."""
     if args.stages:
         return args.stages
+    if args.strategy is not None and args.strategy.suffix.lower() != ".csv":
+        # A JSON program places its regions itself (``piper tune --out`` writes one per region).
+        try:
+            return placed_regions(Strategy.from_json(args.strategy.read_text())) or args.pp
+        except (OSError, PiperError):
+            pass  # StrategyRequest.from_args reads it again and reports what is wrong
     if args.strategy is None:
         try:
             return placed_regions(build_schedule(args.schedule, args.pp, args.microbatches)) or args.pp

@@ -1,0 +1,306 @@
+"""Measuring a model for ``piper tune``: per-region times on the runtime, activation sizes,
+the executor's own costs and the link, cached on disk.
+
+- **Compute** (``measure``): the model runs on the runtime with one pipeline stage
+  (``1f1b`` over one rank, or ``zb1p``, whose order splits each backward into BI and BW),
+  widened to K ranks for a tensor- or expert-parallel variant, with as many microbatches as
+  give the per-rank microbatch size asked for; a few warm-up steps, then ``profile=True``
+  steps whose per-instruction timings (``StepResult.timings``) give the mean time of each
+  (segment, phase). The same runs give the gap between one compute instruction and the next
+  (``overhead``), the time before the first and after the last (``startup``, ``tail``), and
+  what the driver adds per step (``dispatch``), and for a sharded variant the share of the
+  compute spent waiting inside its collectives; as in ``benchmarks/bench_simulate_vs_runtime.py``,
+  means rather than medians, since a step takes what its instructions really took.
+- **Activations** (``activation_bytes``): each captured segment's forward on the example
+  batch in this process, counting the storages autograd saves (parameters excluded) and its
+  outputs, per sample.
+- **Link** (``ping_pong``): two processes over gloo on loopback send tensors of growing size
+  back and forth; latency is the smallest one-way time, bandwidth the slope.
+
+The cache holds one JSON file per model, keyed by the captured graph's structure and shapes
+(not its code), the backend, torch's version and the machine's core count; measurements
+are added to it as the search needs them, so a second run measures nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import attrs
+import torch
+
+from piper_directives import CapturedModel, build_schedule, parallelize
+from piper_ir import NodeKind
+from piper_runtime import OptimizerSpec
+from piper_train.models import ModelSpec
+from piper_train.trainer import Trainer
+from piper_train.tuning.costs import Profile
+
+DEFAULT_CACHE = Path(os.environ.get("PIPER_CACHE_DIR", Path.home() / ".cache" / "piper")) / "tune"
+Log = Callable[[str], None]
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def profile_key(name: str, captured: CapturedModel, backend: str) -> str:
+    """The cache key: the model's name, its graph's structure and shapes (segments, their
+    parameters and values; not the code), the backend, torch and the core count."""
+    g = captured.graph
+    shape = [name, backend, torch.__version__, usable_cores(), list(g.inputs), list(g.targets)]
+    shape += [[s.id, s.role.value, sorted(s.tags.as_dict().items()) if hasattr(s.tags, "as_dict") else str(s.tags),
+               list(s.inputs), list(s.outputs), [(n, str(m)) for n, m in s.params]] for s in g.segments]
+    shape += [[v.name, str(v.meta)] for v in g.values]
+    digest = hashlib.sha256(json.dumps(shape, default=str).encode()).hexdigest()[:16]
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[-40:]
+    return f"{safe}-{digest}"
+
+
+def activation_bytes(captured: CapturedModel, inputs: Iterable[torch.Tensor], targets: Iterable[torch.Tensor]
+                     ) -> dict[str, float]:
+    """Per segment, the bytes one forward keeps for its backward, per sample of the batch
+    (module doc)."""
+    graph = captured.graph
+    values: dict[str, torch.Tensor] = dict(zip(graph.inputs, inputs, strict=False))
+    values.update(zip(graph.targets, targets, strict=False))
+    out: dict[str, float] = {}
+    for seg in graph.segments:
+        module = captured.modules[seg.id]
+        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, saved: dict[int, int] = saved, params: set[int] = params) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        args = [values[name].detach().requires_grad_(values[name].is_floating_point()) for name in seg.inputs]
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = module(*args)
+        outs = (result,) if isinstance(result, torch.Tensor) else tuple(result)
+        for name, o in zip(seg.outputs, outs, strict=False):
+            values[name] = o.detach()
+            saved.setdefault(o.untyped_storage().data_ptr(), o.untyped_storage().nbytes())
+        out[seg.id] = sum(saved.values()) / captured.batch_size
+    return out
+
+
+@attrs.frozen
+class RunStats:
+    """What one profiling run measured besides compute."""
+
+    gap: float
+    startup: float
+    tail: float
+    dispatch: float
+    collective_share: float = 0.0  # of the compute instructions' time, inside TP/EP collectives
+
+
+def measure(
+    spec: ModelSpec,
+    variant: str,
+    local: int,
+    split: bool,
+    *,
+    regions: int | None = None,
+    steps: int = 3,
+    warmup: int = 2,
+    optimizer: OptimizerSpec | None = None,
+    backend: str | None = None,
+    address: str | None = None,
+) -> tuple[dict[str, dict[str, float]], RunStats]:
+    """Seconds per (segment, phase) for ``variant`` at ``local`` samples per rank and
+    microbatch, and the run's other costs (module doc)."""
+    degree = int(variant[2:]) if variant != "none" else 1
+    batch = _batch_size(spec)
+    microbatches = batch // (local * (degree if variant.startswith("ep") else 1))
+    schedule = "zb1p" if split else "1f1b"
+    strategy = parallelize(build_schedule(schedule, 1, microbatches, stages=regions or spec.stages),
+                           tp=degree if variant.startswith("tp") else 1, ep=degree if variant.startswith("ep") else 1)
+    driver, results = [], []
+    with Trainer(spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn, strategy,
+                 optimizer=optimizer or OptimizerSpec(), backend=backend, address=address,
+                 reuse_workers=True) as trainer:
+        by_id = {(plan.rank, ins.id): ins for plan in trainer.program.ranks for ins in plan.instructions}
+        for step in range(warmup + steps):
+            started = time.perf_counter()
+            result = trainer.step(spec.example_inputs, spec.example_targets, profile=step >= warmup)
+            if step >= warmup:
+                driver.append(time.perf_counter() - started)
+                results.append(result)
+    compute: dict[tuple[str, str], list[float]] = defaultdict(list)
+    gaps, starts, tails = [], [], []
+    for result in results:
+        per_rank = defaultdict(list)
+        for t in result.timings:
+            ins = by_id[(t.rank, t.instruction)]
+            if ins.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER) and ins.phase is not None:
+                per_rank[t.rank].append(t)
+                compute[(ins.segment, ins.phase.value)].append(t.end - t.start)
+        for rank, timings in per_rank.items():
+            timings.sort(key=lambda t: t.start)
+            starts.append(timings[0].start)
+            tails.append(max(0.0, result.worker_seconds[rank] - timings[-1].end))
+            gaps.extend(max(0.0, b.start - a.end) for a, b in zip(timings, timings[1:], strict=False))
+    times: dict[str, dict[str, float]] = defaultdict(dict)
+    for (seg, phase), ds in compute.items():
+        times[seg][phase] = statistics.fmean(ds)
+    worker = statistics.median(max(r.worker_seconds) for r in results)
+    busy = sum(sum(ds) for ds in compute.values())
+    waiting = sum(sum(r.collective_seconds) for r in results)
+    stats = RunStats(statistics.fmean(gaps) if gaps else 0.0, statistics.median(starts), statistics.median(tails),
+                     max(0.0, statistics.median(driver) - worker), min(1.0, waiting / busy) if busy else 0.0)
+    return dict(times), stats
+
+
+def _batch_size(spec: ModelSpec) -> int:
+    return int(spec.example_inputs[0].shape[0])
+
+
+# -- the link: a ping-pong over gloo --------------------------------------------------------
+
+_SIZES = (4, 16 * 1024, 256 * 1024, 2 * 1024 * 1024)
+
+
+class _PingPong:
+    """One end of the ping-pong: a Ray actor in a process of its own."""
+
+    def run(self, rank: int, port: int, reps: int) -> dict[int, float]:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        one_way = {}
+        try:
+            for size in _SIZES:
+                t = torch.zeros(size // 4)
+                times = []
+                for _ in range(reps + 2):  # the first two warm the connection up
+                    dist.barrier()
+                    started = time.perf_counter()
+                    if rank == 0:
+                        dist.send(t, 1)
+                        dist.recv(t, 1)
+                    else:
+                        dist.recv(t, 0)
+                        dist.send(t, 0)
+                    times.append((time.perf_counter() - started) / 2)
+                one_way[size] = statistics.median(times[2:])
+        finally:
+            dist.destroy_process_group()
+        return one_way
+
+
+def ping_pong(reps: int = 10, timeout_s: float = 120.0) -> tuple[float, float]:
+    """(latency in s, bandwidth in bytes/s) between two gloo ranks on loopback, each a Ray
+    actor as the runtime's ranks are (Ray must be initialised)."""
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    actor = ray.remote(_PingPong).options(num_cpus=0.01, runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}})
+    ends = [actor.remote() for _ in range(2)]
+    try:
+        one_way = ray.get([e.run.remote(r, port, reps) for r, e in enumerate(ends)], timeout=timeout_s)[0]
+    finally:
+        for e in ends:
+            ray.kill(e)
+    small, large = _SIZES[0], _SIZES[-1]
+    latency = min(one_way.values())
+    slope = max(one_way[large] - one_way[small], 1e-12) / (large - small)
+    return latency, 1.0 / slope
+
+
+# -- the cache and the whole profile -------------------------------------------------------
+
+
+class Profiler:
+    """Fills a ``Profile`` for one model as the search needs it, from and into the cache
+    (module doc). ``need(variant, local, split)`` measures what is missing; ``profile`` is
+    the current value; ``measured`` counts the runs this process made."""
+
+    def __init__(
+        self,
+        name: str,
+        spec: ModelSpec,
+        captured: CapturedModel,
+        *,
+        backend: str = "cpu",
+        address: str | None = None,
+        optimizer: OptimizerSpec | None = None,
+        cache_dir: Path | None = DEFAULT_CACHE,
+        comm: tuple[float, float] | None = None,
+        steps: int = 3,
+        warmup: int = 2,
+        log: Log | None = None,
+    ) -> None:
+        self.spec, self.captured = spec, captured
+        self.backend, self.address, self.optimizer = backend, address, optimizer
+        self.steps, self.warmup = steps, warmup
+        self.log = log or (lambda _: None)
+        self.measured = 0
+        key = profile_key(name, captured, backend)
+        self.path = cache_dir / f"{key}.json" if cache_dir is not None else None
+        profile = None
+        if self.path is not None and self.path.exists():
+            try:
+                profile = Profile.from_json(self.path.read_text())
+                self.log(f"profile: read {self.path}")
+            except (OSError, ValueError, TypeError, KeyError):
+                self.log(f"profile: ignoring unreadable cache {self.path}")
+        if profile is None:
+            cores = usable_cores() if backend == "cpu" and address is None else None
+            profile = Profile(key, captured.batch_size, len(captured.graph.stage_segments()),
+                              activation_bytes=activation_bytes(captured, spec.example_inputs, spec.example_targets),
+                              cores=cores)
+        if comm is not None:
+            profile = profile.with_comm(*comm)
+        elif profile.latency == 0.0 and profile.bandwidth == float("inf"):
+            self.log("profile: measuring the link (gloo ping-pong on loopback)")
+            profile = profile.with_comm(*ping_pong())
+            self._save(profile)
+        self.profile = profile
+
+    def need(self, variant: str, local: int, split: bool) -> None:
+        if self.profile.has(variant, local, split):
+            return
+        self.log(f"profile: {variant} at {local} samples per microbatch{' (split backward)' if split else ''}")
+        times, stats = measure(self.spec, variant, local, split, regions=self.profile.regions, steps=self.steps, warmup=self.warmup,
+                               optimizer=self.optimizer, backend=self.backend, address=self.address)
+        self.measured += 1
+        table = {v: dict(sizes) for v, sizes in self.profile.compute.items()}
+        entry = dict(table.setdefault(variant, {}).get(local, {}))
+        for seg, phases in times.items():
+            entry[seg] = {**entry.get(seg, {}), **phases}
+        table[variant][local] = entry
+        profile = attrs.evolve(self.profile, compute=table)
+        if variant != "none" and not split:
+            profile = attrs.evolve(profile, collective_share={**profile.collective_share,
+                                                               variant: stats.collective_share})
+        if variant == "none" and not split and local == min(table["none"]):
+            # the run with the most instructions per step sets the executor's own costs
+            profile = attrs.evolve(profile, overhead=stats.gap, comm_overhead=stats.gap, startup=stats.startup,
+                                   tail=stats.tail, dispatch=stats.dispatch)
+        self.profile = profile
+        self._save(profile)
+
+    def _save(self, profile: Profile) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(profile.to_json())
+        tmp.replace(self.path)
