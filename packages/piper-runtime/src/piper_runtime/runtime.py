@@ -268,7 +268,9 @@ class Runtime:
         ``step`` does, while the batch hand-over and the driver's round trip overlap the
         workers' compute. Results are gathered in order; a failure tears the run down as
         ``step`` does, and fails every later pending step too. The caller bounds how many
-        steps it keeps in flight (one or two ahead suffice to hide the round trip)."""
+        steps it keeps in flight (one or two ahead suffice to hide the round trip). With
+        ``on_nan="skip-step"`` a step is sent only once the ones before it are gathered:
+        undoing a step restores the state from before it, so none may have run after it."""
         self._check_open()
         program = self.program
         batch = check_batch(program, compute_inputs(program.precision, inputs), targets)
