@@ -103,6 +103,8 @@ def test_interfaces_are_matched_by_address_then_by_network() -> None:
 def test_this_machine_has_loopback_in_its_table() -> None:
     table = interface_table()
     assert match_interface("127.0.0.1", table) is not None
+    # The netmask read from the kernel becomes the prefix length: loopback is 127.0.0.0/8.
+    assert ("127.0.0.1", 8) in table[match_interface("127.0.0.1", table)]
 
 
 def test_socket_interfaces_follow_the_address_unless_the_user_set_them(monkeypatch) -> None:

@@ -169,7 +169,7 @@ def interface_table() -> dict[str, list[tuple[str, int]]]:
                     mask = socket.inet_ntoa(fcntl.ioctl(s.fileno(), siocgifnetmask, packed)[20:24])
                 except OSError:
                     continue  # no IPv4 address on this interface
-                prefix = ipaddress.ip_network(f"0.0.0.0/{mask}").prefixlen
+                prefix = ipaddress.ip_interface(f"{addr}/{mask}").network.prefixlen  # netmask -> /bits
                 table.setdefault(name, []).append((addr, prefix))
     with contextlib.suppress(OSError):
         for line in Path("/proc/net/if_inet6").read_text().splitlines():
