@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import attrs
@@ -73,3 +74,26 @@ def assert_uneven() -> Callable[..., None]:
     """Asserts that the router sends different token counts to each expert and to each rank
     of an EP=2 group, so the all-to-alls are genuinely uneven."""
     return _assert_uneven
+
+
+def on_every_rank(world_size: int, work: Callable[[int], object], timeout_s: float = 120.0) -> list[object]:
+    """``work(rank)`` on one thread per rank (ranks as threads of this process, as the
+    in-process backends run them); the results in rank order, or the first error."""
+    results: list[object] = [None] * world_size
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = work(rank)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish"
+    if errors:
+        raise errors[0]
+    return results

@@ -1,8 +1,10 @@
 """A second backend plugs into the runtime without editing it.
 
 ``ThreadBackend`` below is a complete ``piper_runtime.backends.Backend`` written here, outside
-the runtime package: every rank is a thread of this process, communicators are mailboxes
-and rendezvous in memory, and no ``torch.distributed`` world exists at all (so any direct
+the runtime package: every rank is a thread of this process, communicators are the
+in-memory mailboxes and collective rounds the runtime's test fakes provide
+(``backends.fakes.MemoryCommunicator``), rendezvous is in memory, and no
+``torch.distributed`` world exists at all (so any direct
 call of the executor into ``torch.distributed`` would fail). It is registered under a name,
 ``RankWorker``s set up with that name run compiled programs (no Ray), and the results match
 single-device training: pipeline sends and receives with events between lanes (1F1B),
@@ -17,11 +19,10 @@ from __future__ import annotations
 
 import copy
 import itertools
-import queue
 import sys
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
 import pytest
@@ -33,6 +34,7 @@ from piper_ir import Program
 from piper_memory import plan_memory
 from piper_runtime import OptimizerSpec, RankWorker
 from piper_runtime.backends import HostEvent, register_backend, unregister_backend
+from piper_runtime.backends.fakes import MemoryCommunicator, MemoryWorld
 from piper_runtime.batch import batch_reads, check_batch, replica_slice
 from piper_runtime.memory import MemoryTracker
 from piper_runtime.merge import merge_outputs, merge_parameters
@@ -40,123 +42,10 @@ from piper_scheduler import compile_program
 from piper_train.models import build_model
 from piper_train.reference import ReferenceTrainer
 
+from .conftest import on_every_rank
+
 TIMEOUT_S = 60.0
 NAME = "threads-in-process"
-
-
-class _Done:
-    def wait(self) -> None:
-        pass
-
-
-class _Receive:
-    def __init__(self, box: queue.Queue, into: torch.Tensor) -> None:
-        self.box, self.into = box, into
-
-    def wait(self) -> None:
-        self.into.copy_(self.box.get(timeout=TIMEOUT_S))
-
-
-class _Round:
-    """One collective call of one communicator: every member's input, once all are in."""
-
-    def __init__(self, members: int) -> None:
-        self.inputs: dict[int, object] = {}
-        self.complete = threading.Event()
-        self.unread = members
-
-
-class _World:
-    """What the ranks of one in-process world share."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.lock = threading.Lock()
-        self.boxes: dict[tuple[int, int, int], queue.Queue] = {}  # (communicator, src, dst)
-        self.rounds: dict[tuple[int, int], _Round] = {}  # (communicator, call number)
-        self.backends: dict[int, ThreadBackend] = {}
-
-    def box(self, key: tuple[int, int, int]) -> queue.Queue:
-        with self.lock:
-            return self.boxes.setdefault(key, queue.Queue())
-
-
-_WORLDS: dict[int, _World] = {}
-_WORLDS_LOCK = threading.Lock()
-
-
-class ThreadCommunicator:
-    """A communicator between threads; collectives sum in rank order."""
-
-    def __init__(self, world: _World, key: int, ranks: Sequence[int], rank: int) -> None:
-        self.world, self.key, self.ranks, self.rank = world, key, tuple(ranks), rank
-        self.calls = 0
-        self.used: Counter[str] = Counter()
-
-    def _exchange(self, value: object) -> dict[int, object]:
-        world, key = self.world, (self.key, self.calls)
-        self.calls += 1
-        with world.lock:
-            r = world.rounds.setdefault(key, _Round(len(self.ranks)))
-            r.inputs[self.rank] = value
-            if len(r.inputs) == len(self.ranks):
-                r.complete.set()
-        if not r.complete.wait(TIMEOUT_S):
-            raise TimeoutError(f"collective {key} of ranks {self.ranks}: only {sorted(r.inputs)} arrived")
-        with world.lock:
-            r.unread -= 1
-            if r.unread == 0:
-                del world.rounds[key]
-        return r.inputs
-
-    def _sum(self, t: torch.Tensor) -> torch.Tensor:
-        inputs = self._exchange(t.detach().clone())
-        total = inputs[self.ranks[0]].clone()
-        for r in self.ranks[1:]:
-            total += inputs[r]
-        return total
-
-    def send(self, tensor: torch.Tensor, peer: int) -> _Done:
-        self.used["send"] += 1
-        self.world.box((self.key, self.rank, peer)).put(tensor.detach().clone())
-        return _Done()
-
-    def recv(self, tensor: torch.Tensor, peer: int) -> _Receive:
-        self.used["recv"] += 1
-        return _Receive(self.world.box((self.key, peer, self.rank)), tensor)
-
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        self.used["all_reduce"] += 1
-        tensor.copy_(self._sum(tensor))
-
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self.used["reduce_scatter"] += 1
-        n = output.numel()
-        output.copy_(self._sum(input).narrow(0, self.ranks.index(self.rank) * n, n))
-
-    def start_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> _Done:
-        self.reduce_scatter(output, input)  # complete when issued: every member issues it in turn
-        return _Done()
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self.used["all_gather"] += 1
-        inputs = self._exchange(input.detach().clone())
-        output.copy_(torch.cat([inputs[r] for r in self.ranks]))
-
-    def all_to_all(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_splits: Sequence[int] | None = None,
-        input_splits: Sequence[int] | None = None,
-    ) -> None:
-        self.used["all_to_all"] += 1
-        n = len(self.ranks)
-        splits = list(input_splits) if input_splits is not None else [input.shape[0] // n] * n
-        inputs = self._exchange((input.detach().clone(), splits))
-        me = self.ranks.index(self.rank)
-        pieces = [torch.split(inputs[r][0], inputs[r][1])[me] for r in self.ranks]
-        output.copy_(torch.cat(pieces))
 
 
 class _CountingEvent(HostEvent):
@@ -179,7 +68,7 @@ class ThreadBackend:
     gpus_per_rank = 0.0
 
     def __init__(self) -> None:
-        self.comms: list[ThreadCommunicator] = []
+        self.comms: list[MemoryCommunicator] = []
         self.seen: Counter[str] = Counter()
         self._lock = threading.Lock()
 
@@ -192,13 +81,11 @@ class ThreadBackend:
             self.seen[what] += 1
 
     def connect(self, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float) -> None:
-        with _WORLDS_LOCK:
-            self.world = _WORLDS.setdefault(master_port, _World(world_size))
+        self.world = MemoryWorld.named((NAME, master_port))  # keyed apart from the CUDA fakes' worlds
         self.rank = rank
-        self.world.backends[rank] = self
 
-    def communicator(self, ranks: Sequence[int], channels: Sequence[tuple[int, int]] = ()) -> ThreadCommunicator:
-        comm = ThreadCommunicator(self.world, len(self.comms), ranks, self.rank)
+    def communicator(self, ranks: Sequence[int], channels: Sequence[tuple[int, int]] = ()) -> MemoryCommunicator:
+        comm = MemoryCommunicator(self.world, len(self.comms), ranks, self.rank)
         self.comms.append(comm)
         return comm
 
@@ -237,28 +124,6 @@ def thread_backend() -> Iterator[str]:
 _PORTS = itertools.count(1)  # world keys: nothing listens anywhere
 
 
-def _on_every_rank(world_size: int, work: Callable[[int], object]) -> list[object]:
-    """``work(rank)`` on one thread per rank; the results in rank order, or the first error."""
-    results: list[object] = [None] * world_size
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = work(rank)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT_S * 2)
-    assert not any(t.is_alive() for t in threads), "a rank did not finish"
-    if errors:
-        raise errors[0]
-    return results
-
-
 def _run(workload, strategy: Strategy, backend: str, steps: int = 2) -> tuple[Program, list[RankWorker]]:
     captured = capture(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn)
     graph, modules = shard_modules(strategy.apply(captured.graph), captured.modules)
@@ -272,7 +137,7 @@ def _run(workload, strategy: Strategy, backend: str, steps: int = 2) -> tuple[Pr
         mine = {s: copy.deepcopy(modules[s]) for s in program.plan(rank).segments()}  # as Ray would ship
         workers[rank].setup(rank, program.world_size, "in-process", port, program, mine, optimizer, backend, TIMEOUT_S)
 
-    _on_every_rank(program.world_size, setup)
+    on_every_rank(program.world_size, setup)
     for step in range(steps):
         inputs, targets = workload.batches(step)
         batch = check_batch(program, inputs, targets)
@@ -285,7 +150,7 @@ def _run(workload, strategy: Strategy, backend: str, steps: int = 2) -> tuple[Pr
             }
             return workers[rank].run_step(mine, keep_grads=True)
 
-        got = merge_outputs(_on_every_rank(program.world_size, run_step), program, keep_grads=True)
+        got = merge_outputs(on_every_rank(program.world_size, run_step), program, keep_grads=True)
         want = reference.step(inputs, targets)
         assert got.losses == pytest.approx(want.losses, rel=1e-9, abs=1e-12)
         assert set(got.grads) == set(want.grads)

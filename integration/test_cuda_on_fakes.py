@@ -17,8 +17,7 @@ from __future__ import annotations
 import copy
 import itertools
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -36,6 +35,8 @@ from piper_scheduler import compile_program
 from piper_train.models import build_model
 from piper_train.reference import ReferenceTrainer
 
+from .conftest import on_every_rank
+
 TIMEOUT_S = 60.0
 _WORLDS = itertools.count(1)
 
@@ -46,27 +47,6 @@ def _restore_process_settings() -> Iterator[None]:
     yield
     torch.set_num_threads(threads)
     sys.setswitchinterval(interval)
-
-
-def _on_every_rank(world_size: int, work: Callable[[int], object]) -> list[object]:
-    results: list[object] = [None] * world_size
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = work(rank)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT_S * 2)
-    assert not any(t.is_alive() for t in threads), "a rank did not finish"
-    if errors:
-        raise errors[0]
-    return results
 
 
 def _run(workload, strategy: Strategy, gpus: list[str], steps: int = 2) -> list[RankWorker]:
@@ -95,7 +75,7 @@ def _run(workload, strategy: Strategy, gpus: list[str], steps: int = 2) -> list[
 
         return MemoryHost(world, rank)
 
-    _on_every_rank(program.world_size, setup)
+    on_every_rank(program.world_size, setup)
     for step in range(steps):
         inputs, targets = workload.batches(step)
         batch = check_batch(program, inputs, targets)
@@ -108,7 +88,7 @@ def _run(workload, strategy: Strategy, gpus: list[str], steps: int = 2) -> list[
             }
             return workers[rank].run_step(mine, keep_grads=True)
 
-        got = merge_outputs(_on_every_rank(program.world_size, run_step), program, keep_grads=True)
+        got = merge_outputs(on_every_rank(program.world_size, run_step), program, keep_grads=True)
         want = reference.step(inputs, targets)
         assert got.losses == pytest.approx(want.losses, rel=1e-9, abs=1e-12)
         for name, g in want.grads.items():
