@@ -21,9 +21,7 @@ batch while a step runs, then waits for its turn (``piper_runtime.turns``).
 next runtime as if it had just started.
 
 ``load_forward`` adds a second, forward-only program of the same world (an evaluation step,
-``piper_scheduler.forward_only``): its own executor and transport over this rank's modules,
-buckets and communicators (its communicators are the training program's, by id);
-``run_forward`` runs it with the modules in eval mode and returns the losses.
+``piper_runtime.evaluation``); ``run_forward`` runs it and returns the losses.
 
 Parameter gradients are read or replaced only under one lock (``grads_lock``) that backward
 passes, the optimizer, bucket operations and memory accounting take: autograd writes
@@ -46,7 +44,7 @@ import attrs
 import torch
 from torch import nn
 
-from piper_ir import BUCKET_KINDS, ExecutionError, NodeKind, Phase, Program
+from piper_ir import BUCKET_KINDS, ExecutionError, NodeKind, Program
 from piper_runtime.accounting import MemorySampler
 from piper_runtime.backends import Backend, BackendFactory, backend_factory
 from piper_runtime.batch import split_microbatches
@@ -54,6 +52,7 @@ from piper_runtime.checkpoint import RankState, SaveSide, read_objects
 from piper_runtime.comms import Communicators
 from piper_runtime.compute import COMPUTE_PHASES, SegmentCompute
 from piper_runtime.data_parallel import DataParallel
+from piper_runtime.evaluation import ForwardStep
 from piper_runtime.executor import Executor
 from piper_runtime.grad_norm import GradNorm
 from piper_runtime.numerics import StateBackup
@@ -204,75 +203,33 @@ class RankWorker:
             timeout_s=timeout_s,
             progress=self._progress,
         )
-        self._forward: tuple[Program, Transport, ReadCounts, Executor] | None = None
+        self._forward: ForwardStep | None = None
 
     def load_forward(self, program: Program) -> None:
-        """Keep ``program``, a forward-only step of the same world, for ``run_forward``."""
-        plan = program.plan(self.rank)
-        _check_supported(self.rank, plan.instructions)
-        unknown = sorted({c.id for c in program.communicators} - set(self._comms.forward))
-        if unknown or any(ins.phase is not Phase.F for ins in plan.instructions if ins.kind is NodeKind.COMPUTE):
-            raise ExecutionError(
-                f"rank {self.rank}: not a forward-only step of the training program "
-                f"(communicators {unknown} unknown, or backward passes)",
-                ranks=(self.rank,),
-            )
-        dp = self._data_parallel
-        for ins in plan.instructions:
-            if ins.kind in BUCKET_KINDS:
-                dp.check(ins)
-        transport = Transport(program, plan, self._comms, self.backend.device)
-        handlers = {
-            NodeKind.COMPUTE: SegmentCompute(
-                program, self._modules, self._grads_lock, dp.weight_pass, forward_only=True,
-                replica=plan.replica, device=self.backend.device,
-            ),
-            NodeKind.SEND: transport.send,
-            NodeKind.RECV: transport.recv,
-            NodeKind.MARKER: lambda ins, st: None,
-            NodeKind.MATERIALIZE: dp.materialize,
-            NodeKind.FREE: dp.free,
-        }
-        reads = ReadCounts(program, plan.instructions)
-        threaded = self._executor.threads and not lanes_share_a_communicator(plan.instructions)
-        executor = Executor(
-            plan, handlers, before=transport.post_recvs, reads=reads, sampler=self._sampler,
-            streams=self.backend, threads=threaded, timeout_s=self._timeout_s,
+        """Keep ``program``, a forward-only step of the same world, for ``run_forward``
+        (``piper_runtime.evaluation``)."""
+        _check_supported(self.rank, program.plan(self.rank).instructions)
+        self._forward = ForwardStep(
+            program, self.rank, self._modules, self._comms, self._data_parallel, self._grads_lock, self._sampler,
+            self.backend, self._executor.threads, self._timeout_s,
         )
-        self._forward = (program, transport, reads, executor)
 
     def run_forward(self, batch: Mapping[str, Any]) -> StepOutput:
         """Run the program of ``load_forward`` once on ``batch`` (as in ``run_step``), the
         modules in eval mode; returns the losses this rank computed."""
         if self._forward is None:
             raise ExecutionError(f"rank {self.rank}: no forward-only program loaded", ranks=(self.rank,))
-        program, transport, reads, executor = self._forward
-        started = time.perf_counter()
-        chunks = {
+        return self._forward.run(self._microbatches(self._forward.program, batch), self._step)
+
+    def _microbatches(self, program: Program, batch: Mapping[str, Any]) -> dict[str, tuple[torch.Tensor, ...]]:
+        """``batch`` (tensors or Ray object refs to them) on this rank's device, each split
+        into the program's microbatches."""
+        return {
             name: split_microbatches(
                 _resolve(t).to(self.backend.device), program.value_by_name[name].meta, program.microbatches
             )
             for name, t in batch.items()
         }
-        st = StepState(chunks, keep_grads=False, accounted=False)
-        reads.start(st)
-        self._sampler.begin(st, excluded=(), active=False)
-        for module in self._modules.values():
-            module.eval()
-        try:
-            executor.run(st, self._step, started, False, memory=False)
-        except BaseException:
-            self._abandoned = st
-            raise
-        finally:
-            self._sampler.end()
-            for module in self._modules.values():
-                module.train()
-        try:
-            transport.finish(st)
-        except Exception as exc:
-            raise executor.error("waiting for its sends to complete", exc, self._step) from None
-        return StepOutput(self.rank, tuple(sorted(st.losses.items())), seconds=time.perf_counter() - started)
 
     @property
     def threads(self) -> bool:
@@ -297,13 +254,7 @@ class RankWorker:
         split at once, the step runs when every lower-numbered call has finished
         (``piper_runtime.turns``); ``None`` runs it at once (a caller that makes one call at
         a time)."""
-        program = self.program
-        chunks = {
-            name: split_microbatches(
-                _resolve(t).to(self.backend.device), program.value_by_name[name].meta, program.microbatches
-            )
-            for name, t in batch.items()
-        }
+        chunks = self._microbatches(self.program, batch)
         if call is None:
             return self._step_once(chunks, keep_grads, profile, lr, memory)
         with self._turns.turn(call, self._timeout_s):
