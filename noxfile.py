@@ -11,16 +11,19 @@ quicker while developing).
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import attrs
 import nox
 
 nox.options.default_venv_backend = "none"
@@ -50,8 +53,17 @@ for _name in PACKAGES:
 
 @nox.session(venv_backend="none")
 def integration(session: nox.Session) -> None:
-    """Strategies on the Ray runtime against single-device training."""
-    _pytest(session, "integration")
+    """Strategies on the Ray runtime against single-device training.
+
+    Two pytest runs side by side, each test in exactly one of them: the tests marked
+    ``own_process`` (the command, or a cluster of two nodes, started as a process of its own:
+    mostly waiting for Ray to start and stop) and the rest (the session's shared Ray cluster).
+    Each run's output is printed whole when it ends."""
+    runs = [("own_process", "own_process"), ("shared Ray", "not own_process")]
+    _run_all(session, [
+        (label, [Command([*PYTEST, "-q", "-m", marks, "integration", *session.posargs], ok=(0, 5))])
+        for label, marks in runs
+    ], show=True)
 
 
 @nox.session(venv_backend="none")
@@ -91,7 +103,8 @@ STANDALONE = ROOT / ".nox" / "standalone"
 # layer of their own (``.nox/standalone/layers/<name>``) that every standalone environment
 # needing one of them sees through a ``.pth`` file (standalone's docstring says why).
 LAYERED = ("torch", "numpy", "ray", "matplotlib")
-JOBS = 2  # pip installs at once: pip is single-threaded, CI machines have two cores or more
+JOBS = 2  # commands at once: pip and most tests use one core; CI machines have two or more
+SLOW = ("runtime",)  # started first when packages are tested side by side
 
 
 def _dist_name(requirement: str) -> str:
@@ -156,25 +169,48 @@ def _environment_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def _run_all(session: nox.Session, jobs: list[tuple[str, list[list[str]]]]) -> dict[str, float]:
-    """Run each job (a label and its commands, one after the other) with ``JOBS`` jobs at a
-    time; their seconds by label. Output is shown only for a failed command, which fails the
-    session once every job has ended."""
-    def one(commands: list[list[str]]) -> tuple[float, str | None]:
-        t0 = time.monotonic()
-        for command in commands:
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode != 0:
-                return time.monotonic() - t0, f"{shlex.join(command)} exited {done.returncode}:\n{done.stdout}{done.stderr}"
-        return time.monotonic() - t0, None
+@attrs.frozen
+class Command:
+    """One command of a job: its argv, environment additions and the exit codes that pass."""
 
-    for label, commands in jobs:
-        session.log(f"{label}: " + " && ".join(shlex.join(c) for c in commands))
+    argv: list[str]
+    env: dict[str, str] = attrs.field(factory=dict)
+    ok: tuple[int, ...] = (0,)
+
+
+def _run_all(session: nox.Session, jobs: list[tuple[str, list[Command]]], *, show: bool = False) -> dict[str, float]:
+    """Run each job (a label and its commands, one after the other, the first failure ending
+    it) with ``JOBS`` jobs at a time, in the order given; their seconds by label. A job's
+    output is printed, whole, when it ends: always with ``show``, else only if it failed.
+    Any failure fails the session once every job has ended."""
+    lock = threading.Lock()
+
+    def one(label: str, commands: list[Command]) -> tuple[float, bool]:
+        t0 = time.monotonic()
+        out, ok = [], True
+        for c in commands:
+            done = subprocess.run(c.argv, capture_output=True, text=True, env={**os.environ, **c.env})
+            out.append(f"nox > {shlex.join(c.argv)}\n{done.stdout}{done.stderr}")
+            if done.returncode not in c.ok:
+                out.append(f"nox > {label}: exited {done.returncode}\n")
+                ok = False
+                break
+        seconds = time.monotonic() - t0
+        if show or not ok:
+            with lock:
+                session.log(f"{label}: {'done' if ok else 'FAILED'} in {seconds:.0f} s")
+                print("".join(out), end="", flush=True)
+        return seconds, ok
+
+    if not show:
+        for label, commands in jobs:
+            session.log(f"{label}: " + " && ".join(shlex.join(c.argv) for c in commands))
     with ThreadPoolExecutor(max_workers=JOBS) as pool:
-        results = dict(zip([label for label, _ in jobs], pool.map(one, [c for _, c in jobs]), strict=True))
-    failed = [err for _, err in results.values() if err]
+        futures = {label: pool.submit(one, label, commands) for label, commands in jobs}
+        results = {label: f.result() for label, f in futures.items()}
+    failed = [label for label, (_, ok) in results.items() if not ok]
     if failed:
-        session.error("\n".join(failed))
+        session.error(f"failed: {', '.join(failed)} (output above)")
     return {label: seconds for label, (seconds, _) in results.items()}
 
 
@@ -198,7 +234,10 @@ def standalone(session: nox.Session) -> None:
     install there. A layer's version satisfies every package's requirement on it (one
     ``pip install`` of all of them). The environments are made without pip (``venv
     --without-pip``; the shared environment's pip installs into them with ``--python``), so
-    they hold only the closure. Layers and environments are installed two at a time.
+    they hold only the closure. Layers and environments are installed two at a time, and
+    the packages are checked and tested two at a time (the runtime's tests, which mostly wait
+    on Ray workers and timeouts, beside the others in turn); each one's output is printed
+    whole when it ends.
 
     Layers are cached in .nox/standalone/layers/<name> and rebuilt when a requirement on them
     or the interpreter changes; environments in .nox/standalone/<package>, rebuilt when a
@@ -237,7 +276,7 @@ def standalone(session: nox.Session) -> None:
             continue
         shutil.rmtree(layers / layer, ignore_errors=True)  # its requirements are in a pyproject: the environments are rebuilt too
         shutil.rmtree(layers / f"{layer}.partial", ignore_errors=True)
-        jobs.append((f"layer {layer}", [[*pip, "install", "--target", str(layers / f"{layer}.partial"), *specs]]))
+        jobs.append((f"layer {layer}", [Command([*pip, "install", "--target", str(layers / f"{layer}.partial"), *specs])]))
     for label, seconds in _run_all(session, jobs).items():
         layer = label.removeprefix("layer ")
         (layers / f"{layer}.partial").rename(layers / layer)
@@ -256,14 +295,14 @@ def standalone(session: nox.Session) -> None:
         closure = [str(wheel_of[d]) + ("[test]" if d == dist else "") for d in _internal_closure(dist)]
         into = [*pip, "--python", str(venv / "bin" / "python"), "install"]
         if stamp.exists() and stamp.read_text() == key:  # same dependencies: only the piper code may have changed
-            commands = [[*into, "--no-deps", "--force-reinstall", *(c.removesuffix("[test]") for c in closure)]]
+            commands = [Command([*into, "--no-deps", "--force-reinstall", *(c.removesuffix("[test]") for c in closure)])]
             built[name] = "cached"
         else:
             shutil.rmtree(venv, ignore_errors=True)
             session.run(sys.executable, "-m", "venv", "--without-pip", str(venv), external=True)
             for layer in _layers_of(dist):
                 (venv / site / f"_piper_layer_{layer}.pth").write_text(f"{layers / layer}\n")
-            commands = [[*into, *closure]]
+            commands = [Command([*into, *closure])]
             built[name] = "built"
             if _layers_of(dist):
                 session.log(f"{dist}: layers {', '.join(_layers_of(dist))}")
@@ -273,15 +312,21 @@ def standalone(session: nox.Session) -> None:
         if built[name] == "built":
             (STANDALONE / name / ".piper-key").write_text(key)
 
+    # Checks and tests, two packages at a time, the runtime's first: its tests wait on Ray
+    # workers and timeouts more than they compute, the others compute.
+    jobs = []
+    env = {"PYTHONNOUSERSITE": "1", "PYTHONPATH": ""}
+    for name in sorted(names, key=lambda n: n not in SLOW):
+        dist = f"piper-{name}"
+        python = str(STANDALONE / name / "bin" / "python")
+        jobs.append((dist, [
+            Command([python, str(ROOT / "tools" / "standalone_check.py"), dist], env),
+            # Exit code 5 means "no tests collected": not a failure for a package with none yet.
+            Command([python, "-m", "pytest", "-p", "no:cacheprovider", "--import-mode=importlib", "-q",
+                     f"packages/{dist}/tests"], env, (0, 5)),
+        ]))
+    tested = _run_all(session, jobs, show=True)
     for name in names:
         dist = f"piper-{name}"
-        python = STANDALONE / name / "bin" / "python"
-        t1 = time.monotonic()
-        env = {"PYTHONNOUSERSITE": "1", "PYTHONPATH": ""}
-        session.run(str(python), str(ROOT / "tools" / "standalone_check.py"), dist, external=True, env=env)
-        session.run(
-            str(python), "-m", "pytest", "-p", "no:cacheprovider", "--import-mode=importlib", "-q",
-            f"packages/{dist}/tests", external=True, env=env, success_codes=[0, 5],
-        )
-        timings.append(f"{dist} {built[name]} {seconds[dist]:.0f} s + check/tests {time.monotonic() - t1:.0f} s")
+        timings.append(f"{dist} {built[name]} {seconds[dist]:.0f} s + check/tests {tested[dist]:.0f} s")
     session.log("standalone: " + "; ".join(timings) + f"; total {time.monotonic() - started:.0f} s")
