@@ -274,7 +274,7 @@ def standalone(session: nox.Session) -> None:
         stamp = layers / layer / ".piper-key"
         if stamp.exists() and stamp.read_text() == keys[layer]:
             continue
-        shutil.rmtree(layers / layer, ignore_errors=True)  # its requirements are in a pyproject: the environments are rebuilt too
+        shutil.rmtree(layers / layer, ignore_errors=True)  # the environments that see it are rebuilt too: their key
         shutil.rmtree(layers / f"{layer}.partial", ignore_errors=True)
         jobs.append((f"layer {layer}", [Command([*pip, "install", "--target", str(layers / f"{layer}.partial"), *specs])]))
     for label, seconds in _run_all(session, jobs).items():
@@ -284,14 +284,15 @@ def standalone(session: nox.Session) -> None:
         timings.append(f"{label} {seconds:.0f} s")
 
     # The environments: new ones get their layers' .pth files, then their closure.
-    key = _environment_key()
     site = Path("lib") / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     jobs = []
-    built = {}
+    built, built_key = {}, {}
     for name in names:
         dist = f"piper-{name}"
         venv = STANDALONE / name
         stamp = venv / ".piper-key"
+        # The pyprojects, the interpreter and the layers it sees: a rebuilt layer rebuilds it.
+        key = "-".join([_environment_key(), *(keys[layer] for layer in _layers_of(dist))])
         closure = [str(wheel_of[d]) + ("[test]" if d == dist else "") for d in _internal_closure(dist)]
         into = [*pip, "--python", str(venv / "bin" / "python"), "install"]
         if stamp.exists() and stamp.read_text() == key:  # same dependencies: only the piper code may have changed
@@ -303,14 +304,14 @@ def standalone(session: nox.Session) -> None:
             for layer in _layers_of(dist):
                 (venv / site / f"_piper_layer_{layer}.pth").write_text(f"{layers / layer}\n")
             commands = [Command([*into, *closure])]
-            built[name] = "built"
+            built[name], built_key[name] = "built", key
             if _layers_of(dist):
                 session.log(f"{dist}: layers {', '.join(_layers_of(dist))}")
         jobs.append((dist, commands))
     seconds = _run_all(session, jobs)
     for name in names:
         if built[name] == "built":
-            (STANDALONE / name / ".piper-key").write_text(key)
+            (STANDALONE / name / ".piper-key").write_text(built_key[name])
 
     # Checks and tests, two packages at a time, the runtime's first: its tests wait on Ray
     # workers and timeouts more than they compute, the others compute.
