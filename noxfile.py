@@ -11,13 +11,19 @@ quicker while developing).
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import shlex
 import shutil
+import subprocess
 import sys
+import threading
 import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import attrs
 import nox
 
 nox.options.default_venv_backend = "none"
@@ -47,8 +53,17 @@ for _name in PACKAGES:
 
 @nox.session(venv_backend="none")
 def integration(session: nox.Session) -> None:
-    """Strategies on the Ray runtime against single-device training."""
-    _pytest(session, "integration")
+    """Strategies on the Ray runtime against single-device training.
+
+    Two pytest runs side by side, each test in exactly one of them: the tests marked
+    ``own_process`` (the command, or a cluster of two nodes, started as a process of its own:
+    mostly waiting for Ray to start and stop) and the rest (the session's shared Ray cluster).
+    Each run's output is printed whole when it ends."""
+    runs = [("own_process", "own_process"), ("shared Ray", "not own_process")]
+    _run_all(session, [
+        (label, [Command([*PYTEST, "-q", "-m", marks, "integration", *session.posargs], ok=(0, 5))])
+        for label, marks in runs
+    ], show=True)
 
 
 @nox.session(venv_backend="none")
@@ -84,6 +99,16 @@ def bench(session: nox.Session) -> None:
 
 
 STANDALONE = ROOT / ".nox" / "standalone"
+# Heavy third-party distributions installed once each, with their own dependencies, into a
+# layer of their own (``.nox/standalone/layers/<name>``) that every standalone environment
+# needing one of them sees through a ``.pth`` file (standalone's docstring says why).
+LAYERED = ("torch", "numpy", "ray", "matplotlib")
+JOBS = 2  # commands at once: pip and most tests use one core; CI machines have two or more
+SLOW = ("runtime",)  # started first when packages are tested side by side
+
+
+def _dist_name(requirement: str) -> str:
+    return re.sub(r"[-_.]+", "-", re.match(r"\s*([A-Za-z0-9._-]+)", requirement)[1]).lower()
 
 
 def _requirements(dist: str, *, extras: bool) -> list[str]:
@@ -97,18 +122,42 @@ def _requirements(dist: str, *, extras: bool) -> list[str]:
 def _internal_closure(dist: str) -> list[str]:
     """``dist`` and the piper distributions it or its tests need, transitively (their own
     tests' needs excluded)."""
-    out: list[str] = []
+    return [name for name, _ in _closure(dist)]
+
+
+def _closure(dist: str) -> list[tuple[str, list[str]]]:
+    """The piper distributions ``dist`` or its tests need, transitively, each with the
+    requirements it brings (``dist`` its ``test`` extra too; the others not theirs)."""
+    out: dict[str, list[str]] = {}
     todo = [(dist, True)]
     while todo:
         name, extras = todo.pop()
         if name in out:
             continue
-        out.append(name)
-        for req in _requirements(name, extras=extras):
+        out[name] = _requirements(name, extras=extras)
+        for req in out[name]:
             m = re.match(r"(piper-[a-z]+)", req)
             if m:
                 todo.append((m[1], False))
-    return out
+    return list(out.items())
+
+
+def _layers_of(dist: str) -> list[str]:
+    """The layered distributions that ``dist`` or its tests declare (directly or through a
+    piper distribution they need)."""
+    names = {_dist_name(req) for _, reqs in _closure(dist) for req in reqs}
+    return [layer for layer in LAYERED if layer in names]
+
+
+def _layer_specs(layer: str) -> list[str]:
+    """Every requirement on ``layer`` that any package declares (dependencies and extras):
+    the layer's version satisfies them all."""
+    specs = set()
+    for name in PACKAGES:
+        project = tomllib.loads((ROOT / "packages" / f"piper-{name}" / "pyproject.toml").read_text())["project"]
+        reqs = project.get("dependencies", []) + [r for rs in project.get("optional-dependencies", {}).values() for r in rs]
+        specs.update(r.split(";")[0].strip() for r in reqs if _dist_name(r) == layer)
+    return sorted(specs)
 
 
 def _environment_key() -> str:
@@ -120,6 +169,51 @@ def _environment_key() -> str:
     return digest.hexdigest()[:16]
 
 
+@attrs.frozen
+class Command:
+    """One command of a job: its argv, environment additions and the exit codes that pass."""
+
+    argv: list[str]
+    env: dict[str, str] = attrs.field(factory=dict)
+    ok: tuple[int, ...] = (0,)
+
+
+def _run_all(session: nox.Session, jobs: list[tuple[str, list[Command]]], *, show: bool = False) -> dict[str, float]:
+    """Run each job (a label and its commands, one after the other, the first failure ending
+    it) with ``JOBS`` jobs at a time, in the order given; their seconds by label. A job's
+    output is printed, whole, when it ends: always with ``show``, else only if it failed.
+    Any failure fails the session once every job has ended."""
+    lock = threading.Lock()
+
+    def one(label: str, commands: list[Command]) -> tuple[float, bool]:
+        t0 = time.monotonic()
+        out, ok = [], True
+        for c in commands:
+            done = subprocess.run(c.argv, capture_output=True, text=True, env={**os.environ, **c.env})
+            out.append(f"nox > {shlex.join(c.argv)}\n{done.stdout}{done.stderr}")
+            if done.returncode not in c.ok:
+                out.append(f"nox > {label}: exited {done.returncode}\n")
+                ok = False
+                break
+        seconds = time.monotonic() - t0
+        if show or not ok:
+            with lock:
+                session.log(f"{label}: {'done' if ok else 'FAILED'} in {seconds:.0f} s")
+                print("".join(out), end="", flush=True)
+        return seconds, ok
+
+    if not show:
+        for label, commands in jobs:
+            session.log(f"{label}: " + " && ".join(shlex.join(c.argv) for c in commands))
+    with ThreadPoolExecutor(max_workers=JOBS) as pool:
+        futures = {label: pool.submit(one, label, commands) for label, commands in jobs}
+        results = {label: f.result() for label, f in futures.items()}
+    failed = [label for label, (_, ok) in results.items() if not ok]
+    if failed:
+        session.error(f"failed: {', '.join(failed)} (output above)")
+    return {label: seconds for label, (seconds, _) in results.items()}
+
+
 @nox.session(venv_backend="none")
 def standalone(session: nox.Session) -> None:
     """Each package alone: a virtual environment of its own (no system site-packages, not the
@@ -127,9 +221,28 @@ def standalone(session: nox.Session) -> None:
     declares (dependencies and the ``test`` extra); then tools/standalone_check.py (imports
     only what it declares, every module imports) and the package's own tests.
 
-    Environments are cached in .nox/standalone/<package> and rebuilt when a pyproject
-    changes; the piper wheels are rebuilt and reinstalled on every run. ``nox -s standalone --
-    ir scheduler`` checks only those packages."""
+    Installing torch (with sympy and the rest of its dependencies), numpy, ray and matplotlib
+    into every environment that needs them took most of this session (torch alone ~25 s,
+    five times). So each of those (``LAYERED``) is installed once, with its own dependencies,
+    by ``pip install --target`` into a layer of its own, and an environment whose package
+    declares it (directly, in its ``test`` extra or through a piper distribution it needs)
+    gets a ``.pth`` file naming that layer *before* pip installs its closure: pip sees the
+    layer's distributions as installed (they satisfy the requirement, so it neither replaces
+    nor touches them) and installs only the rest. An environment sees nothing it does not
+    declare: piper-ir gets no layer at all and cannot import torch, numpy or ray, exactly as
+    when everything was installed per environment; the layers hold exactly what pip would
+    install there. A layer's version satisfies every package's requirement on it (one
+    ``pip install`` of all of them). The environments are made without pip (``venv
+    --without-pip``; the shared environment's pip installs into them with ``--python``), so
+    they hold only the closure. Layers and environments are installed two at a time, and
+    the packages are checked and tested two at a time (the runtime's tests, which mostly wait
+    on Ray workers and timeouts, beside the others in turn); each one's output is printed
+    whole when it ends.
+
+    Layers are cached in .nox/standalone/layers/<name> and rebuilt when a requirement on them
+    or the interpreter changes; environments in .nox/standalone/<package>, rebuilt when a
+    pyproject changes; the piper wheels are rebuilt and reinstalled on every run. ``nox -s
+    standalone -- ir scheduler`` checks only those packages."""
     names = session.posargs or PACKAGES
     unknown = sorted(set(names) - set(PACKAGES))
     if unknown:
@@ -148,32 +261,73 @@ def standalone(session: nox.Session) -> None:
     for source in sources:
         shutil.rmtree(source / "build", ignore_errors=True)
     wheel_of = {w.name.split("-")[0].replace("_", "-"): w for w in wheels.glob("*.whl")}
-    key = _environment_key()
     timings = [f"wheels {time.monotonic() - started:.0f} s"]
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+
+    # The layers the chosen packages need, built where missing or stale.
+    layers = STANDALONE / "layers"
+    needed = [layer for layer in LAYERED if any(layer in _layers_of(f"piper-{n}") for n in names)]
+    jobs, keys = [], {}
+    for layer in needed:
+        specs = _layer_specs(layer)
+        keys[layer] = hashlib.sha256("\n".join([sys.version, *specs]).encode()).hexdigest()[:16]
+        stamp = layers / layer / ".piper-key"
+        if stamp.exists() and stamp.read_text() == keys[layer]:
+            continue
+        shutil.rmtree(layers / layer, ignore_errors=True)  # the environments that see it are rebuilt too: their key
+        shutil.rmtree(layers / f"{layer}.partial", ignore_errors=True)
+        jobs.append((f"layer {layer}", [Command([*pip, "install", "--target", str(layers / f"{layer}.partial"), *specs])]))
+    for label, seconds in _run_all(session, jobs).items():
+        layer = label.removeprefix("layer ")
+        (layers / f"{layer}.partial").rename(layers / layer)
+        (layers / layer / ".piper-key").write_text(keys[layer])
+        timings.append(f"{label} {seconds:.0f} s")
+
+    # The environments: new ones get their layers' .pth files, then their closure.
+    site = Path("lib") / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    jobs = []
+    built, built_key = {}, {}
     for name in names:
         dist = f"piper-{name}"
-        t0 = time.monotonic()
         venv = STANDALONE / name
-        python = venv / "bin" / "python"
         stamp = venv / ".piper-key"
+        # The pyprojects, the interpreter and the layers it sees: a rebuilt layer rebuilds it.
+        key = "-".join([_environment_key(), *(keys[layer] for layer in _layers_of(dist))])
         closure = [str(wheel_of[d]) + ("[test]" if d == dist else "") for d in _internal_closure(dist)]
-        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        if not (stamp.exists() and stamp.read_text() == key):
+        into = [*pip, "--python", str(venv / "bin" / "python"), "install"]
+        if stamp.exists() and stamp.read_text() == key:  # same dependencies: only the piper code may have changed
+            commands = [Command([*into, "--no-deps", "--force-reinstall", *(c.removesuffix("[test]") for c in closure)])]
+            built[name] = "cached"
+        else:
             shutil.rmtree(venv, ignore_errors=True)
-            session.run(sys.executable, "-m", "venv", str(venv), external=True)
-            session.run(*pip, *closure, external=True)
-            stamp.write_text(key)
-            built = "built"
-        else:  # same dependencies: only the piper code may have changed
-            session.run(*pip, "--no-deps", "--force-reinstall", *(c.removesuffix("[test]") for c in closure),
-                        external=True)
-            built = "cached"
-        t1 = time.monotonic()
-        env = {"PYTHONNOUSERSITE": "1", "PYTHONPATH": ""}
-        session.run(str(python), str(ROOT / "tools" / "standalone_check.py"), dist, external=True, env=env)
-        session.run(
-            str(python), "-m", "pytest", "-p", "no:cacheprovider", "--import-mode=importlib", "-q",
-            f"packages/{dist}/tests", external=True, env=env, success_codes=[0, 5],
-        )
-        timings.append(f"{dist} {built} {t1 - t0:.0f} s + check/tests {time.monotonic() - t1:.0f} s")
+            session.run(sys.executable, "-m", "venv", "--without-pip", str(venv), external=True)
+            for layer in _layers_of(dist):
+                (venv / site / f"_piper_layer_{layer}.pth").write_text(f"{layers / layer}\n")
+            commands = [Command([*into, *closure])]
+            built[name], built_key[name] = "built", key
+            if _layers_of(dist):
+                session.log(f"{dist}: layers {', '.join(_layers_of(dist))}")
+        jobs.append((dist, commands))
+    seconds = _run_all(session, jobs)
+    for name in names:
+        if built[name] == "built":
+            (STANDALONE / name / ".piper-key").write_text(built_key[name])
+
+    # Checks and tests, two packages at a time, the runtime's first: its tests wait on Ray
+    # workers and timeouts more than they compute, the others compute.
+    jobs = []
+    env = {"PYTHONNOUSERSITE": "1", "PYTHONPATH": ""}
+    for name in sorted(names, key=lambda n: n not in SLOW):
+        dist = f"piper-{name}"
+        python = str(STANDALONE / name / "bin" / "python")
+        jobs.append((dist, [
+            Command([python, str(ROOT / "tools" / "standalone_check.py"), dist], env),
+            # Exit code 5 means "no tests collected": not a failure for a package with none yet.
+            Command([python, "-m", "pytest", "-p", "no:cacheprovider", "--import-mode=importlib", "-q",
+                     f"packages/{dist}/tests"], env, (0, 5)),
+        ]))
+    tested = _run_all(session, jobs, show=True)
+    for name in names:
+        dist = f"piper-{name}"
+        timings.append(f"{dist} {built[name]} {seconds[dist]:.0f} s + check/tests {tested[dist]:.0f} s")
     session.log("standalone: " + "; ".join(timings) + f"; total {time.monotonic() - started:.0f} s")

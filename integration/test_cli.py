@@ -95,6 +95,7 @@ def test_train_prints_progress_and_a_json_summary(piper):
     assert sum(losses[-3:]) < sum(losses[:3])  # it learns (batches differ, so compare averages)
 
 
+@pytest.mark.own_process
 def test_the_console_script_trains_and_leaves_nothing_behind():
     """The installed ``piper`` script in a process of its own, starting (and stopping) its
     own Ray with new workers."""
@@ -106,6 +107,7 @@ def test_the_console_script_trains_and_leaves_nothing_behind():
     assert summary["pp"] == 2 and summary["microbatches"] == 2 and len(summary["losses"]) == 2
 
 
+@pytest.mark.own_process
 def test_an_interrupted_run_exits_with_130_and_stops_its_workers():
     done = piper_process("train", "--model", "mlp", "--pp", "2", "--steps", "100000", interrupt_after="step ")
     assert done.returncode == 130, done.stdout + done.stderr
@@ -167,6 +169,7 @@ def test_negative_tolerance_is_refused(piper):
     assert done.returncode == 2 and "--atol must be >= 0" in done.stderr
 
 
+@pytest.mark.own_process
 def test_compute_outside_annotations_is_reported_cleanly():
     """A user mistake ends the process with exit code 2 and a message, no traceback."""
     done = piper_process("train", "--model", f"{USER_MODEL}:leaky", "--pp", "2", "--steps", "1")
@@ -196,6 +199,7 @@ def test_regions_not_divisible_by_ranks(piper, pp):
     assert done.returncode == 2 and "4 stages cannot be spread evenly over 3" in done.stderr
 
 
+@pytest.mark.own_process
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without a GPU")
 def test_cuda_without_a_gpu_is_refused_naming_what_is_missing():
     # A process of its own: in-process, the tests' Ray cluster is already up.
@@ -205,6 +209,7 @@ def test_cuda_without_a_gpu_is_refused_naming_what_is_missing():
     assert "torch.cuda.is_available() is False" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.own_process
 def test_an_unreachable_address_is_refused_naming_it():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))  # bound but not listening: nothing answers there
@@ -275,6 +280,7 @@ def _alive(pids: dict[int, str]) -> list[str]:
     return alive
 
 
+@pytest.mark.own_process
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_sigkilled_driver_takes_the_embedded_clusters_processes_with_it():
     """Without the reaper, Ray's dashboard and runtime-env agents outlive a SIGKILLed driver

@@ -15,8 +15,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "integration" / "fixtures" / "multinode.py"
+pytestmark = pytest.mark.own_process
 
 
 def test_pp2_dp2_across_two_nodes_matches_single_device_training() -> None:
