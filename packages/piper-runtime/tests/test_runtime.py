@@ -191,10 +191,9 @@ def test_pipeline_matches_single_device(ray_cluster) -> None:
 
 
 def test_submitted_steps_match_single_device(ray_cluster) -> None:
-    """Steps submitted ahead (``Runtime.submit`` four times before any result is read: the
-    runtime keeps two in flight, gathering the oldest; results read last first) compute what
-    single-device training does, step after step; memory is accounted only in the step that
-    asks for it."""
+    """Steps submitted ahead (``Runtime.submit``: all four queued before any result is read,
+    results read last first) compute what single-device training does, step after step;
+    memory is accounted only in the step that asks for it."""
     l0, l1 = _layers()
     modules = {"s0": Stage0(l0), "s1": Stage1(l1), "loss": MSE()}
     ref = nn.ModuleDict({"l0": l0, "l1": l1})

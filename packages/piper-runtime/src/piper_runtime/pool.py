@@ -32,17 +32,11 @@ _PING_TIMEOUT_S = 10.0
 # The concurrency group of ``RankWorker.progress``: the watchdog's reads run on a thread of
 # their own, beside a step (every other method runs one at a time, in call order).
 MONITOR = "monitor"
-# The concurrency group of ``RankWorker.run_step``: two threads, so the next step's call is
-# handed over and its batch prepared while a step runs (``piper_runtime.turns``); the
-# driver keeps at most this many step calls in flight, so an out-of-order hand-over (Ray
-# does not order calls on a group of several threads) never leaves a step without a thread.
-STEPS = "steps"
-STEP_THREADS = 2
 
 
 def worker_actor(**options: Any) -> Any:
     """The ``RankWorker`` actor class, with ``options``."""
-    actor = ray.remote(concurrency_groups={MONITOR: 1, STEPS: STEP_THREADS})(RankWorker)
+    actor = ray.remote(concurrency_groups={MONITOR: 1})(RankWorker)
     return actor.options(**options) if options else actor
 
 

@@ -51,16 +51,7 @@ from piper_runtime.merge import merge_outputs, merge_parameters
 from piper_runtime.numerics import check_on_nan, first_nonfinite
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.placement import Placement, check_resources, place_ranks
-from piper_runtime.pool import (
-    MONITOR,
-    STEP_THREADS,
-    STEPS,
-    WorkerPool,
-    WorkerSpec,
-    kill_workers,
-    pool_for,
-    worker_actor,
-)
+from piper_runtime.pool import MONITOR, WorkerPool, WorkerSpec, kill_workers, pool_for, worker_actor
 from piper_runtime.precision import compute_inputs
 from piper_runtime.progress import RankProgress, hang_report
 from piper_runtime.rendezvous import LOOPBACK
@@ -152,7 +143,6 @@ class Runtime:
         self.step_timeout_s = step_timeout_s
         self._workers: list[Any] = []
         self._steps = 0
-        self._calls = 0  # step calls sent since setup (the workers' turn numbers)
         self._in_flight = False  # a call was sent and its answers not all gathered
         self._pending: collections.deque[PendingStep] = collections.deque()  # submitted, not gathered
         if backend is not None:
@@ -273,13 +263,12 @@ class Runtime:
     ) -> PendingStep:
         """Send one training step to the workers and return at once (arguments as for
         ``step``); ``PendingStep.result()`` waits for it. Steps run in submission order on
-        every rank (each call is numbered and waits for its turn, ``piper_runtime.turns``), so
+        every rank (one actor runs one call at a time, in the order its caller sent them), so
         submitting step N+1 before N's result is in computes exactly what ``step`` after
-        ``step`` does, while the batch hand-over, the worker's taking the call and splitting
-        its batch, and the driver's round trip overlap the step before. Results are gathered
-        in order; a failure tears the run down as ``step`` does, and fails every later
-        pending step too. At most ``pool.STEP_THREADS`` steps are in flight: a submit beyond
-        that first gathers the oldest (one ahead suffices to hide the round trip). With
+        ``step`` does, while the batch hand-over and the driver's round trip overlap the
+        workers' compute. Results are gathered in order; a failure tears the run down as
+        ``step`` does, and fails every later pending step too. The caller bounds how many
+        steps it keeps in flight (one or two ahead suffice to hide the round trip). With
         ``on_nan="skip-step"`` a step is sent only once the ones before it are gathered:
         undoing a step restores the state from before it, so none may have run after it."""
         self._check_open()
@@ -289,15 +278,9 @@ class Runtime:
         if self.on_nan == "skip-step" and self._pending:
             # Undoing a step restores the state from before it: no later step may have run.
             self._collect()
-        if len(self._pending) >= STEP_THREADS:
-            # Every step call in flight must have a worker thread (``pool.STEPS``).
-            self._collect(upto=self._pending[-STEP_THREADS])
         self._steps += 1
-        self._calls += 1
         calls = [
-            w.run_step.options(concurrency_group=STEPS).remote(
-                shipments[rank], keep_grads, profile, lr, memory, self._calls
-            )
+            w.run_step.remote(shipments[rank], keep_grads, profile, lr, memory)
             for rank, w in enumerate(self._workers)
         ]
         pending = PendingStep(self, self._steps, calls, keep_grads, lr)

@@ -14,9 +14,7 @@ parts that each do one job:
 - ``compute`` (autograd), ``transport`` (send/receive), ``accounting`` (memory samples);
 - ``executor``: runs the plan with a handler per instruction kind, threads per stream.
 
-``run_step`` feeds one batch through the executor and returns the rank's ``StepOutput``. It
-runs on a concurrency group of two threads: the next step's call arrives and splits its
-batch while a step runs, then waits for its turn (``piper_runtime.turns``).
+``run_step`` feeds one batch through the executor and returns the rank's ``StepOutput``.
 ``reset`` forgets the run, so a ``piper_runtime.pool.WorkerPool`` can hand the actor to the
 next runtime as if it had just started.
 
@@ -66,7 +64,6 @@ from piper_runtime.state import ReadCounts, StepState
 from piper_runtime.streams import lanes_share_a_communicator
 from piper_runtime.ties import alias_tied
 from piper_runtime.transport import Transport
-from piper_runtime.turns import Turns
 
 TORCH_THREADS = 1  # torch's intra-op threads per rank (ranks share the machine's cores)
 SWITCH_INTERVAL_S = 0.0005  # the GIL hand-over interval with threads (Python's default: 5 ms)
@@ -97,7 +94,6 @@ class RankWorker:
         self._saving: SaveSide | None = None
         self._progress: Progress | None = None
         self._backup: StateBackup | None = None
-        self._turns = Turns(-1)
 
     def ping(self) -> int:
         return os.getpid()
@@ -134,7 +130,6 @@ class RankWorker:
         generators (a test backend; dropout then draws what it draws)."""
         self.rank = rank
         self.program = program
-        self._turns = Turns(rank)  # the driver numbers its step calls from 1 again
         plan = program.plan(rank)
         self.backend = (backend_factory(backend) if isinstance(backend, str) else backend)()
         _check_supported(rank, plan.instructions)
@@ -243,32 +238,19 @@ class RankWorker:
         profile: bool = False,
         lr: float | None = None,
         memory: bool = False,
-        call: int | None = None,
     ) -> StepOutput:
         """Run this rank's instructions once. ``batch`` maps the batch values this rank reads
         to whole-batch tensors (or Ray object refs to them); ``profile`` records when each
         instruction started and ended; ``lr`` is the learning rate of this step's updates
         (``None``: the one of the step before); ``memory`` accounts the rank's memory over
-        the step (``StepOutput.memory``, else ``None``), at a cost per instruction. ``call``:
-        the driver's number for this step call (1, 2, ... since ``setup``): the batch is
-        split at once, the step runs when every lower-numbered call has finished
-        (``piper_runtime.turns``); ``None`` runs it at once (a caller that makes one call at
-        a time)."""
-        chunks = self._microbatches(self.program, batch)
-        if call is None:
-            return self._step_once(chunks, keep_grads, profile, lr, memory)
-        with self._turns.turn(call, self._timeout_s):
-            return self._step_once(chunks, keep_grads, profile, lr, memory)
-
-    def _step_once(
-        self, chunks: dict[str, tuple[torch.Tensor, ...]], keep_grads: bool, profile: bool, lr: float | None, memory: bool
-    ) -> StepOutput:
+        the step (``StepOutput.memory``, else ``None``), at a cost per instruction."""
         self._step += 1
         if lr is not None:
             self._optimizers.set_lr(lr)
         started = time.perf_counter()
         if self._backup is not None:
             self._backup.save()
+        chunks = self._microbatches(self.program, batch)
         st = StepState(chunks, keep_grads, step=self._step - 1, accounted=memory)
         self._reads.start(st)
         self._sampler.begin(st, excluded=[t for ts in chunks.values() for t in ts], active=memory)
