@@ -5,7 +5,8 @@ For each model and schedule (1F1B, interleaved 1F1B, ZB1P, DualPipeV by default)
 1. Run ``Trainer.with_schedule`` (Ray + gloo on 127.0.0.1) for warm-up + timed steps
    with ``profile=True``: every worker returns when each instruction started and ended
    (``StepResult.timings``) and its time inside the step (``StepResult.worker_seconds``); the
-   driver times each ``step`` call.
+   driver times the steps as ``fit`` runs them (one submitted ahead: the time between
+   results).
 2. Costs from the timed steps of that same run (means over its instructions):
    - compute: the mean duration of each (segment, phase) instruction that ran alone ->
      ``CostModel.overrides``; DualPipeV's overlapped pairs calibrate ``FB`` (the mean of a
@@ -44,19 +45,56 @@ from piper_train.models import build_model
 
 
 def run(spec, pp: int, microbatches: int, steps: int, warmup: int, schedule: str = "1f1b"):
-    """(program, driver seconds per step, StepResults) for the timed steps."""
+    """(program, driver seconds per step, StepResults) for the timed steps. The driver's
+    figure is what ``fit`` sees: the time between consecutive results with one step in
+    flight ahead (``Trainer.submit``), batches made beforehand."""
     with Trainer.with_schedule(spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn,
                                schedule=schedule, pp=pp, microbatches=microbatches,
                                optimizer=OptimizerSpec("sgd", 0.01), reuse_workers=True) as trainer:
+        batches = [spec.batches(step) for step in range(warmup + steps)]
+        for inputs, targets in batches[:warmup]:
+            trainer.step(inputs, targets, profile=True)
         driver, results = [], []
-        for step in range(warmup + steps):
-            inputs, targets = spec.batches(step)
-            t0 = time.perf_counter()
-            result = trainer.step(inputs, targets, profile=True)
-            if step >= warmup:
-                driver.append(time.perf_counter() - t0)
-                results.append(result)
+        pending, last = None, time.perf_counter()
+        for inputs, targets in [*batches[warmup:], (None, None)]:
+            ahead = None if inputs is None else trainer.submit(inputs, targets, profile=True)
+            if pending is not None:
+                results.append(pending.result())
+                now = time.perf_counter()
+                driver.append(now - last)
+                last = now
+            pending = ahead
         return trainer.program, driver, results
+
+
+def message_latency(program, results, recv_done: float) -> float | None:
+    """A message's one-way time, from its SEND's start on one rank to the end of the RECV
+    that waited for it on the other, from the run's own timings. Each rank's timings count
+    from its own step start, so one direction alone mixes the latency with the offset
+    between the two ranks' clocks; a message each way between the same two ranks in the
+    same step cancels it (the median of each direction, averaged). Only receives that
+    waited (longer than the quickest receive by 0.1 ms) say when their message arrived.
+    ``None`` if no pair of ranks has such receives both ways."""
+    by_id = {(plan.rank, ins.id): ins for plan in program.ranks for ins in plan.instructions}
+    estimates = []
+    for result in results:
+        sent: dict[tuple[int, int, str, int], float] = {}  # (from, to, value, microbatch) -> start
+        arrived: dict[tuple[int, int, str, int], float] = {}  # ... -> end of a RECV that waited
+        for t in result.timings:
+            ins = by_id[(t.rank, t.instruction)]
+            if ins.kind is NodeKind.SEND:
+                sent[(t.rank, ins.peer, ins.value, ins.microbatch)] = t.start
+            elif ins.kind is NodeKind.RECV and t.end - t.start > recv_done + 1e-4:
+                arrived[(ins.peer, t.rank, ins.value, ins.microbatch)] = t.end
+        ways: dict[tuple[int, int], list[float]] = defaultdict(list)
+        for key, end in arrived.items():
+            if key in sent:
+                ways[key[:2]].append(end - sent[key])
+        for (a, b), there in ways.items():
+            back = ways.get((b, a))
+            if a < b and back:
+                estimates.append((statistics.median(there) + statistics.median(back)) / 2)
+    return statistics.median(estimates) if estimates else None
 
 
 def costs_from_run(program, results) -> tuple[CostModel, float, dict[str, float]]:
@@ -113,12 +151,15 @@ def costs_from_run(program, results) -> tuple[CostModel, float, dict[str, float]
         if alone > 0:
             ratios.append(min(1.0, max(0.5, wall / alone)))
     factor = statistics.fmean(ratios) if ratios else 1.0
-    latency = statistics.fmean(sends) if sends else 0.0
     recv_done = min(recvs, default=0.0)
+    posting = statistics.fmean(sends) if sends else 0.0
+    one_way = message_latency(program, results, recv_done)
+    latency = max(posting, one_way - gap - recv_done) if one_way is not None else posting
     costs = CostModel(F=1.0, B=1.0, BI=0.5, BW=0.5, OPT=0, overrides=overrides, latency=latency,
                       overhead=gap, comm_overhead=gap + recv_done, startup=statistics.median(starts),
                       FB=2.0 * factor if ratios else None)
-    summary = {"gap": gap, "send": latency, "recv_done": recv_done, "recv_median": statistics.median(recvs),
+    summary = {"gap": gap, "send": posting, "latency": latency, "recv_done": recv_done,
+               "recv_median": statistics.median(recvs),
                "startup": costs.startup, "tail": statistics.median(tails), "pair_factor": factor,
                "compute_per_step": sum(sum(ds) / len(results) for ds in compute.values()),
                "compute_median_per_step": sum(statistics.median(ds) * len(ds) / len(results) for ds in compute.values()),
@@ -152,8 +193,8 @@ def main() -> None:
     print(f"Simulated vs measured step, pp={args.pp}, {args.steps} timed steps after {args.warmup} warm-up "
           f"(medians), costs from each run's own timings; load average {os.getloadavg()[0]:.1f}")
     print("| model | schedule | microbatches | simulated (ms) | in-worker step, max over ranks (ms) | sim / worker "
-          "| driver step (ms) | sim / driver | pair factor | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "| driver step (ms) | sim / driver | pair factor | send posting / one-way latency (us) | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for model in args.models.split(","):
         for schedule in args.schedules.split(","):
             for m in args.microbatches:
@@ -161,7 +202,8 @@ def main() -> None:
                 factor = f"{r['pair_factor']:.2f}" if schedule == "dualpipev" else "-"
                 print(f"| {model} | {schedule} | {m} | {r['sim'] * 1e3:.1f} | {r['worker'] * 1e3:.1f} | "
                       f"{r['sim'] / r['worker']:.2f} | {r['driver'] * 1e3:.1f} | {r['sim'] / r['driver']:.2f} | "
-                      f"{factor} | {os.getloadavg()[0]:.1f} |", flush=True)
+                      f"{factor} | {r['send'] * 1e6:.0f} / {r['latency'] * 1e6:.0f} | {os.getloadavg()[0]:.1f} |",
+                      flush=True)
 
 
 if __name__ == "__main__":
