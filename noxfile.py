@@ -58,12 +58,13 @@ def integration(session: nox.Session) -> None:
     Two pytest runs side by side, each test in exactly one of them: the tests marked
     ``own_process`` (the command, or a cluster of two nodes, started as a process of its own:
     mostly waiting for Ray to start and stop) and the rest (the session's shared Ray cluster).
-    Each run's output is printed whole when it ends."""
+    The second, the longer, prints as it runs; the first's output is printed whole when it
+    ends."""
     runs = [("own_process", "own_process"), ("shared Ray", "not own_process")]
     _run_all(session, [
         (label, [Command([*PYTEST, "-q", "-m", marks, "integration", *session.posargs], ok=(0, 5))])
         for label, marks in runs
-    ], show=True)
+    ], show=True, live="shared Ray")
 
 
 @nox.session(venv_backend="none")
@@ -178,10 +179,13 @@ class Command:
     ok: tuple[int, ...] = (0,)
 
 
-def _run_all(session: nox.Session, jobs: list[tuple[str, list[Command]]], *, show: bool = False) -> dict[str, float]:
+def _run_all(
+    session: nox.Session, jobs: list[tuple[str, list[Command]]], *, show: bool = False, live: str | None = None
+) -> dict[str, float]:
     """Run each job (a label and its commands, one after the other, the first failure ending
     it) with ``JOBS`` jobs at a time, in the order given; their seconds by label. A job's
-    output is printed, whole, when it ends: always with ``show``, else only if it failed.
+    output is printed, whole, when it ends: always with ``show``, else only if it failed;
+    the job labelled ``live`` prints as it runs instead (progress on a long job).
     Any failure fails the session once every job has ended."""
     lock = threading.Lock()
 
@@ -189,8 +193,12 @@ def _run_all(session: nox.Session, jobs: list[tuple[str, list[Command]]], *, sho
         t0 = time.monotonic()
         out, ok = [], True
         for c in commands:
-            done = subprocess.run(c.argv, capture_output=True, text=True, env={**os.environ, **c.env})
-            out.append(f"nox > {shlex.join(c.argv)}\n{done.stdout}{done.stderr}")
+            if label == live:
+                session.log(f"{label}: {shlex.join(c.argv)}")
+                done = subprocess.run(c.argv, env={**os.environ, **c.env})
+            else:
+                done = subprocess.run(c.argv, capture_output=True, text=True, env={**os.environ, **c.env})
+                out.append(f"nox > {shlex.join(c.argv)}\n{done.stdout}{done.stderr}")
             if done.returncode not in c.ok:
                 out.append(f"nox > {label}: exited {done.returncode}\n")
                 ok = False
@@ -236,8 +244,8 @@ def standalone(session: nox.Session) -> None:
     --without-pip``; the shared environment's pip installs into them with ``--python``), so
     they hold only the closure. Layers and environments are installed two at a time, and
     the packages are checked and tested two at a time (the runtime's tests, which mostly wait
-    on Ray workers and timeouts, beside the others in turn); each one's output is printed
-    whole when it ends.
+    on Ray workers and timeouts, beside the others in turn); the runtime's output is printed
+    as it runs, each other one's whole when it ends.
 
     Layers are cached in .nox/standalone/layers/<name> and rebuilt when a requirement on them
     or the interpreter changes; environments in .nox/standalone/<package>, rebuilt when a
@@ -326,7 +334,7 @@ def standalone(session: nox.Session) -> None:
             Command([python, "-m", "pytest", "-p", "no:cacheprovider", "--import-mode=importlib", "-q",
                      f"packages/{dist}/tests"], env, (0, 5)),
         ]))
-    tested = _run_all(session, jobs, show=True)
+    tested = _run_all(session, jobs, show=True, live="piper-runtime" if "runtime" in names else None)
     for name in names:
         dist = f"piper-{name}"
         timings.append(f"{dist} {built[name]} {seconds[dist]:.0f} s + check/tests {tested[dist]:.0f} s")
