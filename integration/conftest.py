@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import attrs
@@ -76,24 +75,3 @@ def assert_uneven() -> Callable[..., None]:
     return _assert_uneven
 
 
-def on_every_rank(world_size: int, work: Callable[[int], object], timeout_s: float = 120.0) -> list[object]:
-    """``work(rank)`` on one thread per rank (ranks as threads of this process, as the
-    in-process backends run them); the results in rank order, or the first error."""
-    results: list[object] = [None] * world_size
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = work(rank)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s)
-    assert not any(t.is_alive() for t in threads), "a rank did not finish"
-    if errors:
-        raise errors[0]
-    return results

@@ -31,11 +31,10 @@ from piper_runtime.backends.fakes import FakeDevice, FakeNccl, MemoryWorld
 from piper_runtime.backends.gpu_plan import Transport
 from piper_runtime.batch import batch_reads, check_batch, replica_slice
 from piper_runtime.merge import merge_outputs, merge_parameters
+from piper_runtime.testing import on_every_rank
 from piper_scheduler import compile_program
 from piper_train.models import build_model
 from piper_train.reference import ReferenceTrainer
-
-from .conftest import on_every_rank
 
 TIMEOUT_S = 60.0
 _WORLDS = itertools.count(1)

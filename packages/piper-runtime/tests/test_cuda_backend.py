@@ -29,6 +29,7 @@ from piper_runtime.backends.gpu_plan import (
 from piper_runtime.backends.nccl import Channel, CupyNcclComm, NcclChannels, NcclGroup
 from piper_runtime.backends.staged import StagedCommunicator
 from piper_runtime.streams import run_streams
+from piper_runtime.testing import on_every_rank
 
 
 def _c(ident: str, stream: str = "compute", **kw: object) -> Instruction:
@@ -120,23 +121,7 @@ def test_an_event_waited_on_the_device_before_it_was_recorded_is_an_error() -> N
 
 
 def _two_ranks(work) -> list[object]:
-    results: list[object] = [None, None]
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = work(rank)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return results
+    return on_every_rank(2, work, timeout_s=60)
 
 
 def test_a_channel_sends_on_its_own_stream_after_the_producer_and_the_reader_waits_for_it() -> None:

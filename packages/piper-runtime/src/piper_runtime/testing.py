@@ -1,8 +1,9 @@
-"""Helpers for tests that build ``Program``s by hand."""
+"""Helpers for tests that build ``Program``s by hand, and run ranks as threads of one process."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -63,3 +64,28 @@ def two_stage_values(rows: int, d_in: int, d_hidden: int, d_out: int) -> tuple[V
         Value("grad:v:h", tensor_meta(rows, d_hidden)),
         Value("grad:v:y", tensor_meta(rows, d_out)),
     )
+
+
+def on_every_rank(world_size: int, work: Callable[[int], object], timeout_s: float = 120.0) -> list[object]:
+    """``work(rank)`` on one thread per rank (ranks as threads of this process, as the
+    in-process backends run them); the results in rank order, or the first error. A rank
+    still running after ``timeout_s`` is an error, not a hang."""
+    results: list[object] = [None] * world_size
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = work(rank)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"a rank did not finish within {timeout_s:g} s")
+    if errors:
+        raise errors[0]
+    return results
