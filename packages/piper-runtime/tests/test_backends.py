@@ -4,6 +4,7 @@ operation of the CPU (gloo) backend between two real processes."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -65,9 +66,9 @@ OPS = textwrap.dedent(
     torch.set_num_threads(1)
     backend = CpuBackend()
     backend.connect(rank, 2, "127.0.0.1", port, 30.0)
-    comm = backend.communicator([0, 1])
-    other = backend.communicator([0, 1])  # a second group: its own tag and channel
-    seen = {}
+    comm = backend.communicator([0, 1], [(0, 1)])  # its messages 0 -> 1 through shared memory
+    other = backend.communicator([0, 1])  # a second group: its own tag and channel, gloo
+    seen = {"shm": [sorted(comm.senders) + sorted(comm.receivers), sorted(other.senders) + sorted(other.receivers)]}
     x = torch.arange(4, dtype=torch.float32) + 10 * rank
     t = x.clone()
     comm.all_reduce(t)
@@ -109,11 +110,14 @@ OPS = textwrap.dedent(
 )
 
 
-def test_cpu_backend_communicator_operations_between_two_processes() -> None:
+@pytest.mark.parametrize("shm_disabled", [False, True])
+def test_cpu_backend_communicator_operations_between_two_processes(shm_disabled: bool) -> None:
     port = str(_port())
+    env = {**os.environ, "PIPER_SHM_DISABLE": "1" if shm_disabled else "0"}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", OPS, str(rank), port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [sys.executable, "-c", OPS, str(rank), port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env,
         )
         for rank in range(2)
     ]
@@ -138,6 +142,9 @@ def test_cpu_backend_communicator_operations_between_two_processes() -> None:
     assert seen[0]["all_to_all_even"] == [0.0, 2.0]
     assert seen[1]["all_to_all_even"] == [1.0, 3.0]
     assert seen[1]["recv"] == [5.0, 7.0]
+    # Two processes on one host: the declared channel goes through shared memory unless disabled.
+    assert seen[0]["shm"] == [[] if shm_disabled else [1], []]
+    assert seen[1]["shm"] == [[] if shm_disabled else [0], []]
 
 
 # A receive that nothing sends, and an all-reduce one member never joins, on groups made by
@@ -153,9 +160,11 @@ STARVED = textwrap.dedent(
     backend = CpuBackend()
     backend.connect(rank, 2, "127.0.0.1", port, 2.0)
     comm = backend.communicator([0, 1])
+    channel = backend.communicator([0, 1], [(0, 1)])
     seen = {}
     if rank == 1:
         for name, op in [("recv", lambda: comm.recv(torch.empty(1), 0).wait()),
+                         ("shm_recv", lambda: channel.recv(torch.empty(1), 0).wait()),
                          ("all_reduce", lambda: comm.all_reduce(torch.ones(1)))]:
             try:
                 op()
@@ -186,4 +195,5 @@ def test_a_receive_or_collective_nothing_answers_fails_after_the_connect_timeout
             p.communicate()
     seen = json.loads(out.strip().splitlines()[-1])
     assert "timed out" in seen["recv"].lower() or "timeout" in seen["recv"].lower(), seen
+    assert seen["shm_recv"].startswith("ChannelError") and "timed out" in seen["shm_recv"], seen
     assert "timed out" in seen["all_reduce"].lower() or "timeout" in seen["all_reduce"].lower(), seen

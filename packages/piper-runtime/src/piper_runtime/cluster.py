@@ -8,7 +8,8 @@
 - ``choose_backend``: ``cuda`` when the cluster has a GPU for every rank and a GPU worker
   has what the CUDA backend needs, else ``cpu``; always with the reason, for the log.
 - ``worker_env``: the environment every rank gets (the socket interface variables only
-  where the user set them: otherwise each rank derives its own, ``piper_runtime.rendezvous``).
+  where the user set them: otherwise each rank derives its own, ``piper_runtime.rendezvous``;
+  ``PIPER_SHM_DISABLE`` where set, ``piper_runtime.backends.cpu``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from piper_ir import ClusterError
 from piper_runtime import reaper
 from piper_runtime.rendezvous import SOCKET_ENV
 
-# Environment every Piper worker gets.
+# Environment every Piper worker gets, and what it gets from the driver's where set there.
 WORKER_ENV = {"OMP_NUM_THREADS": "1"}
+FORWARDED_ENV = (*SOCKET_ENV, "PIPER_SHM_DISABLE")
 CONNECT_TIMEOUT_S = 30.0
 _HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
 
@@ -33,9 +35,9 @@ _started_here = False
 
 
 def worker_env() -> dict[str, str]:
-    """``WORKER_ENV`` plus the socket interface variables set in this (the driver's) process."""
+    """``WORKER_ENV`` plus the ``FORWARDED_ENV`` variables set in this (the driver's) process."""
     env = dict(WORKER_ENV)
-    env.update({name: os.environ[name] for name in SOCKET_ENV if os.environ.get(name)})
+    env.update({name: os.environ[name] for name in FORWARDED_ENV if os.environ.get(name)})
     return env
 
 

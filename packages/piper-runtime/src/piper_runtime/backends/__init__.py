@@ -1,6 +1,7 @@
-"""Device backends behind one protocol (``base``): ``cpu`` (gloo, threads as streams) and
-``cuda`` (cupy streams and events, NCCL communicators; ``cuda``, ``device``,
-``device_streams``, ``nccl``, ``staged``, ``gpu_plan``; fakes for CPU tests in ``fakes``).
+"""Device backends behind one protocol (``base``): ``cpu`` (gloo, shared-memory channels between
+ranks on one host in ``shm``, threads as streams) and ``cuda`` (cupy streams and events, NCCL
+communicators; ``cuda``, ``device``, ``device_streams``, ``nccl``, ``staged``, ``gpu_plan``;
+fakes for CPU tests in ``fakes``).
 ``register_backend(name, factory)`` adds one; the executor only talks to the protocol."""
 
 from piper_runtime.backends.base import (

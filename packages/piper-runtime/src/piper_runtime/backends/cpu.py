@@ -1,4 +1,5 @@
-"""The CPU backend: gloo process groups, streams as host threads (``HostStreams``).
+"""The CPU backend: gloo process groups, streams as host threads (``HostStreams``), and
+shared-memory channels for the point-to-point messages of ranks on one host.
 
 Every communicator is a gloo process group of its own, so threads never issue two
 collectives on one group concurrently (their order could then differ between ranks), and
@@ -12,18 +13,29 @@ rendezvous address only, and gloo's sockets use the interface owning this rank's
 (``GLOO_SOCKET_IFNAME``, unless set). ``connect``'s timeout also bounds every operation on
 every group (a receive's wait, a collective): torch gives groups made by ``new_group`` 30
 minutes otherwise, whatever the world's timeout.
+
+Point-to-point messages between two ranks on one host (same host name and boot) go through
+shared memory (``piper_runtime.backends.shm``): a communicator opens one channel per
+(sender, receiver) pair it is told of, for the pairs on one host, and uses gloo for the
+others. ``PIPER_SHM_DISABLE=1`` (read by each worker; the driver forwards it) sends
+everything through gloo, as does a host without ``/dev/shm``.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
+import socket
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from piper_runtime.backends.host import HostStreams
+from piper_runtime.backends.shm import ShmReceiver, ShmSender, open_channels, shm_available
 from piper_runtime.memory import MemoryTracker
 from piper_runtime.rendezvous import make_store, set_socket_interfaces
 
@@ -32,19 +44,58 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class GlooCommunicator:
-    """A ``Communicator`` on one gloo process group (``piper_runtime.backends.base``)."""
+SHM_DISABLE_ENV = "PIPER_SHM_DISABLE"
 
-    def __init__(self, group: Any, ranks: Sequence[int], tag: int) -> None:
+
+def host_identity() -> str:
+    """What two processes on one host (one ``/dev/shm``) share: host name and boot."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def shm_enabled() -> bool:
+    return os.environ.get(SHM_DISABLE_ENV, "0") in ("", "0") and shm_available()
+
+
+class GlooCommunicator:
+    """A ``Communicator`` on one gloo process group (``piper_runtime.backends.base``); its
+    point-to-point messages to ``senders``' peers and from ``receivers``' go through
+    shared-memory channels instead (module doc)."""
+
+    def __init__(
+        self,
+        group: Any,
+        ranks: Sequence[int],
+        tag: int,
+        senders: dict[int, ShmSender] | None = None,
+        receivers: dict[int, ShmReceiver] | None = None,
+    ) -> None:
         self.group = group
         self.ranks = tuple(ranks)
         self.tag = tag
+        self.senders = senders or {}
+        self.receivers = receivers or {}
 
     def send(self, tensor: torch.Tensor, peer: int) -> Any:
+        channel = self.senders.get(peer)
+        if channel is not None:
+            return channel.send(tensor)
         return dist.isend(tensor, dst=peer, group=self.group, tag=self.tag)
 
     def recv(self, tensor: torch.Tensor, peer: int) -> Any:
+        channel = self.receivers.get(peer)
+        if channel is not None:
+            return channel.recv(tensor)
         return dist.irecv(tensor, src=peer, group=self.group, tag=self.tag)
+
+    def close(self) -> None:
+        """Close the shared-memory channels (the gloo group goes with the world)."""
+        for channel in (*self.senders.values(), *self.receivers.values()):
+            channel.close()
+        self.senders, self.receivers = {}, {}
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=self.group)
@@ -79,6 +130,10 @@ class CpuBackend(HostStreams):
     def __init__(self) -> None:
         self._tags = 0
         self._timeout: timedelta | None = None  # per operation, from connect
+        self._rank = 0
+        self._hosts: tuple[str, ...] = ()  # per rank, ``host_identity``; empty: no shm
+        self._prefix = ""  # of this world's shared-memory files
+        self._communicators: list[GlooCommunicator] = []
 
     @property
     def device(self) -> torch.device:
@@ -96,14 +151,46 @@ class CpuBackend(HostStreams):
             world_size=world_size,
             timeout=self._timeout,
         )
+        self._rank = rank
+        self._join_hosts(rank, world_size)
+
+    def _join_hosts(self, rank: int, world_size: int) -> None:
+        """Learn which ranks share a host, and a prefix for this world's files (every rank
+        decides alike: a rank that cannot use shared memory opts the whole world out)."""
+        mine = host_identity() if shm_enabled() else ""
+        hosts: list[Any] = [None] * world_size
+        dist.all_gather_object(hosts, mine)
+        prefix = [f"piper-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}" if rank == 0 else None]
+        dist.broadcast_object_list(prefix, src=0)
+        self._hosts = tuple(hosts) if all(hosts) else ()
+        self._prefix = str(prefix[0])
+
+    def _same_host(self, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        if not self._hosts:
+            return []
+        return [(s, r) for s, r in pairs if self._hosts[s] == self._hosts[r]]
 
     def communicator(self, ranks: Sequence[int], channels: Sequence[tuple[int, int]] = ()) -> GlooCommunicator:
         self._tags += 1
-        return GlooCommunicator(dist.new_group(sorted(ranks), timeout=self._timeout), ranks, self._tags)
+        group = dist.new_group(sorted(ranks), timeout=self._timeout)
+        senders: dict[int, ShmSender] = {}
+        receivers: dict[int, ShmReceiver] = {}
+        local = self._same_host(channels)
+        if local and self._rank in ranks:
+            timeout_s = self._timeout.total_seconds() if self._timeout else 1800.0
+            senders, receivers = open_channels(
+                f"{self._prefix}-{self._tags}", self._rank, local, lambda: dist.barrier(group=group), timeout_s
+            )
+        comm = GlooCommunicator(group, ranks, self._tags, senders, receivers)
+        self._communicators.append(comm)
+        return comm
 
     def memory_tracker(self, rank: int) -> MemoryTracker:
         return MemoryTracker(rank)
 
     def shutdown(self) -> None:
+        for comm in self._communicators:
+            comm.close()
+        self._communicators = []
         if dist.is_initialized():
             dist.destroy_process_group()
