@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from piper_runtime.backends.cpu import SHM_DISABLE_ENV
+from piper_runtime.backends.cpu import SHM_DISABLE_ENV, all_agree
 from piper_runtime.backends.shm import open_channels
 
 ROUNDS = 300
@@ -43,7 +43,9 @@ def _bounce(rank: int, size: int, port: int, prefix: str, out: mp.Queue) -> None
                             timeout=datetime.timedelta(seconds=60))
     peer = 1 - rank
     message, into = torch.zeros(size // 4), torch.empty(size // 4)
-    senders, receivers = open_channels(prefix, rank, [(0, 1), (1, 0)], dist.barrier, 60.0)
+    opened = open_channels(prefix, rank, [(0, 1), (1, 0)], lambda ok: all_agree(ok, None), 60.0)
+    assert opened is not None, "no shared-memory channels here"
+    senders, receivers = opened
 
     def gloo() -> None:
         if rank == 0:

@@ -5,6 +5,9 @@ does. The channels between Ray workers run in every CPU integration test."""
 
 from __future__ import annotations
 
+import collections
+import errno
+import functools
 import os
 import secrets
 import threading
@@ -20,11 +23,29 @@ from piper_runtime.testing import on_every_rank
 pytestmark = pytest.mark.skipif(not shm.shm_available(), reason="no /dev/shm or FIFOs here")
 
 
+class _Agree:
+    """``agree`` for ranks as threads: a barrier that also says whether every rank was ok."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(2, timeout=10)
+        self.calls = [0, 0]
+        self.oks: collections.defaultdict[int, list[bool]] = collections.defaultdict(list)
+
+    def __call__(self, rank: int, ok: bool) -> bool:
+        n = self.calls[rank]
+        self.calls[rank] += 1
+        self.oks[n].append(ok)
+        self.barrier.wait()
+        return all(self.oks[n])
+
+
 def _pair(timeout_s: float = 20.0, pairs: tuple[tuple[int, int], ...] = ((0, 1), (1, 0))) -> list:
     """Both ranks' ends of ``pairs``: ``[(senders, receivers) of rank 0, ... of rank 1]``."""
-    barrier = threading.Barrier(2, timeout=10)
+    agree = _Agree()
     prefix = f"piper-test-{secrets.token_hex(4)}"
-    return on_every_rank(2, lambda rank: open_channels(prefix, rank, list(pairs), barrier.wait, timeout_s))
+    return on_every_rank(
+        2, lambda rank: open_channels(prefix, rank, list(pairs), functools.partial(agree, rank), timeout_s)
+    )
 
 
 def _close(ends: list) -> None:
@@ -153,3 +174,22 @@ def test_no_file_is_left_behind_once_the_channels_are_open() -> None:
         assert set(os.listdir(shm.SHM_DIR)) - before == set()
     finally:
         _close(ends)
+
+
+def test_when_one_rank_cannot_reserve_its_ring_no_rank_gets_channels_and_no_file_is_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = []
+    reserve = os.posix_fallocate
+
+    def full_once(fd: int, offset: int, length: int) -> None:
+        calls.append(fd)
+        if len(calls) == 1:  # the first rank to make its ring finds /dev/shm full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        reserve(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", full_once)
+    before = set(os.listdir(shm.SHM_DIR))
+    assert _pair() == [None, None]  # the backend then sends through gloo
+    assert len(calls) == 2
+    assert set(os.listdir(shm.SHM_DIR)) == before

@@ -18,7 +18,8 @@ Point-to-point messages between two ranks on one host (same host name and boot) 
 shared memory (``piper_runtime.backends.shm``): a communicator opens one channel per
 (sender, receiver) pair it is told of, for the pairs on one host, and uses gloo for the
 others. ``PIPER_SHM_DISABLE=1`` (read by each worker; the driver forwards it) sends
-everything through gloo, as does a host without ``/dev/shm``.
+everything through gloo, as does a host without ``/dev/shm``, and a group whose channels a
+member could not make (a full ``/dev/shm``: logged as a warning on that rank).
 """
 
 from __future__ import annotations
@@ -121,6 +122,13 @@ class GlooCommunicator:
         dist.all_to_all_single(output, input, out_splits, in_splits, group=self.group)
 
 
+def all_agree(ok: bool, group: Any) -> bool:
+    """Whether every member of ``group`` passed ``ok`` (a barrier as well)."""
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
 class CpuBackend(HostStreams):
     """gloo on the CPU, one host thread per lane (module doc)."""
 
@@ -178,9 +186,11 @@ class CpuBackend(HostStreams):
         local = self._same_host(channels)
         if local and self._rank in ranks:
             timeout_s = self._timeout.total_seconds() if self._timeout else 1800.0
-            senders, receivers = open_channels(
-                f"{self._prefix}-{self._tags}", self._rank, local, lambda: dist.barrier(group=group), timeout_s
+            opened = open_channels(
+                f"{self._prefix}-{self._tags}", self._rank, local, lambda ok: all_agree(ok, group), timeout_s
             )
+            if opened is not None:  # else a member could not make its part: gloo carries them
+                senders, receivers = opened
         comm = GlooCommunicator(group, ranks, self._tags, senders, receivers)
         self._communicators.append(comm)
         return comm

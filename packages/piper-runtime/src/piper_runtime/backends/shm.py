@@ -1,16 +1,17 @@
 """Point-to-point channels through shared memory, for two ranks on one host.
 
 Why: a gloo transfer between two processes on one host crosses the loopback TCP stack and
-hands over between four threads (the sender's gloo worker, the receiver's gloo loop, the
-thread that waits); on a loaded host each hand-over waits for a core. Here the sending
-thread copies the tensor into a ring the receiver mapped, and the receiving thread wakes on
-a pipe: one hand-over. On this project's 2-core machines a 128 KiB round trip takes
-100-170 us this way against 260-450 us through gloo (``benchmarks/bench_shm.py``).
+is handed on three times (the sending thread to gloo's worker, to the receiver's gloo loop,
+to the thread that waits); on a loaded host each hand-over waits for a core. Here the
+sending thread copies the tensor into a ring the receiver mapped, and the receiving thread
+wakes on a pipe: one hand-over. On this project's 2-core machines a round trip takes
+0.35-0.75x of gloo's (128 KiB: 65-131 us against 212-272 us; ``benchmarks/bench_shm.py``).
 
 One channel carries one direction between two ranks (``ShmSender`` on one end,
-``ShmReceiver`` on the other). Its files, made by ``open_channel``:
+``ShmReceiver`` on the other). Its files, made by ``open_channels``:
 
-- the *ring* (``capacity`` bytes, made and mapped by the receiver, mapped by the sender);
+- the *ring* (``CAPACITY`` bytes, made, reserved and mapped by the receiver, mapped by the
+  sender);
 - the *data pipe* (a FIFO, receiver reads): after copying a chunk into the ring, the sender
   writes a token, the chunk's length;
 - the *credit pipe* (a FIFO, sender reads): after copying a chunk out, the receiver writes
@@ -23,7 +24,7 @@ Messages are a byte stream in issue order; the receiver posts receives of the si
 sender sends (the plan's verifier proves the order; a size that does not match is an
 error, not a silent mix-up). A message is cut into chunks that end at the ring's end at the
 latest, and each chunk starts on an ``ALIGN`` boundary. That bounds the tokens in flight by
-``capacity / ALIGN`` in either pipe, below what a pipe holds, so no token write ever blocks.
+``CAPACITY / ALIGN`` in either pipe, below what a pipe holds, so no token write ever blocks.
 
 A send copies what fits at once and returns; the rest is written by the channel's sender
 thread as the receiver frees space (a receive that waits on that data then proceeds), like
@@ -34,7 +35,10 @@ the peer sent before it exited is still received. A channel whose wait raised is
 again (the run it belongs to has failed).
 
 All files are unlinked once both ends have opened them, so nothing is left in ``/dev/shm``
-even when a process is killed.
+even when a process is killed. A ring's pages are reserved when it is made: a full
+``/dev/shm`` (docker gives 64 MiB) is then a failure at setup, which the ranks agree on so
+that none of them uses the channels (``open_channels`` returns ``None`` and the backend
+sends through gloo), instead of a SIGBUS in the middle of a run.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import select
@@ -52,6 +57,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 CAPACITY = 4 << 20  # bytes of ring per channel
@@ -121,8 +128,18 @@ class _Ring:
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
-                os.ftruncate(fd, CAPACITY)
+                try:  # reserve the pages now: a full /dev/shm would otherwise kill us with SIGBUS
+                    os.posix_fallocate(fd, 0, CAPACITY)
+                except OSError as exc:
+                    raise ChannelError(
+                        f"cannot reserve {CAPACITY >> 20} MiB in {SHM_DIR} for a ring ({exc.strerror}); "
+                        "a container may need more (docker --shm-size)"
+                    ) from None
             self.map = mmap.mmap(fd, CAPACITY)
+        except BaseException:
+            if create:
+                path.unlink()
+            raise
         finally:
             os.close(fd)
         self._view = ctypes.c_char.from_buffer(self.map)
@@ -353,8 +370,10 @@ def channel_paths(prefix: str, sender: int, receiver: int) -> tuple[Path, Path, 
     return base.with_suffix(".ring"), base.with_suffix(".data"), base.with_suffix(".credit")
 
 
-def _open_reader(path: Path) -> int:
+def _open_reader(path: Path, made: list[Path]) -> int:
+    """Make the FIFO ``path`` (noted in ``made``) and open its reading end."""
     os.mkfifo(path, 0o600)
+    made.append(path)
     return os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # needs no writer yet
 
 
@@ -368,35 +387,53 @@ def open_channels(
     prefix: str,
     rank: int,
     pairs: list[tuple[int, int]],
-    barrier: Callable[[], None],
+    agree: Callable[[bool], bool],
     timeout_s: float,
-) -> tuple[dict[int, ShmSender], dict[int, ShmReceiver]]:
+) -> tuple[dict[int, ShmSender], dict[int, ShmReceiver]] | None:
     """Open this rank's ends of the channels ``pairs`` ((sender, receiver), all on this host).
 
-    Every rank of the pairs calls this with the same arguments but ``rank``; ``barrier``
-    synchronises them (twice: after each end made what it reads, after both ends opened).
-    Returns the senders by receiver and the receivers by sender."""
+    Every rank of the pairs calls this with the same arguments but ``rank``. ``agree(ok)``
+    synchronises them and says whether every one of them passed ``True``: first after each
+    end made what it reads (``ok``: whether this rank could; a ``/dev/shm`` without room, for
+    one), then after both ends opened. Returns the senders by receiver and the receivers by
+    sender, or ``None`` on every rank when one could not make its part (nothing is left
+    open or on disk; the caller sends through something else)."""
     made: list[Path] = []
-    half: dict[tuple[int, int], tuple] = {}
+    rings: list[_Ring] = []
+    fds: list[int] = []
     try:
-        for s, r in pairs:
-            ring, data, credit = channel_paths(prefix, s, r)
-            if r == rank:
-                half[(s, r)] = (_Ring(ring, create=True), _open_reader(data))
-                made += [ring, data]
-            elif s == rank:
-                half[(s, r)] = (_open_reader(credit),)
-                made.append(credit)
-        barrier()
+        ok = True
+        try:
+            for s, r in pairs:
+                ring, data, credit = channel_paths(prefix, s, r)
+                if r == rank:
+                    rings.append(_Ring(ring, create=True))  # unlinks its file itself if it fails
+                    made.append(ring)
+                    fds.append(_open_reader(data, made))
+                elif s == rank:
+                    fds.append(_open_reader(credit, made))
+        except (OSError, ChannelError) as exc:
+            log.warning("rank %d: no shared-memory channels for %s, the caller's fallback carries them: %s",
+                        rank, prefix, exc)
+            ok = False
+        if not agree(ok):
+            for mapped in rings:
+                mapped.close()
+            for fd in fds:
+                os.close(fd)
+            return None
         senders: dict[int, ShmSender] = {}
         receivers: dict[int, ShmReceiver] = {}
-        for (s, r), opened in half.items():
+        opened = iter(fds)  # in the order of ``pairs``, as made above
+        mapped_rings = iter(rings)
+        for s, r in pairs:
             ring, data, credit = channel_paths(prefix, s, r)
+            what = f"shm {s}->{r}"
             if r == rank:
-                receivers[s] = ShmReceiver(opened[0], opened[1], _open_writer(credit), timeout_s, f"shm {s}->{r}")
-            else:
-                senders[r] = ShmSender(_Ring(ring, create=False), _open_writer(data), opened[0], timeout_s, f"shm {s}->{r}")
-        barrier()
+                receivers[s] = ShmReceiver(next(mapped_rings), next(opened), _open_writer(credit), timeout_s, what)
+            elif s == rank:
+                senders[r] = ShmSender(_Ring(ring, create=False), _open_writer(data), next(opened), timeout_s, what)
+        agree(True)
         return senders, receivers
     finally:
         for path in made:
