@@ -22,6 +22,9 @@ from piper_runtime.backends import (
     register_backend,
     unregister_backend,
 )
+from piper_runtime.backends.cpu import shm_enabled
+from piper_runtime.backends.shm import shm_available
+from piper_runtime.cluster import worker_env
 
 
 def test_the_registry_knows_cpu_and_cuda_and_takes_new_backends() -> None:
@@ -110,10 +113,9 @@ OPS = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("shm_disabled", [False, True])
-def test_cpu_backend_communicator_operations_between_two_processes(shm_disabled: bool) -> None:
+def test_cpu_backend_communicator_operations_between_two_processes() -> None:
     port = str(_port())
-    env = {**os.environ, "PIPER_SHM_DISABLE": "1" if shm_disabled else "0"}
+    env = {**os.environ, "PIPER_SHM_DISABLE": "0"}
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", OPS, str(rank), port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -142,9 +144,19 @@ def test_cpu_backend_communicator_operations_between_two_processes(shm_disabled:
     assert seen[0]["all_to_all_even"] == [0.0, 2.0]
     assert seen[1]["all_to_all_even"] == [1.0, 3.0]
     assert seen[1]["recv"] == [5.0, 7.0]
-    # Two processes on one host: the declared channel goes through shared memory unless disabled.
-    assert seen[0]["shm"] == [[] if shm_disabled else [1], []]
-    assert seen[1]["shm"] == [[] if shm_disabled else [0], []]
+    # Two processes on one host: the declared channel goes through shared memory, the other
+    # group's point-to-point through gloo.
+    assert seen[0]["shm"] == [[1], []]
+    assert seen[1]["shm"] == [[0], []]
+
+
+def test_piper_shm_disable_turns_the_channels_off_and_reaches_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPER_SHM_DISABLE", "0")
+    assert shm_enabled() == shm_available()
+    assert worker_env()["PIPER_SHM_DISABLE"] == "0"
+    monkeypatch.setenv("PIPER_SHM_DISABLE", "1")
+    assert not shm_enabled()
+    assert worker_env()["PIPER_SHM_DISABLE"] == "1"
 
 
 # A receive that nothing sends, and an all-reduce one member never joins, on groups made by
