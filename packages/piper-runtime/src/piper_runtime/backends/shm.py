@@ -176,7 +176,7 @@ class _Outgoing:
         if not self.done.wait(self.timeout_s):
             raise ChannelError(f"{self.what}: timed out after {self.timeout_s:.0f} s sending")
         if self.error is not None:
-            raise ChannelError(f"{self.what}: {self.error}") from self.error
+            raise ChannelError(str(self.error)) from self.error
 
 
 class ShmSender:
@@ -304,7 +304,8 @@ class ShmReceiver:
         self.timeout_s = timeout_s
         self.what = what
         self.tail = 0
-        self.tokens = b""
+        self.tokens = b""  # read from the data pipe, not yet used from ``token_at`` on
+        self.token_at = 0
         self.sender_gone = False
         self.posted: collections.deque[_Incoming] = collections.deque()
         self.lock = threading.Lock()
@@ -323,15 +324,14 @@ class ShmReceiver:
             raise ChannelError(f"{self.what}: timed out after {self.timeout_s:.0f} s receiving")
         try:
             while not incoming.done:
-                if len(self.tokens) < _TOKEN.size:
+                if self.token_at == len(self.tokens):  # tokens are whole: pipe writes are atomic
                     more = _read_some(self.data_fd, self.what)
                     if not more:
                         _wait_readable(self.data_fd, deadline, f"{self.what}: a message")
                         continue
-                    self.tokens += more
-                    continue
-                (n,) = _TOKEN.unpack_from(self.tokens)
-                self.tokens = self.tokens[_TOKEN.size :]
+                    self.tokens, self.token_at = more, 0
+                (n,) = _TOKEN.unpack_from(self.tokens, self.token_at)
+                self.token_at += _TOKEN.size
                 front = self.posted[0]
                 if n > front.nbytes - front.filled:
                     raise ChannelError(
