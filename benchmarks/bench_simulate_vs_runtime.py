@@ -2,7 +2,7 @@
 
 For each model and schedule (1F1B, interleaved 1F1B, ZB1P, DualPipeV by default):
 
-1. Run ``Trainer.with_schedule`` (Ray + gloo on 127.0.0.1) for warm-up + timed steps
+1. Run ``Trainer.with_schedule`` (Ray; gloo on 127.0.0.1 and shared-memory channels) for warm-up + timed steps
    with ``profile=True``: every worker returns when each instruction started and ended
    (``StepResult.timings``) and its time inside the step (``StepResult.worker_seconds``); the
    driver times the steps as ``fit`` runs them (one submitted ahead: the time between
@@ -13,8 +13,10 @@ For each model and schedule (1F1B, interleaved 1F1B, ZB1P, DualPipeV by default)
      pair's wall time over its members' costs alone);
    - ``overhead``: the gap between one instruction's end and the next one's start on a rank
      (freeing values, posting receives, waking a lane), charged to every compute instruction;
-   - ``latency``: a SEND's mean duration (posting the message to gloo); ``comm_overhead``:
-     the gap plus the shortest RECV (a receive whose message had already arrived: completing
+   - ``latency``: a message's one-way time (``message_latency``: from a SEND's start to the
+     end of the RECV that waited for it, both ways between two ranks so that their clocks'
+     offset cancels) less the gap and the quickest receive, and at least a SEND's mean
+     posting time; ``comm_overhead``: the gap plus the shortest RECV (a receive whose message had already arrived: completing
      and copying it; the rest of a RECV's time is waiting, which the
      simulator must reproduce, not be told);
    - ``startup``: the time before a rank's first instruction (splitting the batch into
