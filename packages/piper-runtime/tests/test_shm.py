@@ -12,6 +12,7 @@ import os
 import secrets
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,3 +194,22 @@ def test_when_one_rank_cannot_reserve_its_ring_no_rank_gets_channels_and_no_file
     assert _pair() == [None, None]  # the backend then sends through gloo
     assert len(calls) == 2
     assert set(os.listdir(shm.SHM_DIR)) == before
+
+
+def test_when_a_rank_cannot_open_its_peers_files_no_rank_gets_channels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes that took one another for neighbours but see different /dev/shm."""
+    real = shm._open_writer
+    calls = []
+
+    def elsewhere(path: Path) -> int:
+        calls.append(path)
+        if len(calls) == 1:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+        return real(path)
+
+    monkeypatch.setattr(shm, "_open_writer", elsewhere)
+    before = set(os.listdir(shm.SHM_DIR))
+    fds_before = set(os.listdir("/proc/self/fd"))
+    assert _pair() == [None, None]
+    assert set(os.listdir(shm.SHM_DIR)) == before
+    assert set(os.listdir("/proc/self/fd")) <= fds_before  # every end made was closed

@@ -14,12 +14,13 @@ rendezvous address only, and gloo's sockets use the interface owning this rank's
 every group (a receive's wait, a collective): torch gives groups made by ``new_group`` 30
 minutes otherwise, whatever the world's timeout.
 
-Point-to-point messages between two ranks on one host (same host name and boot) go through
-shared memory (``piper_runtime.backends.shm``): a communicator opens one channel per
-(sender, receiver) pair it is told of, for the pairs on one host, and uses gloo for the
-others. ``PIPER_SHM_DISABLE=1`` (read by each worker; the driver forwards it) sends
-everything through gloo, as does a host without ``/dev/shm``, and a group whose channels a
-member could not make (a full ``/dev/shm``: logged as a warning on that rank).
+Point-to-point messages between two ranks on one host (same host name, boot and
+``/dev/shm`` mount) go through shared memory (``piper_runtime.backends.shm``): a
+communicator opens one channel per (sender, receiver) pair it is told of, for the pairs on
+one host, and uses gloo for the others. ``PIPER_SHM_DISABLE=1`` (read by each worker; the
+driver forwards it) sends everything through gloo, as does a host without ``/dev/shm``, and
+a group whose channels a member could not make or open (a full ``/dev/shm``; two processes
+that do not see one ``/dev/shm`` after all): logged as a warning on that rank.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from piper_runtime.backends.host import HostStreams
-from piper_runtime.backends.shm import ShmReceiver, ShmSender, open_channels, shm_available
+from piper_runtime.backends.shm import SHM_DIR, ShmReceiver, ShmSender, open_channels, shm_available
 from piper_runtime.memory import MemoryTracker
 from piper_runtime.rendezvous import make_store, set_socket_interfaces
 
@@ -49,12 +50,14 @@ SHM_DISABLE_ENV = "PIPER_SHM_DISABLE"
 
 
 def host_identity() -> str:
-    """What two processes on one host (one ``/dev/shm``) share: host name and boot."""
+    """What two processes that share one ``/dev/shm`` have in common: host name, boot, and
+    the device of the ``/dev/shm`` mount (containers on one host each have their own)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        shm_device = os.stat(SHM_DIR).st_dev
     except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+        boot, shm_device = "", -1
+    return f"{socket.gethostname()}/{boot}/{shm_device}"
 
 
 def shm_enabled() -> bool:

@@ -114,6 +114,13 @@ def _read_some(fd: int, what: str) -> bytes:
     return data
 
 
+def _close_all(*fds: int) -> None:
+    """Close the descriptors that were opened (``-1``: never was)."""
+    for fd in fds:
+        if fd >= 0:
+            os.close(fd)
+
+
 def _write_all(fd: int, data: bytes, what: str) -> None:
     try:
         os.write(fd, data)  # below PIPE_BUF: atomic, and the bound above keeps room for it
@@ -274,8 +281,7 @@ class ShmSender:
             self.wake.notify()
         if self.thread is not None:
             self.thread.join(timeout=2 * _POLL_S)
-        for fd in (self.data_fd, self.credit_fd):
-            os.close(fd)
+        _close_all(self.data_fd, self.credit_fd)
         self.ring.close()
 
 
@@ -359,8 +365,7 @@ class ShmReceiver:
             self.sender_gone = True
 
     def close(self) -> None:
-        for fd in (self.data_fd, self.credit_fd):
-            os.close(fd)
+        _close_all(self.data_fd, self.credit_fd)
         self.ring.close()
 
 
@@ -395,7 +400,8 @@ def open_channels(
     Every rank of the pairs calls this with the same arguments but ``rank``. ``agree(ok)``
     synchronises them and says whether every one of them passed ``True``: first after each
     end made what it reads (``ok``: whether this rank could; a ``/dev/shm`` without room, for
-    one), then after both ends opened. Returns the senders by receiver and the receivers by
+    one), then after each opened its peers' files (which fails where two processes thought
+    to share a ``/dev/shm`` do not). Returns the senders by receiver and the receivers by
     sender, or ``None`` on every rank when one could not make its part (nothing is left
     open or on disk; the caller sends through something else)."""
     made: list[Path] = []
@@ -426,14 +432,28 @@ def open_channels(
         receivers: dict[int, ShmReceiver] = {}
         opened = iter(fds)  # in the order of ``pairs``, as made above
         mapped_rings = iter(rings)
-        for s, r in pairs:
-            ring, data, credit = channel_paths(prefix, s, r)
-            what = f"shm {s}->{r}"
-            if r == rank:
-                receivers[s] = ShmReceiver(next(mapped_rings), next(opened), _open_writer(credit), timeout_s, what)
-            elif s == rank:
-                senders[r] = ShmSender(_Ring(ring, create=False), _open_writer(data), next(opened), timeout_s, what)
-        agree(True)
+        try:
+            for s, r in pairs:
+                ring, data, credit = channel_paths(prefix, s, r)
+                what = f"shm {s}->{r}"
+                if r == rank:
+                    receivers[s] = ShmReceiver(next(mapped_rings), next(opened), -1, timeout_s, what)
+                    receivers[s].credit_fd = _open_writer(credit)
+                elif s == rank:
+                    sender = ShmSender(_Ring(ring, create=False), -1, next(opened), timeout_s, what)
+                    senders[r] = sender
+                    sender.data_fd = _open_writer(data)
+        except OSError as exc:  # the peer's files are not here: not one /dev/shm after all
+            log.warning("rank %d: cannot open its peers' ends of %s: %s", rank, prefix, exc)
+            ok = False
+        if not agree(ok):
+            for end in (*senders.values(), *receivers.values()):
+                end.close()
+            for mapped in mapped_rings:
+                mapped.close()
+            for fd in opened:
+                os.close(fd)
+            return None
         return senders, receivers
     finally:
         for path in made:
