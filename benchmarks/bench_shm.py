@@ -33,14 +33,15 @@ import torch.multiprocessing as mp
 
 from piper_runtime.backends.cpu import SHM_DISABLE_ENV, all_agree
 from piper_runtime.backends.shm import open_channels
+from piper_runtime.rendezvous import make_store
 
 ROUNDS = 300
 
 
 def _bounce(rank: int, size: int, port: int, prefix: str, out: mp.Queue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    store = make_store(rank, 2, "127.0.0.1", port, 60.0)  # listens on loopback only
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     peer = 1 - rank
     message, into = torch.zeros(size // 4), torch.empty(size // 4)
     opened = open_channels(prefix, rank, [(0, 1), (1, 0)], lambda ok: all_agree(ok, None), 60.0)
