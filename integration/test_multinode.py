@@ -1,5 +1,6 @@
 """Training across nodes: a Ray cluster of two nodes (``ray.cluster_utils.Cluster`` on
-loopback, 2 CPUs each) runs PP=2 x DP=2, whose four ranks of one CPU each must use both nodes.
+loopback, 2 CPUs each) runs PP=2 x DP=2, whose four ranks of one CPU each must use both nodes,
+with every message through gloo (``PIPER_SHM_DISABLE=1``).
 
 The cluster is started in a process of its own (``fixtures/multinode.py``), so it never meets
 the test session's shared Ray cluster; the run prints what it saw as JSON.
@@ -24,7 +25,10 @@ pytestmark = pytest.mark.own_process
 
 def test_pp2_dp2_across_two_nodes_matches_single_device_training() -> None:
     ray_tmp = tempfile.mkdtemp(prefix="piper-mn-")
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=ray_tmp)
+    # PIPER_SHM_DISABLE: point-to-point through gloo, as between ranks on separate machines;
+    # every other run of the suite sends it through shared memory.
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=ray_tmp,
+               PIPER_SHM_DISABLE="1")
     env.pop("RAY_ADDRESS", None)
     try:
         done = subprocess.run([sys.executable, str(SCRIPT), "pack"], capture_output=True, text=True, timeout=300,
