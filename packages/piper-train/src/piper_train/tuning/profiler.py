@@ -14,11 +14,13 @@ the executor's own costs and the link, cached on disk.
 - **Activations** (``activation_bytes``): each captured segment's forward on the example
   batch in this process, counting the storages autograd saves (parameters excluded) and its
   outputs, per sample.
-- **Link** (``ping_pong``): two processes over gloo on loopback send tensors of growing size
-  back and forth; latency is the smallest one-way time, bandwidth the slope.
+- **Link** (``ping_pong``): two processes send tensors of growing size back and forth
+  through the CPU backend's point-to-point channel, as two ranks on this host would (shared
+  memory, or gloo with ``PIPER_SHM_DISABLE=1``); latency is the smallest one-way time,
+  bandwidth the slope.
 
 The cache holds one JSON file per model, keyed by the captured graph's structure and shapes
-(not its code), the backend, torch's version and the machine's core count; measurements
+(not its code), the backend and its transport, torch's version and the machine's core count; measurements
 are added to it as the search needs them, so a second run measures nothing.
 """
 
@@ -57,9 +59,13 @@ def usable_cores() -> int:
 
 def profile_key(name: str, captured: CapturedModel, backend: str) -> str:
     """The cache key: the model's name, its graph's structure and shapes (segments, their
-    parameters and values; not the code), the backend, torch and the core count."""
+    parameters and values; not the code), the backend (and on the CPU, whether messages go
+    through shared memory), torch and the core count."""
+    from piper_runtime.backends.cpu import shm_enabled
+
     g = captured.graph
-    shape = [name, backend, torch.__version__, usable_cores(), list(g.inputs), list(g.targets)]
+    transport = "shm" if backend == "cpu" and shm_enabled() else "gloo"
+    shape = [name, backend, transport, torch.__version__, usable_cores(), list(g.inputs), list(g.targets)]
     shape += [[s.id, s.role.value, sorted(s.tags.as_dict().items()) if hasattr(s.tags, "as_dict") else str(s.tags),
                list(s.inputs), list(s.outputs), [(n, str(m)) for n, m in s.params]] for s in g.segments]
     shape += [[v.name, str(v.meta)] for v in g.values]
@@ -170,7 +176,7 @@ def _batch_size(spec: ModelSpec) -> int:
     return int(spec.example_inputs[0].shape[0])
 
 
-# -- the link: a ping-pong over gloo --------------------------------------------------------
+# -- the link: a ping-pong through the CPU backend's transport ----------------------------
 
 _SIZES = (4, 16 * 1024, 256 * 1024, 2 * 1024 * 1024)
 
@@ -178,47 +184,61 @@ _SIZES = (4, 16 * 1024, 256 * 1024, 2 * 1024 * 1024)
 class _PingPong:
     """One end of the ping-pong: a Ray actor in a process of its own."""
 
-    def run(self, rank: int, port: int, reps: int) -> dict[int, float]:
-        import torch.distributed as dist
+    def run(self, rank: int, port: int, reps: int, timeout_s: float = 60.0) -> dict[int, float]:
+        """One-way seconds per message size, through the messages the runtime's ranks send:
+        the CPU backend's point-to-point channel between two ranks on one host (shared
+        memory, or gloo where that is off), its store listening on loopback only."""
+        from piper_runtime.backends import CpuBackend
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        one_way = {}
+        backend = CpuBackend()
+        backend.connect(rank, 2, "127.0.0.1", port, timeout_s)
         try:
+            link = backend.communicator([0, 1], [(0, 1), (1, 0)])
+            peer = 1 - rank
+            one_way = {}
             for size in _SIZES:
                 t = torch.zeros(size // 4)
                 times = []
-                for _ in range(reps + 2):  # the first two warm the connection up
-                    dist.barrier()
+                for _ in range(reps + 2):  # the first two warm the channel up
+                    link.all_reduce(torch.zeros(1))  # start together
                     started = time.perf_counter()
                     if rank == 0:
-                        dist.send(t, 1)
-                        dist.recv(t, 1)
+                        link.send(t, peer).wait()
+                        link.recv(t, peer).wait()
                     else:
-                        dist.recv(t, 0)
-                        dist.send(t, 0)
+                        link.recv(t, peer).wait()
+                        link.send(t, peer).wait()
                     times.append((time.perf_counter() - started) / 2)
                 one_way[size] = statistics.median(times[2:])
         finally:
-            dist.destroy_process_group()
+            backend.shutdown()
         return one_way
 
 
 def ping_pong(reps: int = 10, timeout_s: float = 120.0) -> tuple[float, float]:
-    """(latency in s, bandwidth in bytes/s) between two gloo ranks on loopback, each a Ray
-    actor as the runtime's ranks are (Ray must be initialised)."""
+    """(latency in s, bandwidth in bytes/s) between two ranks on this host, each a Ray actor
+    with the environment the runtime's ranks get (Ray must be initialised)."""
     import ray
+
+    from piper_runtime.cluster import worker_env
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    actor = ray.remote(_PingPong).options(num_cpus=0.01, runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}})
+    actor = ray.remote(_PingPong).options(num_cpus=0.01, runtime_env={"env_vars": worker_env()})
     ends = [actor.remote() for _ in range(2)]
     try:
         one_way = ray.get([e.run.remote(r, port, reps) for r, e in enumerate(ends)], timeout=timeout_s)[0]
     finally:
         for e in ends:
             ray.kill(e)
-    small, large = _SIZES[0], _SIZES[-1]
+    return link_costs(one_way)
+
+
+def link_costs(one_way: dict[int, float]) -> tuple[float, float]:
+    """(latency, bandwidth) from one-way seconds per message size: the smallest time, and
+    the slope between the smallest and the largest message."""
+    small, large = min(one_way), max(one_way)
     latency = min(one_way.values())
     slope = max(one_way[large] - one_way[small], 1e-12) / (large - small)
     return latency, 1.0 / slope
@@ -269,7 +289,7 @@ class Profiler:
         if comm is not None:
             profile = profile.with_comm(*comm)
         elif profile.latency == 0.0 and profile.bandwidth == float("inf"):
-            self.log("profile: measuring the link (gloo ping-pong on loopback)")
+            self.log("profile: measuring the link (a ping-pong between two ranks on this host)")
             profile = profile.with_comm(*ping_pong())
             self._save(profile)
         self.profile = profile
