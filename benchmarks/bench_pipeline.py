@@ -1,6 +1,8 @@
 """Piper vs ``torch.distributed.pipelining``: the same model, data, ranks and schedule.
 
-Both sides run on gloo over loopback, one CPU thread per rank, AdamW, ``pp`` ranks and
+Both sides run their collectives on gloo over loopback (torch its point-to-point messages
+too; Piper sends those through shared memory between ranks on one host unless
+``PIPER_SHM_DISABLE=1``), one CPU thread per rank, AdamW, ``pp`` ranks and
 ``microbatches`` microbatches; interleaved 1F1B runs two regions per rank (rank r holds
 regions r and r + pp on both sides). torch's side times each step between barriers on rank 0
 (``torch_pipelining.py``, batches made before the barrier). Piper's side is what a training
@@ -37,6 +39,7 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 from torch_pipelining import CHUNKS, run_torch_pipeline
 
 from piper_runtime import OptimizerSpec, ensure_ray
+from piper_runtime.backends.cpu import shm_enabled
 from piper_train.models import build_model
 from piper_train.trainer import Trainer
 
@@ -131,7 +134,9 @@ def main() -> None:
     # One embedded cluster for every row: with as many logical CPUs as the widest row's ranks
     # (reused workers reserve no bundle, but the cluster must be large enough for them).
     ensure_ray(num_cpus=max(os.cpu_count() or 1, 2 * max(args.pp)))
-    print(f"Piper vs torch.distributed.pipelining — gloo/CPU, AdamW, {args.microbatches} microbatches, "
+    transport = "shared memory" if shm_enabled() else "gloo"
+    print(f"Piper vs torch.distributed.pipelining — CPU, Piper's messages through {transport}, torch's through gloo,"
+          f" AdamW, {args.microbatches} microbatches, "
           f"{args.steps} timed steps per round after 1 warm-up, {args.repeats} alternating rounds, medians")
     header = (f"{'model':<12} {'schedule':<17} {'pp':>2} {'torch ms':>9} {'piper ms':>9} {'piper/torch':>12}"
               f" {'in-worker/torch':>16} {'sync/torch':>11} {'CPU/torch':>10} {'load':>5}")
