@@ -15,7 +15,7 @@ import torch
 
 from piper_directives import build_schedule
 from piper_directives.synthetic import synthetic_graph
-from piper_runtime.batch import batch_reads, check_batch, replica_slice
+from piper_runtime.batch import batch_reads, check_batch, from_wire, replica_slice
 from piper_runtime.runtime import _shipments
 from piper_scheduler import compile_program
 from piper_train.cli import main
@@ -93,7 +93,8 @@ def test_each_rank_receives_only_its_replicas_shard_of_what_it_reads() -> None:
     shipped = _shipments(program, names, check_batch(program, (x,), (y,)))
     for rank, held in enumerate(shipped):
         replica = program.plan(rank).replica
-        (name, tensor), = held.items()
+        (name, wired), = held.items()
+        tensor = from_wire(wired)  # as the worker takes it
         meta = program.value_by_name[name].meta
         full = x if name == "input:0" else y
         assert tensor.shape == (4, 4)  # half of the batch

@@ -44,7 +44,7 @@ from torch import nn
 
 from piper_ir import ClusterError, ExecutionError, HangError, NumericalError, PiperError, Program
 from piper_runtime.backends import backend_factory, cuda_missing
-from piper_runtime.batch import batch_reads, check_batch, replica_slice
+from piper_runtime.batch import batch_reads, check_batch, replica_slice, to_wire
 from piper_runtime.checkpoint import finish, plan_globally
 from piper_runtime.cluster import choose_backend, ensure_ray, worker_env
 from piper_runtime.merge import merge_outputs, merge_parameters
@@ -543,7 +543,7 @@ def _shipments(
     (``batch_reads``), and with data parallelism only its replica's shards of them. Small
     tensors travel inline with the call (Ray stores large ones in its object store by
     itself); an explicit ray.put pays off only for a large slice that several ranks read (an
-    object-store round trip on every step)."""
+    object-store round trip on every step). Tensors travel as ``batch.to_wire`` makes them."""
     slices: dict[tuple[str, int], torch.Tensor] = {}
     readers: dict[tuple[str, int], int] = {}
     for rank, wanted in names.items():
@@ -554,7 +554,10 @@ def _shipments(
                 meta = program.value_by_name[n].meta
                 slices[key] = replica_slice(batch[n], meta, program.microbatches, program.replicas, replica)
             readers[key] = readers.get(key, 0) + 1
-    refs = {key: ray.put(t) if readers[key] > 1 and t.nbytes > _INLINE_BYTES else t for key, t in slices.items()}
+    refs = {
+        key: ray.put(to_wire(t)) if readers[key] > 1 and t.nbytes > _INLINE_BYTES else to_wire(t)
+        for key, t in slices.items()
+    }
     return [
         {n: refs[(n, program.plan(rank).replica)] for n in names[rank]} for rank in range(program.world_size)
     ]

@@ -39,13 +39,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 from torch import nn
 
 from piper_ir import BUCKET_KINDS, ExecutionError, NodeKind, Program
 from piper_runtime.accounting import MemorySampler
 from piper_runtime.backends import Backend, BackendFactory, backend_factory
-from piper_runtime.batch import split_microbatches
+from piper_runtime.batch import from_wire, split_microbatches
 from piper_runtime.checkpoint import RankState, SaveSide, read_objects
 from piper_runtime.comms import Communicators
 from piper_runtime.compute import COMPUTE_PHASES, SegmentCompute
@@ -396,9 +397,10 @@ def _check_supported(rank: int, instructions: tuple) -> None:
 
 
 def _resolve(value: Any) -> torch.Tensor:
-    """A tensor, fetching it from the Ray object store when given a reference."""
-    if isinstance(value, torch.Tensor):
-        return value
-    import ray  # only when running under Ray
+    """The tensor the driver shipped (``batch.to_wire``), fetched from the Ray object store
+    when given a reference."""
+    if not isinstance(value, torch.Tensor | np.ndarray):
+        import ray  # a reference: only when running under Ray
 
-    return ray.get(value, timeout=300)
+        value = ray.get(value, timeout=300)
+    return from_wire(value)
