@@ -4,8 +4,6 @@ operation of the CPU (gloo) backend between two real processes."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,6 +23,7 @@ from piper_runtime.backends import (
 from piper_runtime.backends.cpu import shm_enabled
 from piper_runtime.backends.shm import shm_available
 from piper_runtime.cluster import worker_env
+from piper_runtime.testing import free_port, ranks_as_processes
 
 
 def test_the_registry_knows_cpu_and_cuda_and_takes_new_backends() -> None:
@@ -50,12 +49,6 @@ def test_host_event_host_side_and_empty_device_side() -> None:
     threading.Timer(0.05, event.record).start()
     assert event.wait_issued(5.0)
     event.wait_device()  # nothing to wait for on the host
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Every communicator operation on a two-rank world; what the rank saw is printed as JSON.
@@ -114,25 +107,7 @@ OPS = textwrap.dedent(
 
 
 def test_cpu_backend_communicator_operations_between_two_processes() -> None:
-    port = str(_port())
-    env = {**os.environ, "PIPER_SHM_DISABLE": "0"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", OPS, str(rank), port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=env,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    seen = {}
-    for rank, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, err
-        seen[rank] = json.loads(out.strip().splitlines()[-1])
+    seen = ranks_as_processes(OPS, 2, env={"PIPER_SHM_DISABLE": "0"})
     total = [10.0, 12.0, 14.0, 16.0]  # (0, 1, 2, 3) + (10, 11, 12, 13)
     for rank in range(2):
         assert seen[rank]["all_reduce"] == total
@@ -191,7 +166,7 @@ STARVED = textwrap.dedent(
 
 
 def test_a_receive_or_collective_nothing_answers_fails_after_the_connect_timeout() -> None:
-    port = str(_port())
+    port = str(free_port())
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", STARVED, str(rank), port], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -4,16 +4,12 @@ transports apart."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from piper_directives import capture
+from piper_runtime.testing import ranks_as_processes
 from piper_train.models import build_model
 from piper_train.tuning.profiler import link_costs, profile_key
 
@@ -28,27 +24,10 @@ END = textwrap.dedent(
 )
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("disable", ["0", "1"])
 def test_the_ping_pong_measures_each_transport_between_two_processes(disable: str) -> None:
-    port = str(_port())
-    env = {**os.environ, "PIPER_SHM_DISABLE": disable}
-    ends = [subprocess.Popen([sys.executable, "-c", END, str(r), port], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
-    try:
-        outs = [e.communicate(timeout=120) for e in ends]
-    finally:
-        for e in ends:
-            if e.poll() is None:
-                e.kill()
-    for e, (_out, err) in zip(ends, outs, strict=True):
-        assert e.returncode == 0, err[-2000:]
-    one_way = {int(k): v for k, v in json.loads(outs[0][0].strip().splitlines()[-1]).items()}
+    ends = ranks_as_processes(END, 2, env={"PIPER_SHM_DISABLE": disable})
+    one_way = {int(k): v for k, v in ends[0].items()}
     assert sorted(one_way) == [4, 16 * 1024, 256 * 1024, 2 * 1024 * 1024]
     latency, bandwidth = link_costs(one_way)
     assert 0 < latency < 1.0 and bandwidth > 1e6  # bounds on sanity, not on speed

@@ -1,7 +1,13 @@
-"""Helpers for tests that build ``Program``s by hand, and run ranks as threads of one process."""
+"""Helpers for tests that build ``Program``s by hand, and run ranks as threads of one process
+or as processes of their own."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Sequence
 
@@ -89,3 +95,35 @@ def on_every_rank(world_size: int, work: Callable[[int], object], timeout_s: flo
     if errors:
         raise errors[0]
     return results
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a rendezvous the test's ranks make)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ranks_as_processes(
+    code: str, world_size: int, env: dict[str, str] | None = None, timeout_s: float = 120.0
+) -> list[object]:
+    """Run ``python -c code RANK PORT`` once per rank (``PORT``: one free loopback port for
+    them all to meet on), with ``env`` over this process's environment; each rank's last
+    line of output, read as JSON, in rank order. A rank that fails is an ``AssertionError``
+    with its error output; one still running after ``timeout_s`` is killed and an error."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(rank), port], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+        for rank in range(world_size)
+    ]
+    try:
+        outputs = [p.communicate(timeout=timeout_s) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for rank, (p, (_out, err)) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{err[-4000:]}"
+    return [json.loads(out.strip().splitlines()[-1]) for out, _err in outputs]
