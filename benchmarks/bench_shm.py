@@ -1,8 +1,8 @@
 """Shared-memory channels vs gloo for point-to-point messages between ranks on one host.
 
-1. Round trip: two processes bounce one tensor back and forth, through gloo's
-   ``isend``/``irecv`` and through a ``piper_runtime.backends.shm`` channel pair; median
-   microseconds per round trip, per message size, and shm/gloo.
+1. Round trip: two processes bounce one tensor back and forth through the CPU backend's
+   two transports, gloo's point-to-point and a ``piper_runtime.backends.shm`` channel
+   pair; median microseconds per round trip, per message size, and shm/gloo.
 2. Piper's step: the same ``Trainer`` run (as ``bench_pipeline.py`` times it: results with
    one step in flight) with its point-to-point messages through shared memory (the default)
    and through gloo (``PIPER_SHM_DISABLE=1``), alternating for ``--repeats`` rounds; medians
@@ -15,9 +15,7 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import secrets
 import statistics
 import sys
 import time
@@ -28,58 +26,46 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from piper_runtime.backends.cpu import SHM_DISABLE_ENV, all_agree
-from piper_runtime.backends.shm import open_channels
-from piper_runtime.rendezvous import make_store
+from piper_runtime.backends.cpu import SHM_DISABLE_ENV, CpuBackend, GlooCommunicator
 
 ROUNDS = 300
 
 
-def _bounce(rank: int, size: int, port: int, prefix: str, out: mp.Queue) -> None:
+def _bounce(rank: int, size: int, port: int, out: mp.Queue) -> None:
+    """One end: the CPU backend's point-to-point on a group told of its channels (shared
+    memory) and on one that is not (gloo), alternately."""
     torch.set_num_threads(1)
-    store = make_store(rank, 2, "127.0.0.1", port, 60.0)  # listens on loopback only
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    backend = CpuBackend()
+    backend.connect(rank, 2, "127.0.0.1", port, 60.0)  # its store listens on loopback only
+    links = {"gloo": backend.communicator([0, 1]), "shm": backend.communicator([0, 1], [(0, 1), (1, 0)])}
+    assert links["shm"].senders, "no shared-memory channels here"
     peer = 1 - rank
     message, into = torch.zeros(size // 4), torch.empty(size // 4)
-    opened = open_channels(prefix, rank, [(0, 1), (1, 0)], lambda ok: all_agree(ok, None), 60.0)
-    assert opened is not None, "no shared-memory channels here"
-    senders, receivers = opened
 
-    def gloo() -> None:
+    def bounce(link: GlooCommunicator) -> None:
         if rank == 0:
-            dist.isend(message, peer).wait()
-            dist.irecv(into, peer).wait()
+            link.send(message, peer).wait()
+            link.recv(into, peer).wait()
         else:
-            dist.irecv(into, peer).wait()
-            dist.isend(message, peer).wait()
-
-    def shm() -> None:
-        if rank == 0:
-            senders[peer].send(message).wait()
-            receivers[peer].recv(into).wait()
-        else:
-            receivers[peer].recv(into).wait()
-            senders[peer].send(message).wait()
+            link.recv(into, peer).wait()
+            link.send(message, peer).wait()
 
     times: dict[str, list[float]] = {"gloo": [], "shm": []}
     for r in range(4):  # alternate, so drifting load falls on both
-        for name, bounce in (("gloo", gloo), ("shm", shm)) if r % 2 == 0 else (("shm", shm), ("gloo", gloo)):
+        for name in ("gloo", "shm") if r % 2 == 0 else ("shm", "gloo"):
             for _ in range(20):
-                bounce()
-            dist.barrier()
+                bounce(links[name])
+            links["gloo"].all_reduce(torch.zeros(1))  # start together
             for _ in range(ROUNDS // 4):
                 t0 = time.perf_counter()
-                bounce()
+                bounce(links[name])
                 times[name].append(time.perf_counter() - t0)
     if rank == 0:
         out.put({name: statistics.median(t) for name, t in times.items()})
-    dist.barrier()
-    for ch in (*senders.values(), *receivers.values()):
-        ch.close()
-    dist.destroy_process_group()
+    links["gloo"].all_reduce(torch.zeros(1))
+    backend.shutdown()
 
 
 def round_trips(sizes: list[int]) -> None:
@@ -90,8 +76,7 @@ def round_trips(sizes: list[int]) -> None:
     for i, size in enumerate(sizes):
         out = ctx.Queue()
         port = 29600 + os.getpid() % 1000 + i
-        prefix = f"piper-bench-{secrets.token_hex(4)}"
-        procs = [ctx.Process(target=_bounce, args=(r, size, port, prefix, out), daemon=True) for r in range(2)]
+        procs = [ctx.Process(target=_bounce, args=(r, size, port, out), daemon=True) for r in range(2)]
         for p in procs:
             p.start()
         try:
