@@ -28,7 +28,8 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 import torch
 import torch.multiprocessing as mp
 
-from piper_runtime.backends.cpu import SHM_DISABLE_ENV, CpuBackend, GlooCommunicator
+from piper_runtime.backends.cpu import SHM_DISABLE_ENV, CpuBackend
+from piper_train.tuning.profiler import round_trip
 
 ROUNDS = 300
 
@@ -41,26 +42,17 @@ def _bounce(rank: int, size: int, port: int, out: mp.Queue) -> None:
     backend.connect(rank, 2, "127.0.0.1", port, 60.0)  # its store listens on loopback only
     links = {"gloo": backend.communicator([0, 1]), "shm": backend.communicator([0, 1], [(0, 1), (1, 0)])}
     assert links["shm"].senders, "no shared-memory channels here"
-    peer = 1 - rank
     message, into = torch.zeros(size // 4), torch.empty(size // 4)
-
-    def bounce(link: GlooCommunicator) -> None:
-        if rank == 0:
-            link.send(message, peer).wait()
-            link.recv(into, peer).wait()
-        else:
-            link.recv(into, peer).wait()
-            link.send(message, peer).wait()
 
     times: dict[str, list[float]] = {"gloo": [], "shm": []}
     for r in range(4):  # alternate, so drifting load falls on both
         for name in ("gloo", "shm") if r % 2 == 0 else ("shm", "gloo"):
             for _ in range(20):
-                bounce(links[name])
+                round_trip(links[name], rank, message, into)
             links["gloo"].all_reduce(torch.zeros(1))  # start together
             for _ in range(ROUNDS // 4):
                 t0 = time.perf_counter()
-                bounce(links[name])
+                round_trip(links[name], rank, message, into)
                 times[name].append(time.perf_counter() - t0)
     if rank == 0:
         out.put({name: statistics.median(t) for name, t in times.items()})

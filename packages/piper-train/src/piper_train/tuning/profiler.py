@@ -35,6 +35,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -181,6 +182,18 @@ def _batch_size(spec: ModelSpec) -> int:
 _SIZES = (4, 16 * 1024, 256 * 1024, 2 * 1024 * 1024)
 
 
+def round_trip(link: Any, rank: int, message: torch.Tensor, into: torch.Tensor) -> None:
+    """One round trip between ranks 0 and 1 of ``link`` (a ``Communicator``): rank 0 sends
+    ``message`` and receives the answer into ``into``; rank 1 answers."""
+    peer = 1 - rank
+    if rank == 0:
+        link.send(message, peer).wait()
+        link.recv(into, peer).wait()
+    else:
+        link.recv(into, peer).wait()
+        link.send(message, peer).wait()
+
+
 class _PingPong:
     """One end of the ping-pong: a Ray actor in a process of its own."""
 
@@ -194,7 +207,6 @@ class _PingPong:
         backend.connect(rank, 2, "127.0.0.1", port, timeout_s)
         try:
             link = backend.communicator([0, 1], [(0, 1), (1, 0)])
-            peer = 1 - rank
             one_way = {}
             for size in _SIZES:
                 t = torch.zeros(size // 4)
@@ -202,12 +214,7 @@ class _PingPong:
                 for _ in range(reps + 2):  # the first two warm the channel up
                     link.all_reduce(torch.zeros(1))  # start together
                     started = time.perf_counter()
-                    if rank == 0:
-                        link.send(t, peer).wait()
-                        link.recv(t, peer).wait()
-                    else:
-                        link.recv(t, peer).wait()
-                        link.send(t, peer).wait()
+                    round_trip(link, rank, t, t)
                     times.append((time.perf_counter() - started) / 2)
                 one_way[size] = statistics.median(times[2:])
         finally:
