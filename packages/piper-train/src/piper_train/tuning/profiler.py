@@ -35,7 +35,6 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 import attrs
 import torch
@@ -43,6 +42,7 @@ import torch
 from piper_directives import CapturedModel, build_schedule, parallelize
 from piper_ir import NodeKind
 from piper_runtime import OptimizerSpec
+from piper_runtime.backends import Communicator
 from piper_train.models import ModelSpec
 from piper_train.trainer import Trainer
 from piper_train.tuning.costs import Profile
@@ -182,8 +182,8 @@ def _batch_size(spec: ModelSpec) -> int:
 _SIZES = (4, 16 * 1024, 256 * 1024, 2 * 1024 * 1024)
 
 
-def round_trip(link: Any, rank: int, message: torch.Tensor, into: torch.Tensor) -> None:
-    """One round trip between ranks 0 and 1 of ``link`` (a ``Communicator``): rank 0 sends
+def round_trip(link: Communicator, rank: int, message: torch.Tensor, into: torch.Tensor) -> None:
+    """One round trip between ranks 0 and 1 of ``link``: rank 0 sends
     ``message`` and receives the answer into ``into``; rank 1 answers."""
     peer = 1 - rank
     if rank == 0:
