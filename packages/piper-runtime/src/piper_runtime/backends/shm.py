@@ -5,7 +5,7 @@ is handed on three times (the sending thread to gloo's worker, to the receiver's
 to the thread that waits); on a loaded host each hand-over waits for a core. Here the
 sending thread copies the tensor into a ring the receiver mapped, and the receiving thread
 wakes on a pipe: one hand-over. On this project's 2-core machines a round trip takes
-0.35-0.75x of gloo's (128 KiB: 65-131 us against 212-272 us; ``benchmarks/bench_shm.py``).
+0.35-0.75x of gloo's (128 KiB: 60-131 us against 199-272 us; ``benchmarks/bench_shm.py``).
 
 One channel carries one direction between two ranks (``ShmSender`` on one end,
 ``ShmReceiver`` on the other). Its files, made by ``open_channels``:
