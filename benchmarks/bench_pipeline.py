@@ -9,7 +9,10 @@ regions r and r + pp on both sides). torch's side times each step between barrie
 loop gets from ``Trainer.submit`` with one step in flight ahead (as ``fit`` runs): the time
 between consecutive steps' results arriving on the driver, batches made beforehand. Also
 printed: the slowest rank's time inside its step ("in-worker") and the same Trainer stepping
-one call at a time (``Trainer.step``: a driver round trip per step, "sync"), and the CPU
+one call at a time (``Trainer.step``: a driver round trip per step, "sync"), the same
+Trainer sending ``--steps-per-call`` steps in one call per rank ("N per call":
+``Trainer.submit_steps`` with one call in flight ahead, as ``piper train --steps-per-call N``
+runs; the time between calls' results over their steps), and the CPU
 time the ranks' processes spent per step (all threads, summed over ranks), Piper's over
 torch's: on an oversubscribed machine wall times follow the load, CPU time much less.
 
@@ -19,6 +22,7 @@ run (this machine is shared) falls on both. The load average is printed with eac
 
     .venv/bin/python benchmarks/bench_pipeline.py [--models stack,mlp,transformer,lm]
         [--schedules gpipe,1f1b,interleaved_1f1b] [--pp 2 4] [--microbatches 8] [--steps 6] [--repeats 2]
+        [--steps-per-call 4]
 """
 
 from __future__ import annotations
@@ -55,12 +59,16 @@ def _cpu_seconds(pid: int) -> float:
 
 def run_piper(
     schedule: str, model_name: str, pp: int, microbatches: int, steps: int, warmup: int = 1, sync_steps: int = 0,
-    cpu: list[float] | None = None,
+    cpu: list[float] | None = None, grouped: list[float] | None = None, steps_per_call: int = 4,
 ) -> tuple[list[float], list[float], list[float]]:
     """Pipelined step times (between results), in-worker times, and sync step times; ``cpu``
-    receives the workers' CPU seconds per pipelined step, summed over ranks."""
+    receives the workers' CPU seconds per pipelined step, summed over ranks; ``grouped``
+    receives step times with ``steps_per_call`` steps per call (``Trainer.submit_steps``,
+    one call in flight ahead, as ``fit(steps_per_call=...)`` runs): the time between
+    consecutive calls' results over their steps."""
     spec = build_model(model_name, stages=pp * CHUNKS[schedule])
-    batches = [spec.batches(step) for step in range(warmup + steps + sync_steps)]
+    calls = max(3, steps // steps_per_call + 1) if grouped is not None else 0
+    batches = [spec.batches(step) for step in range(warmup + steps + sync_steps + calls * steps_per_call)]
     with Trainer.with_schedule(
         spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn,
         schedule=schedule, pp=pp, microbatches=microbatches, optimizer=OptimizerSpec("adamw", LR),
@@ -87,15 +95,32 @@ def run_piper(
         if cpu is not None:
             cpu.append((sum(_cpu_seconds(p) for p in pids) - cpu_start) / steps)
         sync = []
-        for batch in batches[warmup + steps :]:
+        for batch in batches[warmup + steps : warmup + steps + sync_steps]:
             t0 = time.perf_counter()
             trainer.step(*batch)
             sync.append(time.perf_counter() - t0)
+        rest = batches[warmup + steps + sync_steps :]
+        last, previous = None, None
+        for c in range(calls):
+            ahead_call = trainer.submit_steps(rest[c * steps_per_call : (c + 1) * steps_per_call])
+            if previous is not None:
+                previous[-1].result()
+                now = time.perf_counter()
+                if last is not None:  # the first call's time includes filling the pipeline
+                    grouped.extend([(now - last) / steps_per_call] * steps_per_call)
+                last = now
+            previous = ahead_call
+        if previous is not None:
+            previous[-1].result()
+            grouped.extend([(time.perf_counter() - last) / steps_per_call] * steps_per_call)
     return times, inside, sync
 
 
-def compare(model: str, schedule: str, pp: int, microbatches: int, steps: int, repeats: int) -> dict[str, float]:
+def compare(
+    model: str, schedule: str, pp: int, microbatches: int, steps: int, repeats: int, steps_per_call: int
+) -> dict[str, float]:
     torch_t: list[float] = []
+    grouped: list[float] = []
     piper_t: list[float] = []
     inside: list[float] = []
     sync: list[float] = []
@@ -108,7 +133,8 @@ def compare(model: str, schedule: str, pp: int, microbatches: int, steps: int, r
                                           cpu=torch_cpu))
 
     def piper_side() -> None:
-        t, i, s = run_piper(schedule, model, pp, microbatches, steps, sync_steps=max(2, steps // 2), cpu=piper_cpu)
+        t, i, s = run_piper(schedule, model, pp, microbatches, steps, sync_steps=max(2, steps // 2), cpu=piper_cpu,
+                            grouped=grouped, steps_per_call=steps_per_call)
         piper_t.extend(t)
         inside.extend(i)
         sync.extend(s)
@@ -119,6 +145,7 @@ def compare(model: str, schedule: str, pp: int, microbatches: int, steps: int, r
             loads.append(os.getloadavg()[0])
     t, p = statistics.median(torch_t), statistics.median(piper_t)
     return {"torch": t, "piper": p, "inside": statistics.median(inside), "sync": statistics.median(sync),
+            "grouped": statistics.median(grouped),
             "load": statistics.fmean(loads), "cpu": statistics.median(piper_cpu) / statistics.median(torch_cpu)}
 
 
@@ -130,6 +157,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps-per-call", type=int, default=4)
     args = parser.parse_args()
     # One embedded cluster for every row: with as many logical CPUs as the widest row's ranks
     # (reused workers reserve no bundle, but the cluster must be large enough for them).
@@ -138,15 +166,17 @@ def main() -> None:
     print(f"Piper vs torch.distributed.pipelining — CPU, Piper's messages through {transport}, torch's through gloo,"
           f" AdamW, {args.microbatches} microbatches, "
           f"{args.steps} timed steps per round after 1 warm-up, {args.repeats} alternating rounds, medians")
+    k = args.steps_per_call
     header = (f"{'model':<12} {'schedule':<17} {'pp':>2} {'torch ms':>9} {'piper ms':>9} {'piper/torch':>12}"
-              f" {'in-worker/torch':>16} {'sync/torch':>11} {'CPU/torch':>10} {'load':>5}")
+              f" {f'{k} per call/torch':>17} {'in-worker/torch':>16} {'sync/torch':>11} {'CPU/torch':>10} {'load':>5}")
     print(header + "\n" + "-" * len(header), flush=True)
     for model in args.models.split(","):
         for pp in args.pp:
             for schedule in args.schedules.split(","):
-                r = compare(model, schedule, pp, args.microbatches, args.steps, args.repeats)
+                r = compare(model, schedule, pp, args.microbatches, args.steps, args.repeats, k)
                 print(f"{model:<12} {schedule:<17} {pp:>2} {r['torch'] * 1e3:>9.1f} {r['piper'] * 1e3:>9.1f}"
-                      f" {r['piper'] / r['torch']:>12.2f} {r['inside'] / r['torch']:>16.2f}"
+                      f" {r['piper'] / r['torch']:>12.2f} {r['grouped'] / r['torch']:>17.2f}"
+                      f" {r['inside'] / r['torch']:>16.2f}"
                       f" {r['sync'] / r['torch']:>11.2f} {r['cpu']:>10.2f} {r['load']:>5.1f}", flush=True)
 
 

@@ -167,7 +167,8 @@ class _Killer:
         pass
 
 
-def test_restarts_after_killed_workers_finish_like_an_uninterrupted_run(tmp_path) -> None:
+@pytest.mark.parametrize("steps_per_call", [1, 2])
+def test_restarts_after_killed_workers_finish_like_an_uninterrupted_run(tmp_path, steps_per_call) -> None:
     steps, every = 10, 3
     workload = build_model("mlp", stages=2, seed=13)
     strategy = build_schedule("1f1b", 2, 2, stages=2)
@@ -177,14 +178,17 @@ def test_restarts_after_killed_workers_finish_like_an_uninterrupted_run(tmp_path
     with _trainer(workload, strategy) as trainer:
         killer = _Killer(trainer, {4, 8})
         run = fit(trainer, workload.stream(), steps=steps, checkpoints=Checkpoints(tmp_path / "b", every),
-                  sinks=[killer], max_restarts=2)
+                  sinks=[killer], max_restarts=2, steps_per_call=steps_per_call)
         params = trainer.parameters()
         pids = trainer.worker_pids()
     assert [r.resumed_from for r in run.restarts] == [3, 6]
     # fit sends step k + 1 before step k's result reaches the sinks: the worker killed after
     # step k may have finished step k + 1 already (then step k + 2, or the checkpoint after
-    # it, is what fails), so steps 4 (and 5); 7, 8 (and 9) are recomputed.
-    assert [r.failed_step for r in run.restarts] in ([5, 9], [5, 10], [6, 9], [6, 10])
+    # it, is what fails), so steps 4 (and 5); 7, 8 (and 9) are recomputed. Two steps per
+    # call: the calls are [4, 5], [6] (a checkpoint follows) and [7, 8], [9]; the one sent
+    # after the killed step's call may have finished, then the checkpoint after it fails.
+    failed = ([5, 9], [5, 10], [6, 9], [6, 10]) if steps_per_call == 1 else ([6, 9], [6, 10], [7, 9], [7, 10])
+    assert [r.failed_step for r in run.restarts] in failed
     assert [r.recomputed for r in run.restarts] == [r.failed_step - 1 - r.resumed_from for r in run.restarts]
     assert not {pid for _, pid, _ in killer.killed} & set(pids)  # new workers
     assert [m.step for m in run.steps] == list(range(1, steps + 1))

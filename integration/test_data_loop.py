@@ -1,8 +1,9 @@
 """``piper train`` on a user's data (in process, on the session's Ray): a Dataset batched by
 ``--batch-size`` for ``--epochs`` with its partial last batch dropped, held-out evaluation
-every few steps, per-step metrics as JSON lines, the timeline of one step; a data source
-whose shapes vary is refused, naming the batch; a missing optional dependency is refused
-before any worker starts. Where each rank's batch values go is checked without processes."""
+every few steps, per-step metrics as JSON lines, the timeline of one step (also with three
+steps per call to the workers); a data source whose shapes vary is refused, naming the
+batch; a missing optional dependency is refused before any worker starts. Where each
+rank's batch values go is checked without processes."""
 
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ FIXTURE = Path(__file__).parent / "fixtures" / "data_model.py"
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_epochs_of_a_dataset_with_evaluation_metrics_and_a_profile(tmp_path, capsys) -> None:
+@pytest.mark.parametrize("steps_per_call", ["1", "3"])  # 3: calls of steps [1-3], [4-6], [7, 8]
+def test_epochs_of_a_dataset_with_evaluation_metrics_and_a_profile(tmp_path, capsys, steps_per_call) -> None:
     metrics = tmp_path / "metrics.jsonl"
     code = main(["train", "--model", f"{FIXTURE}:make", "--batch-size", "8", "--epochs", "2", "--pp", "2",
                  "--microbatches", "2", "--eval-every", "3", "--eval-batches", "2", "--metrics", str(metrics),
-                 "--profile-step", "2", "--profile-dir", str(tmp_path / "profile"), "--json"])
+                 "--profile-step", "2", "--profile-dir", str(tmp_path / "profile"), "--json",
+                 "--steps-per-call", steps_per_call])
     out, err = capsys.readouterr()
     assert code == 0, err
     summary = json.loads(out)
@@ -76,6 +79,8 @@ def test_missing_tensorboard_and_bad_flags_are_refused_before_workers_start(tmp_
         (["--clip-grad-norm", "0"], "--clip-grad-norm must be > 0"),
         (["--epochs", "0"], "--epochs must be >= 1"),
         (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
+        (["--steps-per-call", "0"], "--steps-per-call must be >= 1"),
+        (["--steps-per-call", "2", "--on-nan", "skip-step"], "cannot be combined with --on-nan skip-step"),
     ]:
         with pytest.raises(SystemExit) as exit_:
             main(["train", "--model", "mlp", *argv])

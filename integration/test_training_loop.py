@@ -96,11 +96,12 @@ def test_evaluation_between_steps_leaves_training_exact() -> None:
         torch.testing.assert_close(params[name], p, rtol=1e-9, atol=1e-12)
 
 
-def test_fit_with_a_step_in_flight_ahead_matches_one_device() -> None:
-    """``fit`` sends each step before the previous one's result is in (and holds back before
-    an evaluation): losses, held-out losses and parameters match one device; memory is
-    accounted on steps 1, 2 and every ``memory_every``-th only, the others repeating the
-    latest peaks."""
+@pytest.mark.parametrize(("steps_per_call", "calls"), [(1, [[1], [2], [3], [4], [5]]), (3, [[1, 2], [3, 4], [5]])])
+def test_fit_with_a_step_in_flight_ahead_matches_one_device(steps_per_call, calls) -> None:
+    """``fit`` sends each step (or call of ``steps_per_call`` steps) before the previous
+    one's result is in (and holds back before an evaluation, where a call ends early):
+    losses, held-out losses and parameters match one device; memory is accounted on steps
+    1, 2 and every ``memory_every``-th only, the others repeating the latest peaks."""
     workload = build_model("mlp", stages=2, seed=7, dtype=torch.float64)
     optimizer = OptimizerSpec("adamw", 1e-2)
     reference = ReferenceTrainer(workload.model, workload.loss_fn, optimizer, 4)
@@ -119,9 +120,18 @@ def test_fit_with_a_step_in_flight_ahead_matches_one_device() -> None:
     batches = iter([workload.batches(k) for k in range(5)])
     with Trainer.with_schedule(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
                                schedule="1f1b", pp=2, microbatches=4, optimizer=optimizer) as trainer:
+        sent: list[list[int]] = []
+        submit_steps = trainer.submit_steps
+
+        def record_calls(batches, **options):
+            sent.append([trainer.state.step + 1 + k for k in range(len(batches))])
+            return submit_steps(batches, **options)
+
+        trainer.submit_steps = record_calls
         run = fit(trainer, batches, steps=5, held_out=workload.eval_batches, eval_every=2, sinks=[Record()],
-                  memory_every=4)
+                  memory_every=4, steps_per_call=steps_per_call)
         params = trainer.parameters()
+    assert sent == calls
     want = []
     for k in range(5):
         want.append((k + 1, reference.step(*workload.batches(k)).loss))

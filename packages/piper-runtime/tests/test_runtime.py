@@ -32,7 +32,7 @@ from piper_ir import (
     Tags,
     TensorMeta,
 )
-from piper_runtime import OptimizerSpec, Runtime, WorkerPool, shared_pool
+from piper_runtime import OptimizerSpec, Runtime, StepRequest, WorkerPool, shared_pool
 from piper_runtime.cluster import worker_env
 from piper_runtime.pool import WorkerSpec
 from piper_runtime.testing import MSE, tensor_meta, two_stage_values, with_stream_events
@@ -190,17 +190,28 @@ def test_pipeline_matches_single_device(ray_cluster) -> None:
     rt.shutdown()  # idempotent, also after __exit__
 
 
-def test_submitted_steps_match_single_device(ray_cluster) -> None:
+@pytest.mark.parametrize("calls", ["one per step", "three steps in one"])
+def test_submitted_steps_match_single_device(ray_cluster, calls: str) -> None:
     """Steps submitted ahead (``Runtime.submit``: all four queued before any result is read,
-    results read last first) compute what single-device training does, step after step;
-    memory is accounted only in the step that asks for it."""
+    results read last first; or the first three in one call per rank, ``submit_steps``)
+    compute what single-device training does, step after step; memory is accounted only in
+    the step that asks for it."""
     l0, l1 = _layers()
     modules = {"s0": Stage0(l0), "s1": Stage1(l1), "loss": MSE()}
     ref = nn.ModuleDict({"l0": l0, "l1": l1})
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     spec = OptimizerSpec("sgd", lr=0.1, kwargs={"momentum": 0.9})
+
+    def request(step: int) -> StepRequest:
+        x, t = _batch(step)
+        return StepRequest((x,), (t,), keep_grads=True, memory=step == 2)
+
     with Runtime(gpipe_program(), modules, spec) as rt:
-        pending = [rt.submit(*((t,) for t in _batch(step)), keep_grads=True, memory=step == 2) for step in range(4)]
+        if calls == "one per step":
+            pending = [rt.submit_steps([request(step)])[0] for step in range(4)]
+        else:
+            pending = [*rt.submit_steps([request(step) for step in range(3)]), *rt.submit_steps([request(3)])]
+            assert pending[0].call is pending[2].call is not pending[3].call
         results = [p.result() for p in reversed(pending)][::-1]
         for step, result in enumerate(results):
             x, t = _batch(step)
@@ -217,14 +228,26 @@ def test_submitted_steps_match_single_device(ray_cluster) -> None:
             _close(params[name], p.detach())
 
 
-def test_a_failed_submitted_step_fails_the_steps_after_it(ray_cluster) -> None:
+@pytest.mark.parametrize("calls", ["one per step", "three steps in one"])
+def test_a_failed_submitted_step_fails_the_steps_after_it(ray_cluster, calls: str) -> None:
+    """Also in one call of three steps, whose steps fail together: the error names the
+    second step either way, and the third fails with the torn-down runtime."""
     l0, l1 = _layers()
     modules = {"s0": Stage0(l0), "s1": Stage1(l1, fail_on_call=M + 1), "loss": MSE()}  # fails in step 2
     rt = Runtime(gpipe_program(), modules, OptimizerSpec("sgd", lr=0.1), step_timeout_s=30)
-    first, second, third = (rt.submit(*((t,) for t in _batch(step))) for step in range(3))
-    assert first.result().loss > 0
-    with pytest.raises(ExecutionError, match="boom in Stage1.forward"):
-        second.result()
+    requests = [StepRequest(*((t,) for t in _batch(step))) for step in range(3)]
+    if calls == "one per step":
+        first, second, third = (rt.submit(r.inputs, r.targets) for r in requests)
+    else:
+        first, second, third = rt.submit_steps(requests)
+    if calls == "one per step":
+        assert first.result().loss > 0
+        failing = second
+    else:
+        failing = first  # its result is lost with the call
+    with pytest.raises(ExecutionError, match="boom in Stage1.forward") as info:
+        failing.result()
+    assert info.value.step == 2
     with pytest.raises(ExecutionError, match="shut down"):
         third.result()
     assert rt.closed
@@ -302,6 +325,8 @@ def test_skip_step_leaves_parameters_and_optimizer_state_exactly_as_before(ray_c
         l0, l1 = _layers()
         with Runtime(gpipe_program(), {"s0": Stage0(l0), "s1": Stage1(l1), "loss": MSE()}, spec,
                      on_nan="skip-step") as rt:
+            with pytest.raises(ValueError, match="not with on_nan='skip-step'"):  # refused, nothing sent
+                rt.submit_steps([StepRequest((x,), (y,)) for x, y in batches[:2]])
             seen = []
             for x, y in batches:
                 before = rt.parameters()

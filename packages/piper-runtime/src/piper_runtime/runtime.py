@@ -271,28 +271,54 @@ class Runtime:
         steps it keeps in flight (one or two ahead suffice to hide the round trip). With
         ``on_nan="skip-step"`` a step is sent only once the ones before it are gathered:
         undoing a step restores the state from before it, so none may have run after it."""
+        (pending,) = self.submit_steps([StepRequest(inputs, targets, keep_grads, profile, lr, memory)])
+        return pending
+
+    def submit_steps(self, requests: Sequence[StepRequest]) -> list[PendingStep]:
+        """Send several consecutive training steps in one call per rank, and return at once:
+        one ``PendingStep`` per request, in order. Each step is exactly what ``submit``
+        would run; what is saved is each step's call to the workers, which costs a rank about
+        a millisecond between steps on a 2-core host (Ray's hand-over of the call), a
+        tenth of a small model's step. The price: the results of a call arrive together
+        when its last step ends; a step that fails fails the call, so waiting for any of
+        its steps raises the error, which names the step that failed (the run is torn down
+        either way); a NaN with ``on_nan="stop"`` is reported after the call's later steps
+        have run; and ``step_timeout_s`` bounds the call at that many seconds per step. Not
+        with ``on_nan="skip-step"`` (a step must be undone before the next one runs)."""
         self._check_open()
+        if not requests:
+            return []
+        if len(requests) > 1 and self.on_nan == "skip-step":
+            raise ValueError("several steps per call cannot be undone one by one: not with on_nan='skip-step'")
         program = self.program
-        batch = check_batch(program, compute_inputs(program.precision, inputs), targets)
-        shipments = _shipments(program, self._batch_names, batch)
+        shipments = []
+        for r in requests:
+            batch = check_batch(program, compute_inputs(program.precision, r.inputs), r.targets)
+            shipments.append(_shipments(program, self._batch_names, batch))
         if self.on_nan == "skip-step" and self._pending:
             # Undoing a step restores the state from before it: no later step may have run.
             self._collect()
-        self._steps += 1
-        calls = [
-            w.run_step.remote(shipments[rank], keep_grads, profile, lr, memory)
+        call = _Call([
+            w.run_steps.remote([(shipped[rank], *r.options()) for r, shipped in zip(requests, shipments, strict=True)])
             for rank, w in enumerate(self._workers)
-        ]
-        pending = PendingStep(self, self._steps, calls, keep_grads, lr)
-        self._pending.append(pending)
+        ])
+        pendings = []
+        for index, r in enumerate(requests):
+            self._steps += 1
+            pendings.append(PendingStep(self, self._steps, call, index, r.keep_grads, r.lr))
+        self._pending.extend(pendings)
         self._in_flight = True
-        return pending
+        return pendings
 
     def _collect(self, upto: PendingStep | None = None) -> None:
         """Gather pending steps in submission order, through ``upto`` (all without it)."""
         while self._pending:
             head = self._pending[0]
-            outputs: list[StepOutput] = self._gather(head.refs, self.step_timeout_s, "step", head.step, watch=True)
+            call = head.call
+            if call.outputs is None:
+                timeout_s = None if self.step_timeout_s is None else self.step_timeout_s * call.steps
+                call.outputs = self._gather(call.refs, timeout_s, "step", head.step, watch=True)
+            outputs: list[StepOutput] = [per_rank[head.index] for per_rank in call.outputs]
             self._pending.popleft()
             self._in_flight = bool(self._pending)
             found = first_nonfinite([(o.rank, o.losses, o.nonfinite) for o in outputs])
@@ -463,8 +489,10 @@ class Runtime:
                     if isinstance(cause, PiperError):
                         # An ExecutionError subclass (HangError, NumericalError) keeps its type.
                         kind = type(cause) if isinstance(cause, ExecutionError) else ExecutionError
+                        # A call may run several steps: the worker's count says which one failed.
+                        failed = cause.step if what == "step" and cause.step is not None else step
                         err = kind(
-                            cause.message, ranks=cause.ranks or (rank,), nodes=cause.nodes, step=step
+                            cause.message, ranks=cause.ranks or (rank,), nodes=cause.nodes, step=failed
                         )
                     else:
                         err = ExecutionError(
@@ -511,14 +539,44 @@ class Runtime:
         raise err
 
 
-class PendingStep:
-    """A step sent by ``Runtime.submit``; ``result()`` waits for it (and for the steps
-    submitted before it) and returns its ``StepResult``."""
+@attrs.frozen
+class StepRequest:
+    """One step for ``Runtime.submit_steps``: a whole batch and ``submit``'s options."""
 
-    def __init__(self, runtime: Runtime, step: int, refs: list[Any], keep_grads: bool, lr: float | None) -> None:
+    inputs: Sequence[torch.Tensor]
+    targets: Sequence[torch.Tensor]
+    keep_grads: bool = False
+    profile: bool = False
+    lr: float | None = None
+    memory: bool = False
+
+    def options(self) -> tuple[bool, bool, float | None, bool]:
+        """``RankWorker.run_step``'s arguments after the batch."""
+        return self.keep_grads, self.profile, self.lr, self.memory
+
+
+class _Call:
+    """One call per rank that runs some consecutive steps; ``outputs`` (per rank, per step)
+    once gathered."""
+
+    def __init__(self, refs: list[Any]) -> None:
+        self.refs = refs
+        self.steps = 0
+        self.outputs: list[list[StepOutput]] | None = None
+
+
+class PendingStep:
+    """A step sent by ``Runtime.submit`` (or ``submit_steps``); ``result()`` waits for it
+    (and for the steps submitted before it) and returns its ``StepResult``."""
+
+    def __init__(
+        self, runtime: Runtime, step: int, call: _Call, index: int, keep_grads: bool, lr: float | None
+    ) -> None:
         self.runtime = runtime
         self.step = step
-        self.refs = refs
+        self.call = call  # the call that runs it, as step ``index`` of its steps
+        self.index = index
+        call.steps = max(call.steps, index + 1)
         self.keep_grads = keep_grads
         self.lr = lr
         self.done: StepResult | None = None

@@ -14,7 +14,8 @@ parts that each do one job:
 - ``compute`` (autograd), ``transport`` (send/receive), ``accounting`` (memory samples);
 - ``executor``: runs the plan with a handler per instruction kind, threads per stream.
 
-``run_step`` feeds one batch through the executor and returns the rank's ``StepOutput``.
+``run_step`` feeds one batch through the executor and returns the rank's ``StepOutput``
+(``run_steps``: several, in one call).
 ``reset`` forgets the run, so a ``piper_runtime.pool.WorkerPool`` can hand the actor to the
 next runtime as if it had just started.
 
@@ -35,7 +36,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -281,6 +282,11 @@ class RankWorker:
             st.grad_norm,
             tuple(st.nonfinite),
         )
+
+    def run_steps(self, steps: Sequence[tuple[Mapping[str, Any], bool, bool, float | None, bool]]) -> list[StepOutput]:
+        """``run_step`` for each of ``steps`` (its arguments), in order: several steps in one
+        call (``Runtime.submit_steps``). A step that raises ends the call."""
+        return [self.run_step(*args) for args in steps]
 
     def restore(self) -> None:
         """Undo the last step: parameters and optimizer state as before it (``setup`` with

@@ -32,7 +32,15 @@ import torch
 from piper_directives import Strategy, build_schedule, capture, shard_modules
 from piper_ir import DirectiveError, Graph, Program, to_json
 from piper_memory import add_grad_norm, check_budget, plan_memory
-from piper_runtime import DEFAULT_TIMEOUT_S, OptimizerSpec, PendingStep, Runtime, StepResult, WorkerPool
+from piper_runtime import (
+    DEFAULT_TIMEOUT_S,
+    OptimizerSpec,
+    PendingStep,
+    Runtime,
+    StepRequest,
+    StepResult,
+    WorkerPool,
+)
 from piper_runtime.batch import full_batch_shape
 from piper_runtime.checkpoint import read_objects
 from piper_scheduler import compile_program, forward_only
@@ -215,13 +223,40 @@ class Trainer:
         """Send one training step to the workers and return at once (``Runtime.submit``):
         the next batch can be handed over while this step computes; ``result()`` waits. The
         step counts (learning rate, ``state``) as soon as it is submitted."""
-        inputs, targets = tuple(inputs), tuple(targets)
-        self._check_batch_size(inputs, targets)
-        pending = self.runtime.submit(
-            inputs, targets, keep_grads=keep_grads, profile=profile, lr=self.state.lr.current, memory=memory
-        )
-        self.state.advance(self.batch_size, _tokens(inputs))
+        (pending,) = self.submit_steps([(inputs, targets)], keep_grads=keep_grads, profile=[profile], memory=[memory])
         return pending
+
+    def submit_steps(
+        self,
+        batches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
+        *,
+        keep_grads: bool = False,
+        profile: Sequence[bool] | None = None,
+        memory: Sequence[bool] | None = None,
+    ) -> list[PendingStep]:
+        """Consecutive training steps, one per ``(inputs, targets)`` batch, sent in one call
+        per rank (``Runtime.submit_steps``: it saves a small model's per-step call overhead;
+        the results arrive together). Each step runs at the schedule's learning rate for it
+        and counts as ``submit``'s does; ``profile`` and ``memory`` are per step."""
+        batches = [(tuple(inputs), tuple(targets)) for inputs, targets in batches]
+        profile = list(profile) if profile is not None else [False] * len(batches)
+        memory = list(memory) if memory is not None else [False] * len(batches)
+        if not len(profile) == len(memory) == len(batches):
+            raise ValueError(f"{len(batches)} batches but {len(profile)} profile and {len(memory)} memory flags")
+        for inputs, targets in batches:
+            self._check_batch_size(inputs, targets)
+        state = self.state
+        before = (state.step, state.samples, state.tokens, state.lr.state_dict())
+        requests = []
+        try:
+            for (inputs, targets), prof, mem in zip(batches, profile, memory, strict=True):
+                requests.append(StepRequest(inputs, targets, keep_grads, prof, state.lr.current, mem))
+                state.advance(self.batch_size, batch_tokens(inputs))
+            return self.runtime.submit_steps(requests)
+        except BaseException:  # nothing was sent: the steps do not count
+            state.step, state.samples, state.tokens = before[:3]
+            state.lr.load_state_dict(before[3])
+            raise
 
     def evaluate(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> float:
         """The loss of one batch, forward only (no gradient, no update, the modules in eval
@@ -310,7 +345,7 @@ class Trainer:
         self.close()
 
 
-def _tokens(inputs: tuple[torch.Tensor, ...]) -> int:
+def batch_tokens(inputs: Sequence[torch.Tensor]) -> int:
     """Tokens in a batch whose first input holds integer token ids (else 0)."""
     first = inputs[0] if inputs else None
     if first is None or first.is_floating_point() or first.is_complex() or first.dtype is torch.bool:

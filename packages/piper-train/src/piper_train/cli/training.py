@@ -117,7 +117,7 @@ def train_command(args: argparse.Namespace) -> int:
         run = fit(trainer, data, steps=steps, epochs=args.epochs, held_out=workload.eval_batches,
                   eval_every=args.eval_every, eval_batches=args.eval_batches, sinks=sinks,
                   profile_step=args.profile_step, checkpoints=checkpoints, resume=args.resume,
-                  max_restarts=args.max_restarts)
+                  max_restarts=args.max_restarts, steps_per_call=args.steps_per_call)
         for r in run.restarts:
             say(args, f"restarted after step {r.failed_step - 1} failed ({r.error}): new workers, checkpoint of step "
                       f"{r.resumed_from} loaded in {r.seconds:.1f} s, {r.recomputed} steps recomputed")
