@@ -301,7 +301,7 @@ class Runtime:
         call = _Call([
             w.run_steps.remote([(shipped[rank], *r.options()) for r, shipped in zip(requests, shipments, strict=True)])
             for rank, w in enumerate(self._workers)
-        ])
+        ], len(requests))
         pendings = []
         for index, r in enumerate(requests):
             self._steps += 1
@@ -559,9 +559,9 @@ class _Call:
     """One call per rank that runs some consecutive steps; ``outputs`` (per rank, per step)
     once gathered."""
 
-    def __init__(self, refs: list[Any]) -> None:
+    def __init__(self, refs: list[Any], steps: int) -> None:
         self.refs = refs
-        self.steps = 0
+        self.steps = steps
         self.outputs: list[list[StepOutput]] | None = None
 
 
@@ -576,7 +576,6 @@ class PendingStep:
         self.step = step
         self.call = call  # the call that runs it, as step ``index`` of its steps
         self.index = index
-        call.steps = max(call.steps, index + 1)
         self.keep_grads = keep_grads
         self.lr = lr
         self.done: StepResult | None = None
