@@ -7,7 +7,10 @@
   one device with single-device training's losses and parameters (fp64, optimizer state
   included), and ``export`` gives a ``state_dict`` the model loads;
 - fault tolerance: a worker SIGKILLed twice mid-run; ``fit`` restarts and finishes with the
-  parameters of an uninterrupted run, recomputing the steps after each checkpoint.
+  parameters of an uninterrupted run, recomputing the steps after each checkpoint (also with
+  two steps per call);
+- a run of one epoch resumed for a second trains that epoch whole, with the losses of one
+  run of two epochs.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from piper_train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 ADAMW = OptimizerSpec("adamw", 1e-2, weight_decay=0.1)
+FIXTURE = Path(__file__).parent / "fixtures" / "data_model.py"
 
 
 def _trainer(workload, strategy, optimizer=ADAMW) -> Trainer:
@@ -230,3 +234,19 @@ def test_cli_checkpoints_resume_and_export(tmp_path, capsys) -> None:
         main([*base, "--resume"])
     assert "--resume needs --checkpoint-dir" in capsys.readouterr().err
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000004", "step-00000005"]
+
+
+def test_a_run_resumed_with_more_epochs_trains_the_next_epoch_whole(tmp_path, capsys) -> None:
+    """``fit`` never draws the batch after the last epoch (the data knows its length), so the
+    checkpoint's data position is the end of that epoch, not one batch into the next."""
+    base = ["train", "--model", f"{FIXTURE}:make", "--batch-size", "8", "--pp", "2", "--microbatches", "2", "--json",
+            "--no-progress-bar"]
+    saving = [*base, "--checkpoint-dir", str(tmp_path / "ckpt")]
+    runs = []
+    for argv in ([*saving, "--epochs", "1"], [*saving, "--epochs", "2", "--resume"], [*base, "--epochs", "2"]):
+        assert main(argv) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    first, resumed, whole = runs
+    # 36 samples: 4 full batches of 8 per epoch.
+    assert (first["steps"], resumed["first_step"], resumed["steps"], whole["steps"]) == (4, 5, 4, 8)
+    assert first["losses"] + resumed["losses"] == whole["losses"]

@@ -141,7 +141,8 @@ def fit(
         raise ValueError("resume needs a checkpoint directory")
     # Where a restart goes back to when no checkpoint is written yet: only the very start.
     start = state.state_dict() if state.step == 0 and state.data is not None else None
-    total = steps if steps is not None else _epoch_steps(data, epochs)
+    in_epochs = _epoch_steps(data, epochs)  # the last step of the epochs, when the data knows its length
+    total = steps if steps is not None else in_epochs
     history: list[StepMetrics] = []
     evals: list[EvalMetrics] = []
     paces: list[float] = []
@@ -187,7 +188,10 @@ def fit(
         drawn: list[tuple[Batch, int, float]] = []  # (batch, epoch, seconds waited for it)
         while not ended and len(drawn) < steps_per_call:
             number = state.step + 1 + len(drawn)
-            if steps is not None and number > steps:
+            if (steps is not None and number > steps) or (in_epochs is not None and number > in_epochs):
+                # Not even drawn: the data's position stays at the end of the last epoch, so a
+                # run resumed with more epochs starts the next one at its first batch.
+                ended = ended or (in_epochs is not None and number > in_epochs)
                 break
             t0 = time.perf_counter()
             try:
