@@ -8,7 +8,8 @@
 - AdamW with weight decay on ZeRO-1/2/3 shards that mix decayed weights and undecayed
   biases, and DualPipe's mirrors with ZeRO-2, in fp64 within rtol 1e-9;
 - a trainer that evaluates between steps (a forward-only program on the same workers,
-  ZeRO-3 gathers included) and keeps training exactly, and refuses a batch of another size.
+  ZeRO-3 gathers included) and keeps training exactly, and refuses a batch of another size
+  (in a call of several steps too, counting none of them).
 """
 
 from __future__ import annotations
@@ -91,6 +92,10 @@ def test_evaluation_between_steps_leaves_training_exact() -> None:
             trainer.step((inputs[0][:8],), (targets[0][:8],))
         with pytest.raises(ValueError, match=r"expected shape \(16, 32\)"):
             trainer.evaluate((torch.zeros(16, 31, dtype=torch.float64),), targets)
+        lr = trainer.state.lr.state_dict()
+        with pytest.raises(ValueError, match=r"expected shape \(16, 32\)"):  # the call's second batch
+            trainer.submit_steps([workload.batches(2), ((torch.zeros(16, 31, dtype=torch.float64),), targets)])
+        assert trainer.state.step == 2 and trainer.state.lr.state_dict() == lr  # nothing was sent or counted
         params = trainer.parameters()
     for name, p in reference.parameters().items():
         torch.testing.assert_close(params[name], p, rtol=1e-9, atol=1e-12)
