@@ -54,17 +54,21 @@ class Stage0(nn.Module):
 
 
 class Stage1(nn.Module):
-    def __init__(self, l1: nn.Linear, fail_on_call: int | None = None, sleep_s: float = 0.0) -> None:
+    def __init__(
+        self, l1: nn.Linear, fail_on_call: int | None = None, sleep_s: float = 0.0, sleep_from_call: int = 0
+    ) -> None:
         super().__init__()
         self.l1 = l1
         self.fail_on_call = fail_on_call
         self.sleep_s = sleep_s
+        self.sleep_from_call = sleep_from_call
         self.calls = 0
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor]:
         if self.calls == self.fail_on_call:
             raise RuntimeError("boom in Stage1.forward")
-        time.sleep(self.sleep_s)
+        if self.calls >= self.sleep_from_call:
+            time.sleep(self.sleep_s)
         self.calls += 1
         return (self.l1(h),)
 
@@ -280,16 +284,18 @@ def test_step_timeout_names_silent_ranks(ray_cluster) -> None:
 
 
 def test_a_hung_rank_is_named_with_its_instruction_and_its_peers(ray_cluster) -> None:
-    """Rank 1's first forward never returns: the watchdog names rank 1 and that instruction
-    (not every rank), says rank 0 waits for it, and kills both workers."""
+    """Rank 1's first forward of step 2 never returns, in a call of two steps: the watchdog
+    names step 2, rank 1 and that instruction (not every rank), says rank 0 waits for it, and
+    kills both workers."""
     l0, l1 = _layers()
-    modules = {"s0": Stage0(l0), "s1": Stage1(l1, sleep_s=3600.0), "loss": MSE()}
+    modules = {"s0": Stage0(l0), "s1": Stage1(l1, sleep_s=3600.0, sleep_from_call=M), "loss": MSE()}
     rt = Runtime(gpipe_program(), modules, timeout_s=2.0)
     workers = list(rt._workers)
     with pytest.raises(HangError) as info:
-        rt.step(*((t,) for t in _batch(0)))
+        rt.submit_steps([StepRequest(*((t,) for t in _batch(step))) for step in range(2)])[0].result()
     err = info.value
-    assert err.ranks == (1,) and err.nodes == ("F.s1.mb0",) and err.step == 1
+    assert err.ranks == (1,) and err.nodes == ("F.s1.mb0",) and err.step == 2
+    assert str(err).startswith("step 2: ")
     text = str(err)
     assert "rank 1 is stuck: no progress for" in text and "in compute F.s1.mb0 (s1:F0), microbatch 0" in text
     # Rank 0 sent its activations and waits for the first gradient from rank 1.

@@ -532,6 +532,8 @@ class Runtime:
             return
         groups = {c.id: c.ranks for c in self.program.communicators}
         rank, node, message = hang_report(answered, silent, finished, groups, self.timeout_s)
+        if rank in answered and answered[rank].running:  # a call may run several steps: the rank's own
+            step = answered[rank].step
         self._fail(HangError(f"step {step}: {message}", ranks=(rank,), nodes=(node,) if node else (), step=step))
 
     def _fail(self, err: ExecutionError) -> None:
