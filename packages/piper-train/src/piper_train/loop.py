@@ -2,12 +2,13 @@
 
 The loop draws each step's batch from an iterator of ``(inputs, targets)`` (a
 ``BatchStream``, or a ``Prefetcher`` over one so the next batch loads while the workers run
-this step), runs ``Trainer.step`` at the schedule's learning rate, and hands
-``StepMetrics`` (loss, learning rate, gradient norm, step time, samples/s, tokens/s, peak
-memory per rank, ETA) to each sink; the next step is sent while this one computes
-(``Trainer.submit``). It stops after ``steps`` steps of the trainer's
-``TrainState`` (so a trainer restored from a checkpoint continues to the same end), after
-``epochs`` epochs, or when the data ends. With ``eval_every`` it evaluates ``held_out``
+this step), runs each step at the schedule's learning rate, and hands ``StepMetrics``
+(loss, learning rate, gradient norm, step time, samples/s, tokens/s, peak memory per rank,
+ETA) to each sink; the next step (or call of ``steps_per_call`` steps,
+``Trainer.submit_steps``) is sent while this one computes. It stops after ``steps`` steps
+of the trainer's ``TrainState`` (so a trainer restored from a checkpoint continues to the
+same end), after ``epochs`` epochs (without drawing a batch past them when the data knows
+its length), or when the data ends. With ``eval_every`` it evaluates ``held_out``
 after every that many steps. The batch stream is the ``TrainState``'s ``data`` while it runs.
 
 Checkpoints (``Checkpoints``): every ``every`` steps and at the end, into ``root``, keeping
