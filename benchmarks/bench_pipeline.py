@@ -20,9 +20,13 @@ The two sides alternate (torch, Piper, Piper, torch, ...) for ``--repeats`` roun
 figure is the median over every timed step of its rounds, so load that drifts during the
 run (this machine is shared) falls on both. The load average is printed with each row.
 
+AdamW runs as each side's default unless told: Piper's "auto" is torch's fused kernel,
+torch's own default on the CPU is its for-loop. ``--torch-optimizer-impl fused`` (or
+``--optimizer-impl for-loop``) compares like for like, so that only the runtimes differ.
+
     .venv/bin/python benchmarks/bench_pipeline.py [--models stack,mlp,transformer,lm]
         [--schedules gpipe,1f1b,interleaved_1f1b] [--pp 2 4] [--microbatches 8] [--steps 6] [--repeats 2]
-        [--steps-per-call 4]
+        [--steps-per-call 4] [--optimizer-impl auto] [--torch-optimizer-impl default]
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ def _cpu_seconds(pid: int) -> float:
 def run_piper(
     schedule: str, model_name: str, pp: int, microbatches: int, steps: int, warmup: int = 1, sync_steps: int = 0,
     cpu: list[float] | None = None, grouped: list[float] | None = None, steps_per_call: int = 4,
+    implementation: str = "auto",
 ) -> tuple[list[float], list[float], list[float]]:
     """Pipelined step times (between results), in-worker times, and sync step times; ``cpu``
     receives the workers' CPU seconds per pipelined step, summed over ranks; ``grouped``
@@ -71,7 +76,7 @@ def run_piper(
     batches = [spec.batches(step) for step in range(warmup + steps + sync_steps + calls * steps_per_call)]
     with Trainer.with_schedule(
         spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn,
-        schedule=schedule, pp=pp, microbatches=microbatches, optimizer=OptimizerSpec("adamw", LR),
+        schedule=schedule, pp=pp, microbatches=microbatches, optimizer=OptimizerSpec("adamw", LR, implementation=implementation),
         reuse_workers=True,
     ) as trainer:
         for batch in batches[:warmup]:
@@ -116,8 +121,12 @@ def run_piper(
     return times, inside, sync
 
 
+TORCH_KWARGS = {"default": {}, "fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+
+
 def compare(
-    model: str, schedule: str, pp: int, microbatches: int, steps: int, repeats: int, steps_per_call: int
+    model: str, schedule: str, pp: int, microbatches: int, steps: int, repeats: int, steps_per_call: int,
+    implementation: str = "auto", torch_implementation: str = "default",
 ) -> dict[str, float]:
     torch_t: list[float] = []
     grouped: list[float] = []
@@ -130,11 +139,11 @@ def compare(
 
     def torch_side() -> None:
         torch_t.extend(run_torch_pipeline(schedule, model, pp, microbatches, steps, warmup=1, lr=LR, optimizer="adamw",
-                                          cpu=torch_cpu))
+                                          optimizer_kwargs=TORCH_KWARGS[torch_implementation], cpu=torch_cpu))
 
     def piper_side() -> None:
         t, i, s = run_piper(schedule, model, pp, microbatches, steps, sync_steps=max(2, steps // 2), cpu=piper_cpu,
-                            grouped=grouped, steps_per_call=steps_per_call)
+                            grouped=grouped, steps_per_call=steps_per_call, implementation=implementation)
         piper_t.extend(t)
         inside.extend(i)
         sync.extend(s)
@@ -158,13 +167,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps-per-call", type=int, default=4)
+    parser.add_argument("--optimizer-impl", default="auto", choices=["auto", "fused", "foreach", "for-loop"],
+                        help="Piper's AdamW implementation (default: auto, Piper's own default: fused)")
+    parser.add_argument("--torch-optimizer-impl", default="default", choices=sorted(TORCH_KWARGS),
+                        help="torch's AdamW implementation (default: torch's own default, the for-loop on the CPU)")
     args = parser.parse_args()
     # One embedded cluster for every row: with as many logical CPUs as the widest row's ranks
     # (reused workers reserve no bundle, but the cluster must be large enough for them).
     ensure_ray(num_cpus=max(os.cpu_count() or 1, 2 * max(args.pp)))
     transport = "shared memory" if shm_enabled() else "gloo"
     print(f"Piper vs torch.distributed.pipelining — CPU, Piper's messages through {transport}, torch's through gloo,"
-          f" AdamW, {args.microbatches} microbatches, "
+          f" AdamW (Piper: {args.optimizer_impl}, torch: {args.torch_optimizer_impl}), {args.microbatches} microbatches, "
           f"{args.steps} timed steps per round after 1 warm-up, {args.repeats} alternating rounds, medians")
     k = args.steps_per_call
     header = (f"{'model':<12} {'schedule':<17} {'pp':>2} {'torch ms':>9} {'piper ms':>9} {'piper/torch':>12}"
@@ -173,7 +186,8 @@ def main() -> None:
     for model in args.models.split(","):
         for pp in args.pp:
             for schedule in args.schedules.split(","):
-                r = compare(model, schedule, pp, args.microbatches, args.steps, args.repeats, k)
+                r = compare(model, schedule, pp, args.microbatches, args.steps, args.repeats, k,
+                            args.optimizer_impl, args.torch_optimizer_impl)
                 print(f"{model:<12} {schedule:<17} {pp:>2} {r['torch'] * 1e3:>9.1f} {r['piper'] * 1e3:>9.1f}"
                       f" {r['piper'] / r['torch']:>12.2f} {r['grouped'] / r['torch']:>17.2f}"
                       f" {r['inside'] / r['torch']:>16.2f}"

@@ -39,6 +39,7 @@ def run_torch_pipeline(
     lr: float = 0.01,
     seed: int = 0,
     optimizer: str = "sgd",
+    optimizer_kwargs: dict[str, bool] | None = None,
     cpu: list[float] | None = None,
 ) -> list[float]:
     """Time ``steps`` training steps (after ``warmup`` more) and return them in seconds.
@@ -46,7 +47,8 @@ def run_torch_pipeline(
     The model has ``pp`` annotated regions and stage i runs region i (interleaved 1F1B:
     ``2 pp`` regions, rank r running regions r and r + pp, as Piper's schedule); the batch of
     ``build_model(model_name)`` is split into ``microbatches`` equal microbatches (the
-    batch size must divide evenly).
+    batch size must divide evenly). ``optimizer_kwargs`` go to the torch optimizer (e.g.
+    ``fused=True``; none: torch's default implementation).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose from {sorted(SCHEDULES)}")
@@ -61,7 +63,8 @@ def run_torch_pipeline(
     results = ctx.SimpleQueue()
     mp.start_processes(
         _worker,
-        args=(pp, _free_port(), schedule, model_name, microbatches, steps, warmup, lr, seed, optimizer, results),
+        args=(pp, _free_port(), schedule, model_name, microbatches, steps, warmup, lr, seed, optimizer,
+              dict(optimizer_kwargs or {}), results),
         nprocs=pp,
         join=True,
         start_method="spawn",
@@ -96,6 +99,7 @@ def _worker(
     lr: float,
     seed: int,
     optimizer: str,
+    optimizer_kwargs: dict[str, bool],
     results: mp.SimpleQueue,
 ) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -120,7 +124,7 @@ def _worker(
             sched = SCHEDULES[schedule](stages[0], n_microbatches=microbatches, loss_fn=spec.loss_fn)
         else:
             sched = SCHEDULES[schedule](stages, n_microbatches=microbatches, loss_fn=spec.loss_fn)
-        opt = OPTIMIZERS[optimizer]([p for m in modules for p in m.parameters()], lr=lr)
+        opt = OPTIMIZERS[optimizer]([p for m in modules for p in m.parameters()], lr=lr, **optimizer_kwargs)
         first, last = rank == 0, rank == pp - 1
         times: list[float] = []
         cpu_start = 0.0

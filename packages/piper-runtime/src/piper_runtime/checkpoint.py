@@ -234,13 +234,15 @@ class RankState:
                     b.shard.copy_(b.layout.shard(flat, b.replica))
         for opt, p, slices in self.optimizer_params():
             opt.state.pop(p, None)
+            # A fused or capturable torch optimizer keeps its step count on the parameter's device.
+            scalars_to = p.device if any(g.get("fused") or g.get("capturable") for g in opt.param_groups) else None
             state: dict[str, torch.Tensor] = {}
             for name, _, start, stop, at in slices:
                 prefix = f"{OPTIM}{self.key(name)}."
                 for key in [k for k in wanted if k.startswith(prefix) and "." not in k[len(prefix):]]:
                     value, what = wanted[key], key[len(prefix):]
                     if value.dim() == 0:
-                        state.setdefault(what, value.clone())
+                        state.setdefault(what, value.clone().to(scalars_to) if scalars_to else value.clone())
                         continue
                     if what not in state:
                         state[what] = torch.zeros(p.numel(), dtype=value.dtype, device=p.device)

@@ -6,6 +6,15 @@ experts) decay and the others (biases, norm weights, scalars) do not, nor does a
 whose qualified name matches a pattern of ``no_decay``. The single-device reference and every
 rank decide by the same rule (``decays``), by the parameter's full name and number of
 dimensions, so a tensor-parallel shard or a ZeRO shard of it decays like the whole.
+
+Which of torch's implementations runs (``implementation``, torchtitan's option): "auto", the
+default, takes the fused kernel for Adam and AdamW where every parameter is a floating-point
+tensor on the CPU or a GPU (on the CPU it is 7-8x faster than torch's default, the for-loop:
+2.3 against 17.7 ms for 2.1 M parameters here) and leaves SGD, whose fused kernel gains
+little, to torch's default. The fused kernel works element by element, so a ZeRO shard is
+updated exactly as the same elements of the whole tensor are; it differs from the for-loop by
+a rounding step in a few elements in a thousand. The reference builds from the same spec, so
+both sides of a comparison run the same kernel.
 """
 
 from __future__ import annotations
@@ -30,9 +39,24 @@ def _freeze_kwargs(value: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> tupl
     return tuple(sorted((str(k), v) for k, v in items))
 
 
+IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
+_FUSED_BY_DEFAULT = frozenset({"adam", "adamw"})
+_FUSED_DEVICES = frozenset({"cpu", "cuda"})
+_CHOSEN_BY_KWARGS = ("fused", "foreach")
+
+
 def _check_name(_inst: object, _attr: attrs.Attribute, value: str) -> None:
     if value not in _OPTIMIZERS:
         raise ValueError(f"unknown optimizer {value!r}; expected one of {sorted(_OPTIMIZERS)}")
+
+
+def _check_implementation(_inst: object, _attr: attrs.Attribute, value: str) -> None:
+    if value not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown optimizer implementation {value!r}; expected one of {list(IMPLEMENTATIONS)}")
+
+
+def _fusable(tensor: torch.Tensor) -> bool:
+    return tensor.device.type in _FUSED_DEVICES and tensor.is_floating_point() and not tensor.is_sparse
 
 
 @attrs.frozen
@@ -40,6 +64,9 @@ class OptimizerSpec:
     """Which optimizer each stage segment gets: ``name`` ("sgd", "adam", "adamw"), ``lr`` and
     further keyword arguments of the torch optimizer (``kwargs``, a mapping or pairs, stored
     as sorted pairs; a ``weight_decay`` there applies to every parameter, torch's way).
+
+    ``implementation``: "auto", "fused", "foreach" or "for-loop" (module doc); ``fused`` or
+    ``foreach`` in ``kwargs`` choose it torch's way instead, with "auto" only.
 
     ``weight_decay``: decay only the parameters ``decays`` selects (module doc); ``None``
     leaves decay to ``kwargs`` and the optimizer's default (AdamW: 0.01 on everything).
@@ -50,8 +77,13 @@ class OptimizerSpec:
     kwargs: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_freeze_kwargs)
     weight_decay: float | None = None
     no_decay: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    implementation: str = attrs.field(default="auto", validator=_check_implementation)
 
     def __attrs_post_init__(self) -> None:
+        chosen = [k for k in _CHOSEN_BY_KWARGS if k in dict(self.kwargs)]
+        if chosen and self.implementation != "auto":
+            raise ValueError(f"the optimizer implementation is given twice: as {self.implementation!r} and as "
+                             f"{chosen[0]}= in kwargs")
         if self.weight_decay is not None:
             if self.weight_decay < 0:
                 raise ValueError(f"weight decay must be >= 0, got {self.weight_decay}")
@@ -79,7 +111,7 @@ class OptimizerSpec:
     def build_groups(self, params: Sequence[tuple[torch.Tensor, bool]]) -> torch.optim.Optimizer:
         """An optimizer over ``(tensor, decays)`` pairs: with ``weight_decay`` set, one group
         that decays and one that does not (empty groups left out), else one group."""
-        cls, kwargs = _OPTIMIZERS[self.name], dict(self.kwargs)
+        cls, kwargs = _OPTIMIZERS[self.name], dict(self.kwargs) | self._implementation_kwargs(params)
         if self.weight_decay is None:
             return cls([p for p, _ in params], lr=self.lr, **kwargs)
         groups = [
@@ -87,3 +119,14 @@ class OptimizerSpec:
             for decay in (True, False)
         ]
         return cls([g for g in groups if g["params"]] or [p for p, _ in params], lr=self.lr, **kwargs)
+
+    def _implementation_kwargs(self, params: Sequence[tuple[torch.Tensor, bool]]) -> dict[str, bool]:
+        """torch's keyword for ``implementation`` (none where ``kwargs`` choose, or "auto" keeps
+        torch's default)."""
+        if any(k in dict(self.kwargs) for k in _CHOSEN_BY_KWARGS):
+            return {}
+        if self.implementation == "auto":
+            fuse = self.name in _FUSED_BY_DEFAULT and bool(params) and all(_fusable(p) for p, _ in params)
+            return {"fused": True} if fuse else {}
+        return {"fused": {"fused": True}, "foreach": {"foreach": True},
+                "for-loop": {"foreach": False}}[self.implementation]

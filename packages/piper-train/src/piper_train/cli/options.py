@@ -6,7 +6,7 @@ take it, and the checks argparse cannot express.
 | model | --model (default lm), --batch-size | train, check |
 | pipeline | --schedule, --strategy, --pp, --stages, --microbatches | train, check, simulate, plan |
 | parallelism | --dp, --zero, --tp, --ep | train, check |
-| run | --memory-budget-mb, --optimizer, --lr, --seed, --precision, --address, --backend, --placement, --ranks-per-gpu, --timeout | train, check |
+| run | --memory-budget-mb, --optimizer, --optimizer-impl, --lr, --seed, --precision, --address, --backend, --placement, --ranks-per-gpu, --timeout | train, check |
 | optimization | --lr-schedule, --warmup-steps, --min-lr, --lr-step-size, --lr-gamma, --clip-grad-norm, --weight-decay | train, check |
 | summary | --json (a machine-readable summary; standard JSON: a NaN or infinite number is written as the string "NaN", "Infinity" or "-Infinity") | train, check |
 | length, evaluation, metrics | --steps, --epochs, --eval-every, --eval-batches, --metrics, --tensorboard, --profile-step, --steps-per-call, --on-nan, ... | train |
@@ -28,6 +28,9 @@ from piper_train.metrics import dumps
 from piper_train.schedule import SCHEDULES as LR_SCHEDULES
 
 Group = Callable[[argparse.ArgumentParser], None]
+
+# piper_runtime.optim.IMPLEMENTATIONS, spelled out so that parsing the command line imports no torch.
+OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 
 
 def add_model(p: argparse.ArgumentParser) -> None:
@@ -77,6 +80,9 @@ def add_run(p: argparse.ArgumentParser) -> None:
                    help="fail at compile time if the estimated memory per GPU (per rank on the CPU) exceeds this "
                         "many MiB")
     p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw"], help="(default: adamw)")
+    p.add_argument("--optimizer-impl", default="auto", choices=list(OPTIMIZER_IMPLEMENTATIONS),
+                   help="which torch implementation updates the parameters; auto: the fused kernel for adam and "
+                        "adamw, torch's default for sgd (default: auto)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: 3e-3 for adam/adamw, 0.05 for sgd)")
     add_seed(p)
     add_precision(p)

@@ -42,7 +42,7 @@ def _optimizer(args: argparse.Namespace) -> OptimizerSpec:
     lr = args.lr if args.lr is not None else (0.05 if args.optimizer == "sgd" else 3e-3)
     spec = OptimizerSpec(args.optimizer, lr)
     decay = args.weight_decay if args.weight_decay is not None else spec.default_weight_decay
-    return OptimizerSpec(args.optimizer, lr, weight_decay=decay)
+    return OptimizerSpec(args.optimizer, lr, weight_decay=decay, implementation=args.optimizer_impl)
 
 
 def _schedule(args: argparse.Namespace, total: int | None) -> LRSchedule:
