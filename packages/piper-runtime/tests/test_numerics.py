@@ -18,6 +18,27 @@ def test_the_first_nonfinite_gradient_is_named() -> None:
     assert nonfinite_grad([a], {}) is None and nonfinite_grad([], {}) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_every_nonfinite_element_is_found_wherever_it_sits(dtype: torch.dtype, bad: float) -> None:
+    # Lengths and positions around the CPU kernels' vector width: the body and the tail.
+    for n in (1, 15, 16, 17, 1001):
+        for at in sorted({0, n // 2, n - 1}):
+            w = nn.Parameter(torch.zeros(n, dtype=dtype))
+            w.grad = torch.randn(n).to(dtype)
+            assert nonfinite_grad([w], {id(w): "w"}) is None
+            w.grad[at] = bad
+            assert nonfinite_grad([w], {id(w): "w"}) == "w", (n, at)
+
+
+def test_empty_and_huge_gradients_are_finite() -> None:
+    empty, huge, half = nn.Parameter(torch.ones(0)), nn.Parameter(torch.ones(2, dtype=torch.float64)), \
+        nn.Parameter(torch.ones(2, dtype=torch.float16))
+    empty.grad, huge.grad, half.grad = torch.ones(0), torch.tensor([1e300, -1e300], dtype=torch.float64), \
+        torch.tensor([65504.0, -65504.0], dtype=torch.float16)  # beyond float32; float16's largest
+    assert nonfinite_grad([empty, huge, half], {}) is None
+
+
 def test_a_loss_is_named_before_a_gradient_and_the_lowest_microbatch_first() -> None:
     nan, inf = float("nan"), float("inf")
     assert first_nonfinite([(0, (), ()), (1, ((0, 1.0), (1, 2.0)), ())]) is None
