@@ -7,7 +7,8 @@
 # torch is reused; otherwise installs torch==2.13.0 from the default index, whose Linux wheels
 # are CUDA builds), cupy-cuda12x (piper-runtime's `cuda` extra) and the Piper packages; then
 #   1. the CUDA tests (device-side ordering between lanes, every communicator operation between
-#      two processes over NCCL and host-staged, allocator figures, `piper check` through pytest)
+#      two processes over NCCL and host-staged, allocator figures, `piper check` through pytest,
+#      a run resumed from a checkpoint with the fused AdamW, whose step count lives on the GPU)
 #      and the CPU tests of the backend's logic on fakes;
 #   2. `piper check --backend cuda` for 1f1b pp=2, dualpipev pp=2, 1f1b pp=2 x dp=2 zero=3 and
 #      ep=2 (pp=2 x ep=2), against single-device training (ranks share GPUs when there are fewer
@@ -88,7 +89,7 @@ run() {  # run NAME LIMIT_S COMMAND...: record PASS/FAIL, seconds and the last l
   NOTES+=("$(grep -v '^\s*$' "$log" | tail -1 | cut -c1-110)")
 }
 
-run "CUDA tests (pytest)" 240 "$VPY" -m pytest -p no:cacheprovider --import-mode=importlib -q -rs \
+run "CUDA tests (pytest)" 360 "$VPY" -m pytest -p no:cacheprovider --import-mode=importlib -q -rs \
   packages/piper-runtime/tests/test_cuda_gpu.py packages/piper-runtime/tests/test_cuda_backend.py \
   integration/test_cuda_gpu.py integration/test_cuda_on_fakes.py
 CHECK=("$VPY" -m piper_train.cli check --backend cuda --steps 2 --rtol 1e-4 --atol 1e-5)
