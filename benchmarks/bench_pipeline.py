@@ -18,7 +18,9 @@ torch's: on an oversubscribed machine wall times follow the load, CPU time much 
 
 The two sides alternate (torch, Piper, Piper, torch, ...) for ``--repeats`` rounds and each
 figure is the median over every timed step of its rounds, so load that drifts during the
-run (this machine is shared) falls on both. The load average is printed with each row.
+run (this machine is shared) falls on both. The load average is printed with each row, and
+"by round" gives the lowest and highest of the rounds' own Piper/torch ratios (each round's
+pipelined Piper median over its torch median): the spread a single figure hides.
 
 AdamW runs as each side's default unless told: Piper's "auto" is torch's fused kernel,
 torch's own default on the CPU is its for-loop. ``--torch-optimizer-impl fused`` (or
@@ -148,13 +150,16 @@ def compare(
         inside.extend(i)
         sync.extend(s)
 
+    rounds: list[float] = []  # each round's Piper median over its torch median: the run's spread
     for r in range(repeats):
+        before = len(torch_t), len(piper_t)
         for side in (torch_side, piper_side) if r % 2 == 0 else (piper_side, torch_side):
             side()
             loads.append(os.getloadavg()[0])
+        rounds.append(statistics.median(piper_t[before[1]:]) / statistics.median(torch_t[before[0]:]))
     t, p = statistics.median(torch_t), statistics.median(piper_t)
     return {"torch": t, "piper": p, "inside": statistics.median(inside), "sync": statistics.median(sync),
-            "grouped": statistics.median(grouped),
+            "grouped": statistics.median(grouped), "low": min(rounds), "high": max(rounds),
             "load": statistics.fmean(loads), "cpu": statistics.median(piper_cpu) / statistics.median(torch_cpu)}
 
 
@@ -181,6 +186,7 @@ def main() -> None:
           f"{args.steps} timed steps per round after 1 warm-up, {args.repeats} alternating rounds, medians")
     k = args.steps_per_call
     header = (f"{'model':<12} {'schedule':<17} {'pp':>2} {'torch ms':>9} {'piper ms':>9} {'piper/torch':>12}"
+              f" {'by round':>10}"
               f" {f'{k} per call/torch':>17} {'in-worker/torch':>16} {'sync/torch':>11} {'CPU/torch':>10} {'load':>5}")
     print(header + "\n" + "-" * len(header), flush=True)
     for model in args.models.split(","):
@@ -188,8 +194,10 @@ def main() -> None:
             for schedule in args.schedules.split(","):
                 r = compare(model, schedule, pp, args.microbatches, args.steps, args.repeats, k,
                             args.optimizer_impl, args.torch_optimizer_impl)
+                spread = f"{r['low']:.2f}-{r['high']:.2f}"
                 print(f"{model:<12} {schedule:<17} {pp:>2} {r['torch'] * 1e3:>9.1f} {r['piper'] * 1e3:>9.1f}"
-                      f" {r['piper'] / r['torch']:>12.2f} {r['grouped'] / r['torch']:>17.2f}"
+                      f" {r['piper'] / r['torch']:>12.2f} {spread:>10}"
+                      f" {r['grouped'] / r['torch']:>17.2f}"
                       f" {r['inside'] / r['torch']:>16.2f}"
                       f" {r['sync'] / r['torch']:>11.2f} {r['cpu']:>10.2f} {r['load']:>5.1f}", flush=True)
 
