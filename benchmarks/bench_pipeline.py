@@ -50,6 +50,7 @@ from torch_pipelining import CHUNKS, run_torch_pipeline
 
 from piper_runtime import OptimizerSpec, ensure_ray
 from piper_runtime.backends.cpu import shm_enabled
+from piper_runtime.optim import IMPLEMENTATIONS, TORCH_KEYWORDS
 from piper_train.models import build_model
 from piper_train.trainer import Trainer
 
@@ -123,7 +124,7 @@ def run_piper(
     return times, inside, sync
 
 
-TORCH_KWARGS = {"default": {}, "fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+TORCH_KWARGS = {"default": {}, **TORCH_KEYWORDS}  # torch's side: its own default, or one of Piper's choices
 
 
 def compare(
@@ -172,7 +173,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps-per-call", type=int, default=4)
-    parser.add_argument("--optimizer-impl", default="auto", choices=["auto", "fused", "foreach", "for-loop"],
+    parser.add_argument("--optimizer-impl", default="auto", choices=IMPLEMENTATIONS,
                         help="Piper's AdamW implementation (default: auto, Piper's own default: fused)")
     parser.add_argument("--torch-optimizer-impl", default="default", choices=sorted(TORCH_KWARGS),
                         help="torch's AdamW implementation (default: torch's own default, the for-loop on the CPU)")
