@@ -7,7 +7,9 @@ embedded cluster (never when it connects to someone else's), it starts this watc
 process of its own session (a bare interpreter running this file: it starts in milliseconds,
 importing neither torch nor Ray), holding the write end of a pipe whose read end is the
 watcher's stdin. The watcher records the driver's descendant processes (Ray's) every
-``REFRESH_S``; when stdin reaches end-of-file, which happens the moment the driver exits in
+``REFRESH_S``, backing off to ``MAX_REFRESH_S`` while they stay the same (Ray starts its
+processes in the cluster's first seconds; a scan reads every ``/proc/PID/stat``, and every
+0.5 s that cost 1% of a core); when stdin reaches end-of-file, which happens the moment the driver exits in
 any way, it SIGKILLs those it recorded that are still the same processes (same start time),
 and exits. Linux only (``/proc``); elsewhere ``start`` does nothing.
 """
@@ -18,19 +20,32 @@ import os
 import select
 import signal
 import sys
-from pathlib import Path
 
 REFRESH_S = 0.5
+MAX_REFRESH_S = 4.0
 _watcher: tuple[int, int] | None = None  # (pid, the write end of its stdin)
+
+
+def _stat_fields(pid: int | str) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (field 3 onwards), ``None`` if
+    the process is gone. Raw ``os`` calls: a scan reads hundreds of these."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        stat = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return stat.rsplit(b")", 1)[1].split()
 
 
 def _start_time(pid: int) -> str | None:
     """The process's start time (field 22 of ``/proc/PID/stat``), ``None`` if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    fields = _stat_fields(pid)
+    return None if fields is None else fields[19].decode()
 
 
 def _children() -> dict[int, list[int]]:
@@ -39,12 +54,9 @@ def _children() -> dict[int, list[int]]:
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
-        try:
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        tree.setdefault(ppid, []).append(int(entry.name))
+        fields = _stat_fields(entry.name)
+        if fields is not None:
+            tree.setdefault(int(fields[1]), []).append(int(entry.name))
     return tree
 
 
@@ -66,10 +78,13 @@ def watch(driver: int) -> None:
     """Record ``driver``'s descendants until stdin ends, then kill them (module doc)."""
     me = os.getpid()
     known: dict[int, str] = {}
+    wait = REFRESH_S
     while True:
+        before = len(known)
         known.update(descendants(driver))  # first, before the driver may be gone
         known.pop(me, None)
-        ready, _, _ = select.select([sys.stdin], [], [], REFRESH_S)
+        wait = REFRESH_S if len(known) != before else min(2 * wait, MAX_REFRESH_S)
+        ready, _, _ = select.select([sys.stdin], [], [], wait)
         if ready and not os.read(sys.stdin.fileno(), 4096):
             break  # the driver is gone (or closed the pipe after shutting Ray down)
     for pid, started in known.items():

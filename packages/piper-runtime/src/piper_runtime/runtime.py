@@ -45,7 +45,6 @@ from torch import nn
 from piper_ir import ClusterError, ExecutionError, HangError, NumericalError, PiperError, Program
 from piper_runtime.backends import backend_factory, cuda_missing
 from piper_runtime.batch import batch_reads, check_batch, replica_slice, to_wire
-from piper_runtime.checkpoint import finish, plan_globally
 from piper_runtime.cluster import choose_backend, ensure_ray, worker_env
 from piper_runtime.merge import merge_outputs, merge_parameters
 from piper_runtime.numerics import check_on_nan, first_nonfinite
@@ -380,6 +379,8 @@ class Runtime:
         what it holds (``piper_runtime.checkpoint``), rank 0 also ``objects`` (picklable values
         by key); ``.metadata`` is written last, by this process. Not atomic by itself: the
         caller writes into a temporary directory and renames it."""
+        from piper_runtime.checkpoint import finish, plan_globally  # on first use: DCP's import is slow
+
         self._check_open()
         self._collect()  # after every submitted step
         extra = dict(objects or {})

@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -48,7 +48,6 @@ from piper_ir import BUCKET_KINDS, ExecutionError, NodeKind, Program
 from piper_runtime.accounting import MemorySampler
 from piper_runtime.backends import Backend, BackendFactory, backend_factory
 from piper_runtime.batch import from_wire, split_microbatches
-from piper_runtime.checkpoint import RankState, SaveSide, read_objects
 from piper_runtime.comms import Communicators
 from piper_runtime.compute import COMPUTE_PHASES, SegmentCompute
 from piper_runtime.data_parallel import DataParallel
@@ -66,6 +65,9 @@ from piper_runtime.state import ReadCounts, StepState
 from piper_runtime.streams import lanes_share_a_communicator
 from piper_runtime.ties import alias_tied
 from piper_runtime.transport import Transport
+
+if TYPE_CHECKING:
+    from piper_runtime.checkpoint import SaveSide
 
 TORCH_THREADS = 1  # torch's intra-op threads per rank (ranks share the machine's cores)
 SWITCH_INTERVAL_S = 0.0005  # the GIL hand-over interval with threads (Python's default: 5 ms)
@@ -321,6 +323,9 @@ class RankWorker:
     def checkpoint_plan(self, path: str, objects: Mapping[str, Any]) -> Any:
         """The first half of a save (``piper_runtime.checkpoint``): this rank's DCP local plan
         for what it holds (and ``objects``, which the driver gives rank 0 only)."""
+        # Imported on first use: torch.distributed.checkpoint is 0.7 s of a worker's start.
+        from piper_runtime.checkpoint import RankState, SaveSide
+
         state = RankState(self.program, self.rank, self._modules, self._data_parallel, self._optimizers)
         # This process's generators (what unseeded dropout draws from), under a key of its own.
         objects = {**objects, f"rng.rank{self.rank}": _rng_state(self.backend.device)}
@@ -336,6 +341,8 @@ class RankWorker:
         """Read this rank's parameters and optimizer state from the checkpoint at ``path``
         (written under any strategy); ``step``: the optimizer steps it had taken; ``rng``:
         also restore this rank's generators as that rank saved them (the same program only)."""
+        from piper_runtime.checkpoint import RankState, read_objects  # on first use: checkpoint_plan's note
+
         RankState(self.program, self.rank, self._modules, self._data_parallel, self._optimizers).load(path, self.rank)
         self._step = step
         if rng:
