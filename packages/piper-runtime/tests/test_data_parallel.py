@@ -195,14 +195,22 @@ def test_zero0_memory_matches_hand_count(ray_cluster) -> None:
       microbatch, never read, kept until the step ends).
 
     Peak total: step 1 after ``OPT`` (params + state + loss values) = 80 + 168 + 8; from
-    step 2 on, after ``B.loss.mb1`` (params + mb0's grads + state + activations)."""
+    step 2 on, after ``B.loss.mb1`` (params + mb0's grads + state + activations).
+
+    That is the plan's count, with each loss backward apart from its stage's
+    (``fuse_loss_backward=False``). Run fused (the default, ``piper_runtime.compute``), the
+    loss's backward goes through ``s0`` at once: ``grad:v:y`` never exists and ``v:y`` is
+    gone when the pass ends, so only the activations' peak changes, and it is lower."""
     torch.manual_seed(0)
     program = dp_program(0)
-    with Runtime(program, {"s0": Stage(nn.Linear(D_IN, D_OUT)), "loss": MSE()}, OptimizerSpec("adamw")) as rt:
-        state = 2 * PARAM_BYTES + 2 * F32
-        acts = 2 * Y_BYTES + M * F32
+    modules = {"s0": Stage(nn.Linear(D_IN, D_OUT)), "loss": MSE()}
+    state = 2 * PARAM_BYTES + 2 * F32
+    acts = 2 * Y_BYTES + M * F32
+    unfused = []
+    with Runtime(program, modules, OptimizerSpec("adamw"), fuse_loss_backward=False) as rt:
         for step, total in ((0, PARAM_BYTES + state + M * F32), (1, 2 * PARAM_BYTES + state + acts)):
             result = rt.step(*((t,) for t in _batch(step)), memory=True)
+            unfused.append(result.memory)
             for rank, mem in enumerate(result.memory):
                 assert mem == RankMemory(
                     rank,
@@ -213,6 +221,13 @@ def test_zero0_memory_matches_hand_count(ray_cluster) -> None:
                     activations=acts,
                     total=total,
                 )
+    torch.manual_seed(0)
+    modules = {"s0": Stage(nn.Linear(D_IN, D_OUT)), "loss": MSE()}
+    with Runtime(program, modules, OptimizerSpec("adamw")) as rt:
+        for step in (0, 1):
+            for mem, apart in zip(rt.step(*((t,) for t in _batch(step)), memory=True).memory, unfused[step], strict=True):
+                assert attrs.evolve(mem, activations=0, total=0) == attrs.evolve(apart, activations=0, total=0)
+                assert mem.activations < apart.activations
 
 
 def _check_model_state(zero: int, memory: tuple[RankMemory, ...]) -> None:

@@ -79,7 +79,9 @@ class Runtime:
     in its plan. Use as a context manager, or call ``shutdown``; actors are also killed when
     the runtime is garbage collected or the interpreter exits. ``threads`` runs each rank's
     logical streams on threads of their own (the default); ``False`` walks each rank's plan
-    sequentially, the same plan on one stream.
+    sequentially, the same plan on one stream. ``fuse_loss_backward=False`` runs every loss
+    backward apart from its stage's (``piper_runtime.compute``): the same results, and a
+    profile that times each segment alone.
 
     ``backend``: a registered backend name, or ``None`` to choose (``cuda`` when the cluster
     has a GPU for every rank and the CUDA backend can run there, else ``cpu``; the choice and
@@ -126,6 +128,7 @@ class Runtime:
         on_nan: str = "stop",
         setup_timeout_s: float = 120.0,
         threads: bool = True,
+        fuse_loss_backward: bool = True,
         placement: str = "pack",
         ranks_per_gpu: int = 1,
         cpus_per_rank: float = 1.0,
@@ -225,6 +228,7 @@ class Runtime:
                 threads,
                 seed,
                 on_nan == "skip-step",
+                fuse_loss_backward=fuse_loss_backward,
             )
             for rank, w in enumerate(self._workers)
         ]

@@ -121,12 +121,15 @@ class RankWorker:
         threads: bool = True,
         seed: int | None = None,
         backup: bool = False,
+        fuse_loss_backward: bool = True,
     ) -> None:
         """Join the world, keep this rank's segment modules, build the optimizers.
         ``backend``: a registered name or a factory (``piper_runtime.backends``);
         ``timeout_s``: the bound on joining and on any one wait of a step (a receive, a
         collective, an event); ``threads``: one thread per stream (else one sequential walk
-        of the plan); ``backup``: keep the state from before each step, for ``restore``; ``seed``:
+        of the plan); ``backup``: keep the state from before each step, for ``restore``;
+        ``fuse_loss_backward``: run a loss's ``B`` together with its stage's where the plan
+        allows (``piper_runtime.compute``; off: each segment's time alone in a profile); ``seed``:
         what every forward's random numbers are drawn from (``piper_runtime.randomness``;
         ``Runtime`` always gives one). ``None`` leaves the process's generators as they are,
         with no lock: for a backend that runs several ranks in one process, whose forwards
@@ -177,6 +180,7 @@ class RankWorker:
             NodeKind.COMPUTE: SegmentCompute(
                 program, self._modules, self._grads_lock, dp.weight_pass,
                 seed=seed, replica=plan.replica, device=self.backend.device, sample=self._sampler.sample_now,
+                instructions=plan.instructions if fuse_loss_backward else (),
             ),
             NodeKind.OPTIMIZER: optimizers,
             NodeKind.SEND: transport.send,

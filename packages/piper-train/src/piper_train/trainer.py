@@ -67,7 +67,9 @@ class Trainer:
     ``memory_budget_bytes``: when given, compile fails with ``MemoryPlanError`` (before any
     worker starts) if a rank's estimated memory (``piper_memory.estimate_memory``) exceeds it;
     it is per GPU, so with ``ranks_per_gpu`` N each rank may use 1/N of it.
-    ``threads=False`` runs each rank's plan sequentially instead of one thread per stream.
+    ``threads=False`` runs each rank's plan sequentially instead of one thread per stream;
+    ``fuse_loss_backward=False`` keeps each loss's backward apart from its stage's (a profile
+    then times every segment alone; ``piper_runtime.compute``).
     ``seed``: what random numbers (dropout) are drawn from, per (region, microbatch, step,
     replica), so every strategy draws the same masks (``piper_runtime.randomness``);
     ``precision`` (``"bf16"``): compute in that dtype on fp32 master weights, gradients and
@@ -109,6 +111,7 @@ class Trainer:
         memory_budget_bytes: int | None = None,
         log: Callable[[str], None] | None = None,
         threads: bool = True,
+        fuse_loss_backward: bool = True,
         seed: int = 0,
         precision: str | None = None,
         backend: str | None = None,
@@ -159,6 +162,7 @@ class Trainer:
             step_timeout_s=step_timeout_s,
             on_nan=on_nan,
             threads=threads,
+            fuse_loss_backward=fuse_loss_backward,
             seed=seed,
             by_value=captured.user_modules,  # the model file, its neighbours: by value to the workers
             backend=backend,

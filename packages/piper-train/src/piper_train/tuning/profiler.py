@@ -138,9 +138,11 @@ def measure(
     strategy = parallelize(build_schedule(schedule, 1, microbatches, stages=regions or spec.stages),
                            tp=degree if variant.startswith("tp") else 1, ep=degree if variant.startswith("ep") else 1)
     driver, results = [], []
+    # Unfused: the loss's backward would otherwise carry its stage's (piper_runtime.compute),
+    # and each region's time is what the search needs.
     with Trainer(spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn, strategy,
                  optimizer=optimizer or OptimizerSpec(), backend=backend, address=address,
-                 reuse_workers=True) as trainer:
+                 reuse_workers=True, fuse_loss_backward=False) as trainer:
         by_id = {(plan.rank, ins.id): ins for plan in trainer.program.ranks for ins in plan.instructions}
         for step in range(warmup + steps):
             started = time.perf_counter()
