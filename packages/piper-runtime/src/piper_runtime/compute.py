@@ -31,9 +31,10 @@ graph with that stage: the loss's forward takes the stage's outputs as they are 
 detached leaves, and its backward runs through the stage too, in one engine call. The stage's
 ``B`` then has nothing left to do. The gradients are the same tensors computed by the same
 kernels in the same order, so the result is bit for bit the same; what is saved is one
-autograd engine call, a detached boundary and one gradient tensor per microbatch (50-140 us
-of the last stage's 300-340 us per microbatch on the ``mlp`` model). ``profile=True`` shows the
-stage's work inside the loss's ``B``.
+autograd engine call, a detached boundary and one gradient tensor per microbatch. On the
+``mlp`` model's last stage the two backwards took 289 us per microbatch apart and 196 us
+fused (a profiled run; ``benchmarks/bench_loss_fusion.py`` times whole steps both ways).
+``profile=True`` shows the stage's work inside the loss's ``B``.
 
 ``forward_only`` (a plan without backward passes: an evaluation step) runs forwards without
 autograd and keeps nothing for a backward; casts apply as in training, and the worker has
