@@ -18,20 +18,10 @@ from piper_ir import Instruction, NodeKind, Phase, Program, RankPlan, Segment, S
 from piper_runtime import OptimizerSpec
 from piper_runtime import compute as compute_module
 from piper_runtime.compute import fused_losses
-from piper_runtime.testing import MSE, compute, tensor_meta, two_stage_values
+from piper_runtime.testing import MSE, TanhLinear, compute, tensor_meta, two_stage_values
 from piper_runtime.worker import RankWorker
 
 M, BATCH, D_IN, D_HID, D_OUT = 4, 8, 3, 5, 2
-
-
-class Block(nn.Module):
-    def __init__(self, name: str, lin: nn.Linear) -> None:
-        super().__init__()
-        self.name = name
-        self.add_module(name, lin)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
-        return (torch.tanh(getattr(self, self.name)(x)),)
 
 
 def _params(name: str, d_in: int, d_out: int) -> tuple[tuple[str, TensorMeta], ...]:
@@ -130,7 +120,7 @@ def _train(monkeypatch: pytest.MonkeyPatch, fuse: bool) -> tuple[list[dict[str, 
         monkeypatch.setattr(compute_module, "fused_losses", lambda program, instructions: {})
     torch.manual_seed(0)
     l0, l1 = nn.Linear(D_IN, D_HID), nn.Linear(D_HID, D_OUT)
-    modules = {"s0": Block("l0", copy.deepcopy(l0)), "s1": Block("l1", copy.deepcopy(l1)), "loss": MSE()}
+    modules = {"s0": TanhLinear("l0", copy.deepcopy(l0)), "s1": TanhLinear("l1", copy.deepcopy(l1)), "loss": MSE()}
     worker = RankWorker()
     try:
         worker.setup(0, 1, "127.0.0.1", _port(), _program(_one_f_one_b()), modules, OptimizerSpec("adamw", lr=0.1))

@@ -25,22 +25,10 @@ from piper_ir import (
     TensorMeta,
 )
 from piper_runtime import OptimizerSpec
-from piper_runtime.testing import MSE, compute, tensor_meta, two_stage_values
+from piper_runtime.testing import MSE, TanhLinear, compute, tensor_meta, two_stage_values
 from piper_runtime.worker import RankWorker
 
 M, BATCH, D_IN, D_HID, D_OUT = 2, 4, 3, 5, 2
-
-
-class Block(nn.Module):
-    """``tanh(linear(x))`` with the linear layer registered as ``name`` (unique qualified names)."""
-
-    def __init__(self, name: str, lin: nn.Linear) -> None:
-        super().__init__()
-        self.name = name
-        self.add_module(name, lin)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
-        return (torch.tanh(getattr(self, self.name)(x)),)
 
 
 def _program(backward: list[tuple[str, Phase, int]]) -> Program:
@@ -97,7 +85,7 @@ def _layers(seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
 
 def _modules(l0: nn.Linear, l1: nn.Linear) -> dict[str, nn.Module]:
     """Copies: the worker runs in this process and must not update the oracle's layers."""
-    return {"s0": Block("l0", copy.deepcopy(l0)), "s1": Block("l1", copy.deepcopy(l1)), "loss": MSE()}
+    return {"s0": TanhLinear("l0", copy.deepcopy(l0)), "s1": TanhLinear("l1", copy.deepcopy(l1)), "loss": MSE()}
 
 
 def _model(l0: nn.Linear, l1: nn.Linear, x: torch.Tensor) -> torch.Tensor:

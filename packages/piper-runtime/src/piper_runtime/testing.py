@@ -50,6 +50,19 @@ def compute(segment: str, phase: Phase, microbatch: int | None = None) -> Instru
     return Instruction(ident, kind, segment=segment, phase=phase, microbatch=microbatch)
 
 
+class TanhLinear(nn.Module):
+    """A stage segment's module: ``tanh(linear(x))``, the linear layer registered as ``name``
+    (so that qualified parameter names are unique across segments)."""
+
+    def __init__(self, name: str, lin: nn.Linear) -> None:
+        super().__init__()
+        self.name = name
+        self.add_module(name, lin)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.tanh(getattr(self, self.name)(x)),)
+
+
 class MSE(nn.Module):
     """A loss segment's module: the mean squared error of a prediction and its target."""
 
