@@ -13,7 +13,13 @@ import pytest
 
 from piper_ir import Instruction, NodeKind, Phase
 from piper_runtime.backends import HostEvent
-from piper_runtime.streams import assign_lanes, lanes_share_a_communicator, overlap_groups, run_streams
+from piper_runtime.streams import (
+    StreamLayout,
+    assign_lanes,
+    lanes_share_a_communicator,
+    overlap_groups,
+    run_streams,
+)
 
 
 def _c(ident: str, phase: Phase = Phase.F, mb: int = 0, **kw: object) -> Instruction:
@@ -208,3 +214,48 @@ def test_work_runs_inside_its_lane_and_waits_on_the_device_side_there() -> None:
     run_streams(plan, execute, timeout_s=5, streams=streams)
     assert lanes == {"recv": "compute", "F1": "compute", "B0": "compute", "ar": "dp"}
     assert streams.device_waits == [("ev.B0", "dp")]  # the lazy receive ran on its reader's lane
+
+
+def _send(ident: str, waits: str, mb: int = 0) -> Instruction:
+    return Instruction(ident, NodeKind.SEND, stream="pp", value="v", microbatch=mb, peer=1, waits=(waits,))
+
+
+def test_events_get_objects_only_where_another_thread_waits_for_them() -> None:
+    """A 1F1B-like rank: every transfer joins the compute lane, so its events are satisfied
+    by the lane's order; an all-reduce on a lane of its own, a lazy receive read twice and
+    the two sides of an overlapped slot still need theirs."""
+    plan = [
+        Instruction("recv0", NodeKind.RECV, stream="pp", value="g", microbatch=0, peer=1, record="ev.recv0"),
+        _c("F0", record="ev.F0"),
+        _send("send0", "ev.F0"),
+        _c("B0", Phase.B, 0, waits=("ev.recv0",), record="ev.B0"),
+        Instruction("recv2", NodeKind.RECV, stream="pp", value="x", microbatch=2, peer=1, record="ev.recv2"),
+        _c("F2", Phase.F, 2, overlap=0, waits=("ev.recv2",), record="ev.F2"),
+        _send("send2", "ev.F2", mb=2),
+        _c("B1", Phase.B, 1, overlap=0, waits=("ev.recv2", "ev.F0"), record="ev.B1"),
+        _c("F3", Phase.F, 3, waits=("ev.F2", "ev.B1")),
+        Instruction("ar", NodeKind.ALL_REDUCE, stream="dp", value="b", communicator="dp:0-1", waits=("ev.B0",)),
+    ]
+    layout = StreamLayout(plan)
+    assert layout.groups["compute"] == [[[1]], [[2]], [[3]], [[5, 6], [7]], [[8]]]
+    # ev.B0: read on the dp lane; ev.recv2: a lazy receive two instructions read (on both
+    # sides of the slot). ev.F2 and ev.B1 are recorded on the slot's two sides and read after
+    # it; ev.F0 before it, and read on its second side.
+    assert sorted(layout.events) == ["ev.B0", "ev.recv2"]
+    assert layout.ordered == {"ev.F0", "ev.F2", "ev.B1"}
+    log, execute = _recorder({"F2": 0.05})
+    run_streams(plan, execute, timeout_s=5, layout=layout)
+    order = [ident for ident, *_ in log]
+    assert sorted(order) == sorted(ins.id for ins in plan)
+    assert order.index("F3") > max(order.index("F2"), order.index("B1"))
+    assert order.index("ar") > order.index("B0") and order.index("B1") > order.index("recv2")
+
+
+def test_an_event_across_the_sides_of_a_slot_keeps_its_object() -> None:
+    plan = [_c("F1", Phase.F, 1, overlap=0, record="ev.F1"), _c("B0", Phase.B, 0, overlap=0, waits=("ev.F1",))]
+    layout = StreamLayout(plan)
+    assert layout.groups["compute"] == [[[0], [1]]] and layout.events == ("ev.F1",)
+    log, execute = _recorder({"F1": 0.1})
+    run_streams(plan, execute, timeout_s=5, layout=layout)
+    spans = {ident: (start, end) for ident, _, start, end in log}
+    assert spans["B0"][0] >= spans["F1"][1]

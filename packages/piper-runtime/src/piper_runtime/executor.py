@@ -28,7 +28,7 @@ from piper_runtime.backends.base import Streams
 from piper_runtime.progress import Progress
 from piper_runtime.results import InstructionTiming
 from piper_runtime.state import ReadCounts, StepState
-from piper_runtime.streams import run_streams
+from piper_runtime.streams import StreamLayout, run_streams
 
 Handler = Callable[[Instruction, StepState], None]
 
@@ -58,6 +58,7 @@ class Executor:
         self.threads = threads
         self.timeout_s = timeout_s
         self.progress = progress or Progress(plan.rank, plan.instructions)
+        self.layout = StreamLayout(plan.instructions) if threads else None  # the same every step
 
     def run(
         self, st: StepState, step: int, started: float, profile: bool, memory: bool = True
@@ -95,7 +96,7 @@ class Executor:
         try:
             if self.threads:
                 run_streams(instructions, execute, timeout_s=self.timeout_s, streams=self.streams,
-                            waiting=progress.waiting)
+                            waiting=progress.waiting, layout=self.layout)
             else:
                 with self.streams.lane(instructions[0].stream if instructions else "compute"):
                     for k, ins in enumerate(instructions):

@@ -147,6 +147,49 @@ def lanes_share_a_communicator(instructions: Sequence[Instruction]) -> bool:
     return False
 
 
+class StreamLayout:
+    """What ``run_streams`` derives from a rank's instruction list alone, computed once per
+    plan (the executor keeps it) instead of on every step: each instruction's lane, the lazy
+    receives, each lane's overlap groups, and which events need an object at all. An event
+    needs none where every instruction that waits for it runs after its recorder on the
+    recorder's own thread (the same lane, not the other side of one overlapped slot), or
+    where it is a lazy receive's with a single reader (which runs the receive itself): on a
+    plan whose transfers all moved onto the compute lane that is every event, and making
+    them cost about 2 us each per step."""
+
+    def __init__(self, instructions: Sequence[Instruction]) -> None:
+        self.lanes = assign_lanes(instructions)
+        self.lazy = {ins.record: k for k, ins in enumerate(instructions) if self.lanes[k] is None}
+        self.names = [lane for lane in dict.fromkeys(self.lanes) if lane is not None]
+        self.groups = {lane: overlap_groups(instructions, self.lanes, lane) for lane in self.names}
+        thread: dict[int, tuple[str, int, int]] = {}  # lane, group, side (-1: the lane's own thread)
+        for lane, groups in self.groups.items():
+            for g, sides in enumerate(groups):
+                for side_index, side in enumerate(sides):
+                    for k in side:
+                        thread[k] = (lane, g, side_index if len(sides) > 1 else -1)
+        recorder = {ins.record: k for k, ins in enumerate(instructions) if ins.record}
+        readers: dict[str, list[int]] = {}
+        for k, ins in enumerate(instructions):
+            for name in ins.waits:
+                readers.setdefault(name, []).append(k)
+
+        def in_order(r: int, w: int) -> bool:
+            """Whether instruction ``w`` always runs after ``r`` on the thread that ran ``r``."""
+            if r not in thread or w not in thread or w < r:
+                return False
+            (lane_r, group_r, side_r), (lane_w, group_w, side_w) = thread[r], thread[w]
+            return lane_r == lane_w and (group_r != group_w or side_r == side_w)
+
+        self.events: tuple[str, ...] = tuple(
+            name
+            for name, r in recorder.items()
+            if (len(readers.get(name, ())) > 1 if name in self.lazy
+                else not all(in_order(r, w) for w in readers.get(name, ())))
+        )
+        self.ordered = frozenset(recorder) - set(self.events) - set(self.lazy)
+
+
 def run_streams(
     instructions: Sequence[Instruction],
     execute: Callable[[int, Instruction], None],
@@ -154,18 +197,21 @@ def run_streams(
     timeout_s: float,
     streams: Streams | None = None,
     waiting: Callable[[int], None] | None = None,
+    layout: StreamLayout | None = None,
 ) -> None:
     """Run ``execute(k, instruction)`` for every instruction, one thread per lane, honouring
     ``waits``/``record`` with ``streams``' events and lane contexts (host-only by default).
     Raises the first exception any thread raised (the others stop at their next
     instruction); an event not recorded within ``timeout_s`` is an error. ``waiting(k)`` is
-    told when a thread starts waiting for instruction ``k``'s events (progress records)."""
+    told when a thread starts waiting for instruction ``k``'s events (progress records).
+    ``layout``: ``StreamLayout(instructions)``, when the caller keeps one."""
     streams = streams or HostStreams()
-    events = {ins.record: streams.event(ins.record) for ins in instructions if ins.record}
+    layout = layout or StreamLayout(instructions)
+    events = {name: streams.event(name) for name in layout.events}
+    ordered = layout.ordered
     failures: list[BaseException] = []
     abort = threading.Event()
-    lanes = assign_lanes(instructions)
-    lazy = {ins.record: k for k, ins in enumerate(instructions) if lanes[k] is None}
+    lazy = layout.lazy
     claimed: set[int] = set()
     claim_lock = threading.Lock()
 
@@ -177,6 +223,8 @@ def run_streams(
 
     def wait_for(ins: Instruction) -> None:
         for name in ins.waits:
+            if name in ordered:
+                continue  # recorded earlier on this thread (``StreamLayout``)
             if name in lazy and claim(lazy[name]):
                 run_one(lazy[name])  # a lazy receive: the first thread that needs it runs it
                 continue
@@ -200,7 +248,9 @@ def run_streams(
             raise _Aborted
         execute(k, ins)
         if ins.record:
-            events[ins.record].record()
+            event = events.get(ins.record)
+            if event is not None:
+                event.record()
 
     def guarded(work: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
@@ -242,7 +292,7 @@ def run_streams(
                     raise _Aborted
 
     def run_lane(lane: str) -> None:
-        for sides in overlap_groups(instructions, lanes, lane):
+        for sides in layout.groups[lane]:
             if abort.is_set():
                 raise _Aborted
             if len(sides) == 1:
@@ -250,7 +300,7 @@ def run_streams(
             else:
                 run_group(lane, sides)
 
-    names = [lane for lane in dict.fromkeys(lanes) if lane is not None]
+    names = layout.names
     threads = [
         threading.Thread(target=guarded(in_lane(lane, partial(run_lane, lane))), name=f"piper-{lane}", daemon=True)
         for lane in names[1:]
