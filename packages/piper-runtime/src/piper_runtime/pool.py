@@ -131,9 +131,13 @@ class WorkerPool:
         kill_workers(workers)
 
     def _forget_if_ray_restarted(self) -> None:
-        # Idle workers die with the Ray connection that started them: a driver reconnecting
-        # (ray.shutdown, then ray.init) gets a new worker id, and the old handles are stale.
-        current = ray.get_runtime_context().get_worker_id() if ray.is_initialized() else None
+        # Idle workers die with the Ray connection that started them: after ray.shutdown and
+        # ray.init the old handles are stale. A new local cluster is a new node (the driver's
+        # worker id can repeat); a reconnection to the same cluster gets a new worker id.
+        current = None
+        if ray.is_initialized():
+            context = ray.get_runtime_context()
+            current = f"{context.get_node_id()}/{context.get_worker_id()}"
         if current != self._ray:
             self._idle.clear()
             self._ray = current
@@ -143,7 +147,14 @@ def _answering(workers: list[Any]) -> list[Any]:
     """The workers that answer a ping within ``_PING_TIMEOUT_S``, in their order."""
     if not workers:
         return []
-    pings = {w.ping.remote(): w for w in workers}
+    pings = {}
+    for w in workers:
+        try:
+            pings[w.ping.remote()] = w
+        except Exception:  # a handle Ray no longer knows (its actor is gone)
+            continue
+    if not pings:
+        return []
     ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=_PING_TIMEOUT_S)
     answered = set()
     for ref in ready:
