@@ -227,9 +227,10 @@ def test_ranks_per_gpu_must_be_positive(piper):
 
 def test_train_says_which_backend_it_chose(piper):
     done = piper("train", "--model", "mlp", "--schedule", "gpipe", "--pp", "2", "--microbatches", "2", "--steps", "1",
-                 "--placement", "spread")
+                 "--placement", "spread", "--no-bind-cores")
     assert done.returncode == 0, done.stderr
     assert "backend 'cpu' (the Ray cluster has no GPU)" in done.stdout or "backend 'cuda'" in done.stdout
+    assert "cores: not bound (bind_cores=False)" in done.stdout  # bound by default: test_runtime.py
 
 
 def test_a_hung_rank_stops_the_run_with_exit_code_3_naming_it(piper):

@@ -8,6 +8,7 @@ SEND/RECV pairs named and placed as docs/ir-conventions.md prescribes.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -366,9 +367,10 @@ class Meddler(Stage1):
 
 
 def _settings(worker: object) -> tuple:
-    """What a worker process says about the settings a run may change, and what it holds."""
+    """What a worker process says about the settings a run may change, and what it holds
+    (the cores: of the thread that runs the worker's calls, bound during a run)."""
     return (sys.getswitchinterval(), torch.get_num_threads(), torch.get_default_dtype(), torch.initial_seed(),
-            sorted(vars(worker)))
+            sorted(vars(worker)), sorted(os.sched_getaffinity(0)))
 
 
 def _train(rt: Runtime) -> tuple[list, list, dict]:
@@ -402,6 +404,10 @@ def test_reused_workers_give_a_fresh_workers_results_and_forget_their_run(ray_cl
     with Runtime(gpipe_program(), modules(), spec, reuse_workers=pool) as rt:
         pids = ray.get([w.ping.remote() for w in rt._workers], timeout=30)
         fresh = _train(rt)  # on workers that ran nothing before
+        # Two ranks on one host: each bound to a core of its own where the host has two.
+        host = sorted(os.sched_getaffinity(0))
+        bound = ray.get([w.cores.remote() for w in rt._workers], timeout=30)
+        assert bound == ([(host[0],), (host[1],)] if len(host) >= 2 else [tuple(host)] * 2)
     with Runtime(gpipe_program(), modules(Meddler, seed=5), OptimizerSpec("adam", 0.01), reuse_workers=pool,
                  threads=False) as rt:
         rt.step(*((t,) for t in _batch(0)))
@@ -410,6 +416,7 @@ def test_reused_workers_give_a_fresh_workers_results_and_forget_their_run(ray_cl
     after = settings()
     assert [s[:3] for s in after] == [s[:3] for s in new] == [(0.005, 1, torch.float32)] * 2
     assert [s[4] for s in after] == [s[4] for s in new]
+    assert [s[5] for s in after] == [s[5] for s in new] == [sorted(os.sched_getaffinity(0))] * 2  # unbound
     assert all(s[3] != 1234 for s in after)
 
     with Runtime(gpipe_program(), modules(), spec, reuse_workers=pool) as rt:

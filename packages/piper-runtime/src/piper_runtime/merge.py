@@ -91,6 +91,7 @@ def merge_outputs(outputs: Sequence[StepOutput], program: Program, keep_grads: b
         memory,
         tuple(out.collective_seconds for out in outputs),
         grad_norm,
+        worker_started=tuple(out.started for out in outputs),
     )
 
 

@@ -29,6 +29,10 @@ class StepOutput:
     collective_seconds: float = 0.0  # inside the collectives that compute issues (TP, EP)
     grad_norm: float | None = None  # the global gradient norm, where the plan computes it
     nonfinite: tuple[str, ...] = ()  # gradients found NaN/Inf before an optimizer step
+    # ``time.perf_counter()`` when the step began in the worker: the origin of ``timings``.
+    # On Linux that clock is CLOCK_MONOTONIC, one clock for every process of a host, so the
+    # ranks of one host can be put on one time line (``StepResult.worker_started``).
+    started: float = 0.0
 
 
 @attrs.frozen
@@ -66,3 +70,4 @@ class StepResult:
     # and whether the step was undone for it (``on_nan="skip-step"``).
     nonfinite: str | None = None
     skipped: bool = False
+    worker_started: tuple[float, ...] = ()  # each rank's ``StepOutput.started``

@@ -46,6 +46,7 @@ from piper_ir import ClusterError, ExecutionError, HangError, NumericalError, Pi
 from piper_runtime.backends import backend_factory, cuda_missing
 from piper_runtime.batch import batch_reads, check_batch, replica_slice, to_wire
 from piper_runtime.cluster import choose_backend, ensure_ray, worker_env
+from piper_runtime.cores import core_slices, describe
 from piper_runtime.merge import merge_outputs, merge_parameters
 from piper_runtime.numerics import check_on_nan, first_nonfinite
 from piper_runtime.optim import OptimizerSpec
@@ -81,7 +82,9 @@ class Runtime:
     logical streams on threads of their own (the default); ``False`` walks each rank's plan
     sequentially, the same plan on one stream. ``fuse_loss_backward=False`` runs every loss
     backward apart from its stage's (``piper_runtime.compute``): the same results, and a
-    profile that times each segment alone.
+    profile that times each segment alone. ``bind_cores``: where a host has a core per rank,
+    bind each rank's step threads to cores of its own (``piper_runtime.cores``; ``log``
+    hears which); ``False`` leaves them to the operating system.
 
     ``backend``: a registered backend name, or ``None`` to choose (``cuda`` when the cluster
     has a GPU for every rank and the CUDA backend can run there, else ``cpu``; the choice and
@@ -129,6 +132,7 @@ class Runtime:
         setup_timeout_s: float = 120.0,
         threads: bool = True,
         fuse_loss_backward: bool = True,
+        bind_cores: bool = True,
         placement: str = "pack",
         ranks_per_gpu: int = 1,
         cpus_per_rank: float = 1.0,
@@ -213,6 +217,12 @@ class Runtime:
         # Rank 0's process opens the port on its own node and keeps it for its TCP store.
         (port,) = self._gather([self._workers[0].open_rendezvous.remote(address0)], setup_timeout_s, "rendezvous")
         self.rendezvous = (address0, port)
+        cores: dict[int, tuple[int, ...]] = {}
+        if bind_cores:
+            hosts = self._gather([w.host.remote() for w in self._workers], setup_timeout_s, "setup")
+            cores = core_slices(hosts)
+        if log is not None:
+            log(describe(cores, program.world_size, bind_cores))
         program_ref = ray.put(program)
         calls = [
             w.setup.remote(
@@ -229,6 +239,7 @@ class Runtime:
                 seed,
                 on_nan == "skip-step",
                 fuse_loss_backward=fuse_loss_backward,
+                cores=cores.get(rank, ()),
             )
             for rank, w in enumerate(self._workers)
         ]

@@ -33,6 +33,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import os
+import socket
 import sys
 import threading
 import time
@@ -50,6 +51,7 @@ from piper_runtime.backends import Backend, BackendFactory, backend_factory
 from piper_runtime.batch import from_wire, split_microbatches
 from piper_runtime.comms import Communicators
 from piper_runtime.compute import COMPUTE_PHASES, SegmentCompute
+from piper_runtime.cores import bind_this_thread, host_cores, thread_cores
 from piper_runtime.data_parallel import DataParallel
 from piper_runtime.evaluation import ForwardStep
 from piper_runtime.executor import Executor
@@ -98,9 +100,21 @@ class RankWorker:
         self._saving: SaveSide | None = None
         self._progress: Progress | None = None
         self._backup: StateBackup | None = None
+        self._cores: tuple[int, ...] = ()  # what the thread that runs steps is bound to
+        self._bound_thread: int | None = None
 
     def ping(self) -> int:
         return os.getpid()
+
+    def host(self) -> tuple[str, tuple[int, ...]]:
+        """This worker's host, as the machine's name and the cores it gives its workers (the
+        ranks of one host share those: ``piper_runtime.cores``)."""
+        cores = host_cores()
+        return f"{socket.gethostname()}/{','.join(map(str, cores))}", cores
+
+    def cores(self) -> tuple[int, ...]:
+        """The cores the thread that runs this worker's calls may use."""
+        return thread_cores()
 
     def open_rendezvous(self, address: str) -> int:
         """On rank 0, before ``setup``: listen on ``address`` (this node's), on a port chosen
@@ -122,6 +136,7 @@ class RankWorker:
         seed: int | None = None,
         backup: bool = False,
         fuse_loss_backward: bool = True,
+        cores: Sequence[int] = (),
     ) -> None:
         """Join the world, keep this rank's segment modules, build the optimizers.
         ``backend``: a registered name or a factory (``piper_runtime.backends``);
@@ -129,7 +144,9 @@ class RankWorker:
         collective, an event); ``threads``: one thread per stream (else one sequential walk
         of the plan); ``backup``: keep the state from before each step, for ``restore``;
         ``fuse_loss_backward``: run a loss's ``B`` together with its stage's where the plan
-        allows (``piper_runtime.compute``; off: each segment's time alone in a profile); ``seed``:
+        allows (``piper_runtime.compute``; off: each segment's time alone in a profile);
+        ``cores``: bind the thread that runs steps to these (``piper_runtime.cores``; empty:
+        every core of the host); ``seed``:
         what every forward's random numbers are drawn from (``piper_runtime.randomness``;
         ``Runtime`` always gives one). ``None`` leaves the process's generators as they are,
         with no lock: for a backend that runs several ranks in one process, whose forwards
@@ -207,6 +224,14 @@ class RankWorker:
             progress=self._progress,
         )
         self._forward: ForwardStep | None = None
+        # Last, so the threads made while joining the world (the communication library's)
+        # keep the whole host; those the step thread starts from now on inherit its cores.
+        self._bind(tuple(cores))
+
+    def _bind(self, cores: tuple[int, ...]) -> None:
+        """Bind the calling thread (the one that runs this worker's calls) to ``cores``."""
+        bind_this_thread(cores)
+        self._cores, self._bound_thread = cores, threading.get_ident()
 
     def load_forward(self, program: Program) -> None:
         """Keep ``program``, a forward-only step of the same world, for ``run_forward``
@@ -253,6 +278,8 @@ class RankWorker:
         (``None``: the one of the step before); ``memory`` accounts the rank's memory over
         the step (``StepOutput.memory``, else ``None``), at a cost per instruction."""
         self._step += 1
+        if self._cores and self._bound_thread != threading.get_ident():
+            self._bind(self._cores)  # Ray ran this call on another thread than setup
         if lr is not None:
             self._optimizers.set_lr(lr)
         started = time.perf_counter()
@@ -287,6 +314,7 @@ class RankWorker:
             collective_seconds(self._modules),
             st.grad_norm,
             tuple(st.nonfinite),
+            started,
         )
 
     def run_steps(self, steps: Sequence[tuple[Mapping[str, Any], bool, bool, float | None, bool]]) -> list[StepOutput]:
@@ -369,6 +397,8 @@ class RankWorker:
         process's are. Only a run that ended cleanly is reset (``Runtime`` kills the actors
         of a failed one). Returns the process id."""
         self.shutdown()
+        if self._cores:
+            bind_this_thread(None)  # the next run decides anew
         fresh = self._fresh
         self.__dict__.clear()
         self._fresh = fresh

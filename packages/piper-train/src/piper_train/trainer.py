@@ -69,7 +69,9 @@ class Trainer:
     it is per GPU, so with ``ranks_per_gpu`` N each rank may use 1/N of it.
     ``threads=False`` runs each rank's plan sequentially instead of one thread per stream;
     ``fuse_loss_backward=False`` keeps each loss's backward apart from its stage's (a profile
-    then times every segment alone; ``piper_runtime.compute``).
+    then times every segment alone; ``piper_runtime.compute``). ``bind_cores=False`` leaves
+    the ranks' threads to the operating system instead of binding each rank to cores of its
+    own where a host has a core per rank (``piper_runtime.cores``).
     ``seed``: what random numbers (dropout) are drawn from, per (region, microbatch, step,
     replica), so every strategy draws the same masks (``piper_runtime.randomness``);
     ``precision`` (``"bf16"``): compute in that dtype on fp32 master weights, gradients and
@@ -112,6 +114,7 @@ class Trainer:
         log: Callable[[str], None] | None = None,
         threads: bool = True,
         fuse_loss_backward: bool = True,
+        bind_cores: bool = True,
         seed: int = 0,
         precision: str | None = None,
         backend: str | None = None,
@@ -163,6 +166,7 @@ class Trainer:
             on_nan=on_nan,
             threads=threads,
             fuse_loss_backward=fuse_loss_backward,
+            bind_cores=bind_cores,
             seed=seed,
             by_value=captured.user_modules,  # the model file, its neighbours: by value to the workers
             backend=backend,

@@ -205,6 +205,10 @@ def _add_train(p: argparse.ArgumentParser) -> None:
                    help="send up to N consecutive steps to the workers in one call (saves about a millisecond per "
                         "step and rank: worth it when a step takes a few milliseconds; results then arrive in "
                         "bursts; not with --on-nan skip-step; default: 1)")
+    p.add_argument("--no-bind-cores", action="store_true",
+                   help="leave the ranks' threads to the operating system; by default each rank's step threads "
+                        "are bound to cores of their own where a host has a core per rank (turn it off when "
+                        "other jobs share the machine's cores)")
     p.add_argument("--on-nan", choices=["stop", "skip-step", "continue"], default="stop",
                    help="a NaN or Inf loss or gradient: stop the run (exit code 3) naming the step, microbatch and "
                         "rank where it first appeared; skip-step: undo that step (parameters and optimizer state "

@@ -106,7 +106,7 @@ def train_command(args: argparse.Namespace) -> int:
             lr_schedule=_schedule(args, total), clip_grad_norm=args.clip_grad_norm,
             measure_grad_norm=args.log_grad_norm, backend=args.backend, placement=args.placement,
             ranks_per_gpu=args.ranks_per_gpu, seed=args.seed, precision=args.precision,
-            timeout_s=args.timeout, on_nan=args.on_nan,
+            timeout_s=args.timeout, on_nan=args.on_nan, bind_cores=not args.no_bind_cores,
         ))
         say(args, f"workers up after {time.perf_counter() - started:.1f} s")
         if args.profile_step is not None:
