@@ -79,7 +79,7 @@ def test_missing_tensorboard_and_bad_flags_are_refused_before_workers_start(tmp_
         (["--clip-grad-norm", "0"], "--clip-grad-norm must be > 0"),
         (["--epochs", "0"], "--epochs must be >= 1"),
         (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
-        (["--steps-per-call", "0"], "--steps-per-call must be >= 1"),
+        (["--steps-per-call", "0"], "argument --steps-per-call: must be a number >= 1 or auto, got '0'"),
         (["--steps-per-call", "2", "--on-nan", "skip-step"], "cannot be combined with --on-nan skip-step"),
     ]:
         with pytest.raises(SystemExit) as exit_:

@@ -21,6 +21,7 @@ import torch
 
 from piper_directives import build_schedule
 from piper_runtime import OptimizerSpec
+from piper_train import call_size
 from piper_train.check import run_check
 from piper_train.cli import main
 from piper_train.loop import fit
@@ -97,6 +98,26 @@ def test_evaluation_between_steps_leaves_training_exact() -> None:
             trainer.submit_steps([workload.batches(2), ((torch.zeros(16, 31, dtype=torch.float64),), targets)])
         assert trainer.state.step == 2 and trainer.state.lr.state_dict() == lr  # nothing was sent or counted
         params = trainer.parameters()
+    for name, p in reference.parameters().items():
+        torch.testing.assert_close(params[name], p, rtol=1e-9, atol=1e-12)
+
+
+def test_fit_sizes_its_calls_automatically_and_still_matches_one_device(monkeypatch) -> None:
+    """``steps_per_call="auto"`` (the default): single steps while the first three are
+    timed, then as many steps per call as the pace allows (here, with the call's target made
+    huge, the cap or what is left); every step is still the one-device step."""
+    monkeypatch.setattr(call_size, "AUTO_CALL_S", 1e6)
+    workload = build_model("mlp", stages=2, seed=3, dtype=torch.float64)
+    optimizer = OptimizerSpec("adam", 1e-2)
+    reference = ReferenceTrainer(workload.model, workload.loss_fn, optimizer, 4)
+    with Trainer.with_schedule(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
+                               schedule="1f1b", pp=2, microbatches=4, optimizer=optimizer) as trainer:
+        run = fit(trainer, iter([workload.batches(k) for k in range(9)]), steps=9)
+        params = trainer.parameters()
+    # A call is sent while the one before it runs: the fifth is the first sized by the pace.
+    assert run.calls == (1, 1, 1, 1, 5)
+    for k, metrics in enumerate(run.steps):
+        assert metrics.loss == pytest.approx(reference.step(*workload.batches(k)).loss, rel=1e-10)
     for name, p in reference.parameters().items():
         torch.testing.assert_close(params[name], p, rtol=1e-9, atol=1e-12)
 

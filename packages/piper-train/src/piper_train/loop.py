@@ -4,12 +4,13 @@ The loop draws each step's batch from an iterator of ``(inputs, targets)`` (a
 ``BatchStream``, or a ``Prefetcher`` over one so the next batch loads while the workers run
 this step), runs each step at the schedule's learning rate, and hands ``StepMetrics``
 (loss, learning rate, gradient norm, step time, samples/s, tokens/s, peak memory per rank,
-ETA) to each sink; the next step (or call of ``steps_per_call`` steps,
-``Trainer.submit_steps``) is sent while this one computes. It stops after ``steps`` steps
-of the trainer's ``TrainState`` (so a trainer restored from a checkpoint continues to the
-same end), after ``epochs`` epochs (without drawing a batch past them when the data knows
-its length), or when the data ends. With ``eval_every`` it evaluates ``held_out``
-after every that many steps. The batch stream is the ``TrainState``'s ``data`` while it runs.
+ETA) to each sink; the next call (of one or more steps, ``Trainer.submit_steps``: as many
+as ``steps_per_call`` says, ``piper_train.call_size``) is sent while this one computes. It
+stops after ``steps`` steps of the trainer's ``TrainState`` (so a trainer restored from a
+checkpoint continues to the same end), after ``epochs`` epochs (without drawing a batch
+past them when the data knows its length), or when the data ends. With ``eval_every`` it
+evaluates ``held_out`` after every that many steps. The batch stream is the
+``TrainState``'s ``data`` while it runs.
 
 Checkpoints (``Checkpoints``): every ``every`` steps and at the end, into ``root``, keeping
 the newest ``keep``; ``resume`` continues from the latest complete one. A root that already
@@ -34,6 +35,7 @@ import attrs
 from piper_ir import CheckpointError, ExecutionError, NumericalError
 from piper_runtime import PendingStep
 from piper_train.batches import Batch
+from piper_train.call_size import AUTO, CallSize
 from piper_train.checkpoints import Checkpoints, prune
 from piper_train.metrics import EvalMetrics, Sink, StepMetrics
 from piper_train.trainer import Trainer, batch_tokens
@@ -60,6 +62,7 @@ class FitResult:
     evals: tuple[EvalMetrics, ...]
     restarts: tuple[Restart, ...] = ()
     checkpoints: tuple[Path, ...] = ()  # written by this run, oldest first
+    calls: tuple[int, ...] = ()  # the steps of each call sent to the workers, in order
 
 
 def evaluate(trainer: Trainer, held_out: Callable[[int], Batch], batches: int) -> EvalMetrics:
@@ -86,7 +89,7 @@ def fit(
     resume: bool = False,
     max_restarts: int = 0,
     memory_every: int = MEMORY_EVERY,
-    steps_per_call: int = 1,
+    steps_per_call: int | str = AUTO,
 ) -> FitResult:
     """Train until ``steps`` steps (counted by ``trainer.state.step``) or ``epochs`` epochs
     are done, or ``data`` ends (module doc). ``data`` reports its position through
@@ -107,13 +110,16 @@ def fit(
     to a checkpoint or the start either way).
 
     ``steps_per_call``: send up to that many consecutive steps in one call per rank
-    (``Trainer.submit_steps``; Keras calls it ``steps_per_execution``), one call kept in
+    (``Trainer.submit_steps``; tf.keras calls it ``steps_per_execution``), one call kept in
     flight ahead, each call ending at the latest on a step after which the workers must be
     quiet. Each step computes what it would alone; what is saved is a call's overhead per
     step, about a millisecond per rank on a 2-core host, which matters for a model whose
     step takes a few milliseconds. The results of a call arrive together, so the sinks see
-    them in bursts and ``step_seconds`` is the call's time divided by its steps. Not with
-    ``on_nan="skip-step"``."""
+    them in bursts and ``step_seconds`` is the call's time divided by its steps. ``"auto"``
+    (the default) sends single steps while it measures the pace, then as many as fit in
+    about 50 ms (at most 16; one for a step that takes that long; ``piper_train.call_size``).
+    A number above 1 is refused with ``on_nan="skip-step"``, which ``"auto"`` runs one step
+    per call."""
     if steps is None and epochs is None:
         raise ValueError("fit needs steps or epochs")
     if eval_every and held_out is None:
@@ -122,11 +128,11 @@ def fit(
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     if memory_every < 1:
         raise ValueError(f"memory_every must be >= 1, got {memory_every}")
-    if steps_per_call < 1:
-        raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
-    if steps_per_call > 1 and trainer.runtime.on_nan == "skip-step":
+    undoable = trainer.runtime.on_nan == "skip-step"
+    if steps_per_call != AUTO and isinstance(steps_per_call, int) and steps_per_call > 1 and undoable:
         raise ValueError("steps_per_call > 1 cannot be combined with on_nan='skip-step' (a step is undone before "
                          "the next one runs)")
+    call_size = CallSize(steps_per_call, single=undoable)  # ValueError for a size below 1
     state = trainer.state
     state.data = data if hasattr(data, "state_dict") else None  # type: ignore[assignment]
     if checkpoints is not None:
@@ -147,6 +153,7 @@ def fit(
     history: list[StepMetrics] = []
     evals: list[EvalMetrics] = []
     paces: list[float] = []
+    sizes: list[int] = []  # of the calls sent
     restarts: list[Restart] = []
     written: list[Path] = []
     saved_at = state.step if resume else -1
@@ -183,11 +190,12 @@ def fit(
         return evaluating or saving
 
     def send() -> list[_Flight]:
-        """Draw up to ``steps_per_call`` batches, as far as the next step after which the
+        """Draw up to ``call_size.next()`` batches, as far as the next step after which the
         workers must be quiet, and send them in one call; their flights."""
         nonlocal ended
         drawn: list[tuple[Batch, int, float]] = []  # (batch, epoch, seconds waited for it)
-        while not ended and len(drawn) < steps_per_call:
+        limit = call_size.next()
+        while not ended and len(drawn) < limit:
             number = state.step + 1 + len(drawn)
             if (steps is not None and number > steps) or (in_epochs is not None and number > in_epochs):
                 # Not even drawn: the data's position stays at the end of the last epoch, so a
@@ -215,6 +223,7 @@ def fit(
             memory=[n <= 2 or n % memory_every == 0 for n in numbers],
         )
         call = _Call(time.perf_counter(), len(drawn))
+        sizes.append(len(drawn))
         return [
             _Flight(n, pending, epoch, waited, call, batch_tokens(tuple(batch[0])))
             for n, pending, (batch, epoch, waited) in zip(numbers, pendings, drawn, strict=True)
@@ -255,6 +264,7 @@ def fit(
             t2 = time.perf_counter()
             call.seconds_per_step = (t2 - max(call.submitted, last_done)) / call.steps
             last_done = t2
+            call_size.observe(call.seconds_per_step, call.steps)
         seconds = call.seconds_per_step
         paces.append(seconds + flight.data_seconds)
         # The first step includes warm-up (threads, communicators): leave it out of the pace.
@@ -294,7 +304,7 @@ def fit(
             inflight.clear()
         if quiet_after(flight.step):
             last_done = time.perf_counter()
-    return FitResult(tuple(history), tuple(evals), tuple(restarts), tuple(written))
+    return FitResult(tuple(history), tuple(evals), tuple(restarts), tuple(written), tuple(sizes))
 
 
 @attrs.define

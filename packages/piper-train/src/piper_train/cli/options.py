@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from piper_directives import SCHEDULES
+from piper_train.call_size import parse_steps_per_call
 from piper_train.metrics import dumps
 from piper_train.schedule import SCHEDULES as LR_SCHEDULES
 
@@ -186,6 +187,13 @@ def add_tune(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress-bar", action="store_true", help="no progress bar even on a terminal")
 
 
+def _steps_per_call(text: str) -> int | str:
+    try:
+        return parse_steps_per_call(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 1 or auto, got {text!r}") from None
+
+
 def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="training steps (default: 20, unless --epochs is given)")
     p.add_argument("--epochs", type=int, default=None, help="passes over the model's data (with --steps: whichever "
@@ -201,10 +209,11 @@ def _add_train(p: argparse.ArgumentParser) -> None:
                    "Chrome/Perfetto trace and a Gantt PNG")
     p.add_argument("--profile-dir", type=Path, default=Path("."), help="where --profile-step writes (default: .)")
     p.add_argument("--no-progress-bar", action="store_true", help="plain progress lines even on a terminal")
-    p.add_argument("--steps-per-call", type=int, default=1,
+    p.add_argument("--steps-per-call", type=_steps_per_call, default="auto", metavar="N|auto",
                    help="send up to N consecutive steps to the workers in one call (saves about a millisecond per "
                         "step and rank: worth it when a step takes a few milliseconds; results then arrive in "
-                        "bursts; not with --on-nan skip-step; default: 1)")
+                        "bursts; N above 1 not with --on-nan skip-step); auto: one step per call while the pace "
+                        "is measured, then as many as take about 50 ms, at most 16 (default: auto)")
     p.add_argument("--no-bind-cores", action="store_true",
                    help="leave the ranks' threads to the operating system; by default each rank's step threads "
                         "are bound to cores of their own where a host has a core per rank (turn it off when "
@@ -298,8 +307,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if (getattr(args, name, 0) or 0) < 0:
             parser.error(f"--{name} must be >= 0")
     for name in ("pp", "microbatches", "steps", "dp", "tp", "ep", "epochs", "batch_size", "profile_step",
-                 "lr_step_size", "ranks_per_gpu", "devices", "stages", "top", "validate_steps", "profile_steps",
-                 "steps_per_call"):
+                 "lr_step_size", "ranks_per_gpu", "devices", "stages", "top", "validate_steps", "profile_steps"):
         value = getattr(args, name, None)
         if value is not None and min(value if isinstance(value, list) else [value]) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -320,7 +328,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if getattr(args, "zero", 0) and getattr(args, "dp", 1) < 2 and getattr(args, "ep", 1) < 2:
         parser.error("--zero shards over data-parallel replicas: it needs --dp 2 or more (or --ep 2 or more, "
                      "whose group is data-parallel for the non-expert weights)")
-    if getattr(args, "steps_per_call", 1) > 1 and getattr(args, "on_nan", None) == "skip-step":
+    per_call = getattr(args, "steps_per_call", 1)
+    if isinstance(per_call, int) and per_call > 1 and getattr(args, "on_nan", None) == "skip-step":
         parser.error("--steps-per-call above 1 cannot be combined with --on-nan skip-step (a step is undone before "
                      "the next one runs)")
     if getattr(args, "keep_checkpoints", 1) < 1:
