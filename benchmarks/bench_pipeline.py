@@ -12,7 +12,10 @@ printed: the slowest rank's time inside its step ("in-worker") and the same Trai
 one call at a time (``Trainer.step``: a driver round trip per step, "sync"), the same
 Trainer sending ``--steps-per-call`` steps in one call per rank ("N per call":
 ``Trainer.submit_steps`` with one call in flight ahead, as ``piper train --steps-per-call N``
-runs; the time between calls' results over their steps), and the CPU
+runs; the time between calls' results over their steps), the same Trainer under ``fit``
+with its default ``steps_per_call="auto"`` ("fit": what ``piper train`` runs; single steps
+while the first few are timed, then as many per call as take about 50 ms; the steps after
+those first four, ``StepMetrics.step_seconds``), and the CPU
 time the ranks' processes spent per step (all threads, summed over ranks), Piper's over
 torch's: on an oversubscribed machine wall times follow the load, CPU time much less.
 
@@ -51,10 +54,12 @@ from torch_pipelining import CHUNKS, run_torch_pipeline
 from piper_runtime import OptimizerSpec, ensure_ray
 from piper_runtime.backends.cpu import shm_enabled
 from piper_runtime.optim import IMPLEMENTATIONS, TORCH_KEYWORDS
+from piper_train.loop import fit
 from piper_train.models import build_model
 from piper_train.trainer import Trainer
 
 LR = 1e-3
+FIT_MEASURED = 4  # fit's first steps, timed one call each before it sizes its calls
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -67,16 +72,18 @@ def _cpu_seconds(pid: int) -> float:
 def run_piper(
     schedule: str, model_name: str, pp: int, microbatches: int, steps: int, warmup: int = 1, sync_steps: int = 0,
     cpu: list[float] | None = None, grouped: list[float] | None = None, steps_per_call: int = 4,
-    implementation: str = "auto",
+    implementation: str = "auto", fitted: list[float] | None = None,
 ) -> tuple[list[float], list[float], list[float]]:
     """Pipelined step times (between results), in-worker times, and sync step times; ``cpu``
     receives the workers' CPU seconds per pipelined step, summed over ranks; ``grouped``
     receives step times with ``steps_per_call`` steps per call (``Trainer.submit_steps``,
     one call in flight ahead, as ``fit(steps_per_call=...)`` runs): the time between
-    consecutive calls' results over their steps."""
+    consecutive calls' results over their steps; ``fitted`` receives ``fit``'s step times
+    (its default call sizes) after its first ``FIT_MEASURED`` steps."""
     spec = build_model(model_name, stages=pp * CHUNKS[schedule])
     calls = max(3, steps // steps_per_call + 1) if grouped is not None else 0
-    batches = [spec.batches(step) for step in range(warmup + steps + sync_steps + calls * steps_per_call)]
+    fit_steps = FIT_MEASURED + 2 * steps if fitted is not None else 0
+    batches = [spec.batches(step) for step in range(warmup + steps + sync_steps + calls * steps_per_call + fit_steps)]
     with Trainer.with_schedule(
         spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn,
         schedule=schedule, pp=pp, microbatches=microbatches, optimizer=OptimizerSpec("adamw", LR, implementation=implementation),
@@ -107,7 +114,7 @@ def run_piper(
             t0 = time.perf_counter()
             trainer.step(*batch)
             sync.append(time.perf_counter() - t0)
-        rest = batches[warmup + steps + sync_steps :]
+        rest = batches[warmup + steps + sync_steps : len(batches) - fit_steps]
         last, previous = None, None
         for c in range(calls):
             ahead_call = trainer.submit_steps(rest[c * steps_per_call : (c + 1) * steps_per_call])
@@ -121,6 +128,9 @@ def run_piper(
         if previous is not None:
             previous[-1].result()
             grouped.extend([(time.perf_counter() - last) / steps_per_call] * steps_per_call)
+        if fitted is not None:
+            run = fit(trainer, iter(batches[len(batches) - fit_steps :]), steps=trainer.state.step + fit_steps)
+            fitted.extend(m.step_seconds for m in run.steps[FIT_MEASURED:])
     return times, inside, sync
 
 
@@ -133,6 +143,7 @@ def compare(
 ) -> dict[str, float]:
     torch_t: list[float] = []
     grouped: list[float] = []
+    fitted: list[float] = []
     piper_t: list[float] = []
     inside: list[float] = []
     sync: list[float] = []
@@ -146,7 +157,8 @@ def compare(
 
     def piper_side() -> None:
         t, i, s = run_piper(schedule, model, pp, microbatches, steps, sync_steps=max(2, steps // 2), cpu=piper_cpu,
-                            grouped=grouped, steps_per_call=steps_per_call, implementation=implementation)
+                            grouped=grouped, steps_per_call=steps_per_call, implementation=implementation,
+                            fitted=fitted)
         piper_t.extend(t)
         inside.extend(i)
         sync.extend(s)
@@ -160,7 +172,7 @@ def compare(
         rounds.append(statistics.median(piper_t[before[1]:]) / statistics.median(torch_t[before[0]:]))
     t, p = statistics.median(torch_t), statistics.median(piper_t)
     return {"torch": t, "piper": p, "inside": statistics.median(inside), "sync": statistics.median(sync),
-            "grouped": statistics.median(grouped), "low": min(rounds), "high": max(rounds),
+            "grouped": statistics.median(grouped), "fit": statistics.median(fitted), "low": min(rounds), "high": max(rounds),
             "load": statistics.fmean(loads), "cpu": statistics.median(piper_cpu) / statistics.median(torch_cpu)}
 
 
@@ -188,7 +200,7 @@ def main() -> None:
     k = args.steps_per_call
     header = (f"{'model':<12} {'schedule':<17} {'pp':>2} {'torch ms':>9} {'piper ms':>9} {'piper/torch':>12}"
               f" {'by round':>10}"
-              f" {f'{k} per call/torch':>17} {'in-worker/torch':>16} {'sync/torch':>11} {'CPU/torch':>10} {'load':>5}")
+              f" {f'{k} per call/torch':>17} {'fit/torch':>10} {'in-worker/torch':>16} {'sync/torch':>11} {'CPU/torch':>10} {'load':>5}")
     print(header + "\n" + "-" * len(header), flush=True)
     for model in args.models.split(","):
         for pp in args.pp:
@@ -198,7 +210,7 @@ def main() -> None:
                 spread = f"{r['low']:.2f}-{r['high']:.2f}"
                 print(f"{model:<12} {schedule:<17} {pp:>2} {r['torch'] * 1e3:>9.1f} {r['piper'] * 1e3:>9.1f}"
                       f" {r['piper'] / r['torch']:>12.2f} {spread:>10}"
-                      f" {r['grouped'] / r['torch']:>17.2f}"
+                      f" {r['grouped'] / r['torch']:>17.2f} {r['fit'] / r['torch']:>10.2f}"
                       f" {r['inside'] / r['torch']:>16.2f}"
                       f" {r['sync'] / r['torch']:>11.2f} {r['cpu']:>10.2f} {r['load']:>5.1f}", flush=True)
 
