@@ -15,10 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
+import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+from stepping import pipelined
 
 from piper_runtime import OptimizerSpec
 from piper_train.models import build_model
@@ -37,16 +41,7 @@ def steps_per_mode(model: str, schedule: str, pp: int, microbatches: int, steps:
     ) as trainer:
         for batch in batches[:2]:
             trainer.step(*batch)
-        times = []
-        last = time.perf_counter()
-        pending = trainer.submit(*batches[2])
-        for batch in [*batches[3:], None]:
-            ahead = trainer.submit(*batch) if batch is not None else None
-            pending.result()
-            now = time.perf_counter()
-            times.append(now - last)
-            last, pending = now, ahead
-    return times
+        return [seconds for seconds, _ in pipelined(trainer, batches[2:])]
 
 
 def main() -> None:

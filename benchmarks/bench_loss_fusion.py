@@ -17,10 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
+import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+from stepping import pipelined
 
 from piper_runtime import OptimizerSpec
 from piper_train.models import build_model
@@ -36,17 +40,9 @@ def run(spec, schedule: str, pp: int, microbatches: int, steps: int, fuse: bool)
     ) as trainer:
         batches = [spec.batches(s) for s in range(steps + 2)]
         trainer.step(*batches[0])  # warm-up
-        times, inside = [], []
-        pending = trainer.submit(*batches[1])
-        last = time.perf_counter()
-        for batch in batches[2:]:
-            ahead = trainer.submit(*batch)
-            inside.append(max(pending.result().worker_seconds))
-            now = time.perf_counter()
-            times.append(now - last)
-            last, pending = now, ahead
-        pending.result()
-    return statistics.median(times), statistics.median(inside)
+        stepped = pipelined(trainer, batches[1:])[1:]  # the first: from its submission
+    return (statistics.median(seconds for seconds, _ in stepped),
+            statistics.median(max(result.worker_seconds) for _, result in stepped))
 
 
 def main() -> None:

@@ -29,11 +29,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+from stepping import pipelined
 
 from piper_ir import NodeKind, Program
 from piper_runtime import OptimizerSpec, StepResult
@@ -102,14 +107,8 @@ def main() -> None:
                         result = trainer.step(*batch, profile=True, memory=True)
                         rows[mode].append(breakdown(program, result, time.perf_counter() - t0))
                 else:
-                    last = time.perf_counter()
-                    pending = trainer.submit(*batches[0], profile=True)
-                    for k in range(args.steps):
-                        ahead = trainer.submit(*batches[k + 1], profile=True) if k + 1 < args.steps else None
-                        result = pending.result()
-                        now = time.perf_counter()
-                        rows[mode].append(breakdown(program, result, now - last))
-                        last, pending = now, ahead
+                    for seconds, result in pipelined(trainer, batches, profile=True):
+                        rows[mode].append(breakdown(program, result, seconds))
                 loads.append(os.getloadavg()[0])
     print(f"Step breakdown: {args.model}, 1F1B, pp={args.pp}, {args.microbatches} microbatches, AdamW; ms per step "
           f"on the slowest rank, medians of {args.steps * args.rounds} steps per mode; load average "

@@ -28,11 +28,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
+import sys
 from collections import defaultdict
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+from stepping import pipelined
 
 from piper_ir import Instruction, NodeKind, Program
 from piper_runtime import OptimizerSpec, StepResult
@@ -146,16 +150,7 @@ def main() -> None:
         program = trainer.program
         for k in range(3):
             trainer.step(*spec.batches(k))  # warm-up
-        batches = [spec.batches(3 + k) for k in range(args.steps)]
-        results: list[tuple[float, StepResult]] = []
-        last = time.perf_counter()
-        pending = trainer.submit(*batches[0], profile=True)
-        for k in range(args.steps):
-            ahead = trainer.submit(*batches[k + 1], profile=True) if k + 1 < args.steps else None
-            result = pending.result()
-            now = time.perf_counter()
-            results.append((now - last, result))
-            last, pending = now, ahead
+        results = pipelined(trainer, [spec.batches(3 + k) for k in range(args.steps)], profile=True)
     rows = [analyse(program, r) for _, r in results]
     boundary = between_steps([r for _, r in results])
     print(f"{args.model}, {args.schedule}, pp={args.pp}, {args.microbatches} microbatches: medians of "

@@ -6,8 +6,8 @@ idle core it considers close, and on a virtual machine whose cores share no cach
 topology it finds none: the receiver then waits behind the sender's computation (0.3-2 ms,
 up to the scheduler's time slice) while the other core idles. A scheduler trace of the
 ``mlp`` model's 1F1B step at pp=2 on a 2-core VM showed rank 0 runnable but not running for
-21-24 ms of every 170 ms; torch's ranks, woken by gloo's threads (which sleep at once),
-waited 0.5 ms. A rank bound to a core of its own is woken there.
+up to 21 ms of 170 ms; torch's ranks, woken by gloo's threads (which sleep at once), waited
+0.5 ms of 200 (docs/benchmarks.md). A rank bound to a core of its own is woken there.
 
 What is bound: the thread that runs the rank's steps, from the end of ``RankWorker.setup``
 on, and so every thread it starts (the lanes of a step, a channel's sender thread), which

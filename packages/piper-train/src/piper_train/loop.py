@@ -129,7 +129,7 @@ def fit(
     if memory_every < 1:
         raise ValueError(f"memory_every must be >= 1, got {memory_every}")
     undoable = trainer.runtime.on_nan == "skip-step"
-    if steps_per_call != AUTO and isinstance(steps_per_call, int) and steps_per_call > 1 and undoable:
+    if isinstance(steps_per_call, int) and steps_per_call > 1 and undoable:
         raise ValueError("steps_per_call > 1 cannot be combined with on_nan='skip-step' (a step is undone before "
                          "the next one runs)")
     call_size = CallSize(steps_per_call, single=undoable)  # ValueError for a size below 1
