@@ -73,3 +73,18 @@ class _Gone:
 
 def test_the_pool_skips_handles_of_a_cluster_that_is_gone() -> None:
     assert _answering([_Gone(), _Gone()]) == []
+
+
+@linux_affinity
+def test_cores_the_process_may_not_use_leave_the_thread_where_it_was() -> None:
+    outside = max(host_cores()) + 4096  # no such core
+    seen: dict[str, object] = {}
+
+    def step_thread() -> None:
+        seen["bound"] = bind_this_thread([outside])
+        seen["cores"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=step_thread)
+    t.start()
+    t.join()
+    assert seen == {"bound": False, "cores": set(host_cores())}

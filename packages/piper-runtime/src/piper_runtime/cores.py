@@ -65,12 +65,19 @@ def core_slices(hosts: Sequence[tuple[str, Sequence[int]]]) -> dict[int, tuple[i
     return out
 
 
-def bind_this_thread(cores: Sequence[int] | None) -> None:
+def bind_this_thread(cores: Sequence[int] | None) -> bool:
     """Bind the calling thread to ``cores``, or give it back every core of the host
-    (``None``: a pooled worker may have been bound by an earlier run)."""
+    (``None``: a pooled worker may have been bound by an earlier run). Whether it could: a
+    sandbox may forbid it, or the cores may have left the process's cpuset since they were
+    counted; the thread then stays where it was, which costs speed, not correctness."""
     target = set(cores) if cores else set(host_cores())
-    if target:
+    if not target:
+        return False
+    try:
         os.sched_setaffinity(0, target)  # Linux: pid 0 is the calling thread alone
+    except OSError:
+        return False
+    return True
 
 
 def describe(slices: Mapping[int, Sequence[int]], world_size: int, enabled: bool = True) -> str:

@@ -229,9 +229,11 @@ class RankWorker:
         self._bind(tuple(cores))
 
     def _bind(self, cores: tuple[int, ...]) -> None:
-        """Bind the calling thread (the one that runs this worker's calls) to ``cores``."""
-        bind_this_thread(cores)
-        self._cores, self._bound_thread = cores, threading.get_ident()
+        """Bind the calling thread (the one that runs this worker's calls) to ``cores``
+        (where the operating system lets it: ``cores()`` says what holds)."""
+        bound = bind_this_thread(cores)
+        self._cores = cores if bound else ()
+        self._bound_thread = threading.get_ident()
 
     def load_forward(self, program: Program) -> None:
         """Keep ``program``, a forward-only step of the same world, for ``run_forward``
