@@ -14,7 +14,6 @@ the rounds' fused/apart ratios.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-from stepping import pipelined
+from stepping import pipelined, trainer_arguments
 
 from piper_runtime import OptimizerSpec
 from piper_train.models import build_model
@@ -46,12 +45,7 @@ def run(spec, schedule: str, pp: int, microbatches: int, steps: int, fuse: bool)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="mlp")
-    parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20)
+    parser = trainer_arguments(__doc__.splitlines()[0], steps=20)
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
     spec = build_model(args.model, stages=args.pp)

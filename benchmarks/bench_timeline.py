@@ -25,7 +25,6 @@ line (µs from the earliest rank's start).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-from stepping import pipelined
+from stepping import pipelined, trainer_arguments
 
 from piper_ir import Instruction, NodeKind, Program
 from piper_runtime import OptimizerSpec, StepResult
@@ -133,12 +132,7 @@ def show(program: Program, result: StepResult) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="mlp")
-    parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=12)
+    parser = trainer_arguments(__doc__.splitlines()[0], steps=12)
     parser.add_argument("--show", action="store_true", help="print the median step's time line")
     args = parser.parse_args()
     spec = build_model(args.model, stages=args.pp * (2 if args.schedule == "interleaved_1f1b" else 1))

@@ -7,6 +7,7 @@ the time between consecutive results on the driver.
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -27,3 +28,15 @@ def pipelined(trainer: Any, batches: Sequence[Any], **options: Any) -> list[tupl
         out.append((now - last, result))
         last, pending = now, ahead
     return out
+
+
+def trainer_arguments(description: str, *, model: str = "mlp", steps: int) -> argparse.ArgumentParser:
+    """A parser with the options of one Trainer's benchmark: ``--model``, ``--schedule``,
+    ``--pp``, ``--microbatches`` and ``--steps`` (timed steps), for the caller to add to."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default=model)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=steps)
+    return parser
