@@ -44,16 +44,15 @@ class CallSize:
     def __init__(self, steps_per_call: int | str, single: bool = False) -> None:
         if steps_per_call != AUTO and not (isinstance(steps_per_call, int) and steps_per_call >= 1):
             raise ValueError(f"steps_per_call must be >= 1 or 'auto', got {steps_per_call!r}")
-        self.auto = steps_per_call == AUTO
-        self.fixed = 1 if single or self.auto else int(steps_per_call)  # type: ignore[arg-type]
-        self.single = single
+        self.auto = steps_per_call == AUTO and not single
+        self.fixed = 1 if single or steps_per_call == AUTO else int(steps_per_call)  # type: ignore[arg-type]
         self.observed = 0  # steps whose time was seen
         self.recent: deque[float] = deque(maxlen=_PACE_WINDOW)
 
     def next(self) -> int:
         """How many steps the next call may carry (it may carry fewer: the data, the end of
         the run, an evaluation or a checkpoint end it earlier)."""
-        if not self.auto or self.single or self.observed < AUTO_MEASURED_STEPS or not self.recent:
+        if not self.auto or self.observed < AUTO_MEASURED_STEPS or not self.recent:
             return self.fixed
         pace = statistics.median(self.recent)
         return max(1, min(AUTO_MAX_STEPS, int(AUTO_CALL_S / pace) if pace > 0 else AUTO_MAX_STEPS))
