@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
-from piper_runtime.cores import bind_this_thread, core_slices, describe, host_cores
+from piper_runtime import cores as cores_module
+from piper_runtime.cores import bind_this_thread, claim, core_slices, describe, host_cores, unclaimed
 from piper_runtime.pool import _answering
 
 linux_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
@@ -22,6 +27,12 @@ def test_a_cpuset_with_gaps_is_split_by_position_and_spare_cores_stay_unused() -
     assert core_slices([("a", (6, 0, 4, 2, 8))] * 2) == {0: (0, 2), 1: (4, 6)}
 
 
+def test_a_host_offers_the_cores_all_of_its_ranks_saw_free() -> None:
+    # Rank 1 looked after another job claimed core 1; rank 2 is on a host of its own.
+    hosts = [("a", (0, 1, 2)), ("a", (0, 2)), ("b", (5,))]
+    assert core_slices(hosts) == {0: (0,), 1: (2,), 2: (5,)}
+
+
 def test_a_host_with_fewer_cores_than_ranks_binds_none_of_them() -> None:
     hosts = [("small", (0, 1))] * 3 + [("big", (0, 1, 2, 3))]
     assert core_slices(hosts) == {3: (0, 1, 2, 3)}
@@ -33,7 +44,11 @@ def test_the_log_line_says_who_got_what_or_why_nobody_did() -> None:
         "cores: each rank's step threads bound to cores of their own (rank 0: 0, rank 1: 2-3, rank 2: 4,6, "
         "rank 3: unbound)"
     )
-    assert "no host has a core for each" in describe({}, 2)
+    assert describe({}, 2) == "cores: not bound (no host has a free core for each of its ranks)"
+    assert describe({0: (0,)}, 2, claimed={"h": (2, 3), "g": ()}) == (
+        "cores: each rank's step threads bound to cores of their own (rank 0: 0, rank 1: unbound; cores 2-3 of h "
+        "held by another job)"
+    )
     assert "bind_cores=False" in describe({0: (0,)}, 1, enabled=False)
 
 
@@ -88,3 +103,41 @@ def test_cores_the_process_may_not_use_leave_the_thread_where_it_was() -> None:
     t.start()
     t.join()
     assert seen == {"bound": False, "cores": set(host_cores())}
+
+
+def test_a_claim_is_all_or_nothing_and_other_processes_see_it_until_it_is_released(tmp_path: Path) -> None:
+    first = claim((0, 1), tmp_path)
+    assert first is not None and first.cores == (0, 1)
+    assert unclaimed((0, 1, 2, 3), tmp_path) == (2, 3)
+    assert claim((1, 2), tmp_path) is None  # core 1 is held: core 2 is not taken either
+    assert unclaimed((0, 1, 2, 3), tmp_path) == (2, 3)
+    first.release()
+    assert unclaimed((0, 1, 2, 3), tmp_path) == (0, 1, 2, 3)
+    both = claim((1, 2), tmp_path)
+    assert both is not None
+    both.release()
+
+
+def test_the_claims_of_a_killed_process_are_gone_with_it(tmp_path: Path) -> None:
+    """A job's claims cannot outlive it, however it ends (here SIGKILL)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import importlib.util, sys, pathlib\n"
+            f"spec = importlib.util.spec_from_file_location('cores', {cores_module.__file__!r})\n"
+            "cores = importlib.util.module_from_spec(spec); spec.loader.exec_module(cores)\n"
+            f"held = cores.claim((3,), pathlib.Path({str(tmp_path)!r}))\n"
+            "print(held.cores, flush=True); sys.stdin.read()\n"
+        )],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "(3,)"
+        assert unclaimed((2, 3), tmp_path) == (2,)
+        assert claim((3,), tmp_path) is None
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    assert unclaimed((2, 3), tmp_path) == (2, 3)
+    mine = claim((3,), tmp_path)
+    assert mine is not None
+    mine.release()

@@ -21,12 +21,23 @@ ranks binds none of them (round robin measured no faster than floating: two rank
 core serialise their computations). DeepSpeed's ``--bind_cores_to_rank`` and torchrun's NUMA
 binding do the same for the same reason. ``Runtime(bind_cores=False)`` leaves every thread
 where the operating system puts it.
+
+Several jobs on one machine (two runs, or test processes side by side): a bound rank holds a
+claim on each of its cores (``CoreClaim``: an exclusive ``flock`` on a file per core in
+``claims_dir()``, which the kernel releases when the process dies, however it dies). The
+cores a host offers are those no other process claims (``unclaimed``), so a second job splits
+what the first left, or binds nothing, instead of stacking its ranks on the first job's
+cores. A claim lost to a job that started at the same moment leaves that rank unbound.
+Jobs see each other's claims when they run as one user with one temporary directory.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 
 def host_cores() -> tuple[int, ...]:
@@ -48,13 +59,14 @@ def thread_cores() -> tuple[int, ...]:
 
 def core_slices(hosts: Sequence[tuple[str, Sequence[int]]]) -> dict[int, tuple[int, ...]]:
     """Rank -> the cores its step threads are bound to, from each rank's (host id, cores the
-    host gives its workers) in rank order (module doc's policy). Ranks of a host with fewer
-    cores than ranks are absent."""
+    host offers its workers) in rank order (module doc's policy). A host offers the cores
+    every one of its ranks saw free. Ranks of a host with fewer cores than ranks are absent."""
     ranks: dict[str, list[int]] = {}
-    cores: dict[str, tuple[int, ...]] = {}
+    offered: dict[str, set[int]] = {}
     for rank, (host, available) in enumerate(hosts):
         ranks.setdefault(host, []).append(rank)
-        cores.setdefault(host, tuple(sorted(available)))
+        offered[host] = offered[host] & set(available) if host in offered else set(available)
+    cores = {host: tuple(sorted(free)) for host, free in offered.items()}
     out: dict[int, tuple[int, ...]] = {}
     for host, members in ranks.items():
         width = len(cores[host]) // len(members)
@@ -80,16 +92,87 @@ def bind_this_thread(cores: Sequence[int] | None) -> bool:
     return True
 
 
-def describe(slices: Mapping[int, Sequence[int]], world_size: int, enabled: bool = True) -> str:
-    """One line for the run's log: which rank got which cores, or why none did."""
+def claims_dir() -> Path:
+    """Where the claims of this user's jobs on this machine live (one file per core)."""
+    return Path(tempfile.gettempdir()) / f"piper-cores-{os.getuid()}"
+
+
+class CoreClaim:
+    """This process's exclusive claim on some cores (module doc): held until ``release``, or
+    until the process ends."""
+
+    def __init__(self, cores: tuple[int, ...], files: list[int]) -> None:
+        self.cores = cores
+        self._files = files
+
+    def release(self) -> None:
+        for fd in self._files:
+            os.close(fd)  # closing the file drops its lock
+        self._files = []
+
+
+def claim(cores: Sequence[int], directory: Path | None = None) -> CoreClaim | None:
+    """Claim every core of ``cores`` for this process, or none of them: ``None`` when another
+    process holds one (or the claims cannot be made: binding is never worth failing a run)."""
+    files: list[int] = []
+    try:
+        for core in cores:
+            fd = _open(core, directory)
+            files.append(fd)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        for fd in files:
+            os.close(fd)
+        return None
+    return CoreClaim(tuple(cores), files)
+
+
+def unclaimed(cores: Sequence[int], directory: Path | None = None) -> tuple[int, ...]:
+    """The cores of ``cores`` no process claims at this moment (a shared lock, taken and
+    dropped at once, succeeds only where no claim is held; two processes looking at once do
+    not see each other's looks)."""
+    free = []
+    for core in cores:
+        try:
+            fd = _open(core, directory)
+        except OSError:
+            return tuple(cores)  # no claims can be made here: none are held either
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            free.append(core)
+        except OSError:
+            pass  # held by another process's claim
+        finally:
+            os.close(fd)  # drops the shared lock too
+    return tuple(free)
+
+
+def _open(core: int, directory: Path | None) -> int:
+    directory = directory or claims_dir()
+    directory.mkdir(mode=0o700, exist_ok=True)
+    return os.open(directory / f"cpu{core}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
+def describe(
+    slices: Mapping[int, Sequence[int]],
+    world_size: int,
+    enabled: bool = True,
+    claimed: Mapping[str, Sequence[int]] | None = None,
+) -> str:
+    """One line for the run's log: which rank got which cores, or why none did; ``claimed``:
+    by host name, the cores other jobs held when this one looked."""
     if not enabled:
         return "cores: not bound (bind_cores=False)"
+    held = "".join(
+        f"; cores {_span(sorted(cores))} of {host} held by another job"
+        for host, cores in sorted((claimed or {}).items()) if cores
+    )
     if not slices:
-        return "cores: not bound (no host has a core for each of its ranks)"
+        return f"cores: not bound (no host has a free core for each of its ranks{held})"
     shown = ", ".join(
         f"rank {r}: {_span(slices[r])}" if r in slices else f"rank {r}: unbound" for r in range(world_size)
     )
-    return f"cores: each rank's step threads bound to cores of their own ({shown})"
+    return f"cores: each rank's step threads bound to cores of their own ({shown}{held})"
 
 
 def _span(cores: Sequence[int]) -> str:

@@ -82,9 +82,10 @@ class Runtime:
     logical streams on threads of their own (the default); ``False`` walks each rank's plan
     sequentially, the same plan on one stream. ``fuse_loss_backward=False`` runs every loss
     backward apart from its stage's (``piper_runtime.compute``): the same results, and a
-    profile that times each segment alone. ``bind_cores``: where a host has a core per rank,
-    bind each rank's step threads to cores of its own (``piper_runtime.cores``; ``log``
-    hears which); ``False`` leaves them to the operating system.
+    profile that times each segment alone. ``bind_cores``: where a host has a free core per rank
+    (one no other job's rank claims), bind each rank's step threads to cores of its own
+    (``piper_runtime.cores``; ``log`` hears which); ``False`` leaves them to the operating
+    system.
 
     ``backend``: a registered backend name, or ``None`` to choose (``cuda`` when the cluster
     has a GPU for every rank and the CUDA backend can run there, else ``cpu``; the choice and
@@ -218,11 +219,11 @@ class Runtime:
         (port,) = self._gather([self._workers[0].open_rendezvous.remote(address0)], setup_timeout_s, "rendezvous")
         self.rendezvous = (address0, port)
         cores: dict[int, tuple[int, ...]] = {}
+        claimed: dict[str, tuple[int, ...]] = {}  # by host name: cores other jobs hold
         if bind_cores:
             hosts = self._gather([w.host.remote() for w in self._workers], setup_timeout_s, "setup")
-            cores = core_slices(hosts)
-        if log is not None:
-            log(describe(cores, program.world_size, bind_cores))
+            cores = core_slices([(host, free) for host, free, _ in hosts])
+            claimed = {host.partition("/")[0]: held for host, _, held in hosts}
         program_ref = ray.put(program)
         calls = [
             w.setup.remote(
@@ -243,7 +244,9 @@ class Runtime:
             )
             for rank, w in enumerate(self._workers)
         ]
-        self._gather(calls, setup_timeout_s, "setup")
+        bound = self._gather(calls, setup_timeout_s, "setup")
+        if log is not None:  # what each rank holds: a core another job claimed meanwhile is not bound
+            log(describe({r: c for r, c in enumerate(bound) if c}, program.world_size, bind_cores, claimed))
 
     # -- public API ---------------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ from piper_runtime.backends import Backend, BackendFactory, backend_factory
 from piper_runtime.batch import from_wire, split_microbatches
 from piper_runtime.comms import Communicators
 from piper_runtime.compute import COMPUTE_PHASES, SegmentCompute
-from piper_runtime.cores import bind_this_thread, host_cores, thread_cores
+from piper_runtime.cores import CoreClaim, bind_this_thread, claim, host_cores, thread_cores, unclaimed
 from piper_runtime.data_parallel import DataParallel
 from piper_runtime.evaluation import ForwardStep
 from piper_runtime.executor import Executor
@@ -101,16 +101,23 @@ class RankWorker:
         self._progress: Progress | None = None
         self._backup: StateBackup | None = None
         self._cores: tuple[int, ...] = ()  # what the thread that runs steps is bound to
+        self._claim: CoreClaim | None = None  # this process's claim on those cores
         self._bound_thread: int | None = None
 
     def ping(self) -> int:
         return os.getpid()
 
-    def host(self) -> tuple[str, tuple[int, ...]]:
+    def host(self) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
         """This worker's host, as the machine's name and the cores it gives its workers (the
-        ranks of one host share those: ``piper_runtime.cores``)."""
+        ranks of one host share those: ``piper_runtime.cores``); then the cores no other job
+        claims now, and those it does."""
         cores = host_cores()
-        return f"{socket.gethostname()}/{','.join(map(str, cores))}", cores
+        free = unclaimed(cores)
+        return (
+            f"{socket.gethostname()}/{','.join(map(str, cores))}",
+            free,
+            tuple(c for c in cores if c not in free),
+        )
 
     def cores(self) -> tuple[int, ...]:
         """The cores the thread that runs this worker's calls may use."""
@@ -137,7 +144,7 @@ class RankWorker:
         backup: bool = False,
         fuse_loss_backward: bool = True,
         cores: Sequence[int] = (),
-    ) -> None:
+    ) -> tuple[int, ...]:
         """Join the world, keep this rank's segment modules, build the optimizers.
         ``backend``: a registered name or a factory (``piper_runtime.backends``);
         ``timeout_s``: the bound on joining and on any one wait of a step (a receive, a
@@ -145,8 +152,9 @@ class RankWorker:
         of the plan); ``backup``: keep the state from before each step, for ``restore``;
         ``fuse_loss_backward``: run a loss's ``B`` together with its stage's where the plan
         allows (``piper_runtime.compute``; off: each segment's time alone in a profile);
-        ``cores``: bind the thread that runs steps to these (``piper_runtime.cores``; empty:
-        every core of the host); ``seed``:
+        ``cores``: claim these and bind the thread that runs steps to them
+        (``piper_runtime.cores``; empty, or claimed by another job meanwhile: every core of
+        the host); returns the cores it is bound to. ``seed``:
         what every forward's random numbers are drawn from (``piper_runtime.randomness``;
         ``Runtime`` always gives one). ``None`` leaves the process's generators as they are,
         with no lock: for a backend that runs several ranks in one process, whose forwards
@@ -226,7 +234,11 @@ class RankWorker:
         self._forward: ForwardStep | None = None
         # Last, so the threads made while joining the world (the communication library's)
         # keep the whole host; those the step thread starts from now on inherit its cores.
-        self._bind(tuple(cores))
+        self._unclaim()
+        self._claim = claim(cores) if cores else None
+        if self._claim is not None:
+            self._bind(self._claim.cores)
+        return self._cores
 
     def _bind(self, cores: tuple[int, ...]) -> None:
         """Bind the calling thread (the one that runs this worker's calls) to ``cores``
@@ -234,6 +246,13 @@ class RankWorker:
         bound = bind_this_thread(cores)
         self._cores = cores if bound else ()
         self._bound_thread = threading.get_ident()
+        if not bound:
+            self._unclaim()
+
+    def _unclaim(self) -> None:
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
 
     def load_forward(self, program: Program) -> None:
         """Keep ``program``, a forward-only step of the same world, for ``run_forward``
@@ -401,6 +420,7 @@ class RankWorker:
         self.shutdown()
         if self._cores:
             bind_this_thread(None)  # the next run decides anew
+        self._unclaim()  # other jobs may have these cores now
         fresh = self._fresh
         self.__dict__.clear()
         self._fresh = fresh

@@ -216,8 +216,9 @@ def _add_train(p: argparse.ArgumentParser) -> None:
                         "is measured, then as many as take about 50 ms, at most 16 (default: auto)")
     p.add_argument("--no-bind-cores", action="store_true",
                    help="leave the ranks' threads to the operating system; by default each rank's step threads "
-                        "are bound to cores of their own where a host has a core per rank (turn it off when "
-                        "other jobs share the machine's cores)")
+                        "are bound to cores of their own where a host has a free core per rank (cores another Piper "
+                        "job's ranks hold are left to it; turn binding off when other programs share the "
+                        "machine's cores)")
     p.add_argument("--on-nan", choices=["stop", "skip-step", "continue"], default="stop",
                    help="a NaN or Inf loss or gradient: stop the run (exit code 3) naming the step, microbatch and "
                         "rank where it first appeared; skip-step: undo that step (parameters and optimizer state "
