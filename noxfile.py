@@ -11,6 +11,7 @@ quicker while developing).
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import os
 import re
 import shlex
@@ -161,6 +162,65 @@ def _layer_specs(layer: str) -> list[str]:
     return sorted(specs)
 
 
+def _installed_closure(layer: str) -> list[importlib.metadata.Distribution] | None:
+    """``layer`` and every distribution it needs, transitively, as installed in the
+    environment running nox (markers evaluated here, extras followed): what ``pip install
+    --target`` would put in the layer with these versions. ``None`` if one is missing or has
+    no file list."""
+    from packaging.requirements import Requirement
+
+    found: dict[str, tuple[importlib.metadata.Distribution, set[str]]] = {}
+    todo: list[tuple[str, frozenset[str]]] = [(layer, frozenset())]
+    while todo:
+        name, extras = todo.pop()
+        key = _dist_name(name)
+        if key in found and extras <= found[key][1]:
+            continue
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+        if dist.files is None:
+            return None
+        wanted = found.get(key, (dist, set()))[1] | extras
+        found[key] = (dist, wanted)
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in ("", *sorted(wanted))):
+                todo.append((req.name, frozenset(req.extras)))
+    return [dist for dist, _ in found.values()]
+
+
+def _satisfies(dist: importlib.metadata.Distribution, specs: list[str]) -> bool:
+    from packaging.requirements import Requirement
+
+    return all(Requirement(spec).specifier.contains(dist.version, prereleases=True) for spec in specs)
+
+
+def _link_layer(dists: list[importlib.metadata.Distribution], target: Path) -> None:
+    """Hard-link (copy where that fails) the files of ``dists`` that live in their
+    site-packages, each module's compiled ``.pyc`` with it, into ``target``. A file pip
+    writes and removes never changes in place, so the link keeps the layer as installed."""
+    tag = sys.implementation.cache_tag
+    for dist in dists:
+        for file in dist.files or []:
+            if file.parts[0] == "..":  # console scripts, outside site-packages: no import needs them
+                continue
+            source = Path(dist.locate_file(file))
+            pairs = [(source, target / file)]
+            if source.suffix == ".py":
+                pyc = Path("__pycache__") / f"{source.stem}.{tag}.pyc"
+                pairs.append((source.parent / pyc, (target / file).parent / pyc))
+            for src, dst in pairs:
+                if not src.is_file() or dst.exists():
+                    continue
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(src, dst)
+                except OSError:
+                    shutil.copy2(src, dst)
+
+
 def _environment_key() -> str:
     """Changes when any package's declared dependencies or the interpreter change: a cached
     environment is then rebuilt from nothing."""
@@ -275,17 +335,32 @@ def standalone(session: nox.Session) -> None:
     # The layers the chosen packages need, built where missing or stale.
     layers = STANDALONE / "layers"
     needed = [layer for layer in LAYERED if any(layer in _layers_of(f"piper-{n}") for n in names)]
-    jobs, keys = [], {}
+    jobs, keys, linked = [], {}, {}
     for layer in needed:
         specs = _layer_specs(layer)
-        keys[layer] = hashlib.sha256("\n".join([sys.version, *specs]).encode()).hexdigest()[:16]
+        dists = _installed_closure(layer)
+        if dists is not None and _satisfies(dists[0], specs):  # linked from the shared environment
+            versions = sorted(f"{_dist_name(d.metadata['Name'])}=={d.version}" for d in dists)
+            linked[layer] = dists
+        else:  # installed by pip
+            versions = []
+        keys[layer] = hashlib.sha256("\n".join([sys.version, *specs, *versions]).encode()).hexdigest()[:16]
         stamp = layers / layer / ".piper-key"
         if stamp.exists() and stamp.read_text() == keys[layer]:
+            linked.pop(layer, None)
             continue
         shutil.rmtree(layers / layer, ignore_errors=True)  # the environments that see it are rebuilt too: their key
         shutil.rmtree(layers / f"{layer}.partial", ignore_errors=True)
-        jobs.append((f"layer {layer}", [Command([*pip, "install", "--target", str(layers / f"{layer}.partial"), *specs])]))
-    for label, seconds in _run_all(session, jobs).items():
+        if layer not in linked:
+            jobs.append((f"layer {layer}", [Command([*pip, "install", "--target", str(layers / f"{layer}.partial"), *specs])]))
+    built_layers = {}
+    for layer, dists in linked.items():
+        t0 = time.monotonic()
+        _link_layer(dists, layers / f"{layer}.partial")
+        built_layers[f"layer {layer}"] = time.monotonic() - t0
+        session.log(f"layer {layer}: linked from this environment ({len(dists)} distributions)")
+    built_layers.update(_run_all(session, jobs))
+    for label, seconds in built_layers.items():
         layer = label.removeprefix("layer ")
         (layers / f"{layer}.partial").rename(layers / layer)
         (layers / layer / ".piper-key").write_text(keys[layer])
