@@ -101,7 +101,7 @@ def bench(session: nox.Session) -> None:
 
 
 STANDALONE = ROOT / ".nox" / "standalone"
-# Heavy third-party distributions installed once each, with their own dependencies, into a
+# Heavy third-party distributions put once each, with their own dependencies, into a
 # layer of their own (``.nox/standalone/layers/<name>``) that every standalone environment
 # needing one of them sees through a ``.pth`` file (standalone's docstring says why).
 LAYERED = ("torch", "numpy", "ray", "matplotlib")
@@ -291,8 +291,12 @@ def standalone(session: nox.Session) -> None:
 
     Installing torch (with sympy and the rest of its dependencies), numpy, ray and matplotlib
     into every environment that needs them took most of this session (torch alone ~25 s,
-    five times). So each of those (``LAYERED``) is installed once, with its own dependencies,
-    by ``pip install --target`` into a layer of its own, and an environment whose package
+    five times). So each of those (``LAYERED``) is put once, with its own dependencies, into
+    a layer of its own: hard-linked from the environment running nox (``.venv``, which
+    already holds them), the distribution and those it needs as installed there (markers and
+    extras followed, each module's ``.pyc`` with it: the distributions ``pip install
+    --target`` would put there, about a second per layer), or, where a version there does
+    not satisfy every package's requirement, by ``pip install --target``. An environment whose package
     declares it (directly, in its ``test`` extra or through a piper distribution it needs)
     gets a ``.pth`` file naming that layer *before* pip installs its closure: pip sees the
     layer's distributions as installed (they satisfy the requirement, so it neither replaces
@@ -302,13 +306,13 @@ def standalone(session: nox.Session) -> None:
     install there. A layer's version satisfies every package's requirement on it (one
     ``pip install`` of all of them). The environments are made without pip (``venv
     --without-pip``; the shared environment's pip installs into them with ``--python``), so
-    they hold only the closure. Layers and environments are installed two at a time, and
+    they hold only the closure. Layers made by pip and environments are installed two at a time, and
     the packages are checked and tested two at a time (the runtime's tests, which mostly wait
     on Ray workers and timeouts, beside the others in turn); the runtime's output is printed
     as it runs, each other one's whole when it ends.
 
-    Layers are cached in .nox/standalone/layers/<name> and rebuilt when a requirement on them
-    or the interpreter changes; environments in .nox/standalone/<package>, rebuilt when a
+    Layers are cached in .nox/standalone/layers/<name> and rebuilt when a requirement on them,
+    the interpreter or (for a linked layer) a version it holds changes; environments in .nox/standalone/<package>, rebuilt when a
     pyproject changes; the piper wheels are rebuilt and reinstalled on every run. ``nox -s
     standalone -- ir scheduler`` checks only those packages."""
     names = session.posargs or PACKAGES
