@@ -89,6 +89,9 @@ class RankWorker:
         torch.set_num_threads(TORCH_THREADS)
         self._fresh = _ProcessSettings.read()
         self._forget()
+        # What the imports made lives as long as the process: the collector need not look at
+        # it again (a full collection of torch's and Ray's objects costs 0.2 s; ``reset``).
+        gc.freeze()
 
     def _forget(self) -> None:
         """The state of a worker that has not been set up."""
@@ -426,7 +429,12 @@ class RankWorker:
         self._fresh = fresh
         self._forget()
         fresh.restore()
-        gc.collect()  # the run's tensors and autograd graphs go now, not at some later step
+        # The run's tensors and autograd graphs go now, not at some later step; what survives
+        # (modules the run imported, caches) stays, and is not looked at again: a full
+        # collection over everything took 0.22-0.25 s per reset, over the run's objects alone
+        # a few ms.
+        gc.collect()
+        gc.freeze()
         return os.getpid()
 
 
