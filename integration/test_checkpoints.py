@@ -153,11 +153,13 @@ class _Killer:
     def __init__(self, trainer: Trainer, at: set[int]) -> None:
         self.trainer, self.at = trainer, set(at)
         self.killed: list[tuple[int, int, float]] = []  # (step, pid, when)
-        self.first_after: list[float] = []  # when each restarted run finished its first step
+        self.first_after: list[float] = []  # when each restarted run began its first step
 
     def on_step(self, metrics, result) -> None:
-        if len(self.first_after) < len(self.killed):
-            self.first_after.append(time.perf_counter() - metrics.step_seconds)  # when that step began
+        began = time.perf_counter() - metrics.step_seconds
+        # A step reported after a kill may have run before it (sent ahead, or in the same call).
+        if len(self.first_after) < len(self.killed) and began > self.killed[-1][2]:
+            self.first_after.append(began)
         if metrics.step in self.at:
             self.at.discard(metrics.step)
             pid = self.trainer.worker_pids()[1]

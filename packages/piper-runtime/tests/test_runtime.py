@@ -277,13 +277,15 @@ def test_worker_exception_names_rank_and_instruction(ray_cluster) -> None:
     rt.shutdown()
 
 
-def test_step_timeout_names_silent_ranks(ray_cluster) -> None:
+def test_step_timeout_names_silent_ranks_and_the_step_they_are_in(ray_cluster) -> None:
+    """A call of two steps, bounded at 1 s a step: the second step never ends (rank 1's first
+    forward of it sleeps); the error names both ranks and step 2, not the call's first."""
     l0, l1 = _layers()
-    modules = {"s0": Stage0(l0), "s1": Stage1(l1, sleep_s=30.0), "loss": MSE()}
+    modules = {"s0": Stage0(l0), "s1": Stage1(l1, sleep_s=30.0, sleep_from_call=M), "loss": MSE()}
     with Runtime(gpipe_program(), modules, step_timeout_s=1.0) as rt:
-        with pytest.raises(ExecutionError, match=r"ranks \[0, 1\] did not answer within 1 s") as info:
-            rt.step(*((t,) for t in _batch(0)))
-        assert info.value.ranks == (0, 1) and rt.closed
+        with pytest.raises(ExecutionError, match=r"ranks \[0, 1\] did not answer within 2 s") as info:
+            rt.submit_steps([StepRequest(*((t,) for t in _batch(step))) for step in range(2)])[0].result()
+        assert info.value.ranks == (0, 1) and info.value.step == 2 and rt.closed
 
 
 def test_a_hung_rank_is_named_with_its_instruction_and_its_peers(ray_cluster) -> None:

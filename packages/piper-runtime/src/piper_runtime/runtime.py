@@ -492,6 +492,8 @@ class Runtime:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
             if not ready and deadline is not None and time.monotonic() >= deadline:
                 ranks = sorted(pending.values())
+                if watch:  # a call may run several steps: the one the ranks are in
+                    step = self._running_step(ranks, step)
                 self._fail(
                     ExecutionError(
                         f"{what}: ranks {ranks} did not answer within {timeout_s:g} s", ranks=ranks, step=step
@@ -529,23 +531,32 @@ class Runtime:
         self._in_flight = bool(self._pending)  # submitted steps not gathered yet
         return [results[r] for r in range(len(refs))]
 
-    def _watch(self, pending: list[int], finished: list[int], step: int | None) -> None:
-        """Fail with ``HangError`` if some rank of ``pending`` made no progress for
-        ``timeout_s`` (or does not say what it does)."""
-        calls = {rank: self._workers[rank].progress.options(concurrency_group=MONITOR).remote() for rank in pending}
+    def _progress(self, ranks: list[int]) -> tuple[dict[int, RankProgress], list[int]]:
+        """What each of ``ranks`` says it is doing; and the ranks that did not answer within
+        ``_PROGRESS_ANSWER_S`` (silent). A dead rank, or one that cannot say, is in neither:
+        the step's own answer says what happened to it."""
+        calls = {rank: self._workers[rank].progress.options(concurrency_group=MONITOR).remote() for rank in ranks}
         ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=_PROGRESS_ANSWER_S)
         answered: dict[int, RankProgress] = {}
         for rank, ref in calls.items():
             if ref in ready:
                 try:
                     snapshot = ray.get(ref, timeout=1)
-                except RayActorError:
-                    continue  # dead: the step's own answer says so
                 except Exception:
                     snapshot = None
                 if snapshot is not None:
                     answered[rank] = snapshot
-        silent = [r for r in pending if calls[r] not in ready]
+        return answered, [r for r in ranks if calls[r] not in ready]
+
+    def _running_step(self, ranks: list[int], step: int | None) -> int | None:
+        """The latest step one of ``ranks`` is running, else ``step``."""
+        running = [p.step for p in self._progress(ranks)[0].values() if p.running]
+        return max(running) if running else step
+
+    def _watch(self, pending: list[int], finished: list[int], step: int | None) -> None:
+        """Fail with ``HangError`` if some rank of ``pending`` made no progress for
+        ``timeout_s`` (or does not say what it does)."""
+        answered, silent = self._progress(pending)
         stuck = silent or [r for r, p in answered.items() if p.running and p.idle_s >= self.timeout_s]
         if not stuck:
             return
