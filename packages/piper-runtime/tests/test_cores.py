@@ -141,3 +141,12 @@ def test_the_claims_of_a_killed_process_are_gone_with_it(tmp_path: Path) -> None
     mine = claim((3,), tmp_path)
     assert mine is not None
     mine.release()
+
+
+def test_where_no_claim_can_be_made_binding_goes_ahead_unclaimed(tmp_path: Path) -> None:
+    blocked = tmp_path / "a-file-not-a-directory"
+    blocked.write_text("")
+    assert unclaimed((0, 1), blocked) == (0, 1)
+    held = claim((0, 1), blocked)
+    assert held is not None and held.cores == (0, 1)
+    held.release()

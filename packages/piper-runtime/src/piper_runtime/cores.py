@@ -113,17 +113,22 @@ class CoreClaim:
 
 def claim(cores: Sequence[int], directory: Path | None = None) -> CoreClaim | None:
     """Claim every core of ``cores`` for this process, or none of them: ``None`` when another
-    process holds one (or the claims cannot be made: binding is never worth failing a run)."""
+    process holds one. Where no claim can be made at all (no writable temporary directory),
+    the claim holds nothing and binding goes ahead, as it did before claims existed."""
     files: list[int] = []
     try:
         for core in cores:
             fd = _open(core, directory)
             files.append(fd)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:  # another process holds it
         for fd in files:
             os.close(fd)
         return None
+    except OSError:
+        for fd in files:
+            os.close(fd)
+        return CoreClaim(tuple(cores), [])
     return CoreClaim(tuple(cores), files)
 
 
@@ -140,8 +145,10 @@ def unclaimed(cores: Sequence[int], directory: Path | None = None) -> tuple[int,
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             free.append(core)
-        except OSError:
+        except BlockingIOError:
             pass  # held by another process's claim
+        except OSError:
+            free.append(core)  # cannot tell: as claim does, take it as free
         finally:
             os.close(fd)  # drops the shared lock too
     return tuple(free)
