@@ -82,8 +82,9 @@ def tests(session: nox.Session) -> None:
     ``own_process`` integration tests (both mostly waiting on Ray workers and timeouts), then
     the other packages' (computing). Run one after the other, the two sessions left a core
     idle while each one's longest run ended alone: the clean-clone suite took 6 min 22 s that
-    way and 6 min 5 s queued (one run each, 2 cores). The shared-Ray run prints as it runs,
-    every other one whole when it ends."""
+    way and 6 min 5 s queued, one run each on 2 cores minutes apart (this machine's speed
+    moves a run by a minute: the same code took 7 min 6 s and 7 min 12 s later the same
+    night). The shared-Ray run prints as it runs, every other one whole when it ends."""
     started = time.monotonic()
     standalone_jobs, report = _standalone_jobs(session, PACKAGES)
     by_label = dict(standalone_jobs)
@@ -322,8 +323,9 @@ def standalone(session: nox.Session) -> None:
     already holds them), the distribution and those it needs as installed there (markers and
     extras followed, each module's ``.pyc`` with it: the distributions ``pip install
     --target`` would put there, about a second per layer), or, where a version there does
-    not satisfy every package's requirement, by ``pip install --target``. An environment whose package
-    declares it (directly, in its ``test`` extra or through a piper distribution it needs)
+    not satisfy every package's requirement, by ``pip install --target``. An environment
+    whose package declares it (directly, in its ``test`` extra or through a piper
+    distribution it needs)
     gets a ``.pth`` file naming that layer *before* pip installs its closure: pip sees the
     layer's distributions as installed (they satisfy the requirement, so it neither replaces
     nor touches them) and installs only the rest. An environment sees nothing it does not
@@ -332,14 +334,14 @@ def standalone(session: nox.Session) -> None:
     install there. A layer's version satisfies every package's requirement on it (one
     ``pip install`` of all of them). The environments are made without pip (``venv
     --without-pip``; the shared environment's pip installs into them with ``--python``), so
-    they hold only the closure. Layers made by pip and environments are installed two at a time, and
-    the packages are checked and tested two at a time (the runtime's tests, which mostly wait
-    on Ray workers and timeouts, beside the others in turn); the runtime's output is printed
-    as it runs, each other one's whole when it ends.
+    they hold only the closure. Layers made by pip, and environments, are installed two at a
+    time, and the packages are checked and tested two at a time (the runtime's tests, which
+    mostly wait on Ray workers and timeouts, beside the others in turn); the runtime's output
+    is printed as it runs, each other one's whole when it ends.
 
     Layers are cached in .nox/standalone/layers/<name> and rebuilt when a requirement on them,
-    the interpreter or (for a linked layer) a version it holds changes; environments in .nox/standalone/<package>, rebuilt when a
-    pyproject changes; the piper wheels are rebuilt and reinstalled on every run. ``nox -s
+    the interpreter or (for a linked layer) a version it holds changes; environments in
+    .nox/standalone/<package>, rebuilt when a pyproject changes; the piper wheels are rebuilt and reinstalled on every run. ``nox -s
     standalone -- ir scheduler`` checks only those packages."""
     names = session.posargs or PACKAGES
     unknown = sorted(set(names) - set(PACKAGES))
