@@ -5,9 +5,11 @@ segments per pipeline stage, scheduled with 1F1B. Data-parallel replicas run the
 other devices, so the compiler works on one replica's pipeline: the work grows with
 PP x M x S (nodes and edges), not with the device count PP x DP. Stages timed:
 
-- ``split``, ``place``, ``order``, ``validate``: the directive passes, as ``Strategy.apply``
-  runs them (``place``: ``place_all`` then ``insert_communication``; the Orders through
-  ``apply_orders``: one cycle search for all of them);
+- the phases of ``Strategy.apply`` (``Strategy.phases``, timed one by one, with the collector
+  paused as ``apply`` pauses it): ``split``; ``place`` (recompute, place, shard, replicate and
+  the communication the placement needs); ``split B`` (which backwards the Orders split:
+  none in 1F1B, but every backward slot is looked at); ``order`` (every Order through
+  ``apply_orders``: one cycle search for all of them); ``validate``;
 - ``compile``: ``compile_program`` (it validates its input and verifies its output);
 - ``verify``: ``verify`` alone on the compiled program (already included in ``compile``);
 - ``memory``: ``piper_memory.estimate_memory`` on the program.
@@ -37,13 +39,9 @@ import sys
 import time
 from pathlib import Path
 
-from piper_directives.communication import insert_communication
-from piper_directives.order import Order, apply_orders
-from piper_directives.place import Place, place_all, send_streams
 from piper_directives.schedules import build_schedule
-from piper_directives.split import Split
 from piper_directives.synthetic import synthetic_graph
-from piper_ir import validate
+from piper_ir import gc_paused
 from piper_memory import estimate_memory
 from piper_scheduler import compile_program, verify
 
@@ -60,14 +58,17 @@ CONFIGS = [
     (128, 128, 512, 1),
 ]
 QUICK = CONFIGS[:3]
-STAGES = ("split", "place", "order", "validate", "compile", "verify", "memory")
+STAGES = ("split", "place", "split B", "order", "validate", "compile", "verify", "memory")
+# Strategy.phases() -> column: the phases that place and connect the graph share one column
+# (recompute, shard and replicate have no directive here and return the graph as it is).
+PHASE_COLUMNS = {"recompute": "place", "shard": "place", "replicate": "place", "communication": "place",
+                 "split backward": "split B"}
 
 
 def run(pp: int, dp: int, m: int, s: int, schedule: str = "1f1b") -> dict:
     base_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux: imports alone
     graph = synthetic_graph(pp, m, s, hidden=1024, batch=1)
     strategy = build_schedule(schedule, pp, m)
-    directives = strategy.directives
     times: dict[str, float] = {}
     cpu = 0.0
 
@@ -75,17 +76,15 @@ def run(pp: int, dp: int, m: int, s: int, schedule: str = "1f1b") -> dict:
         nonlocal cpu
         c0, t0 = time.process_time(), time.perf_counter()
         out = fn(*args)
-        times[name] = time.perf_counter() - t0
+        times[name] = times.get(name, 0.0) + time.perf_counter() - t0
         if name != "verify":
             cpu += time.process_time() - c0
         return out
 
-    (split,) = [d for d in directives if isinstance(d, Split)]
-    g = timed("split", split.apply, graph)
-    places = [d for d in directives if isinstance(d, Place)]
-    g = timed("place", lambda g: insert_communication(place_all(g, places), send_streams(g, places)), g)
-    g = timed("order", apply_orders, g, [d for d in directives if isinstance(d, Order)])
-    g = timed("validate", validate, g)
+    g = graph
+    with gc_paused():  # as Strategy.apply runs them
+        for name, phase in strategy.phases():
+            g = timed(PHASE_COLUMNS.get(name, name), phase, g)
     program = timed("compile", compile_program, g)
     timed("verify", verify, program)
     timed("memory", estimate_memory, program)

@@ -72,7 +72,7 @@ class Order:
         slot_of: dict[str, int] = {}
         per_device: dict[int, list[list[str]]] = defaultdict(list)
         for k, slot in enumerate(self.slots):
-            matched = [n for f in slot for n in _candidates(f, index, orderable) if f.matches(n)]
+            matched = [n for f in slot for n in candidates(f, index, orderable) if f.matches(n)]
             if not matched:
                 shown = ", ".join(map(str, slot))
                 raise DirectiveError(f"slot {k} ({shown}) matches no compute node", directive=str(self))
@@ -140,7 +140,10 @@ def _check_placed(order: Order, graph: Graph) -> None:
         raise DirectiveError("Order needs a placed graph: put Place directives before it", directive=str(order))
 
 
-def _candidates(flt: Filter, index: dict, everything: list[Node]) -> list[Node]:
+def candidates(flt: Filter, index: dict, everything: Sequence[Node]) -> Sequence[Node]:
+    """The nodes of ``everything`` that ``flt`` may match, from its narrowest bucket in
+    ``index`` (``bucket_nodes(everything)``); every node when the filter names no exact
+    pass and microbatch. The caller still tests each with ``flt.matches``."""
     # Only exact values index a bucket: "*" and sets of values (tuples) scan every node.
     keys = {k: v for k, v in flt.as_dict().items() if v != "*" and not isinstance(v, tuple)}
     phase, mb = keys.get("PASS"), keys.get("MB")
@@ -155,15 +158,20 @@ def _candidates(flt: Filter, index: dict, everything: list[Node]) -> list[Node]:
 
 
 def _node_index(graph: Graph) -> tuple[dict, list[Node]]:
-    """Orderable nodes in graph order, bucketed by (PASS, MB) and by (PASS, MB, key, value)
-    for ``SEG`` and each tag."""
+    """Orderable nodes in graph order, and ``bucket_nodes`` of them."""
     orderable = [n for n in graph.nodes if n.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER)]
+    return bucket_nodes(orderable), orderable
+
+
+def bucket_nodes(nodes: Sequence[Node]) -> dict[tuple, list[Node]]:
+    """``nodes`` bucketed by (PASS, MB) and by (PASS, MB, key, value) for ``SEG`` and each
+    tag, each bucket in the order of ``nodes``: what ``candidates`` looks filters up in."""
     index: dict[tuple, list[Node]] = defaultdict(list)
-    for n in orderable:
+    for n in nodes:
         pm = (n.phase.value if n.phase else None, n.microbatch)
         index[pm].append(n)
         if n.segment is not None:
             index[(*pm, "SEG", n.segment)].append(n)
         for key, val in n.tags.items:
             index[(*pm, key, val)].append(n)
-    return index, orderable
+    return index

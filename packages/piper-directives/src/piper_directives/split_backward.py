@@ -25,13 +25,12 @@ function in the user's model.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
-from piper_directives.order import Order
-from piper_ir import MB, PASS, DirectiveError, Edge, EdgeKind, Filter, Graph, Node, NodeKind, Phase
+from piper_directives.order import Order, bucket_nodes, candidates
+from piper_ir import PASS, DirectiveError, Edge, EdgeKind, Filter, Graph, Node, NodeKind, Phase
 
 _HALVES = (Phase.BI.value, Phase.BW.value)
 
@@ -43,9 +42,7 @@ def requested_splits(graph: Graph, orders: Sequence[Order]) -> dict[str, str]:
     with a half and also as a fused ``B``.
     """
     fused = [n for n in graph.nodes if n.kind is NodeKind.COMPUTE and n.phase is Phase.B]
-    by_mb: dict[object, list[Node]] = defaultdict(list)
-    for n in fused:
-        by_mb[n.microbatch].append(n)
+    index = bucket_nodes(fused)
     mentioned: dict[str, dict[str, str]] = {half: {} for half in (*_HALVES, Phase.B.value)}
     for order in orders:
         for slot in order.slots:
@@ -57,10 +54,8 @@ def requested_splits(graph: Graph, orders: Sequence[Order]) -> dict[str, str]:
                     continue
                 # Match the B nodes on everything but the pass: the node the filter would
                 # select once split.
-                probe = Filter(tuple(item for item in flt.items if item[0] != PASS))
-                mb = keys.get(MB)
-                candidates = fused if mb is None or mb == "*" or isinstance(mb, tuple) else by_mb.get(mb, [])
-                for n in candidates:
+                probe = Filter((*(item for item in flt.items if item[0] != PASS), (PASS, Phase.B.value)))
+                for n in candidates(probe, index, fused):
                     if probe.matches(n):
                         for half in halves:
                             mentioned[half].setdefault(n.id, str(order))  # type: ignore[index]

@@ -371,7 +371,13 @@ def _overlapped_slots(graph: Graph) -> dict[str, tuple]:
     groups: dict[tuple, list[Node]] = {}
     for n in graph.nodes:
         if n.kind is NodeKind.COMPUTE and n.phase in OVERLAP_PHASES and (n.id in preds or n.id in succs):
-            key = (n.devices, frozenset(preds.get(n.id, ())), frozenset(succs.get(n.id, ())))
+            before, after = preds.get(n.id), succs.get(n.id)
+            # A node that is the only successor of one of its predecessors (or the only
+            # predecessor of one of its successors) shares its slot with no other node: every
+            # slot in 1F1B-like schedules. Only the rest need the key's two sets.
+            if len(succs[next(iter(before))] if before else preds[next(iter(after))]) == 1:  # type: ignore[arg-type]
+                continue
+            key = (n.devices, frozenset(before or ()), frozenset(after or ()))
             groups.setdefault(key, []).append(n)
     out: dict[str, tuple] = {}
     for key, members in groups.items():
@@ -431,7 +437,13 @@ def _instruction(
 ) -> Instruction:
     kind = n.kind
     meta = communicator = peer = None
-    if kind is NodeKind.SEND or kind is NodeKind.RECV:
+    if kind is NodeKind.COMPUTE:  # most instructions: tested first
+        # A tensor-parallel segment's compute issues all-reduces on its group inside, an
+        # expert-parallel one all-to-alls.
+        sh = tables.collectives.get(n.segment or "") if n.phase is not None else None
+        if sh is not None:
+            communicator = tp_communicator(sh.group_of(rank), sh.kind)
+    elif kind is NodeKind.SEND or kind is NodeKind.RECV:
         communicator = communicator_for(n.value or "")
         value = graph.value_by_name.get(n.value or "")
         if value is None:
@@ -450,12 +462,6 @@ def _instruction(
     elif kind is NodeKind.GRAD_NORM:
         meta = TensorMeta((1,), "float64")  # the sum of squares, summed over the world
         communicator = norm_communicator(n.devices)
-    elif kind is NodeKind.COMPUTE and n.phase is not None:
-        # A tensor-parallel segment's compute issues all-reduces on its group inside, an
-        # expert-parallel one all-to-alls.
-        sh = tables.collectives.get(n.segment or "")
-        if sh is not None:
-            communicator = tp_communicator(sh.group_of(rank), sh.kind)
     return Instruction(
         id=n.id,
         kind=kind,

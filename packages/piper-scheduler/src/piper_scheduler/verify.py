@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from piper_ir import DeadlockError, Instruction, NodeKind, Program, SchedulingError
+from piper_ir import DeadlockError, Instruction, NodeKind, Program, SchedulingError, gc_paused
 from piper_scheduler.diagnostics import describe, excerpts
 from piper_scheduler.matching import (
     Channel,
@@ -41,7 +41,14 @@ from piper_scheduler.references import check_instructions, check_tables
 
 
 def verify(program: Program) -> None:
-    """Raise ``SchedulingError`` / ``DeadlockError`` unless ``program`` is sound; else None."""
+    """Raise ``SchedulingError`` / ``DeadlockError`` unless ``program`` is sound; else None.
+    Runs with the cyclic collector paused (``gc_paused``), as ``compile_program`` does: its
+    tables grow with the program, and the collections they trigger walk all of it."""
+    with gc_paused():
+        _verify(program)
+
+
+def _verify(program: Program) -> None:
     check_tables(program)
     _check_structure(program)
     check_instructions(program)
@@ -63,7 +70,8 @@ def _check_structure(program: Program) -> None:
         raise SchedulingError(
             f"program has {len(program.ranks)} rank plans for world size {program.world_size}"
         )
-    comms = {c.id: c for c in program.communicators}
+    # communicator id -> its ranks, as a set: a pipeline's communicator spans every stage
+    comms = {c.id: frozenset(c.ranks) for c in program.communicators}
     for r, plan in enumerate(program.ranks):
         if plan.rank != r:
             raise SchedulingError(f"plan {r} says it is for rank {plan.rank}", ranks=[r])
@@ -80,8 +88,8 @@ def _check_structure(program: Program) -> None:
             if ins.kind in (NodeKind.SEND, NodeKind.RECV):
                 _check_p2p_fields(program, comms, r, i, ins)
             elif is_collective(ins):
-                comm = comms.get(ins.communicator or "")
-                if comm is None or r not in comm.ranks:
+                members = comms.get(ins.communicator or "")
+                if members is None or r not in members:
                     _fail(
                         SchedulingError,
                         program,
@@ -90,18 +98,23 @@ def _check_structure(program: Program) -> None:
                     )
 
 
-def _check_p2p_fields(program: Program, comms: dict, r: int, i: int, ins: Instruction) -> None:
-    where = describe(program, r, i)
+def _check_p2p_fields(program: Program, comms: dict[str, frozenset[int]], r: int, i: int, ins: Instruction) -> None:
+    # Called for every SEND and RECV: the instruction is described only when it fails.
     if ins.peer is None or not 0 <= ins.peer < program.world_size or ins.peer == r:
-        _fail(SchedulingError, program, f"{where} has invalid peer {ins.peer!r}", [(r, i)])
-    comm = comms.get(ins.communicator or "")
-    if comm is None:
-        _fail(SchedulingError, program, f"{where} uses unknown communicator {ins.communicator!r}", [(r, i)])
-    elif r not in comm.ranks or ins.peer not in comm.ranks:
+        _fail(SchedulingError, program, f"{describe(program, r, i)} has invalid peer {ins.peer!r}", [(r, i)])
+    members = comms.get(ins.communicator or "")
+    if members is None:
         _fail(
             SchedulingError,
             program,
-            f"{where}: communicator {comm.id!r} does not hold ranks {r} and {ins.peer}",
+            f"{describe(program, r, i)} uses unknown communicator {ins.communicator!r}",
+            [(r, i)],
+        )
+    elif r not in members or ins.peer not in members:
+        _fail(
+            SchedulingError,
+            program,
+            f"{describe(program, r, i)}: communicator {ins.communicator!r} does not hold ranks {r} and {ins.peer}",
             [(r, i)],
         )
 
