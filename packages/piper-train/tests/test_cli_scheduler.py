@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from piper_train.cli import main
+from piper_train.cli import main, scheduling
 
 
 def _json(capsys) -> dict:
@@ -53,6 +53,30 @@ def test_plan_then_show(tmp_path, capsys):
     assert main(["show", str(out)]) == 0
     text = capsys.readouterr().out
     assert "rank 0" in text and "s0:F0" in text and "verified" in text
+
+
+def test_long_steps_of_a_plan_are_said_as_they_end(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "program.json"
+    args = ["plan", "--schedule", "zb1p", "--pp", "2", "--microbatches", "4", "--synthetic", "--out", str(out)]
+    assert main(args) == 0
+    quiet = capsys.readouterr()
+    assert "took" not in quiet.err  # a small plan takes well under SAY_AFTER_S per step
+    monkeypatch.setattr(scheduling, "SAY_AFTER_S", 0.0)  # every step counts as long
+    assert main(args) == 0
+    said = capsys.readouterr()
+    steps = [line.split(" took ")[0] for line in said.err.splitlines()]
+    assert steps == [
+        *(f"plan: strategy phase {name!r}" for name in ("split", "recompute", "place", "shard", "replicate",
+                                                        "communication", "split backward", "order", "validate")),
+        "plan: memory plan",
+        "plan: compile (with verify)",
+    ], said.err
+    untimed = [[line for line in out.splitlines() if not line.startswith("compiled ")] for out in (said.out, quiet.out)]
+    assert untimed[0] == untimed[1] and len(untimed[0]) == len(said.out.splitlines()) - 1  # stdout as before
+    assert main(["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--json"]) == 0
+    simulated = capsys.readouterr()
+    assert json.loads(simulated.out)["makespan"] > 0  # stdout stays JSON
+    assert "simulate: compile (with verify) took" in simulated.err and "memory plan" not in simulated.err
 
 
 def test_plan_captures_a_model(tmp_path, capsys):

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
-from piper_directives import strategy_to_torch_csv
+from piper_directives import Strategy, strategy_to_torch_csv
 from piper_directives.synthetic import synthetic_graph
 from piper_ir import Graph, Program, from_json, graph_summary, program_text, to_json
 from piper_memory import plan_memory
@@ -19,9 +22,13 @@ from piper_train.cli.request import StrategyRequest, model_regions, placed_regio
 from piper_train.metrics import SCHEMA
 
 # The largest synthetic pipeline simulate and plan build: regions x microbatches x segments
-# per region. Work and memory grow with it (64 x 256 x 2 compiles in ~12 s, docs/
-# compile-scaling.md); beyond it, refusing at once beats minutes of swapping.
+# per region. Work and memory grow with it (64 x 256 x 2 compiles in ~6 s, 128 x 512 x 1 in
+# ~17 s, docs/compile-scaling.md); beyond it, refusing at once beats minutes of swapping.
 MAX_CELLS = 100_000
+# A step of building a plan that takes this long is said as it ends (on stderr).
+SAY_AFTER_S = 1.0
+T = TypeVar("T")
+R = TypeVar("R")
 _COST_KEYS = {"F": "F", "B": "B", "BI": "BI", "BW": "BW", "W": "BW", "OPT": "OPT", "FB": "FB"}
 
 
@@ -96,6 +103,33 @@ def _report(args: argparse.Namespace, program: Program, what: str) -> int:
     return 0
 
 
+class _Steps:
+    """Says on stderr each step of building a plan that took ``SAY_AFTER_S`` or more, as it
+    ends: a large pipeline takes seconds per step (16,384 devices: 15-20 s in all), which
+    should not pass in silence. Small plans print nothing extra."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __call__(self, name: str, seconds: float) -> None:
+        if seconds >= SAY_AFTER_S:
+            print(f"{self.command}: {name} took {seconds:.1f} s", file=sys.stderr, flush=True)
+
+    def timed(self, name: str, fn: Callable[[T], R], arg: T) -> R:
+        started = time.perf_counter()
+        out = fn(arg)
+        self(name, time.perf_counter() - started)
+        return out
+
+
+def _compiled(strategy: Strategy, graph: Graph, steps: _Steps, *, memory: bool) -> tuple[Graph, Program]:
+    """``graph`` placed by ``strategy``, and its program (after ``plan_memory`` when
+    ``memory``: ZeRO's collectives and a tied parameter's sums are part of the plan)."""
+    placed = strategy.apply(graph, progress=lambda name, seconds: steps(f"strategy phase {name!r}", seconds))
+    planned = steps.timed("memory plan", plan_memory, placed) if memory else placed
+    return placed, steps.timed("compile (with verify)", compile_program, planned)
+
+
 def simulate_command(args: argparse.Namespace) -> int:
     check_size(args)
     request = StrategyRequest.from_args(args)
@@ -103,7 +137,8 @@ def simulate_command(args: argparse.Namespace) -> int:
     regions = placed_regions(strategy)
     microbatches = split_microbatches(strategy, args.microbatches)
     check_size(args, regions, microbatches)  # a --strategy file sets its own
-    program = compile_program(strategy.apply(_synthetic(args, regions, microbatches, args.segments_per_stage)))
+    graph = _synthetic(args, regions, microbatches, args.segments_per_stage)
+    _, program = _compiled(strategy, graph, _Steps("simulate"), memory=False)
     return _report(args, program, f"{request.name} pp={program.world_size} stages={regions} microbatches={microbatches}")
 
 
@@ -120,9 +155,7 @@ def plan_command(args: argparse.Namespace) -> int:
         check_size(args, placed_regions(strategy), split_microbatches(strategy, args.microbatches))
         graph = _synthetic(args, placed_regions(strategy), split_microbatches(strategy, args.microbatches))
     started = time.perf_counter()
-    placed = strategy.apply(graph)
-    # ZeRO's reductions and a tied parameter's sums over its holders are part of the plan.
-    program = compile_program(plan_memory(placed))
+    placed, program = _compiled(strategy, graph, _Steps("plan"), memory=True)
     seconds = time.perf_counter() - started
     args.out.write_text(to_json(program))
     if args.torch_csv is not None:
