@@ -48,6 +48,7 @@ the two with a per-rank budget.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -252,6 +253,13 @@ class _RankReplay:
                 self.full[seg_id] = {seg_id: full}
         self.activation_bytes = dict(activation_bytes or {})
         self.recv_positions = [k for k, ins in enumerate(self.instructions) if ins.kind is NodeKind.RECV]
+        # posted[j]: the bytes of the first j receives; a sample needs a window of them
+        self.posted = list(itertools.accumulate(
+            (self.instructions[k].meta.nbytes() if self.instructions[k].meta is not None else 0
+             for k in self.recv_positions),
+            initial=0,
+        ))
+        self.recv_lookahead = program.execution.recv_lookahead
         # Live things.
         self.grads: dict[str, int] = {}  # bucket/segment -> full gradient bytes held
         self.grad_shards: dict[str, int] = {}  # bucket -> gradient shard bytes held
@@ -285,8 +293,7 @@ class _RankReplay:
         full = sum(self.grads.values())
         grads = full + sum(self.grad_shards.values())
         gathered = sum(self.gathered.values())
-        posted = [ins.meta.nbytes() if ins.meta is not None else 0 for ins in self._pending_recvs(position)]
-        comm = gathered + transient + self.sent + sum(self.received.values()) + sum(posted)
+        comm = gathered + transient + self.sent + sum(self.received.values()) + self._posted_bytes(position)
         comm += sum(self.inflight.values())
         acts = sum(self.acts.values())
         peaks = self.peaks
@@ -297,12 +304,12 @@ class _RankReplay:
         peaks["acts"] = max(peaks["acts"], acts)
         peaks["total"] = max(peaks["total"], self.params + self.state + grads + comm + acts)
 
-    def _pending_recvs(self, position: int) -> list:
-        """The receives posted but not yet carried out when instruction ``position`` is done:
-        the next ``recv_lookahead`` (``Program.execution``) after it."""
+    def _posted_bytes(self, position: int) -> int:
+        """The bytes of the receives posted but not yet carried out when instruction
+        ``position`` is done: the next ``recv_lookahead`` (``Program.execution``) after it."""
         at = bisect.bisect_right(self.recv_positions, position)
-        ahead = self.program.execution.recv_lookahead
-        return [self.instructions[k] for k in self.recv_positions[at : at + ahead]]
+        end = min(at + self.recv_lookahead, len(self.recv_positions))
+        return self.posted[end] - self.posted[at]
 
     def run(self) -> MemoryEstimate:
         self._sample(-1)
