@@ -70,6 +70,8 @@ def test_long_steps_of_a_plan_are_said_as_they_end(tmp_path, capsys, monkeypatch
                                                         "communication", "split backward", "order", "validate")),
         "plan: memory plan",
         "plan: compile (with verify)",
+        "plan: JSON of the program",
+        f"plan: writing {out}",
     ], said.err
     untimed = [[line for line in out.splitlines() if not line.startswith("compiled ")] for out in (said.out, quiet.out)]
     assert untimed[0] == untimed[1] and len(untimed[0]) == len(said.out.splitlines()) - 1  # stdout as before

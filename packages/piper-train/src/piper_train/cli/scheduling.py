@@ -155,9 +155,10 @@ def plan_command(args: argparse.Namespace) -> int:
         check_size(args, placed_regions(strategy), split_microbatches(strategy, args.microbatches))
         graph = _synthetic(args, placed_regions(strategy), split_microbatches(strategy, args.microbatches))
     started = time.perf_counter()
-    placed, program = _compiled(strategy, graph, _Steps("plan"), memory=True)
+    steps = _Steps("plan")
+    placed, program = _compiled(strategy, graph, steps, memory=True)
     seconds = time.perf_counter() - started
-    args.out.write_text(to_json(program))
+    steps.timed(f"writing {args.out}", args.out.write_text, steps.timed("JSON of the program", to_json, program))
     if args.torch_csv is not None:
         args.torch_csv.write_text(strategy_to_torch_csv(strategy))
         print(f"wrote {args.torch_csv} (torch pipelining schedule, compute actions)")
@@ -189,13 +190,15 @@ def _capture(args: argparse.Namespace, regions: int) -> Graph:
 
 
 def show_command(args: argparse.Namespace) -> int:
+    steps = _Steps("show")
     try:
-        program = from_json(args.program.read_text())
+        text = args.program.read_text()
     except OSError as err:
         raise ValueError(f"cannot read {args.program}: {err}") from None
+    program = steps.timed(f"reading {args.program}", from_json, text)
     if not isinstance(program, Program):
         raise ValueError(f"{args.program} holds a {type(program).__name__}, not a Program")
-    verify(program)
+    steps.timed("verify", verify, program)
     counts: dict[str, int] = {}
     for plan in program.ranks:
         for ins in plan.instructions:
