@@ -12,7 +12,9 @@ PP x M x S (nodes and edges), not with the device count PP x DP. Stages timed:
   ``apply_orders``: one cycle search for all of them); ``validate``;
 - ``compile``: ``compile_program`` (it validates its input and verifies its output);
 - ``verify``: ``verify`` alone on the compiled program (already included in ``compile``);
-- ``memory``: ``piper_memory.estimate_memory`` on the program.
+- ``memory``: ``piper_memory.estimate_memory`` on the program;
+- ``json``: ``piper_ir.to_json`` of the program, what ``piper plan --out`` writes (not in the
+  total: a plan used in the same process is never written).
 
 Each configuration runs in a fresh Python process, so its peak resident memory
 (``ru_maxrss``: interpreter, graphs, program) is its own and no configuration inherits another's
@@ -41,7 +43,7 @@ from pathlib import Path
 
 from piper_directives.schedules import build_schedule
 from piper_directives.synthetic import synthetic_graph
-from piper_ir import gc_paused
+from piper_ir import gc_paused, to_json
 from piper_memory import estimate_memory
 from piper_scheduler import compile_program, verify
 
@@ -58,7 +60,7 @@ CONFIGS = [
     (128, 128, 512, 1),
 ]
 QUICK = CONFIGS[:3]
-STAGES = ("split", "place", "split B", "order", "validate", "compile", "verify", "memory")
+STAGES = ("split", "place", "split B", "order", "validate", "compile", "verify", "memory", "json")
 # Strategy.phases() -> column: the phases that place and connect the graph share one column
 # (recompute, shard and replicate have no directive here and return the graph as it is).
 PHASE_COLUMNS = {"recompute": "place", "shard": "place", "replicate": "place", "communication": "place",
@@ -77,7 +79,7 @@ def run(pp: int, dp: int, m: int, s: int, schedule: str = "1f1b") -> dict:
         c0, t0 = time.process_time(), time.perf_counter()
         out = fn(*args)
         times[name] = times.get(name, 0.0) + time.perf_counter() - t0
-        if name != "verify":
+        if name not in ("verify", "json"):
             cpu += time.process_time() - c0
         return out
 
@@ -88,13 +90,15 @@ def run(pp: int, dp: int, m: int, s: int, schedule: str = "1f1b") -> dict:
     program = timed("compile", compile_program, g)
     timed("verify", verify, program)
     timed("memory", estimate_memory, program)
-    total = sum(v for k, v in times.items() if k != "verify")  # verify already runs inside compile
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the JSON text exists
+    text = timed("json", to_json, program)
+    total = sum(v for k, v in times.items() if k not in ("verify", "json"))  # verify runs inside compile
     return {
         "pp": pp, "dp": dp, "devices": pp * dp, "microbatches": m, "segments": s,
         "nodes": len(g.nodes), "edges": len(g.edges),
-        "instructions": sum(len(p.instructions) for p in program.ranks),
+        "instructions": sum(len(p.instructions) for p in program.ranks), "json_mb": len(text) / 2**20,
         **times, "total": total, "cpu": cpu,
-        "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "base_mb": base_mb,
+        "peak_mb": peak_mb, "base_mb": base_mb,
     }
 
 
@@ -212,7 +216,8 @@ def main() -> None:
         f"{machine}; GC {'off' if args.no_gc else 'on'}). Load average (1, 5, 15 min) `{load_before}` before "
         f"the run and `{load_after}` after it: the machine is shared, so wall seconds include waiting for a "
         "CPU; `cpu s` is the process CPU time of the timed stages. Seconds per stage (wall); `verify` is also "
-        "part of `compile` and is not added to the total. `peak MB` is the peak resident memory of the process "
+        "part of `compile` and is not added to the total, nor is `json` (the program's JSON, as `piper plan "
+        f"--out` writes it: {rows[-1]['json_mb']:.0f} MB in the last row). `peak MB` is the peak resident memory of the process "
         f"that ran the row (each row runs in a fresh one; {min(r['base_mb'] for r in rows):.0f} MB of it is the "
         "interpreter and imports). "
         "Data-parallel replicas share one plan, so the compiled graph is one replica's pipeline: nodes and edges "
