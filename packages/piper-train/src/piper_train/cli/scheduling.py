@@ -105,7 +105,7 @@ def _report(args: argparse.Namespace, program: Program, what: str) -> int:
 
 class _Steps:
     """Says on stderr each step of building a plan that took ``SAY_AFTER_S`` or more, as it
-    ends: a large pipeline takes seconds per step (16,384 devices: 15-20 s in all), which
+    ends: a large pipeline takes seconds per step (16,384 devices: 20-25 s in all), which
     should not pass in silence. Small plans print nothing extra."""
 
     def __init__(self, command: str) -> None:
