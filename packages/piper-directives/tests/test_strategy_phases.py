@@ -8,7 +8,7 @@ import gc
 
 import pytest
 
-from piper_directives import build_schedule
+from piper_directives import Place, Strategy, build_schedule
 from piper_directives.synthetic import synthetic_graph
 from piper_ir import DirectiveError
 
@@ -29,19 +29,19 @@ def test_the_phases_one_by_one_give_what_apply_gives() -> None:
 
 def test_phases_check_the_directives_before_any_phase_runs() -> None:
     strategy = build_schedule("1f1b", 2, 4)
-    no_place = type(strategy)(tuple(d for d in strategy.directives if type(d).__name__ != "Place"))
+    no_place = Strategy(tuple(d for d in strategy.directives if not isinstance(d, Place)))
     with pytest.raises(DirectiveError, match="at least one Place"):
         no_place.phases()
 
 
-def test_the_collector_is_paused_while_a_strategy_applies_and_restored_after() -> None:
+def test_the_collector_is_paused_while_a_strategy_applies_and_restored_after(monkeypatch: pytest.MonkeyPatch) -> None:
     graph = synthetic_graph(2, 2, 1, hidden=4)
     strategy = build_schedule("1f1b", 2, 2)
     states = []
     phases = strategy.phases()
-    spy = type(strategy).phases
+    spy = ("spy", lambda g: (states.append(gc.isenabled()), g)[1])
+    monkeypatch.setattr(Strategy, "phases", lambda self: [spy, *phases])
     try:
-        type(strategy).phases = lambda self: [("spy", lambda g: (states.append(gc.isenabled()), g)[1]), *phases]
         assert gc.isenabled()
         strategy.apply(graph)
         assert states == [False] and gc.isenabled()
@@ -49,5 +49,4 @@ def test_the_collector_is_paused_while_a_strategy_applies_and_restored_after() -
         strategy.apply(graph)
         assert not gc.isenabled()  # a caller's choice is kept
     finally:
-        type(strategy).phases = spy
         gc.enable()
