@@ -14,10 +14,20 @@ Trainer sending ``--steps-per-call`` steps in one call per rank ("N per call":
 ``Trainer.submit_steps`` with one call in flight ahead, as ``piper train --steps-per-call N``
 runs; the time between calls' results over their steps), the same Trainer under ``fit``
 with its default ``steps_per_call="auto"`` ("fit": what ``piper train`` runs; single steps
-while the first few are timed, then as many per call as take about 50 ms; the steps after
+while the first few are timed, then as many per call as take about half a second; the steps after
 those first four, ``StepMetrics.step_seconds``), and the CPU
 time the ranks' processes spent per step (all threads, summed over ranks), Piper's over
 torch's: on an oversubscribed machine wall times follow the load, CPU time much less.
+
+"bound/torch" is the fastest any runtime could step the row's schedule on this machine,
+over torch's step: each compute instruction at the time it takes alone (the same regions
+run by one rank on one core, each microbatch's forward then its backward, medians over
+profiled steps of Piper's runtime: the same torch kernels either runtime calls), messages
+free, simulated on the row's program (``piper_scheduler.simulate``); with fewer cores than
+ranks, also at least the step's whole compute spread over the cores. No runtime beats it
+but by computing faster than alone, so Piper/torch can reach 0.95 on a row only where
+torch's step is at least 1/0.95 of Piper's: "piper/bound" is how far Piper's step is
+from it.
 
 The two sides alternate (torch, Piper, Piper, torch, ...) for ``--repeats`` rounds and each
 figure is the median over every timed step of its rounds, so load that drifts during the
@@ -51,9 +61,11 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 from torch_pipelining import CHUNKS, run_torch_pipeline
 
+from piper_ir import NodeKind, Program
 from piper_runtime import OptimizerSpec, ensure_ray
 from piper_runtime.backends.cpu import shm_enabled
 from piper_runtime.optim import IMPLEMENTATIONS, TORCH_KEYWORDS
+from piper_scheduler import CostModel, simulate
 from piper_train.loop import fit
 from piper_train.models import build_model
 from piper_train.trainer import Trainer
@@ -72,14 +84,15 @@ def _cpu_seconds(pid: int) -> float:
 def run_piper(
     schedule: str, model_name: str, pp: int, microbatches: int, steps: int, warmup: int = 1, sync_steps: int = 0,
     cpu: list[float] | None = None, grouped: list[float] | None = None, steps_per_call: int = 4,
-    implementation: str = "auto", fitted: list[float] | None = None,
+    implementation: str = "auto", fitted: list[float] | None = None, programs: list[Program] | None = None,
 ) -> tuple[list[float], list[float], list[float]]:
     """Pipelined step times (between results), in-worker times, and sync step times; ``cpu``
     receives the workers' CPU seconds per pipelined step, summed over ranks; ``grouped``
     receives step times with ``steps_per_call`` steps per call (``Trainer.submit_steps``,
     one call in flight ahead, as ``fit(steps_per_call=...)`` runs): the time between
     consecutive calls' results over their steps; ``fitted`` receives ``fit``'s step times
-    (its default call sizes) after its first ``FIT_MEASURED`` steps."""
+    (its default call sizes) after its first ``FIT_MEASURED`` steps; ``programs`` receives the
+    compiled program."""
     spec = build_model(model_name, stages=pp * CHUNKS[schedule])
     calls = max(3, steps // steps_per_call + 1) if grouped is not None else 0
     fit_steps = FIT_MEASURED + 2 * steps if fitted is not None else 0
@@ -89,6 +102,8 @@ def run_piper(
         schedule=schedule, pp=pp, microbatches=microbatches, optimizer=OptimizerSpec("adamw", LR, implementation=implementation),
         reuse_workers=True,
     ) as trainer:
+        if programs is not None:
+            programs.append(trainer.program)
         for batch in batches[:warmup]:
             trainer.step(*batch)
         pids = ray.get([w.ping.remote() for w in trainer.runtime._workers], timeout=60)
@@ -134,6 +149,42 @@ def run_piper(
     return times, inside, sync
 
 
+COMPUTE = (NodeKind.COMPUTE, NodeKind.OPTIMIZER)
+
+
+def compute_bound(
+    schedule: str, model_name: str, pp: int, microbatches: int, program: Program, steps: int = 4,
+    implementation: str = "auto",
+) -> float:
+    """The shortest step any runtime could take for ``program`` on this machine (module
+    doc): costs alone from one rank running the same regions (each microbatch's forward,
+    then its backward: the warmest order), simulated with free messages; at least the
+    step's compute over the host's cores."""
+    spec = build_model(model_name, stages=pp * CHUNKS[schedule])
+    durations: dict[tuple[str, str], list[float]] = {}
+    with Trainer.with_schedule(
+        spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn,
+        schedule="1f1b", pp=1, microbatches=microbatches,
+        optimizer=OptimizerSpec("adamw", LR, implementation=implementation), reuse_workers=True,
+    ) as alone:
+        by_id = {ins.id: ins for plan in alone.program.ranks for ins in plan.instructions}
+        for step in range(steps + 1):
+            result = alone.step(*spec.batches(step), profile=True)
+            if step == 0:
+                continue  # warm-up
+            for t in result.timings:
+                ins = by_id[t.instruction]
+                if ins.kind in COMPUTE:
+                    durations.setdefault((ins.segment, ins.phase.value), []).append(t.end - t.start)
+    overrides: dict[str, dict[str, float]] = {}
+    for (segment, phase), ds in durations.items():
+        overrides.setdefault(segment, {})[phase] = statistics.median(ds)
+    costs = CostModel(F=0.0, B=0.0, BI=0.0, BW=0.0, OPT=0.0, overrides=overrides)
+    work = sum(costs.compute_cost(ins.segment, ins.phase)
+               for plan in program.ranks for ins in plan.instructions if ins.kind in COMPUTE)
+    return max(simulate(program, costs).makespan, work / min(pp, os.cpu_count() or 1))
+
+
 TORCH_KWARGS = {"default": {}, **TORCH_KEYWORDS}  # torch's side: its own default, or one of Piper's choices
 
 
@@ -149,6 +200,7 @@ def compare(
     sync: list[float] = []
     torch_cpu: list[float] = []
     piper_cpu: list[float] = []
+    programs: list[Program] = []
     loads = [os.getloadavg()[0]]
 
     def torch_side() -> None:
@@ -158,7 +210,7 @@ def compare(
     def piper_side() -> None:
         t, i, s = run_piper(schedule, model, pp, microbatches, steps, sync_steps=max(2, steps // 2), cpu=piper_cpu,
                             grouped=grouped, steps_per_call=steps_per_call, implementation=implementation,
-                            fitted=fitted)
+                            fitted=fitted, programs=programs)
         piper_t.extend(t)
         inside.extend(i)
         sync.extend(s)
@@ -171,7 +223,8 @@ def compare(
             loads.append(os.getloadavg()[0])
         rounds.append(statistics.median(piper_t[before[1]:]) / statistics.median(torch_t[before[0]:]))
     t, p = statistics.median(torch_t), statistics.median(piper_t)
-    return {"torch": t, "piper": p, "inside": statistics.median(inside), "sync": statistics.median(sync),
+    bound = compute_bound(schedule, model, pp, microbatches, programs[0], implementation=implementation)
+    return {"bound": bound, "torch": t, "piper": p, "inside": statistics.median(inside), "sync": statistics.median(sync),
             "grouped": statistics.median(grouped), "fit": statistics.median(fitted), "low": min(rounds), "high": max(rounds),
             "load": statistics.fmean(loads), "cpu": statistics.median(piper_cpu) / statistics.median(torch_cpu)}
 
@@ -200,7 +253,8 @@ def main() -> None:
     k = args.steps_per_call
     header = (f"{'model':<12} {'schedule':<17} {'pp':>2} {'torch ms':>9} {'piper ms':>9} {'piper/torch':>12}"
               f" {'by round':>10}"
-              f" {f'{k} per call/torch':>17} {'fit/torch':>10} {'in-worker/torch':>16} {'sync/torch':>11} {'CPU/torch':>10} {'load':>5}")
+              f" {f'{k} per call/torch':>17} {'fit/torch':>10} {'in-worker/torch':>16} {'sync/torch':>11} {'CPU/torch':>10}"
+              f" {'bound/torch':>12} {'piper/bound':>12} {'load':>5}")
     print(header + "\n" + "-" * len(header), flush=True)
     for model in args.models.split(","):
         for pp in args.pp:
@@ -212,7 +266,8 @@ def main() -> None:
                       f" {r['piper'] / r['torch']:>12.2f} {spread:>10}"
                       f" {r['grouped'] / r['torch']:>17.2f} {r['fit'] / r['torch']:>10.2f}"
                       f" {r['inside'] / r['torch']:>16.2f}"
-                      f" {r['sync'] / r['torch']:>11.2f} {r['cpu']:>10.2f} {r['load']:>5.1f}", flush=True)
+                      f" {r['sync'] / r['torch']:>11.2f} {r['cpu']:>10.2f}"
+                      f" {r['bound'] / r['torch']:>12.2f} {r['piper'] / r['bound']:>12.2f} {r['load']:>5.1f}", flush=True)
 
 
 if __name__ == "__main__":
