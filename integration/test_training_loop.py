@@ -105,7 +105,8 @@ def test_evaluation_between_steps_leaves_training_exact() -> None:
 def test_fit_sizes_its_calls_automatically_and_still_matches_one_device(monkeypatch) -> None:
     """``steps_per_call="auto"`` (the default): single steps while the first three are
     timed, then as many steps per call as the pace allows (here, with the call's target made
-    huge, the cap or what is left); every step is still the one-device step."""
+    huge, the cap or what is left), and no more batches than ``AUTO_CALL_BYTES`` hold; every
+    step is still the one-device step."""
     monkeypatch.setattr(call_size, "AUTO_CALL_S", 1e6)
     workload = build_model("mlp", stages=2, seed=3, dtype=torch.float64)
     optimizer = OptimizerSpec("adam", 1e-2)
@@ -113,10 +114,15 @@ def test_fit_sizes_its_calls_automatically_and_still_matches_one_device(monkeypa
     with Trainer.with_schedule(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
                                schedule="1f1b", pp=2, microbatches=4, optimizer=optimizer) as trainer:
         run = fit(trainer, iter([workload.batches(k) for k in range(9)]), steps=9)
+        # Calls of two batches at most: the byte limit is what two batches weigh.
+        inputs, targets = workload.batches(0)
+        monkeypatch.setattr(call_size, "AUTO_CALL_BYTES", 2 * sum(t.nbytes for t in (*inputs, *targets)))
+        more = fit(trainer, iter([workload.batches(k) for k in range(9, 17)]), steps=17)
         params = trainer.parameters()
     # A call is sent while the one before it runs: the fifth is the first sized by the pace.
     assert run.calls == (1, 1, 1, 1, 5)
-    for k, metrics in enumerate(run.steps):
+    assert more.calls == (1, 1, 1, 1, 2, 2)
+    for k, metrics in enumerate(run.steps + more.steps):
         assert metrics.loss == pytest.approx(reference.step(*workload.batches(k)).loss, rel=1e-10)
     for name, p in reference.parameters().items():
         torch.testing.assert_close(params[name], p, rtol=1e-9, atol=1e-12)

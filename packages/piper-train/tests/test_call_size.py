@@ -6,6 +6,7 @@ import pytest
 
 from piper_train.call_size import (
     AUTO,
+    AUTO_CALL_BYTES,
     AUTO_CALL_S,
     AUTO_MAX_STEPS,
     AUTO_MEASURED_STEPS,
@@ -21,21 +22,22 @@ def test_a_fixed_size_is_kept_whatever_the_pace() -> None:
         size.observe(0.001, 4)
 
 
-def test_auto_measures_single_steps_then_fills_about_fifty_milliseconds() -> None:
+def test_auto_measures_single_steps_then_fills_about_half_a_second() -> None:
     size = CallSize(AUTO)
-    for seconds in (0.9, 0.005, 0.005):  # the first step (workers warming up) is not the pace
+    for seconds in (9.0, 0.1, 0.1):  # the first step (workers warming up) is not the pace
         assert size.next() == 1
         size.observe(seconds, 1)
     assert AUTO_MEASURED_STEPS == 3
-    assert size.next() == int(AUTO_CALL_S / 0.005) == 10
-    size.observe(0.004, 10)  # faster per step in bigger calls: the median moves, within the cap
-    assert size.next() == 10
+    assert AUTO_CALL_S == 0.5
+    assert size.next() == int(AUTO_CALL_S / 0.1) == 5
+    size.observe(0.09, 5)  # faster per step in bigger calls: the median moves, within the cap
+    assert size.next() == 5
 
 
 def test_auto_runs_slow_steps_one_per_call_and_caps_fast_ones() -> None:
     slow, fast = CallSize(AUTO), CallSize(AUTO)
     for _ in range(4):
-        slow.observe(0.2, 1)
+        slow.observe(0.6, 1)
         fast.observe(1e-5, 1)
     assert slow.next() == 1
     assert fast.next() == AUTO_MAX_STEPS
@@ -43,9 +45,16 @@ def test_auto_runs_slow_steps_one_per_call_and_caps_fast_ones() -> None:
 
 def test_one_slow_step_does_not_swing_the_pace() -> None:
     size = CallSize(AUTO)
-    for seconds in (1.0, 0.01, 0.01, 0.01, 0.01, 0.5):  # 0.5: a step before an evaluation
+    for seconds in (10.0, 0.1, 0.1, 0.1, 0.1, 5.0):  # 5.0: a step before an evaluation
         size.observe(seconds, 1)
     assert size.next() == 5
+
+
+def test_auto_calls_end_at_a_size_in_bytes_and_fixed_ones_do_not() -> None:
+    auto, fixed = CallSize(AUTO), CallSize(8)
+    assert not auto.full(AUTO_CALL_BYTES - 1) and auto.full(AUTO_CALL_BYTES)
+    assert not fixed.full(100 * AUTO_CALL_BYTES)
+    assert not CallSize(AUTO, single=True).full(100 * AUTO_CALL_BYTES)  # one step a call anyway
 
 
 def test_a_step_that_may_be_undone_goes_alone() -> None:

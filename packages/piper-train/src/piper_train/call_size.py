@@ -1,17 +1,21 @@
 """How many steps ``fit`` sends to the workers in one call: a fixed number, or ``"auto"``.
 
-Why: a rank spends about a millisecond between two calls on Ray's hand-over (returning one
-result, taking the next call), even with the next call already sent; on a model whose step
-takes a few milliseconds that is a tenth of the step. Several steps in one call pay it once.
-The price is granularity: a call's results arrive together, and a failure fails the call.
+Why: every call costs CPU beside the steps it carries: Ray's hand-over on each rank
+(returning one result, taking the next call, about a millisecond on a 2-core host) and the
+driver's and Ray's daemons' share of sending and gathering it. Where those share cores with
+the ranks, as on a CPU host, they take them from the step: on the 2-core benchmark machine
+a 140 ms pipeline step ran 4% faster two per call and 5% faster four per call
+(docs/benchmarks.md). Several steps in one call pay it once. The price is granularity: a
+call's results arrive together, and a failure fails the call.
 
 ``"auto"`` (tf.keras has ``steps_per_execution="auto"`` for the same reason) sends single
 steps while it measures, then as many steps per call as fit in about ``AUTO_CALL_S`` at
-the measured pace (50 ms), at most ``AUTO_MAX_STEPS``: a model whose step takes that long or
-more runs one step per call, exactly as before; a 5 ms step runs ten per call, so its
-results arrive in bursts of 50 ms and the hand-over costs a tenth of what it did. The pace
-is the median of the latest per-step times (each call's time over its steps), so one slow
-step (an evaluation's pause, a checkpoint) does not swing it.
+the measured pace (half a second), at most ``AUTO_MAX_STEPS``, and no more batches than
+``AUTO_CALL_BYTES`` hold (the first always goes): a model whose step takes half a second or
+more runs one step per call; a 140 ms step runs three per call and a 5 ms step sixteen, so
+results arrive in bursts of at most about half a second. The pace is the median of the
+latest per-step times (each call's time over its steps), so one slow step (an evaluation's
+pause, a checkpoint) does not swing it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import statistics
 from collections import deque
 
 AUTO = "auto"
-AUTO_CALL_S = 0.05  # an automatic call carries about this much work
+AUTO_CALL_S = 0.5  # an automatic call carries about this much work
+AUTO_CALL_BYTES = 64 << 20  # ... and batches of at most this many bytes (a call and the one
+# ahead of it are in the workers' memory at once)
 AUTO_MAX_STEPS = 16
 AUTO_MEASURED_STEPS = 3  # single steps first: the first includes the workers' warm-up
 _PACE_WINDOW = 5  # per-step times the pace is the median of
@@ -56,6 +62,11 @@ class CallSize:
             return self.fixed
         pace = statistics.median(self.recent)
         return max(1, min(AUTO_MAX_STEPS, int(AUTO_CALL_S / pace) if pace > 0 else AUTO_MAX_STEPS))
+
+    def full(self, nbytes: int) -> bool:
+        """Whether an automatic call whose batches hold ``nbytes`` bytes takes no more (a
+        fixed size is the caller's choice, whatever its batches weigh)."""
+        return self.auto and nbytes >= AUTO_CALL_BYTES
 
     def observe(self, seconds_per_step: float, steps: int) -> None:
         """A call of ``steps`` steps took ``seconds_per_step`` each (the first step's time,

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import attrs
+import torch
 
 from piper_ir import CheckpointError, ExecutionError, NumericalError
 from piper_runtime import PendingStep
@@ -117,7 +118,8 @@ def fit(
     step takes a few milliseconds. The results of a call arrive together, so the sinks see
     them in bursts and ``step_seconds`` is the call's time divided by its steps. ``"auto"``
     (the default) sends single steps while it measures the pace, then as many as fit in
-    about 50 ms (at most 16; one for a step that takes that long; ``piper_train.call_size``).
+    about half a second (at most 16 steps and 64 MiB of batches; one for a step that takes
+    that long; ``piper_train.call_size``).
     A number above 1 is refused with ``on_nan="skip-step"``, which ``"auto"`` runs one step
     per call."""
     if steps is None and epochs is None:
@@ -195,6 +197,7 @@ def fit(
         nonlocal ended
         drawn: list[tuple[Batch, int, float]] = []  # (batch, epoch, seconds waited for it)
         limit = call_size.next()
+        nbytes = 0
         while not ended and len(drawn) < limit:
             number = state.step + 1 + len(drawn)
             if (steps is not None and number > steps) or (in_epochs is not None and number > in_epochs):
@@ -212,7 +215,8 @@ def fit(
             if ended:
                 break
             drawn.append((batch, epoch, time.perf_counter() - t0))
-            if quiet_after(number):
+            nbytes += _batch_bytes(batch)
+            if quiet_after(number) or call_size.full(nbytes):
                 break
         if not drawn:
             return []
@@ -334,6 +338,11 @@ def _save(trainer: Trainer, checkpoints: Checkpoints) -> Path:
     path = trainer.save_checkpoint(checkpoints.path(trainer.state.step))
     prune(checkpoints.root, checkpoints.keep)
     return path
+
+
+def _batch_bytes(batch: Batch) -> int:
+    """What a batch's tensors (inputs and targets) weigh."""
+    return sum(t.nelement() * t.element_size() for part in batch for t in part if isinstance(t, torch.Tensor))
 
 
 def _epoch(data: object) -> int:

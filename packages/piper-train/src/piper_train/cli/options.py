@@ -213,7 +213,8 @@ def _add_train(p: argparse.ArgumentParser) -> None:
                    help="send up to N consecutive steps to the workers in one call (saves about a millisecond per "
                         "step and rank: worth it when a step takes a few milliseconds; results then arrive in "
                         "bursts; N above 1 not with --on-nan skip-step); auto: one step per call while the pace "
-                        "is measured, then as many as take about 50 ms, at most 16 (default: auto)")
+                        "is measured, then as many as take about half a second, at most 16 and 64 MiB of batches "
+                        "(default: auto)")
     p.add_argument("--no-bind-cores", action="store_true",
                    help="leave the ranks' threads to the operating system; by default each rank's step threads "
                         "are bound to cores of their own where a host has a free core per rank (cores another Piper "
