@@ -33,7 +33,8 @@ The two sides alternate (torch, Piper, Piper, torch, ...) for ``--repeats`` roun
 figure is the median over every timed step of its rounds, so load that drifts during the
 run (this machine is shared) falls on both. The load average is printed with each row, and
 "by round" gives the lowest and highest of the rounds' own Piper/torch ratios (each round's
-pipelined Piper median over its torch median): the spread a single figure hides.
+pipelined Piper median over its torch median): the spread a single figure hides; "fit by
+round" the same for ``fit``'s steps.
 
 AdamW runs as each side's default unless told: Piper's "auto" is torch's fused kernel,
 torch's own default on the CPU is its for-loop. ``--torch-optimizer-impl fused`` (or
@@ -216,16 +217,20 @@ def compare(
         sync.extend(s)
 
     rounds: list[float] = []  # each round's Piper median over its torch median: the run's spread
+    fit_rounds: list[float] = []  # ... and fit's
     for r in range(repeats):
-        before = len(torch_t), len(piper_t)
+        before = len(torch_t), len(piper_t), len(fitted)
         for side in (torch_side, piper_side) if r % 2 == 0 else (piper_side, torch_side):
             side()
             loads.append(os.getloadavg()[0])
-        rounds.append(statistics.median(piper_t[before[1]:]) / statistics.median(torch_t[before[0]:]))
+        torch_round = statistics.median(torch_t[before[0]:])
+        rounds.append(statistics.median(piper_t[before[1]:]) / torch_round)
+        fit_rounds.append(statistics.median(fitted[before[2]:]) / torch_round)
     t, p = statistics.median(torch_t), statistics.median(piper_t)
     bound = compute_bound(schedule, model, pp, microbatches, programs[0], implementation=implementation)
     return {"bound": bound, "torch": t, "piper": p, "inside": statistics.median(inside), "sync": statistics.median(sync),
             "grouped": statistics.median(grouped), "fit": statistics.median(fitted), "low": min(rounds), "high": max(rounds),
+            "fit_low": min(fit_rounds), "fit_high": max(fit_rounds),
             "load": statistics.fmean(loads), "cpu": statistics.median(piper_cpu) / statistics.median(torch_cpu)}
 
 
@@ -253,7 +258,7 @@ def main() -> None:
     k = args.steps_per_call
     header = (f"{'model':<12} {'schedule':<17} {'pp':>2} {'torch ms':>9} {'piper ms':>9} {'piper/torch':>12}"
               f" {'by round':>10}"
-              f" {f'{k} per call/torch':>17} {'fit/torch':>10} {'in-worker/torch':>16} {'sync/torch':>11} {'CPU/torch':>10}"
+              f" {f'{k} per call/torch':>17} {'fit/torch':>10} {'fit by round':>13} {'in-worker/torch':>16} {'sync/torch':>11} {'CPU/torch':>10}"
               f" {'bound/torch':>12} {'piper/bound':>12} {'load':>5}")
     print(header + "\n" + "-" * len(header), flush=True)
     for model in args.models.split(","):
@@ -262,9 +267,10 @@ def main() -> None:
                 r = compare(model, schedule, pp, args.microbatches, args.steps, args.repeats, k,
                             args.optimizer_impl, args.torch_optimizer_impl)
                 spread = f"{r['low']:.2f}-{r['high']:.2f}"
+                fit_spread = f"{r['fit_low']:.2f}-{r['fit_high']:.2f}"
                 print(f"{model:<12} {schedule:<17} {pp:>2} {r['torch'] * 1e3:>9.1f} {r['piper'] * 1e3:>9.1f}"
                       f" {r['piper'] / r['torch']:>12.2f} {spread:>10}"
-                      f" {r['grouped'] / r['torch']:>17.2f} {r['fit'] / r['torch']:>10.2f}"
+                      f" {r['grouped'] / r['torch']:>17.2f} {r['fit'] / r['torch']:>10.2f} {fit_spread:>13}"
                       f" {r['inside'] / r['torch']:>16.2f}"
                       f" {r['sync'] / r['torch']:>11.2f} {r['cpu']:>10.2f}"
                       f" {r['bound'] / r['torch']:>12.2f} {r['piper'] / r['bound']:>12.2f} {r['load']:>5.1f}", flush=True)
