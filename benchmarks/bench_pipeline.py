@@ -14,9 +14,9 @@ Trainer sending ``--steps-per-call`` steps in one call per rank ("N per call":
 ``Trainer.submit_steps`` with one call in flight ahead, as ``piper train --steps-per-call N``
 runs; the time between calls' results over their steps), the same Trainer under ``fit``
 with its default ``steps_per_call="auto"`` ("fit": what ``piper train`` runs; single steps
-while the first few are timed, then as many per call as take about half a second; the steps after
-those first four, ``StepMetrics.step_seconds``), and the CPU
-time the ranks' processes spent per step (all threads, summed over ranks), Piper's over
+while the first few are timed, then as many per call as take about half a second; the
+steps after those first four, ``StepMetrics.step_seconds``), and the CPU time the ranks'
+processes spent per step (all threads, summed over ranks), Piper's over
 torch's: on an oversubscribed machine wall times follow the load, CPU time much less.
 
 "bound/torch" is the fastest any runtime could step the row's schedule on this machine,

@@ -114,14 +114,14 @@ def fit(
     (``Trainer.submit_steps``; tf.keras calls it ``steps_per_execution``), one call kept in
     flight ahead, each call ending at the latest on a step after which the workers must be
     quiet. Each step computes what it would alone; what is saved is a call's overhead per
-    step, about a millisecond per rank on a 2-core host, which matters for a model whose
-    step takes a few milliseconds. The results of a call arrive together, so the sinks see
-    them in bursts and ``step_seconds`` is the call's time divided by its steps. ``"auto"``
-    (the default) sends single steps while it measures the pace, then as many as fit in
-    about half a second (at most 16 steps and 64 MiB of batches; one for a step that takes
-    that long; ``piper_train.call_size``).
-    A number above 1 is refused with ``on_nan="skip-step"``, which ``"auto"`` runs one step
-    per call."""
+    step: Ray's hand-over on each rank and the driver's work of sending the call, which on a
+    host whose cores the ranks fill comes out of the step (``piper_train.call_size``). The
+    results of a call arrive together, so the sinks see them in bursts and
+    ``step_seconds`` is the call's time divided by its steps. ``"auto"`` (the default) sends
+    single steps while it measures the pace, then as many as fit in about half a second (at
+    most 16 steps and 64 MiB of batches; one for a step that takes that long). A number
+    above 1 is refused with ``on_nan="skip-step"``, which ``"auto"`` runs one step per
+    call."""
     if steps is None and epochs is None:
         raise ValueError("fit needs steps or epochs")
     if eval_every and held_out is None:

@@ -210,9 +210,9 @@ def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-dir", type=Path, default=Path("."), help="where --profile-step writes (default: .)")
     p.add_argument("--no-progress-bar", action="store_true", help="plain progress lines even on a terminal")
     p.add_argument("--steps-per-call", type=_steps_per_call, default="auto", metavar="N|auto",
-                   help="send up to N consecutive steps to the workers in one call (saves about a millisecond per "
-                        "step and rank: worth it when a step takes a few milliseconds; results then arrive in "
-                        "bursts; N above 1 not with --on-nan skip-step); auto: one step per call while the pace "
+                   help="send up to N consecutive steps to the workers in one call (saves each rank Ray's "
+                        "hand-over of a call and the driver its work of sending one, per step; results then arrive "
+                        "in bursts; N above 1 not with --on-nan skip-step); auto: one step per call while the pace "
                         "is measured, then as many as take about half a second, at most 16 and 64 MiB of batches "
                         "(default: auto)")
     p.add_argument("--no-bind-cores", action="store_true",
