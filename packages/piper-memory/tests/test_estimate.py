@@ -94,3 +94,30 @@ def test_interleaved_order_holds_one_microbatch_and_sgd_has_no_state() -> None:
     assert est[1].optimizer_state_bytes == 0
     with pytest.raises(ValueError, match="unknown optimizer"):
         estimate_memory(_program(interleave=True), optimizer="lion")
+
+
+def test_the_replays_running_totals_follow_every_change() -> None:
+    """The replay reads each category's sum from a running total (``_Tally``) instead of
+    summing its dict after every instruction: after any sequence of sets, overwrites and
+    pops (with and without a default) the total is the sum of what is held."""
+    import random
+
+    from piper_memory.estimate import _Tally
+
+    rng = random.Random(0)
+    tally = _Tally()
+    for _ in range(2000):
+        key = rng.randrange(8)
+        op = rng.random()
+        if op < 0.5:
+            tally[key] = rng.randrange(1, 1000)
+        elif op < 0.8:
+            held = dict(tally).get(key)
+            assert tally.pop(key, None) == held
+        elif key in tally:
+            held = dict(tally)[key]
+            assert tally.pop(key) == held
+        else:
+            with pytest.raises(KeyError):
+                tally.pop(key)
+        assert tally.total == sum(tally.values())
