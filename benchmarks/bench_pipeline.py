@@ -26,7 +26,7 @@ profiled steps of Piper's runtime: the same torch kernels either runtime calls),
 free, simulated on the row's program (``piper_scheduler.simulate``); with fewer cores than
 ranks, also at least the step's whole compute spread over the cores. No runtime beats it
 but by computing faster than alone, so Piper/torch can reach 0.95 on a row only where
-torch's step is at least 1/0.95 of Piper's: "piper/bound" is how far Piper's step is
+torch's step is more than 1/0.95 of the bound; "piper/bound" is how far Piper's step is
 from it.
 
 The two sides alternate (torch, Piper, Piper, torch, ...) for ``--repeats`` rounds and each
