@@ -342,7 +342,7 @@ def _save(trainer: Trainer, checkpoints: Checkpoints) -> Path:
 
 def _batch_bytes(batch: Batch) -> int:
     """What a batch's tensors (inputs and targets) weigh."""
-    return sum(t.nelement() * t.element_size() for part in batch for t in part if isinstance(t, torch.Tensor))
+    return sum(t.nbytes for part in batch for t in part if isinstance(t, torch.Tensor))
 
 
 def _epoch(data: object) -> int:
