@@ -19,15 +19,16 @@ steps after those first four, ``StepMetrics.step_seconds``), and the CPU time th
 processes spent per step (all threads, summed over ranks), Piper's over
 torch's: on an oversubscribed machine wall times follow the load, CPU time much less.
 
-"bound/torch" is the fastest any runtime could step the row's schedule on this machine,
-over torch's step: each compute instruction at the time it takes alone (the same regions
-run by one rank on one core, each microbatch's forward then its backward, medians over
-profiled steps of Piper's runtime: the same torch kernels either runtime calls), messages
-free, simulated on the row's program (``piper_scheduler.simulate``); with fewer cores than
-ranks, also at least the step's whole compute spread over the cores. No runtime beats it
-but by computing faster than alone, so Piper/torch can reach 0.95 on a row only where
-torch's step is more than 1/0.95 of the bound; "piper/bound" is how far Piper's step is
-from it.
+"bound/torch" is the fastest any runtime could step the row's schedule on this machine with
+torch's kernels, over torch's step: each compute instruction at the time it takes alone
+(the same regions run by one rank on one core, each microbatch's forward then its backward,
+medians over profiled steps of Piper's runtime with its fusion of weight-gradient
+accumulation off: the kernels torch's side calls), messages free, simulated on the row's
+program (``piper_scheduler.simulate``); with fewer cores than ranks, also at least the
+step's whole compute spread over the cores. No runtime beats it but by computing faster
+than alone or computing less: Piper's step can go below it where it adds weight gradients
+inside the matrix product (``piper_runtime.accumulation``: weights of 1 MiB or more, the
+``stack`` model's). "piper/bound" is how far Piper's step is from it.
 
 The two sides alternate (torch, Piper, Piper, torch, ...) for ``--repeats`` rounds and each
 figure is the median over every timed step of its rounds, so load that drifts during the
@@ -167,6 +168,7 @@ def compute_bound(
         spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn,
         schedule="1f1b", pp=1, microbatches=microbatches,
         optimizer=OptimizerSpec("adamw", LR, implementation=implementation), reuse_workers=True,
+        grad_fusion_min_bytes=None,  # torch's kernels: autograd adds each weight gradient
     ) as alone:
         by_id = {ins.id: ins for plan in alone.program.ranks for ins in plan.instructions}
         for step in range(steps + 1):

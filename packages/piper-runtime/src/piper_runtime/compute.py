@@ -33,7 +33,7 @@ detached leaves, and its backward runs through the stage too, in one engine call
 kernels in the same order, so the result is bit for bit the same; what is saved is one
 autograd engine call, a detached boundary and one gradient tensor per microbatch. On the
 ``mlp`` model's last stage the two backwards took 289 us per microbatch apart and 196 us
-fused (a profiled run; ``benchmarks/bench_loss_fusion.py`` times whole steps both ways).
+fused (a profiled run; ``benchmarks/bench_fusion.py --fusion loss`` times whole steps both ways).
 ``profile=True`` shows the stage's work inside the loss's ``B``.
 
 ``forward_only`` (a plan without backward passes: an evaluation step) runs forwards without

@@ -66,6 +66,8 @@ class DataParallel:
         # Parameters whose memory is the flat buffer of a bucket with sharded parameters:
         # communication buffers while gathered, counted through their shard otherwise.
         self.gathered_ids = {id(p) for b in self.buckets.values() if b.params_sharded for p in b.params}
+        # Parameters whose gradients live sharded: hooks reduce them as autograd accumulates them.
+        self.sharded_grad_ids = {id(p) for b in self.buckets.values() if b.grads_sharded for p in b.params}
 
     def _setup_buckets(self) -> None:
         program, rank = self.program, self.rank

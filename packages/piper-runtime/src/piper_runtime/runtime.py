@@ -43,6 +43,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from torch import nn
 
 from piper_ir import ClusterError, ExecutionError, HangError, NumericalError, PiperError, Program
+from piper_runtime.accumulation import MIN_WEIGHT_BYTES, describe_fusion
 from piper_runtime.backends import backend_factory, cuda_missing
 from piper_runtime.batch import batch_reads, check_batch, replica_slice, to_wire
 from piper_runtime.cluster import choose_backend, ensure_ray, worker_env
@@ -82,7 +83,10 @@ class Runtime:
     logical streams on threads of their own (the default); ``False`` walks each rank's plan
     sequentially, the same plan on one stream. ``fuse_loss_backward=False`` runs every loss
     backward apart from its stage's (``piper_runtime.compute``): the same results, and a
-    profile that times each segment alone. ``bind_cores``: where a host has a free core per rank
+    profile that times each segment alone. ``grad_fusion_min_bytes``: ``nn.Linear`` weights
+    of at least this many bytes have each microbatch's gradient added into ``.grad`` by the
+    matrix product that computes it (``piper_runtime.accumulation``; ``None``: autograd adds
+    every one). ``bind_cores``: where a host has a free core per rank
     (one no other job's rank claims), bind each rank's step threads to cores of its own
     (``piper_runtime.cores``; ``log`` hears which); ``False`` leaves them to the operating
     system.
@@ -133,6 +137,7 @@ class Runtime:
         setup_timeout_s: float = 120.0,
         threads: bool = True,
         fuse_loss_backward: bool = True,
+        grad_fusion_min_bytes: int | None = MIN_WEIGHT_BYTES,
         bind_cores: bool = True,
         placement: str = "pack",
         ranks_per_gpu: int = 1,
@@ -241,12 +246,16 @@ class Runtime:
                 on_nan == "skip-step",
                 fuse_loss_backward=fuse_loss_backward,
                 cores=cores.get(rank, ()),
+                grad_fusion_min_bytes=grad_fusion_min_bytes,
             )
             for rank, w in enumerate(self._workers)
         ]
-        bound = self._gather(calls, setup_timeout_s, "setup")
+        answers = self._gather(calls, setup_timeout_s, "setup")
         if log is not None:  # what each rank holds: a core another job claimed meanwhile is not bound
-            log(describe({r: c for r, c in enumerate(bound) if c}, program.world_size, bind_cores, claimed))
+            log(describe({r: c for r, (c, _) in enumerate(answers) if c}, program.world_size, bind_cores, claimed))
+            fused = {r: n for r, (_, n) in enumerate(answers) if n}
+            if fused:
+                log(describe_fusion(fused, grad_fusion_min_bytes))
 
     # -- public API ---------------------------------------------------------------------------
 

@@ -47,6 +47,7 @@ from torch import nn
 
 from piper_ir import BUCKET_KINDS, ExecutionError, NodeKind, Program
 from piper_runtime.accounting import MemorySampler
+from piper_runtime.accumulation import MIN_WEIGHT_BYTES, accumulate_in_products
 from piper_runtime.backends import Backend, BackendFactory, backend_factory
 from piper_runtime.batch import from_wire, split_microbatches
 from piper_runtime.comms import Communicators
@@ -98,6 +99,7 @@ class RankWorker:
         self.rank = -1
         self.backend: Backend | None = None
         self._modules: dict[str, nn.Module] = {}
+        self.fused_layers = 0  # ``nn.Linear`` layers summing gradients in their product (``accumulation``)
         self._grads_lock = threading.RLock()
         self._step = 0
         self._saving: SaveSide | None = None
@@ -147,7 +149,8 @@ class RankWorker:
         backup: bool = False,
         fuse_loss_backward: bool = True,
         cores: Sequence[int] = (),
-    ) -> tuple[int, ...]:
+        grad_fusion_min_bytes: int | None = MIN_WEIGHT_BYTES,
+    ) -> tuple[tuple[int, ...], int]:
         """Join the world, keep this rank's segment modules, build the optimizers.
         ``backend``: a registered name or a factory (``piper_runtime.backends``);
         ``timeout_s``: the bound on joining and on any one wait of a step (a receive, a
@@ -155,9 +158,12 @@ class RankWorker:
         of the plan); ``backup``: keep the state from before each step, for ``restore``;
         ``fuse_loss_backward``: run a loss's ``B`` together with its stage's where the plan
         allows (``piper_runtime.compute``; off: each segment's time alone in a profile);
+        ``grad_fusion_min_bytes``: ``nn.Linear`` weights of this many bytes or more sum
+        their microbatches' gradients inside the matrix product (``piper_runtime.accumulation``;
+        ``None``: none do);
         ``cores``: claim these and bind the thread that runs steps to them
         (``piper_runtime.cores``; empty, or claimed by another job meanwhile: every core of
-        the host); returns the cores it is bound to. ``seed``:
+        the host); returns the cores it is bound to and how many layers the gradient fusion took. ``seed``:
         what every forward's random numbers are drawn from (``piper_runtime.randomness``;
         ``Runtime`` always gives one). ``None`` leaves the process's generators as they are,
         with no lock: for a backend that runs several ranks in one process, whose forwards
@@ -177,6 +183,11 @@ class RankWorker:
         cut_parameters(program, rank, self._modules)
         self._data_parallel = dp = DataParallel(
             program, rank, self._modules, unbucketed_experts(program, rank), self._grads_lock
+        )
+        # Under a precision, stage segments compute on cast copies: no weight to add into.
+        fuse = grad_fusion_min_bytes is not None and program.precision is None
+        self.fused_layers = 0 if not fuse else accumulate_in_products(
+            self._modules, plan.instructions, skip=dp.sharded_grad_ids, min_bytes=grad_fusion_min_bytes
         )
         self._optimizers = optimizers = Optimizers(program, self._modules, optimizer, dp, self._grads_lock)
         grad_norm = GradNorm(
@@ -241,7 +252,7 @@ class RankWorker:
         self._claim = claim(cores) if cores else None
         if self._claim is not None:
             self._bind(self._claim.cores)
-        return self._cores
+        return self._cores, self.fused_layers
 
     def _bind(self, cores: tuple[int, ...]) -> None:
         """Bind the calling thread (the one that runs this worker's calls) to ``cores``

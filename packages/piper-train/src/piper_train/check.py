@@ -11,6 +11,7 @@ from piper_directives import Strategy
 from piper_directives.randomness import Randomness
 from piper_ir import ExecutionError, Program
 from piper_runtime import DEFAULT_TIMEOUT_S, OptimizerSpec
+from piper_runtime.accumulation import MIN_WEIGHT_BYTES
 from piper_runtime.worker import TORCH_THREADS
 from piper_train.models import ModelSpec
 from piper_train.reference import ReferenceTrainer
@@ -101,13 +102,15 @@ def run_check(
     clip_grad_norm: float | None = None,
     eval_batches: int = 0,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    grad_fusion_min_bytes: int | None = MIN_WEIGHT_BYTES,
 ) -> CheckReport:
     """Train ``steps`` steps both ways; compare every microbatch loss, every gradient (after
     clipping), the learning rate (with ``lr_schedule``) and the gradient norm (with
     ``clip_grad_norm``) of every step, after the last step every parameter and, with
     ``eval_batches``, the held-out loss of that many batches of ``workload.eval_batches``
     (forward only, in eval mode: dropout off). ``threads=False`` runs the plans
-    sequentially; ``backend``, ``placement``, ``ranks_per_gpu``, ``timeout_s`` as for ``Trainer``. ``seed``
+    sequentially; ``backend``, ``placement``, ``ranks_per_gpu``, ``timeout_s``, ``grad_fusion_min_bytes`` as for
+    ``Trainer``. ``seed``
     and ``precision`` go to the ``Trainer``; single-device training draws the same random
     numbers and computes in the same precision (``reference_for``)."""
     optimizer = optimizer or OptimizerSpec()
@@ -119,6 +122,7 @@ def run_check(
         optimizer=optimizer, address=address, memory_budget_bytes=memory_budget_bytes, log=log,
         threads=threads, seed=seed, precision=precision, backend=backend, placement=placement,
         ranks_per_gpu=ranks_per_gpu, lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm, timeout_s=timeout_s,
+        grad_fusion_min_bytes=grad_fusion_min_bytes,
     ) as trainer:
         reference = reference_for(trainer, workload, optimizer, seed, lr_schedule, clip_grad_norm)
         for step in range(steps):

@@ -41,6 +41,7 @@ from piper_runtime import (
     StepResult,
     WorkerPool,
 )
+from piper_runtime.accumulation import MIN_WEIGHT_BYTES
 from piper_runtime.batch import full_batch_shape
 from piper_runtime.checkpoint import read_objects
 from piper_scheduler import compile_program, forward_only
@@ -69,7 +70,10 @@ class Trainer:
     it is per GPU, so with ``ranks_per_gpu`` N each rank may use 1/N of it.
     ``threads=False`` runs each rank's plan sequentially instead of one thread per stream;
     ``fuse_loss_backward=False`` keeps each loss's backward apart from its stage's (a profile
-    then times every segment alone; ``piper_runtime.compute``). ``bind_cores=False`` leaves
+    then times every segment alone; ``piper_runtime.compute``). ``grad_fusion_min_bytes``:
+    ``nn.Linear`` weights of at least this many bytes (1 MiB) have each microbatch's gradient
+    added into ``.grad`` by the matrix product that computes it (``piper_runtime.accumulation``;
+    ``None``: autograd adds every one). ``bind_cores=False`` leaves
     the ranks' threads to the operating system instead of binding each rank to cores of its
     own where a host has a core per rank (``piper_runtime.cores``).
     ``seed``: what random numbers (dropout) are drawn from, per (region, microbatch, step,
@@ -114,6 +118,7 @@ class Trainer:
         log: Callable[[str], None] | None = None,
         threads: bool = True,
         fuse_loss_backward: bool = True,
+        grad_fusion_min_bytes: int | None = MIN_WEIGHT_BYTES,
         bind_cores: bool = True,
         seed: int = 0,
         precision: str | None = None,
@@ -166,6 +171,7 @@ class Trainer:
             on_nan=on_nan,
             threads=threads,
             fuse_loss_backward=fuse_loss_backward,
+            grad_fusion_min_bytes=grad_fusion_min_bytes,
             bind_cores=bind_cores,
             seed=seed,
             by_value=captured.user_modules,  # the model file, its neighbours: by value to the workers

@@ -1,0 +1,145 @@
+"""Weight gradients summed over microbatches inside the matrix product that computes them.
+
+With several microbatches, autograd computes an ``nn.Linear`` weight's gradient of each
+microbatch into a new tensor and then adds it into ``.grad``: one more pass over the
+weight's bytes and one allocation per microbatch. ``accumulate_in_products`` gives the
+``nn.Linear`` layers of a rank's segments a backward that computes the weight gradient as
+``weight.grad.addmm_(dy^T, x)`` once ``.grad`` holds the earlier microbatches' sum
+(Megatron-LM's gradient accumulation fusion): the product lands in the sum, and autograd
+is handed no weight gradient to add (it still runs the weight's gradient hooks after the
+pass, with the sum complete). The first microbatch's gradient, and any whose ``.grad`` is
+``None`` or of another dtype, shape or device, goes through autograd as before. The result is the
+same sum up to rounding: ``C + A B`` in one kernel instead of ``A B`` then ``C +`` it (the
+single-device oracle tests hold at their usual tolerances).
+
+Only weights of ``MIN_WEIGHT_BYTES`` (1 MiB) or more are worth it. The saving is one pass
+over the weight per microbatch; the price is a Python-level autograd function per call
+(forward and backward), which a step's cold caches make cost 50-90 us on this 2-core VM.
+Whole steps, 1F1B at pp=2 with 8 microbatches, fused over unfused (the slowest rank's time
+inside its step, median of 4-6 alternating rounds, the rounds' range in brackets;
+``benchmarks/bench_fusion.py --fusion grads --min-bytes 0``, with ``--width D,H`` for the
+``stack`` model's residual blocks at other widths, 8 microbatches of 2 x 32 positions):
+
+| model | largest weight | fused / unfused |
+|---|---|---|
+| ``mlp`` (d 32-64) | 16 KiB | 1.11 (1.03-1.25) |
+| blocks 256, 512 | 0.5 MiB | 1.07 (1.03-1.15) |
+| blocks 256, 1024 | 1 MiB | 0.96 (0.88-1.00) |
+| ``stack`` (256, 1024; 4 x 32 positions per microbatch) | 1 MiB | 0.97 (0.95-1.03) |
+| blocks 512, 2048 | 4 MiB | 0.91 (0.85-0.94) |
+| blocks 1024, 4096 | 16 MiB | 0.89 (0.86-0.91) |
+
+A ``Linear`` stays as it is where the fusion would be wrong:
+
+- in a segment with a split backward (``BI`` then ``BW``): both passes run the layer's
+  backward on one graph, so a backward that writes ``.grad`` itself would write it twice;
+- where the weight's gradients live sharded (ZeRO-2/3): ``.grad`` is dropped after every
+  pass (reduce-scattered into the shard), so there is no sum to add into;
+- under ``Program.precision``: stage segments compute on cast copies of the weights, whose
+  gradients autograd casts back (``RankWorker.setup`` fuses nothing then);
+- a subclass with a forward of its own, or a frozen weight.
+
+And at each call, the fused layer runs ``nn.Linear``'s own forward unless its weight is a
+plain leaf tensor (not a cast copy, not a tensor subclass) and autocast is off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from piper_ir import Instruction, NodeKind, Phase
+
+SPLIT_PHASES = (Phase.BI, Phase.BW)
+MIN_WEIGHT_BYTES = 2**20  # the smallest weight fused (module doc)
+
+
+def accumulate_in_products(
+    modules: Mapping[str, nn.Module],
+    instructions: Sequence[Instruction],
+    skip: Collection[int] = (),
+    min_bytes: int = MIN_WEIGHT_BYTES,
+) -> int:
+    """Give the eligible ``nn.Linear`` layers of ``modules`` (segment -> module) whose weight
+    has ``min_bytes`` or more the fused backward (module doc); ``instructions`` is the
+    rank's plan, ``skip`` the ids of weights to leave alone. Returns how many layers it
+    changed."""
+    split = {ins.segment for ins in instructions if ins.kind is NodeKind.COMPUTE and ins.phase in SPLIT_PHASES}
+    changed = 0
+    for sid, module in modules.items():
+        if sid in split:
+            continue
+        for layer in module.modules():
+            if (
+                isinstance(layer, nn.Linear)
+                and type(layer).forward is nn.Linear.forward
+                and layer.weight.requires_grad
+                and layer.weight.nbytes >= min_bytes
+                and id(layer.weight) not in skip
+            ):
+                # An instance attribute: ``nn.Module.__call__`` looks ``forward`` up on the instance.
+                layer.forward = partial(_forward, layer)
+                changed += 1
+    return changed
+
+
+def describe_fusion(layers: Mapping[int, int], min_bytes: int | None) -> str:
+    """One line for the run's log: how many layers each rank fused (``accumulate_in_products``)."""
+    shown = ", ".join(f"rank {r}: {n}" for r, n in sorted(layers.items()))
+    return (
+        f"gradients: {sum(layers.values())} nn.Linear layers with weights of {min_bytes or 0:,} bytes or more add "
+        f"each microbatch's weight gradient inside its matrix product ({shown})"
+    )
+
+
+def _forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    weight, bias = layer.weight, layer.bias
+    if (
+        type(weight) is not nn.Parameter
+        or not weight.is_leaf
+        or not torch.is_grad_enabled()
+        or torch.is_autocast_enabled(x.device.type)
+        or x.dtype != weight.dtype
+    ):
+        return F.linear(x, weight, bias)
+    return _LinearAccumulating.apply(x, weight, bias)
+
+
+class _LinearAccumulating(torch.autograd.Function):
+    """``F.linear`` whose weight gradient is added into ``weight.grad`` by the product itself
+    where ``.grad`` already exists (module doc)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        grad_x = grad_out.matmul(weight) if need_x else None
+        grad_w = grad_b = None
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        if need_w:
+            flat_x = x.reshape(-1, x.shape[-1])
+            acc = weight.grad
+            if (
+                acc is not None
+                and acc.dtype == dy.dtype
+                and acc.device == dy.device
+                and acc.shape == weight.shape
+                and acc.is_contiguous()
+                and not acc.requires_grad
+            ):
+                acc.addmm_(dy.t(), flat_x)  # into the sum; autograd accumulates nothing
+            else:
+                grad_w = dy.t().mm(flat_x)
+        if need_b and ctx.has_bias:
+            grad_b = dy.sum(0)
+        return grad_x, grad_w, grad_b
