@@ -10,7 +10,9 @@
 #      two processes over NCCL and host-staged, allocator figures, `piper check` through pytest,
 #      a run resumed from a checkpoint with the fused AdamW, whose step count lives on the GPU)
 #      and the CPU tests of the backend's logic on fakes;
-#   2. `piper check --backend cuda` for 1f1b pp=2, dualpipev pp=2, 1f1b pp=2 x dp=2 zero=3 and
+#   2. `piper check --backend cuda` for 1f1b pp=2, 1f1b pp=2 on the `stack` model (whose 1 MiB
+#      weights add their gradients inside the matrix product: piper_runtime.accumulation),
+#      dualpipev pp=2, 1f1b pp=2 x dp=2 zero=3 and
 #      ep=2 (pp=2 x ep=2), against single-device training (ranks share GPUs when there are fewer
 #      GPUs than ranks: --ranks-per-gpu, host-staged transport between ranks of one GPU);
 #   3. whether two of the backend's streams overlap (a compute kernel and a copy on different
@@ -91,9 +93,10 @@ run() {  # run NAME LIMIT_S COMMAND...: record PASS/FAIL, seconds and the last l
 
 run "CUDA tests (pytest)" 360 "$VPY" -m pytest -p no:cacheprovider --import-mode=importlib -q -rs \
   packages/piper-runtime/tests/test_cuda_gpu.py packages/piper-runtime/tests/test_cuda_backend.py \
-  integration/test_cuda_gpu.py integration/test_cuda_on_fakes.py
+  packages/piper-runtime/tests/test_accumulation.py integration/test_cuda_gpu.py integration/test_cuda_on_fakes.py
 CHECK=("$VPY" -m piper_train.cli check --backend cuda --steps 2 --rtol 1e-4 --atol 1e-5)
 run "check 1f1b pp=2" 120 "${CHECK[@]}" --schedule 1f1b --pp 2 --ranks-per-gpu "$(per_gpu 2)"
+run "check stack 1f1b pp=2 (fused grads)" 150 "${CHECK[@]}" --model stack --schedule 1f1b --pp 2 --ranks-per-gpu "$(per_gpu 2)"
 run "check dualpipev pp=2" 120 "${CHECK[@]}" --schedule dualpipev --pp 2 --ranks-per-gpu "$(per_gpu 2)"
 run "check 1f1b pp=2 dp=2 zero=3" 150 "${CHECK[@]}" --schedule 1f1b --pp 2 --dp 2 --zero 3 --ranks-per-gpu "$(per_gpu 4)"
 run "check ep=2 (moe pp=2 ep=2)" 150 "${CHECK[@]}" --model moe --pp 2 --ep 2 --microbatches 2 --ranks-per-gpu "$(per_gpu 4)"

@@ -65,6 +65,16 @@ def test_sums_equal_autograds_and_land_in_one_tensor(shape) -> None:
     assert len(seen) == M and all(g is first.grad for g in seen)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: torch.cuda.is_available() is False here")
+def test_sums_on_a_gpu() -> None:
+    plain, fused = _mlp().cuda(), _mlp().cuda()
+    assert accumulate_in_products({"s": fused}, [], min_bytes=0) == 3
+    xs = [x.cuda() for x in _inputs((2, 3, 6))]
+    want, got = _grads_over_microbatches(plain, xs), _grads_over_microbatches(fused, xs)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-12)
+
+
 def test_a_weight_used_twice_and_tied_to_an_embedding() -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:
