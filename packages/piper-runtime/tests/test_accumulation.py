@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from piper_ir import Phase, Program, RankPlan, Segment, SegmentRole, Tags, TensorMeta
+from piper_ir import Phase, Program
 from piper_runtime import OptimizerSpec
 from piper_runtime.accumulation import accumulate_in_products
 from piper_runtime.precision import cast_forward
-from piper_runtime.testing import MSE, TanhLinear, compute, tensor_meta, two_stage_values
+from piper_runtime.testing import MSE, TanhLinear, compute, one_rank_two_stages
 from piper_runtime.worker import RankWorker
 
 M = 4
@@ -135,26 +135,12 @@ BATCH, D_IN, D_HID, D_OUT = 8, 3, 5, 2
 
 
 def _program() -> Program:
-    values = two_stage_values(BATCH // M, D_IN, D_HID, D_OUT)
-
-    def params(name: str, d_in: int, d_out: int) -> tuple[tuple[str, TensorMeta], ...]:
-        return ((f"{name}.weight", tensor_meta(d_out, d_in, batch_dim=None)), (f"{name}.bias", tensor_meta(d_out, batch_dim=None)))
-
-    segments = (
-        Segment("s0", SegmentRole.STAGE, Tags.of(PP=0), ("input:0",), ("v:h",), params("l0", D_IN, D_HID)),
-        Segment("s1", SegmentRole.STAGE, Tags.of(PP=1), ("v:h",), ("v:y",), params("l1", D_HID, D_OUT)),
-        Segment("loss", SegmentRole.LOSS, Tags.of(PP=1), ("v:y", "target:0"), ("v:loss",)),
-    )
     plan = [compute(s, Phase.F, i) for i in range(M) for s in ("s0", "s1", "loss")]
     for i in range(M):
         plan += [compute("loss", Phase.B, i), compute("s1", Phase.BI, i), compute("s0", Phase.B, i)]
     plan += [compute("s1", Phase.BW, i) for i in range(M)]
     plan += [compute("s0", Phase.OPT), compute("s1", Phase.OPT)]
-    return Program(
-        world_size=1, ranks=(RankPlan(0, plan),), communicators=(), segments=segments, values=values,
-        inputs=("input:0",), targets=("target:0",), microbatches=M,
-        placement=(("s0", (0,)), ("s1", (0,)), ("loss", (0,))),
-    )
+    return one_rank_two_stages(plan, M, BATCH // M, D_IN, D_HID, D_OUT)
 
 
 def _port() -> int:

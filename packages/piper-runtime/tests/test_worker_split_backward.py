@@ -18,44 +18,18 @@ from piper_ir import (
     ExecutionError,
     Phase,
     Program,
-    RankPlan,
-    Segment,
-    SegmentRole,
-    Tags,
-    TensorMeta,
 )
 from piper_runtime import OptimizerSpec
-from piper_runtime.testing import MSE, TanhLinear, compute, tensor_meta, two_stage_values
+from piper_runtime.testing import MSE, TanhLinear, compute, one_rank_two_stages
 from piper_runtime.worker import RankWorker
 
 M, BATCH, D_IN, D_HID, D_OUT = 2, 4, 3, 5, 2
 
 
 def _program(backward: list[tuple[str, Phase, int]]) -> Program:
-    mb = BATCH // M
-    values = two_stage_values(mb, D_IN, D_HID, D_OUT)
-
-    def params(name: str, d_in: int, d_out: int) -> tuple[tuple[str, TensorMeta], ...]:
-        return ((f"{name}.weight", tensor_meta(d_out, d_in, batch_dim=None)), (f"{name}.bias", tensor_meta(d_out, batch_dim=None)))
-
-    segments = (
-        Segment("s0", SegmentRole.STAGE, Tags.of(PP=0), ("input:0",), ("v:h",), params("l0", D_IN, D_HID)),
-        Segment("s1", SegmentRole.STAGE, Tags.of(PP=1), ("v:h",), ("v:y",), params("l1", D_HID, D_OUT)),
-        Segment("loss", SegmentRole.LOSS, Tags.of(PP=1), ("v:y", "target:0"), ("v:loss",)),
-    )
     forward = [compute(s, Phase.F, i) for i in range(M) for s in ("s0", "s1", "loss")]
     tail = [compute(s, p, i) for s, p, i in backward] + [compute("s0", Phase.OPT), compute("s1", Phase.OPT)]
-    return Program(
-        world_size=1,
-        ranks=(RankPlan(0, forward + tail),),
-        communicators=(),
-        segments=segments,
-        values=values,
-        inputs=("input:0",),
-        targets=("target:0",),
-        microbatches=M,
-        placement=(("s0", (0,)), ("s1", (0,)), ("loss", (0,))),
-    )
+    return one_rank_two_stages(forward + tail, M, BATCH // M, D_IN, D_HID, D_OUT)
 
 
 MIXED = [

@@ -15,7 +15,18 @@ import attrs
 import torch
 from torch import nn
 
-from piper_ir import Instruction, NodeKind, Phase, TensorMeta, Value
+from piper_ir import (
+    Instruction,
+    NodeKind,
+    Phase,
+    Program,
+    RankPlan,
+    Segment,
+    SegmentRole,
+    Tags,
+    TensorMeta,
+    Value,
+)
 
 
 def with_stream_events(instructions: Sequence[Instruction]) -> list[Instruction]:
@@ -82,6 +93,30 @@ def two_stage_values(rows: int, d_in: int, d_hidden: int, d_out: int) -> tuple[V
         Value("v:loss", tensor_meta(batch_dim=None)),
         Value("grad:v:h", tensor_meta(rows, d_hidden)),
         Value("grad:v:y", tensor_meta(rows, d_out)),
+    )
+
+
+def one_rank_two_stages(
+    instructions: Sequence[Instruction], microbatches: int, rows: int, d_in: int, d_hidden: int, d_out: int
+) -> Program:
+    """A one-rank program of stage ``s0`` (parameters ``l0.*``, ``d_in -> d_hidden``), stage
+    ``s1`` (``l1.*``, ``d_hidden -> d_out``) and ``loss`` on ``rows`` samples per microbatch,
+    running ``instructions`` (modules: ``TanhLinear("l0", ...)``, ``TanhLinear("l1", ...)``,
+    ``MSE()``)."""
+
+    def params(name: str, fan_in: int, fan_out: int) -> tuple[tuple[str, TensorMeta], ...]:
+        return ((f"{name}.weight", tensor_meta(fan_out, fan_in, batch_dim=None)),
+                (f"{name}.bias", tensor_meta(fan_out, batch_dim=None)))
+
+    segments = (
+        Segment("s0", SegmentRole.STAGE, Tags.of(PP=0), ("input:0",), ("v:h",), params("l0", d_in, d_hidden)),
+        Segment("s1", SegmentRole.STAGE, Tags.of(PP=1), ("v:h",), ("v:y",), params("l1", d_hidden, d_out)),
+        Segment("loss", SegmentRole.LOSS, Tags.of(PP=1), ("v:y", "target:0"), ("v:loss",)),
+    )
+    return Program(
+        world_size=1, ranks=(RankPlan(0, tuple(instructions)),), communicators=(), segments=segments,
+        values=two_stage_values(rows, d_in, d_hidden, d_out), inputs=("input:0",), targets=("target:0",),
+        microbatches=microbatches, placement=tuple((s.id, (0,)) for s in segments),
     )
 
 
