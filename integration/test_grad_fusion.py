@@ -9,7 +9,8 @@ schedule whose segments split some backwards (DualPipeV: left to autograd, every
 runs a ``BI``/``BW`` pair somewhere), tensor-parallel Linears, and
 bf16 (stage segments compute on cast copies: nothing fused). The oracle is
 ``run_check`` over 3 AdamW steps, in fp64 at rtol 1e-9 / atol 1e-12 (bf16: its own
-tolerances); the run's log says how many layers each rank fused.
+tolerances); the run's log says how many layers each rank fused. A last case ties a fused
+head to an embedding, on two ranks and on one.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from piper_directives import build_schedule
+from piper_directives import annotate, build_schedule
 from piper_runtime import OptimizerSpec
 from piper_train.check import run_check
-from piper_train.models import build_model
+from piper_train.models import ModelSpec, build_model
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 ADAMW = OptimizerSpec("adamw", 1e-3)
@@ -59,3 +62,45 @@ def test_fused_gradients_match_single_device(model, schedule, parallel, precisio
     (line,) = fused
     per_rank = {int(r): int(n) for r, n in re.findall(r"rank (\d+): (\d+)", line)}
     assert per_rank and all(n > 0 for n in per_rank.values())
+
+
+class _TiedHead(nn.Module):
+    """Two regions: an embedding and a projection, then a head whose weight is the embedding's."""
+
+    def __init__(self, vocab: int = 11, d: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.proj = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        with annotate("PP"):
+            x = torch.tanh(self.embed(tokens))
+        with annotate("PP"):
+            return self.head(torch.tanh(self.proj(x)))
+
+
+def _token_batches(step: int) -> tuple[tuple[torch.Tensor], tuple[torch.Tensor]]:
+    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(step))
+    return (tokens,), ((tokens * 3 + 1) % 11,)
+
+
+@pytest.mark.parametrize("pp", [2, 1], ids=["holders-apart", "holders-on-one-rank"])
+def test_a_fused_head_tied_to_an_embedding(pp):
+    torch.manual_seed(0)
+    model = _TiedHead().double()
+    (x,), (y,) = _token_batches(0)
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    workload = ModelSpec("tied-head", model, (x,), (y,), loss, _token_batches, 2, 0)
+    lines: list[str] = []
+    report = run_check(workload, build_schedule("1f1b", pp, 4, stages=2), optimizer=ADAMW, log=lines.append,
+                       grad_fusion_min_bytes=0, rtol=1e-9, atol=1e-12)
+    assert report.ok, report.failures()
+    program = report.program
+    assert [t.name for t in program.ties] == ["embed.weight"]
+    assert len({r for seg in ("s0", "s1") for r in program.devices_of(seg)}) == pp
+    assert any(line.startswith("gradients: ") for line in lines)
