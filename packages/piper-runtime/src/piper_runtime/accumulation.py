@@ -64,10 +64,10 @@ def accumulate_in_products(
     skip: Collection[int] = (),
     min_bytes: int = MIN_WEIGHT_BYTES,
 ) -> int:
-    """Give the eligible ``nn.Linear`` layers of ``modules`` (segment -> module) whose weight
-    has ``min_bytes`` or more the fused backward (module doc); ``instructions`` is the
-    rank's plan, ``skip`` the ids of weights to leave alone. Returns how many layers it
-    changed."""
+    """Give the fused backward (module doc) to the eligible ``nn.Linear`` layers of
+    ``modules`` (segment -> module) whose weight has ``min_bytes`` or more; ``instructions``
+    is the rank's plan, ``skip`` the ids of weights to leave alone. Returns how many layers
+    it changed."""
     split = {ins.segment for ins in instructions if ins.kind is NodeKind.COMPUTE and ins.phase in SPLIT_PHASES}
     changed = 0
     for sid, module in modules.items():

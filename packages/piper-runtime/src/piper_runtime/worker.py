@@ -163,7 +163,8 @@ class RankWorker:
         ``None``: none do);
         ``cores``: claim these and bind the thread that runs steps to them
         (``piper_runtime.cores``; empty, or claimed by another job meanwhile: every core of
-        the host); returns the cores it is bound to and how many layers the gradient fusion took. ``seed``:
+        the host); returns the cores it is bound to and how many layers the gradient fusion
+        took. ``seed``:
         what every forward's random numbers are drawn from (``piper_runtime.randomness``;
         ``Runtime`` always gives one). ``None`` leaves the process's generators as they are,
         with no lock: for a backend that runs several ranks in one process, whose forwards

@@ -109,10 +109,10 @@ def run_check(
     ``clip_grad_norm``) of every step, after the last step every parameter and, with
     ``eval_batches``, the held-out loss of that many batches of ``workload.eval_batches``
     (forward only, in eval mode: dropout off). ``threads=False`` runs the plans
-    sequentially; ``backend``, ``placement``, ``ranks_per_gpu``, ``timeout_s``, ``grad_fusion_min_bytes`` as for
-    ``Trainer``. ``seed``
-    and ``precision`` go to the ``Trainer``; single-device training draws the same random
-    numbers and computes in the same precision (``reference_for``)."""
+    sequentially; ``backend``, ``placement``, ``ranks_per_gpu``, ``timeout_s`` and
+    ``grad_fusion_min_bytes`` as for ``Trainer``. ``seed`` and ``precision`` go to the
+    ``Trainer``; single-device training draws the same random numbers and computes in the
+    same precision (``reference_for``)."""
     optimizer = optimizer or OptimizerSpec()
     diffs: list[Difference] = []
     norms: list[float] = []
