@@ -7,7 +7,8 @@ fusion meets: attention and MLP Linears (one without a bias), parameters that ar
 bucket's flat buffer (ZeRO-1), gradients sharded by hooks (ZeRO-2: left to autograd), a
 schedule whose segments split some backwards (DualPipeV: left to autograd, every segment
 runs a ``BI``/``BW`` pair somewhere), tensor-parallel Linears, and
-bf16 (stage segments compute on cast copies: nothing fused). The oracle is
+bf16 (stage segments compute on cast copies: nothing fused) and recomputation (the forward
+runs again, with autograd, inside each ``B``). The oracle is
 ``run_check`` over 3 AdamW steps, in fp64 at rtol 1e-9 / atol 1e-12 (bf16: its own
 tolerances); the run's log says how many layers each rank fused. A last case ties a fused
 head to an embedding, on two ranks and on one.
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from piper_directives import annotate, build_schedule
+from piper_directives import Recompute, Strategy, annotate, build_schedule
 from piper_runtime import OptimizerSpec
 from piper_train.check import run_check
 from piper_train.models import ModelSpec, build_model
@@ -38,6 +39,7 @@ CASES = [
     ("mlp", "dualpipev", {}, None, 4),
     ("transformer", "1f1b", {"tp": 2}, None, 2),
     ("mlp", "1f1b", {}, "bf16", 4),
+    ("transformer", "1f1b+recompute", {}, None, 4),
 ]
 
 
@@ -49,7 +51,9 @@ def test_fused_gradients_match_single_device(model, schedule, parallel, precisio
     stages = 4 if schedule == "dualpipev" else 2
     dtype = torch.float32 if precision else torch.float64
     workload = build_model(model, stages=stages, seed=3, dtype=dtype)
-    strategy = build_schedule(schedule, 2, microbatches, stages=stages, **parallel)
+    strategy = build_schedule(schedule.removesuffix("+recompute"), 2, microbatches, stages=stages, **parallel)
+    if schedule.endswith("+recompute"):  # the forward again, with autograd, inside each B
+        strategy = Strategy([*strategy.directives, Recompute({"PP": "*"})])
     lines: list[str] = []
     tolerances = {} if precision else {"rtol": 1e-9, "atol": 1e-12}
     report = run_check(workload, strategy, optimizer=ADAMW, precision=precision, log=lines.append,
