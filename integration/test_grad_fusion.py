@@ -1,17 +1,21 @@
 """Weight gradients summed inside the matrix product (``piper_runtime.accumulation``) on the
 Ray runtime, against single-device training.
 
-The built-in test models' weights are far below the runtime's 1 MiB threshold, so these runs set
-``grad_fusion_min_bytes=0``: every eligible ``nn.Linear`` fuses. The cases cover what the
-fusion meets: attention and MLP Linears (one without a bias), parameters that are views of a
-bucket's flat buffer (ZeRO-1), gradients sharded by hooks (ZeRO-2: left to autograd), a
-schedule whose segments split some backwards (DualPipeV: left to autograd, every segment
-runs a ``BI``/``BW`` pair somewhere), tensor-parallel Linears, and
-bf16 (stage segments compute on cast copies: nothing fused) and recomputation (the forward
-runs again, with autograd, inside each ``B``). The oracle is
-``run_check`` over 3 AdamW steps, in fp64 at rtol 1e-9 / atol 1e-12 (bf16: its own
-tolerances); the run's log says how many layers each rank fused. A last case ties a fused
-head to an embedding, on two ranks and on one.
+The built-in test models' weights are far below the runtime's 1 MiB threshold, so these
+runs set ``grad_fusion_min_bytes=0``: every eligible ``nn.Linear`` fuses. The cases cover
+what the fusion meets:
+
+- attention and MLP Linears (one without a bias), tensor-parallel Linears;
+- parameters that are views of a bucket's flat buffer (ZeRO-1);
+- gradients sharded by hooks (ZeRO-2: left to autograd);
+- a schedule whose segments split some backwards (DualPipeV: left to autograd, every
+  segment runs a ``BI``/``BW`` pair somewhere);
+- bf16 (stage segments compute on cast copies: nothing fused);
+- recomputation (the forward runs again, with autograd, inside each ``B``);
+- a fused head tied to an embedding, the holders on two ranks and on one.
+
+The oracle is ``run_check`` over 3 AdamW steps, in fp64 at rtol 1e-9 / atol 1e-12 (bf16:
+its own tolerances); the run's log says how many layers each rank fused.
 """
 
 from __future__ import annotations
