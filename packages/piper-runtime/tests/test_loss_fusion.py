@@ -14,40 +14,28 @@ import pytest
 import torch
 from torch import nn
 
-from piper_ir import Instruction, NodeKind, Phase, Program, RankPlan, Segment, SegmentRole, Tags, TensorMeta
+from piper_ir import Instruction, NodeKind, Phase, Program, Segment, SegmentRole, Tags
 from piper_runtime import OptimizerSpec
 from piper_runtime import compute as compute_module
 from piper_runtime.compute import fused_losses
-from piper_runtime.testing import MSE, TanhLinear, compute, tensor_meta, two_stage_values
+from piper_runtime.testing import (
+    MSE,
+    TanhLinear,
+    compute,
+    linear_params,
+    one_rank_two_stages,
+    two_stage_segments,
+)
 from piper_runtime.worker import RankWorker
 
 M, BATCH, D_IN, D_HID, D_OUT = 4, 8, 3, 5, 2
 
 
-def _params(name: str, d_in: int, d_out: int) -> tuple[tuple[str, TensorMeta], ...]:
-    return ((f"{name}.weight", tensor_meta(d_out, d_in, batch_dim=None)),
-            (f"{name}.bias", tensor_meta(d_out, batch_dim=None)))
-
-
-SEGMENTS = (
-    Segment("s0", SegmentRole.STAGE, Tags.of(PP=0), ("input:0",), ("v:h",), _params("l0", D_IN, D_HID)),
-    Segment("s1", SegmentRole.STAGE, Tags.of(PP=1), ("v:h",), ("v:y",), _params("l1", D_HID, D_OUT)),
-    Segment("loss", SegmentRole.LOSS, Tags.of(PP=1), ("v:y", "target:0"), ("v:loss",)),
-)
+SEGMENTS = two_stage_segments(D_IN, D_HID, D_OUT)
 
 
 def _program(instructions: list[Instruction], segments: tuple[Segment, ...] = SEGMENTS) -> Program:
-    return Program(
-        world_size=1,
-        ranks=(RankPlan(0, tuple(instructions)),),
-        communicators=(),
-        segments=segments,
-        values=two_stage_values(BATCH // M, D_IN, D_HID, D_OUT),
-        inputs=("input:0",),
-        targets=("target:0",),
-        microbatches=M,
-        placement=tuple((s.id, (0,)) for s in segments),
-    )
+    return one_rank_two_stages(instructions, M, BATCH // M, D_IN, D_HID, D_OUT, segments)
 
 
 def _one_f_one_b() -> list[Instruction]:
@@ -89,7 +77,7 @@ def test_pairs_that_do_not_qualify(change: str):
     elif change == "recompute":
         segments = (SEGMENTS[0], attrs.evolve(SEGMENTS[1], recompute=True), SEGMENTS[2])
     elif change == "loss_params":  # a loss with weights of its own (a head): its own weight pass
-        segments = (*SEGMENTS[:2], attrs.evolve(SEGMENTS[2], params=_params("head", D_OUT, D_OUT)))
+        segments = (*SEGMENTS[:2], attrs.evolve(SEGMENTS[2], params=linear_params("head", D_OUT, D_OUT)))
     elif change == "shared":  # the stage's output also goes elsewhere: its gradient has two parts
         segments = (*SEGMENTS, Segment("probe", SegmentRole.LOSS, Tags.of(PP=1), ("v:y",), ("v:loss",)))
     pairs = fused_losses(_program(plan, segments), plan)

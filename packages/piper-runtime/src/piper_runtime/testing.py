@@ -96,23 +96,30 @@ def two_stage_values(rows: int, d_in: int, d_hidden: int, d_out: int) -> tuple[V
     )
 
 
-def one_rank_two_stages(
-    instructions: Sequence[Instruction], microbatches: int, rows: int, d_in: int, d_hidden: int, d_out: int
-) -> Program:
-    """A one-rank program of stage ``s0`` (parameters ``l0.*``, ``d_in -> d_hidden``), stage
-    ``s1`` (``l1.*``, ``d_hidden -> d_out``) and ``loss`` on ``rows`` samples per microbatch,
-    running ``instructions`` (modules: ``TanhLinear("l0", ...)``, ``TanhLinear("l1", ...)``,
-    ``MSE()``)."""
+def linear_params(name: str, fan_in: int, fan_out: int) -> tuple[tuple[str, TensorMeta], ...]:
+    """A segment's parameter metas for an ``nn.Linear`` registered as ``name``."""
+    return ((f"{name}.weight", tensor_meta(fan_out, fan_in, batch_dim=None)),
+            (f"{name}.bias", tensor_meta(fan_out, batch_dim=None)))
 
-    def params(name: str, fan_in: int, fan_out: int) -> tuple[tuple[str, TensorMeta], ...]:
-        return ((f"{name}.weight", tensor_meta(fan_out, fan_in, batch_dim=None)),
-                (f"{name}.bias", tensor_meta(fan_out, batch_dim=None)))
 
-    segments = (
-        Segment("s0", SegmentRole.STAGE, Tags.of(PP=0), ("input:0",), ("v:h",), params("l0", d_in, d_hidden)),
-        Segment("s1", SegmentRole.STAGE, Tags.of(PP=1), ("v:h",), ("v:y",), params("l1", d_hidden, d_out)),
+def two_stage_segments(d_in: int, d_hidden: int, d_out: int) -> tuple[Segment, ...]:
+    """Stage ``s0`` (``l0.*``, ``d_in -> d_hidden``), stage ``s1`` (``l1.*``,
+    ``d_hidden -> d_out``) and ``loss``, over ``two_stage_values``' names (modules:
+    ``TanhLinear("l0", ...)``, ``TanhLinear("l1", ...)``, ``MSE()``)."""
+    return (
+        Segment("s0", SegmentRole.STAGE, Tags.of(PP=0), ("input:0",), ("v:h",), linear_params("l0", d_in, d_hidden)),
+        Segment("s1", SegmentRole.STAGE, Tags.of(PP=1), ("v:h",), ("v:y",), linear_params("l1", d_hidden, d_out)),
         Segment("loss", SegmentRole.LOSS, Tags.of(PP=1), ("v:y", "target:0"), ("v:loss",)),
     )
+
+
+def one_rank_two_stages(
+    instructions: Sequence[Instruction], microbatches: int, rows: int, d_in: int, d_hidden: int, d_out: int,
+    segments: Sequence[Segment] | None = None,
+) -> Program:
+    """A one-rank program running ``instructions`` over ``segments`` (default:
+    ``two_stage_segments``) on ``rows`` samples per microbatch."""
+    segments = tuple(segments) if segments is not None else two_stage_segments(d_in, d_hidden, d_out)
     return Program(
         world_size=1, ranks=(RankPlan(0, tuple(instructions)),), communicators=(), segments=segments,
         values=two_stage_values(rows, d_in, d_hidden, d_out), inputs=("input:0",), targets=("target:0",),
