@@ -125,6 +125,15 @@ def test_no_request_leaves_the_graph_alone(three_stage):
     assert split_backward(placed, {}) is placed
 
 
+def test_halves_named_in_a_set_of_passes_are_requested(three_stage):
+    # The request is found where a filter names a half among other passes, not only alone.
+    placed = Strategy([Split(2), *_places()]).apply(three_stage.graph)
+    both = Order([[{"PP": 1, "PASS": ("BI", "BW"), "MB": 1}]], name="both")
+    assert set(requested_splits(placed, [Order([_fused(1, 0)]), both])) == {"B.s1.mb1"}
+    with pytest.raises(DirectiveError, match="no Order places its BW"):
+        requested_splits(placed, [Order([[{"PP": 1, "PASS": ("F", "BI"), "MB": 0}]])])
+
+
 def test_split_backward_rejects_non_backward_nodes(three_stage):
     placed = Strategy([Split(2), *_places()]).apply(three_stage.graph)
     with pytest.raises(DirectiveError, match="not a fused backward"):

@@ -33,6 +33,13 @@ from piper_directives.order import Order, bucket_nodes, candidates
 from piper_ir import PASS, DirectiveError, Edge, EdgeKind, Filter, Graph, Node, NodeKind, Phase
 
 _HALVES = (Phase.BI.value, Phase.BW.value)
+_MATCHED = frozenset((*_HALVES, Phase.B.value))  # the passes requested_splits looks at
+
+
+def _passes(flt: Filter) -> frozenset[str]:
+    """The passes a filter names exactly (one, or a tuple of them; none for ``"*"``)."""
+    wanted = flt.as_dict().get(PASS)
+    return frozenset(wanted if isinstance(wanted, tuple) else (wanted,))
 
 
 def requested_splits(graph: Graph, orders: Sequence[Order]) -> dict[str, str]:
@@ -41,24 +48,21 @@ def requested_splits(graph: Graph, orders: Sequence[Order]) -> dict[str, str]:
     Raises ``DirectiveError`` when a chunk is named with one half but not the other, or
     with a half and also as a fused ``B``.
     """
+    wanted = [(order, flt, halves) for order in orders for slot in order.slots for flt in slot
+              if (halves := _passes(flt) & _MATCHED)]
+    if not any(halves - {Phase.B.value} for _, _, halves in wanted):
+        return {}  # no Order names a half: nothing to split, nor a chunk named both ways
     fused = [n for n in graph.nodes if n.kind is NodeKind.COMPUTE and n.phase is Phase.B]
     index = bucket_nodes(fused)
-    mentioned: dict[str, dict[str, str]] = {half: {} for half in (*_HALVES, Phase.B.value)}
-    for order in orders:
-        for slot in order.slots:
-            for flt in slot:
-                keys = flt.as_dict()
-                wanted = keys.get(PASS)
-                halves = [h for h in (wanted if isinstance(wanted, tuple) else (wanted,)) if h in mentioned]
-                if not halves:
-                    continue
-                # Match the B nodes on everything but the pass: the node the filter would
-                # select once split.
-                probe = Filter((*(item for item in flt.items if item[0] != PASS), (PASS, Phase.B.value)))
-                for n in candidates(probe, index, fused):
-                    if probe.matches(n):
-                        for half in halves:
-                            mentioned[half].setdefault(n.id, str(order))  # type: ignore[index]
+    mentioned: dict[str, dict[str, str]] = {half: {} for half in _MATCHED}
+    for order, flt, halves in wanted:
+        # Match the B nodes on everything but the pass: the node the filter would select
+        # once split.
+        probe = Filter((*(item for item in flt.items if item[0] != PASS), (PASS, Phase.B.value)))
+        for n in candidates(probe, index, fused):
+            if probe.matches(n):
+                for half in halves:
+                    mentioned[half].setdefault(n.id, str(order))
     bi, bw, b = (mentioned[h] for h in (*_HALVES, Phase.B.value))
     for have, lack, half, other in ((bi, bw, "BI", "BW"), (bw, bi, "BW", "BI")):
         alone = sorted(set(have) - set(lack))
