@@ -27,8 +27,12 @@ os.environ.setdefault("PIPER_REUSE_WORKERS", "1")
 def ray_cluster():
     import ray
 
+    from piper_runtime.cluster import INLINE_ENV
+
     started = False
     if not ray.is_initialized():
+        for name, value in INLINE_ENV.items():  # as ``ensure_ray`` starts Ray: batches inline
+            os.environ.setdefault(name, value)
         ray.init(
             num_cpus=16,
             num_gpus=0,

@@ -6,7 +6,9 @@ from __future__ import annotations
 import socket
 import time
 
+import numpy as np
 import pytest
+import ray
 
 from piper_ir import ClusterError
 from piper_runtime import cluster
@@ -108,3 +110,19 @@ def test_a_running_ray_cluster_passes_the_check(ray_cluster) -> None:
     import ray
 
     check_address(ray.get_runtime_context().gcs_address)
+
+
+def test_a_large_argument_travels_inside_the_call(ray_cluster) -> None:
+    # Ray's default puts an argument over 100 KiB in the object store, where the caller owns a
+    # reference to it until the call ends; the driver's settings (``cluster.INLINE_ENV``, which
+    # the session's Ray was started with, as ``ensure_ray`` starts it) send it inside the call.
+    @ray.remote(num_cpus=0)
+    def hold(a: np.ndarray, seconds: float) -> int:
+        time.sleep(seconds)
+        return a.nbytes
+
+    caller = ray._private.worker.global_worker.core_worker
+    before = set(caller.get_all_reference_counts())
+    ref = hold.remote(np.ones(2**18, dtype=np.float32), 1.0)  # 1 MiB
+    assert set(caller.get_all_reference_counts()) - before == {ref.hex().encode()}  # the result's alone
+    assert ray.get(ref, timeout=60) == 2**20
