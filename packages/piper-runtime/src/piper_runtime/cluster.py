@@ -4,7 +4,8 @@
   address nothing answers on fails within ``CONNECT_TIMEOUT_S`` with the address in the
   message; Ray itself would retry for minutes), or start an embedded single-node cluster
   bound to 127.0.0.1, whose processes die with this one (``piper_runtime.reaper``, also when
-  this process is SIGKILLed).
+  this process is SIGKILLed). Either way the driver first sets ``INLINE_ENV``: a step's
+  batches travel inside the call to each worker, not through Ray's object store.
 - ``choose_backend``: ``cuda`` when the cluster has a GPU for every rank and a GPU worker
   has what the CUDA backend needs, else ``cpu``; always with the reason, for the log.
 - ``worker_env``: the environment every rank gets (the socket interface variables only
@@ -30,9 +31,10 @@ WORKER_ENV = {"OMP_NUM_THREADS": "1"}
 # Ray settings of the driver's own Ray process, unless set in its environment: a call's
 # arguments (the step's batches) travel inside the call's message, straight to the worker, up
 # to these sizes. Ray's defaults (100 KiB per argument, 10 MiB per call) put larger ones in
-# the object store, whose bookkeeping in the raylet cost 4.5 ms of CPU per 140 ms step on the
-# 2-core benchmark host (under 1 ms inline, and the step 5% faster; docs/benchmarks.md).
-# Only the caller decides, so this holds on a cluster Piper connects to as well.
+# the object store, whose bookkeeping cost the raylet 4.5 ms of CPU per 125 ms step at one
+# step per call on the 2-core benchmark host (1 ms inline, and the step 4% faster; no
+# difference at ``fit``'s automatic call sizes: docs/benchmarks.md). Only the caller
+# decides, so this holds on a cluster Piper connects to as well.
 INLINE_ENV = {
     "RAY_max_direct_call_object_size": str(64 << 20),
     "RAY_task_rpc_inlined_bytes_limit": str(64 << 20),
