@@ -34,6 +34,7 @@ def ray_cluster():
         for name, value in INLINE_ENV.items():  # as ``ensure_ray`` starts Ray: batches inline
             os.environ.setdefault(name, value)
         ray.init(
+            address="local",  # as ``ensure_ray`` starts one: never a cluster RAY_ADDRESS names
             num_cpus=16,
             num_gpus=0,
             include_dashboard=False,

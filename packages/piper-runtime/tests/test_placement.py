@@ -3,7 +3,10 @@ backend choice, as functions; on compiled programs and real runs: integration/te
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -12,7 +15,7 @@ import ray
 
 from piper_ir import ClusterError
 from piper_runtime import cluster
-from piper_runtime.cluster import check_address, choose_backend, split_address
+from piper_runtime.cluster import check_address, choose_backend, requested_address, split_address
 from piper_runtime.placement import assign_ranks, check_resources
 
 # -- which ranks go together (compiled programs: integration/test_cluster.py) ------------------
@@ -95,6 +98,30 @@ def test_an_address_nothing_listens_on_fails_at_once_naming_it() -> None:
         with pytest.raises(ClusterError, match=rf"cannot reach the Ray cluster at '127.0.0.1:{port}'"):
             check_address(f"127.0.0.1:{port}")
         assert time.monotonic() - started < 30
+
+
+def test_ray_address_in_the_environment_is_where_to_connect(monkeypatch) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert requested_address(None) is None  # an embedded cluster
+    assert requested_address("head:6379") == "head:6379"
+    monkeypatch.setenv("RAY_ADDRESS", "head:6380")
+    assert requested_address(None) == "head:6380"  # Ray's convention
+    assert requested_address("head:6379") == "head:6379"  # an explicit address wins
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    assert requested_address(None) is None
+
+
+def test_ensure_ray_checks_the_address_ray_address_names() -> None:
+    # In a fresh interpreter (this one's Ray is up): an embedded start used to pass num_cpus
+    # to Ray, which then tried to join RAY_ADDRESS and failed with Ray's own message.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: connections are refused
+        code = "from piper_runtime import ensure_ray\nensure_ray(num_cpus=2)"
+        done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"ClusterError: RAY_ADDRESS: cannot reach the Ray cluster at '127.0.0.1:{port}'" in done.stderr
 
 
 def test_an_address_that_is_not_ray_is_refused() -> None:

@@ -56,10 +56,12 @@ def worker_env() -> dict[str, str]:
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Make sure Ray is initialised in this process.
 
-    An already initialised Ray is reused as is. With ``address`` we check that a Ray cluster
-    answers there (``check_address``) and connect to it; otherwise we start a local embedded
-    cluster bound to 127.0.0.1 (no dashboard, quiet logs, ``num_cpus`` logical CPUs) and
-    remember that we did, so ``shutdown`` stops only what we started.
+    An already initialised Ray is reused as is. With ``address`` (or ``RAY_ADDRESS``:
+    ``requested_address``) we check that a Ray cluster answers there (``check_address``) and
+    connect to it; otherwise we start a local embedded cluster bound to 127.0.0.1 (no
+    dashboard, quiet logs, ``num_cpus`` logical CPUs; never one ``ray start`` runs on this
+    machine, whose ``num_cpus`` is not ours to set) and remember that we did, so ``shutdown``
+    stops only what we started.
     """
     global _started_here
     if ray.is_initialized():
@@ -67,15 +69,21 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", WORKER_ENV["OMP_NUM_THREADS"])
     for name, value in INLINE_ENV.items():
         os.environ.setdefault(name, value)
+    source = "" if address is not None else "RAY_ADDRESS: "  # where a bad address came from
+    address = requested_address(address)
     if address is not None:
-        check_address(address)
         try:
-            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {exc}") from None
+            check_address(address)
+            try:
+                ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {exc}") from None
+        except ClusterError as exc:
+            raise ClusterError(f"{source}{exc}") from None
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(
+        address="local",  # a cluster of our own, not one `ray start` left a record of
         num_cpus=num_cpus,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
@@ -84,6 +92,14 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     )
     _started_here = True
     reaper.start()
+
+
+def requested_address(address: str | None) -> str | None:
+    """The cluster to connect to: ``address``, else ``RAY_ADDRESS`` where set (Ray's own
+    convention); ``None`` (or ``"local"``) starts an embedded cluster."""
+    if address is None:
+        address = os.environ.get("RAY_ADDRESS") or None
+    return None if address == "local" else address
 
 
 def shutdown() -> None:

@@ -88,7 +88,7 @@ def add_run(p: argparse.ArgumentParser) -> None:
     add_seed(p)
     add_precision(p)
     p.add_argument("--address", help="an existing Ray cluster's address (host:port of its head, as `ray start --head` "
-                   "prints; or 'auto'); default: start an embedded local cluster")
+                   "prints; or 'auto'); default: RAY_ADDRESS where set, else start an embedded local cluster")
     p.add_argument("--backend", choices=["cpu", "cuda"], default=None,
                    help="where ranks run: cpu (gloo) or cuda (a GPU per rank, NCCL); default: cuda when the Ray "
                         "cluster has a GPU for every rank, else cpu (the choice is printed)")
@@ -181,7 +181,8 @@ def add_tune(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw"],
                    help="the optimizer whose state the memory estimate counts (default: adamw)")
     add_seed(p)
-    p.add_argument("--address", help="an existing Ray cluster's address (default: start an embedded local cluster)")
+    p.add_argument("--address", help="an existing Ray cluster's address (default: RAY_ADDRESS where set, else start "
+                   "an embedded local cluster)")
     p.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="where ranks run (default: cpu)")
     p.add_argument("--json", action="store_true", help="print the ranking and the best strategy as JSON on stdout")
     p.add_argument("--no-progress-bar", action="store_true", help="no progress bar even on a terminal")
