@@ -157,13 +157,20 @@ def test_a_closed_peers_last_message_arrives_and_a_receive_past_it_fails_at_once
 def test_a_send_to_a_closed_peer_fails_and_a_blocked_send_gives_up_in_time() -> None:
     ends = _pair(timeout_s=0.5)
     try:
-        blocked = ends[0][0][1].send(torch.zeros(2 * CAPACITY // 4))  # waits for space that never comes
+        sender = ends[0][0][1]
+        blocked = sender.send(torch.zeros(2 * CAPACITY // 4))  # waits for space that never comes
         with pytest.raises(ChannelError):
             blocked.wait()
+        # The wait and the sender thread each time out after timeout_s; until the thread has
+        # too, a send queued behind the blocked one would inherit its timeout (seen under load).
+        deadline = time.monotonic() + 10
+        while sender.queue and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not sender.queue
         ends[1][1][0].close()
         ends[1][1].clear()
         with pytest.raises(ChannelError, match="closed the channel"):
-            ends[0][0][1].send(torch.zeros(4)).wait()
+            sender.send(torch.zeros(4)).wait()
     finally:
         _close(ends)
 
