@@ -50,6 +50,12 @@ def test_the_log_line_says_who_got_what_or_why_nobody_did() -> None:
         "held by another job)"
     )
     assert "bind_cores=False" in describe({0: (0,)}, 1, enabled=False)
+    # Cores free when the job looked, claimed by another job before its ranks claimed them.
+    assert describe({}, 2, planned={0: (0,), 1: (1,)}) == "cores: not bound (another job claimed the cores meanwhile)"
+    assert describe({0: (0,)}, 2, planned={0: (0,), 1: (1,)}) == (
+        "cores: each rank's step threads bound to cores of their own (rank 0: 0, rank 1: unbound (another job "
+        "claimed its cores meanwhile))"
+    )
 
 
 @linux_affinity

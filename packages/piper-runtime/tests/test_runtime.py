@@ -448,7 +448,9 @@ def test_reused_workers_give_a_fresh_workers_results_and_forget_their_run(ray_cl
         host = tuple(sorted(os.sched_getaffinity(0)))
         bound = ray.get([w.cores.remote() for w in rt._workers], timeout=30)
         (line,) = [m for m in logged if m.startswith("cores:")]
-        if bound == [host] * 2:
+        if "meanwhile" in line:  # a parallel session's job claimed a core between our look and our claims
+            assert "another job claimed" in line, line
+        elif bound == [host] * 2:
             assert "not bound" in line and (len(host) < 2 or "held by another job" in line), line
         else:  # halves of the free cores
             assert len(bound[0]) == len(bound[1]) >= 1 and not set(bound[0]) & set(bound[1]), bound

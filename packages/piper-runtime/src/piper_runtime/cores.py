@@ -36,7 +36,7 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 
@@ -165,19 +165,26 @@ def describe(
     world_size: int,
     enabled: bool = True,
     claimed: Mapping[str, Sequence[int]] | None = None,
+    planned: Collection[int] = (),
 ) -> str:
     """One line for the run's log: which rank got which cores, or why none did; ``claimed``:
-    by host name, the cores other jobs held when this one looked."""
+    by host name, the cores other jobs held when this one looked; ``planned``: the ranks
+    given cores then (``core_slices``), of which those not in ``slices`` lost them to another
+    job's claim before they could make their own."""
     if not enabled:
         return "cores: not bound (bind_cores=False)"
     held = "".join(
         f"; cores {_span(sorted(cores))} of {host} held by another job"
         for host, cores in sorted((claimed or {}).items()) if cores
     )
+    lost = "unbound (another job claimed its cores meanwhile)"
     if not slices:
+        if planned:
+            return f"cores: not bound (another job claimed the cores meanwhile{held})"
         return f"cores: not bound (no host has a free core for each of its ranks{held})"
     shown = ", ".join(
-        f"rank {r}: {_span(slices[r])}" if r in slices else f"rank {r}: unbound" for r in range(world_size)
+        f"rank {r}: {_span(slices[r])}" if r in slices else f"rank {r}: {lost if r in planned else 'unbound'}"
+        for r in range(world_size)
     )
     return f"cores: each rank's step threads bound to cores of their own ({shown}{held})"
 

@@ -252,7 +252,8 @@ class Runtime:
         ]
         answers = self._gather(calls, setup_timeout_s, "setup")
         if log is not None:  # what each rank holds: a core another job claimed meanwhile is not bound
-            log(describe({r: c for r, (c, _) in enumerate(answers) if c}, program.world_size, bind_cores, claimed))
+            bound = {r: c for r, (c, _) in enumerate(answers) if c}
+            log(describe(bound, program.world_size, bind_cores, claimed, planned=cores))
             fused = {r: n for r, (_, n) in enumerate(answers) if n}
             if fused:
                 log(describe_fusion(fused, grad_fusion_min_bytes))
