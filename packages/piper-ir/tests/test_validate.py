@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import attrs
 import pytest
 
@@ -194,3 +196,18 @@ def test_validation_error_is_a_piper_error_and_pickles() -> None:
         info.value.nodes,
     )
     assert str(copy) == str(info.value)
+
+
+def test_a_graph_that_passed_is_not_walked_again_but_its_cycles_still_are(monkeypatch) -> None:
+    module = sys.modules[validate.__module__]  # piper_ir.validate is the function too
+    walks: list[str] = []
+    unique = module._unique
+    monkeypatch.setattr(module, "_unique", lambda what, *rest: (walks.append(what), unique(what, *rest)))
+    graph = _base()
+    assert validate(graph) is graph and validate(graph) is graph and validate(graph, cycles=False) is graph
+    assert walks.count("node id") == 1  # a frozen graph that passed stays valid
+    assert validate(_base()) is not graph and walks.count("node id") == 2  # an equal graph is another object
+    cyclic = _with_cycle()
+    assert validate(cyclic, cycles=False) is cyclic  # passing without the cycle check ...
+    with pytest.raises(ValidationError, match="the graph has a cycle"):
+        validate(cyclic)  # ... does not pass it

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import weakref
+
 from piper_ir.algorithms import find_cycle, is_acyclic
 from piper_ir.errors import ValidationError
 from piper_ir.graph import EdgeKind, Graph, NodeKind
 
 _P2P = (NodeKind.SEND, NodeKind.RECV)
+# Graphs that passed, by (id, whether their cycles were checked): a Graph is frozen, so it
+# stays valid, and ``Strategy.apply`` then ``compile_program`` validate the same one twice.
+_VALID: weakref.WeakValueDictionary[tuple[int, bool], Graph] = weakref.WeakValueDictionary()
 
 
 def validate(graph: Graph, *, cycles: bool = True) -> Graph:
@@ -24,7 +29,11 @@ def validate(graph: Graph, *, cycles: bool = True) -> Graph:
 
     ``cycles=False`` skips the cycle check, for a caller that walks the graph in topological
     order anyway (``compile_program``): it raises ``cycle_error(graph)`` when that walk stalls.
+    A graph object that passed already (with its cycles checked, if ``cycles``) is not
+    walked again.
     """
+    if _VALID.get((id(graph), True)) is graph or (not cycles and _VALID.get((id(graph), False)) is graph):
+        return graph
     _unique("node id", [n.id for n in graph.nodes], len(graph.node_by_id))
     _unique("segment id", [s.id for s in graph.segments], len(graph.segment_by_id))
     _unique("value name", [v.name for v in graph.values], len(graph.value_by_name))
@@ -62,6 +71,7 @@ def validate(graph: Graph, *, cycles: bool = True) -> Graph:
     _check_precision(graph)
     if cycles and not is_acyclic(graph):
         raise cycle_error(graph)
+    _VALID[(id(graph), cycles)] = graph
     return graph
 
 
