@@ -5,9 +5,10 @@ its object store, where the raylet creates, seals, pins and frees it; ``ensure_r
 that limit (``piper_runtime.cluster.INLINE_ENV``) so a step's batches travel inside the call
 to each worker. The setting is read when the driver starts Ray, so each round runs one fresh
 process per setting (alternating which goes first): a ``Trainer`` under ``fit`` (its
-automatic call sizes, as ``piper train`` runs, or ``--steps-per-call``), timing the steps after the first few
-(``StepMetrics.step_seconds``), and the CPU time per step of the ranks, the driver and the
-raylet (``/proc``). Prints each round, then the medians and inline / object store.
+automatic call sizes, as ``piper train`` runs, or ``--steps-per-call``), timing the steps
+after the first few (``StepMetrics.step_seconds``), and the CPU time per step of the ranks,
+the driver and the raylet (``/proc``). Prints each round, then the medians and inline /
+object store.
 
     .venv/bin/python benchmarks/bench_inline_batches.py [--model stack] [--schedule 1f1b] [--pp 2]
         [--microbatches 8] [--steps 40] [--rounds 4] [--steps-per-call auto]
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-from stepping import trainer_arguments
+from stepping import cpu_seconds, trainer_arguments
 
 RAY_DEFAULTS = {  # Ray's own limits: larger arguments go through the object store
     "RAY_max_direct_call_object_size": str(100 * 1024),
@@ -35,12 +36,6 @@ RAY_DEFAULTS = {  # Ray's own limits: larger arguments go through the object sto
 }
 SETTINGS = ("inline", "object store")
 WARM = 4  # fit's first steps: single calls while it measures the pace
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _raylet_pids() -> list[int]:
@@ -74,9 +69,9 @@ def child(model: str, schedule: str, pp: int, microbatches: int, steps: int, per
     ) as trainer:
         ranks = ray.get([w.ping.remote() for w in trainer.runtime._workers], timeout=60)
         watched = {"ranks": ranks, "driver": [os.getpid()], "raylet": _raylet_pids()}
-        before = {k: sum(_cpu_seconds(p) for p in pids) for k, pids in watched.items()}
+        before = {k: sum(cpu_seconds(p) for p in pids) for k, pids in watched.items()}
         run = fit(trainer, iter(batches), steps=len(batches), steps_per_call=parse_steps_per_call(per_call))
-        used = {k: sum(_cpu_seconds(p) for p in pids) - before[k] for k, pids in watched.items()}
+        used = {k: sum(cpu_seconds(p) for p in pids) - before[k] for k, pids in watched.items()}
     return {"step": statistics.median(m.step_seconds for m in run.steps[WARM:]),
             **{f"{k} cpu": v / len(batches) for k, v in used.items()}}
 

@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
+from stepping import cpu_seconds
 from torch_pipelining import CHUNKS, run_torch_pipeline
 
 from piper_ir import NodeKind, Program
@@ -74,13 +75,6 @@ from piper_train.trainer import Trainer
 
 LR = 1e-3
 FIT_MEASURED = 4  # fit's first steps, timed one call each before it sizes its calls
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (all its threads; Linux)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_piper(
@@ -109,7 +103,7 @@ def run_piper(
         for batch in batches[:warmup]:
             trainer.step(*batch)
         pids = ray.get([w.ping.remote() for w in trainer.runtime._workers], timeout=60)
-        cpu_start = sum(_cpu_seconds(p) for p in pids)
+        cpu_start = sum(cpu_seconds(p) for p in pids)
         times, inside = [], []
         last = time.perf_counter()
         pending = None
@@ -125,7 +119,7 @@ def run_piper(
             inside.append(max(pending.result().worker_seconds))
             times.append(time.perf_counter() - last)
         if cpu is not None:
-            cpu.append((sum(_cpu_seconds(p) for p in pids) - cpu_start) / steps)
+            cpu.append((sum(cpu_seconds(p) for p in pids) - cpu_start) / steps)
         sync = []
         for batch in batches[warmup + steps : warmup + steps + sync_steps]:
             t0 = time.perf_counter()

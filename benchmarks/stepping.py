@@ -1,4 +1,5 @@
-"""Stepping a Trainer the way ``fit`` does, for the benchmarks that time it.
+"""Stepping a Trainer the way ``fit`` does, for the benchmarks that time it, and reading a
+process's CPU time.
 
 ``Trainer.submit`` with one step in flight ahead: the next step is sent before the current
 one's result is waited for, so the driver's round trip is off the step; a step's time is
@@ -8,6 +9,7 @@ the time between consecutive results on the driver.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +30,13 @@ def pipelined(trainer: Any, batches: Sequence[Any], **options: Any) -> list[tupl
         out.append((now - last, result))
         last, pending = now, ahead
     return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads; Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def trainer_arguments(description: str, *, model: str = "mlp", steps: int) -> argparse.ArgumentParser:
