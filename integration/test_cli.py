@@ -193,6 +193,18 @@ def test_unknown_model_and_bad_factory(piper):
     assert done.returncode == 2 and "has no callable 'nothing'" in done.stderr
 
 
+def test_a_schedule_from_flags_is_said_to_come_from_the_command_line(piper):
+    """A user of the command wrote no line of code: a directive the command made from its
+    flags names those flags, not a line of Piper's source."""
+    done = piper("train", "--model", f"{USER_MODEL}:make", "--microbatches", "3", "--steps", "1")
+    assert done.returncode == 2 and "8 samples along its batch dimension, not divisible into 3" in done.stderr
+    assert "Split(microbatches=3) at the command line (--schedule 1f1b --pp 2 --microbatches 3)" in done.stderr
+    done = piper("train", "--model", f"{USER_MODEL}:make", "--pp", "4", "--dp", "3", "--steps", "1")
+    assert done.returncode == 2 and "not divisible among 3 data-parallel replicas" in done.stderr
+    assert "at the command line (--dp 3 --zero 0 --tp 1 --ep 1)" in done.stderr
+    assert "request.py" not in done.stderr
+
+
 @pytest.mark.parametrize("pp", [3])
 def test_regions_not_divisible_by_ranks(piper, pp):
     done = piper("train", "--model", f"{USER_MODEL}:make", "--pp", str(pp), "--steps", "1")

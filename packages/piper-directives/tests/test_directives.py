@@ -1,4 +1,5 @@
 import json
+import sys
 
 import pytest
 
@@ -14,6 +15,8 @@ from piper_directives import (
     build_schedule,
     gpipe,
     one_f_one_b,
+    parallelize,
+    written_at,
 )
 from piper_ir import DirectiveError, EdgeKind, Filter, NodeKind, ShardKind, from_json, to_json, validate
 
@@ -76,6 +79,24 @@ def test_place_naming_a_device_twice(three_stage):
     with pytest.raises(DirectiveError, match=r"device 1 is named twice") as err:
         Strategy([Place({"PP": "*"}, (0, 1, 1))]).apply(three_stage.graph)
     assert "test_directives.py" in str(err.value)  # where the user wrote it
+
+
+def test_a_directive_names_the_first_line_outside_piper_or_what_written_at_says():
+    """A schedule built for the user by another Piper package (``piper_train``'s Trainer)
+    names the user's line; one made from a command's flags names the flags."""
+    made_by_piper = {"__name__": "piper_train.elsewhere", "build_schedule": build_schedule}
+    line = sys._getframe().f_lineno + 1
+    strategy = eval("build_schedule('1f1b', 2, 4)", made_by_piper)  # code whose frame is piper_train's
+    assert {d.where for d in strategy.directives} == {f"test_directives.py:{line}"}
+    with written_at("the command line (--pp 2)"):
+        with written_at("--strategy s.csv"):
+            assert Split(2).where == "--strategy s.csv"
+        assert Split(2).where == "the command line (--pp 2)"
+        widened = parallelize(strategy, dp=2)
+    assert Split(2).where.startswith("test_directives.py:")
+    # Places keep where they were written; the Replicates parallelize adds say what asked for them
+    assert {d.where for d in widened.directives if isinstance(d, Place)} == {f"test_directives.py:{line}"}
+    assert {d.where for d in widened.directives if isinstance(d, Replicate)} == {"the command line (--pp 2)"}
 
 
 def test_place_conflict_and_no_match(three_stage):

@@ -7,6 +7,7 @@ programs and schedules can be built and applied without torch.
 
 from piper_directives._version import __version__ as __version__
 from piper_directives.annotate import annotate
+from piper_directives.common import written_at
 from piper_directives.communication import insert_communication
 from piper_directives.order import Order
 from piper_directives.parallelize import data_parallel, expert_parallel, parallelize, tensor_parallel
@@ -50,5 +51,5 @@ __all__ = [
     "Split", "Strategy", "annotate", "apply_strategy", "build_schedule", "capture", "data_parallel", "dualpipe",
     "dualpipev", "expert_parallel", "gpipe", "insert_communication", "interleaved_1f1b", "one_f_one_b",
     "parallelize", "place_all", "rank_actions", "recompute_all", "replicate_all", "requested_splits", "send_streams", "shard_all",
-    "shard_modules", "split_backward", "strategy_from_torch_csv", "strategy_to_torch_csv", "tensor_parallel", "zb1p",
+    "shard_modules", "split_backward", "strategy_from_torch_csv", "strategy_to_torch_csv", "tensor_parallel", "written_at", "zb1p",
 ]

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import attrs
@@ -20,20 +23,48 @@ from piper_ir import DirectiveError, Filter
 
 JsonObject = dict[str, Any]
 
-_PACKAGE_DIR = os.path.dirname(__file__)
+# Piper's packages: a frame of their code is never where a user wrote a directive. (A user's
+# ``--model`` file is imported as ``piper_user_<name>``, which is the user's code.)
+_PIPER_PACKAGES = ("piper_ir", "piper_directives", "piper_scheduler", "piper_runtime", "piper_memory", "piper_train")
+_WRITTEN_AT: ContextVar[str | None] = ContextVar("piper_directives_written_at", default=None)
 
 
 def user_location() -> str:
-    """``file:line`` of the first stack frame outside piper_directives: where the user wrote
-    the directive (errors name it)."""
+    """Where the user wrote the directive being made (errors name it): what the innermost
+    ``written_at`` says, else ``file:line`` of the first stack frame outside Piper's own
+    packages (a library schedule built through ``piper_train``'s ``Trainer`` names the line of
+    the user's script that asked for it, not Piper's)."""
+    said = _WRITTEN_AT.get()
+    if said is not None:
+        return said
     frame = sys._getframe(1)
     while frame is not None and (
-        frame.f_code.co_filename.startswith(_PACKAGE_DIR) or "<attrs generated" in frame.f_code.co_filename
+        str(frame.f_globals.get("__name__", "")).partition(".")[0] in _PIPER_PACKAGES
+        or "<attrs generated" in frame.f_code.co_filename
     ):
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:
         return "<unknown>"
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def written_at_or(where: str) -> str:
+    """Where a directive derived from another (written at ``where``) was asked for: what the
+    innermost ``written_at`` says, else ``where``."""
+    said = _WRITTEN_AT.get()
+    return where if said is None else said
+
+
+@contextmanager
+def written_at(origin: str) -> Iterator[None]:
+    """Directives made inside are said to be written at ``origin`` (a command's flags, say:
+    ``piper train`` makes its schedule from ``--schedule``, ``--pp`` and ``--microbatches``,
+    and a user of the command has no line of code to be pointed at)."""
+    token = _WRITTEN_AT.set(origin)
+    try:
+        yield
+    finally:
+        _WRITTEN_AT.reset(token)
 
 
 def to_filter(value: object) -> Filter:

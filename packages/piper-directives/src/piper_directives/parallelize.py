@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import attrs
 
+from piper_directives.common import written_at_or
 from piper_directives.groups import segment_group
 from piper_directives.place import Place
 from piper_directives.replicate import DEFAULT_BUCKET_MB, Replicate
@@ -102,7 +103,7 @@ def data_parallel(strategy: Strategy, dp: int, zero: int = 0, *, bucket_mb: floa
         else:
             out.append(d)
     replicates = [
-        Replicate(key, segment_group(groups), zero, bucket_mb, where=first.where)
+        Replicate(key, segment_group(groups), zero, bucket_mb, where=written_at_or(first.where))
         for key, (groups, first) in regions.items()
     ]
     return Strategy([*out, *replicates])
@@ -153,9 +154,9 @@ def _shard_every_stage(
         if isinstance(d, Place):
             group = widen(d.devices)
             out.append(Place(d.filter, group, d.stream, where=d.where))
-            shards.append(Shard(d.filter, group, kind=kind, degree=degree, where=d.where))
+            shards.append(Shard(d.filter, group, kind=kind, degree=degree, where=written_at_or(d.where)))
             if zero is not None:
-                out.append(Replicate(d.filter, group, zero, where=d.where))
+                out.append(Replicate(d.filter, group, zero, where=written_at_or(d.where)))
         elif isinstance(d, Replicate):
             out.append(attrs.evolve(d, devices=widen(d.devices)))
         elif isinstance(d, Shard):

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import attrs
 
-from piper_directives import Place, Split, Strategy, build_schedule, parallelize, strategy_from_torch_csv
+from piper_directives import (
+    Place,
+    Split,
+    Strategy,
+    build_schedule,
+    parallelize,
+    strategy_from_torch_csv,
+    written_at,
+)
 from piper_ir import DirectiveError, PiperError
 
 
@@ -76,12 +84,18 @@ class StrategyRequest:
             return self.program
         if self.torch_csv is not None:
             # ranks and microbatches come from the file; regions default to its stage count
-            return strategy_from_torch_csv(self.torch_csv, None, None, stages=regions)
-        return build_schedule(self.schedule, self.pp, self.microbatches, stages=regions)
+            with written_at(f"--strategy {self.file}"):
+                return strategy_from_torch_csv(self.torch_csv, None, None, stages=regions)
+        with written_at(f"the command line (--schedule {self.schedule} --pp {self.pp} "
+                        f"--microbatches {self.microbatches})"):
+            return build_schedule(self.schedule, self.pp, self.microbatches, stages=regions)
 
     def resolve(self, regions: int | None) -> Strategy:
         self.check_regions(regions)
-        return parallelize(self.pipeline(regions), dp=self.dp, zero=self.zero, tp=self.tp, ep=self.ep)
+        pipeline = self.pipeline(regions)
+        flags = " ".join(f"--{k} {v}" for k, v in (("dp", self.dp), ("zero", self.zero), ("tp", self.tp), ("ep", self.ep)))
+        with written_at(f"the command line ({flags})"):
+            return parallelize(pipeline, dp=self.dp, zero=self.zero, tp=self.tp, ep=self.ep)
 
     def check_regions(self, regions: int | None) -> None:
         """``--stages`` is honoured, never ignored: a model whose region count differs from it
