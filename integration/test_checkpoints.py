@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 from piper_directives import build_schedule
-from piper_ir import CheckpointError
+from piper_ir import CheckpointError, ExecutionError
 from piper_runtime import OptimizerSpec
 from piper_train.checkpoints import Checkpoints, export, read_manifest
 from piper_train.cli import main
@@ -145,6 +146,26 @@ def test_another_models_checkpoint_is_refused(tmp_path) -> None:
         with pytest.raises(CheckpointError, match="already holds checkpoints"):
             fit(trainer, other.stream(), steps=1, checkpoints=Checkpoints(tmp_path))
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
+
+
+def test_a_checkpoint_the_disk_refuses_fails_the_run_and_keeps_the_ones_before(tmp_path, monkeypatch) -> None:
+    """The driver's side of a checkpoint failing (a full disk) ends the run with an
+    ``ExecutionError`` naming the checkpoint (exit code 3 from the command), never a
+    traceback, and leaves the checkpoints already written complete."""
+    workload = build_model("mlp", stages=2, seed=1)
+    with _trainer(workload, build_schedule("1f1b", 2, 2, stages=2)) as trainer:
+        real = trainer.save_checkpoint
+
+        def full_after_the_first(path):
+            if trainer.state.step > 1:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return real(path)
+
+        monkeypatch.setattr(trainer, "save_checkpoint", full_after_the_first)
+        with pytest.raises(ExecutionError, match="writing checkpoint .*step-00000002 failed: No space left on device"):
+            fit(trainer, workload.stream(), steps=3, checkpoints=Checkpoints(tmp_path, every=1), steps_per_call=1)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
+    assert read_manifest(tmp_path / "step-00000001")["step"] == 1
 
 
 class _Killer:

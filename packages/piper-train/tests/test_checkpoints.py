@@ -5,6 +5,7 @@ ones, pruning keeps the newest, and a checkpoint of another model is refused by 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from piper_ir import CheckpointError
 from piper_train.checkpoints import (
@@ -15,6 +16,7 @@ from piper_train.checkpoints import (
     prune,
     read_manifest,
     resolve,
+    save_atomically,
     write_atomically,
 )
 
@@ -42,6 +44,15 @@ def test_a_failed_write_leaves_no_checkpoint_and_keeps_the_others(tmp_path) -> N
     with pytest.raises(CheckpointError, match="never overwritten"):
         _write(tmp_path, 2)
     assert (tmp_path / "step-00000002" / "__0_0.distcp").read_bytes() == b"data"
+
+
+def test_an_export_that_fails_leaves_the_file_before_it(tmp_path) -> None:
+    out = tmp_path / "model.pt"
+    save_atomically({"w": torch.ones(2)}, out)
+    with pytest.raises(Exception, match="pickle"):
+        save_atomically({"w": torch.zeros(2), "bad": lambda: None}, out)  # torch.save cannot write a lambda
+    assert torch.equal(torch.load(out)["w"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
 
 
 def test_latest_skips_partial_checkpoints_and_prune_keeps_the_newest(tmp_path) -> None:

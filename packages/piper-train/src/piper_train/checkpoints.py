@@ -154,6 +154,14 @@ def prune(root: Path, keep: int) -> list[Path]:
 def export(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Write the model of checkpoint ``path`` (or the latest under it) to ``out`` as a plain
     single-device ``state_dict`` (``torch.save``), which ``model.load_state_dict`` accepts."""
+    state = model_state_dict(path)
+    save_atomically(state, Path(out))
+    return state
+
+
+def model_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The model of checkpoint ``path`` (or the latest under it) as a single-device
+    ``state_dict``: every name the model has, tied parameters under each of theirs."""
     source = resolve(path)
     manifest = read_manifest(source)
     state = read_model(str(source))
@@ -161,8 +169,19 @@ def export(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[st
         state[alias] = state[name]
     if "state_dict" in manifest:  # exactly the model's keys: not the non-persistent buffers a segment kept
         state = {k: state[k] for k in manifest["state_dict"] if k in state}
-    torch.save(state, out)
     return state
+
+
+def save_atomically(state: dict[str, torch.Tensor], out: Path) -> None:
+    """``torch.save(state, out)`` through a temporary sibling and a rename: a failed write
+    leaves ``out`` as it was (absent, or the previous export), never half a file."""
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _fsync_dir(path: Path) -> None:

@@ -335,8 +335,15 @@ class _Flight:
 
 
 def _save(trainer: Trainer, checkpoints: Checkpoints) -> Path:
-    path = trainer.save_checkpoint(checkpoints.path(trainer.state.step))
-    prune(checkpoints.root, checkpoints.keep)
+    """Write this step's checkpoint and prune old ones. The driver's own file operations
+    failing (the disk full, the folder gone) fail the run like a worker's would
+    (``ExecutionError``), not with a traceback; the checkpoints before stay as they were."""
+    target = checkpoints.path(trainer.state.step)
+    try:
+        path = trainer.save_checkpoint(target)
+        prune(checkpoints.root, checkpoints.keep)
+    except OSError as err:
+        raise ExecutionError(f"writing checkpoint {target} failed: {err.strerror or err}") from err
     return path
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from piper_directives import SCHEDULES
 from piper_train.call_size import parse_steps_per_call
+from piper_train.cli.outputs import output_file
 from piper_train.metrics import dumps
 from piper_train.schedule import SCHEDULES as LR_SCHEDULES
 
@@ -127,8 +128,8 @@ def add_simulation(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost", default="F=1,B=2,W=1", help="per-phase costs, e.g. F=1,B=2,W=1,FB=2.5,loss=0 (FB: an "
                    "overlapped F&B pair; default: F=1,B=2,W=1)")
     p.add_argument("--json", action="store_true", help="print makespan, per-rank busy and idle time as JSON")
-    p.add_argument("--png", type=Path, help="write a Gantt chart of the simulated step (needs matplotlib)")
-    p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the simulated step")
+    p.add_argument("--png", type=output_file, help="write a Gantt chart of the simulated step (needs matplotlib)")
+    p.add_argument("--trace", type=output_file, help="write a Chrome/Perfetto trace of the simulated step")
 
 
 def _comma_list(kind: Callable[[str], object], choices: Sequence[object] | None = None) -> Callable[[str], list]:
@@ -166,7 +167,7 @@ def add_tune(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exhaustive", action="store_true",
                    help="compile and simulate every candidate (default: only those that could still enter the "
                         "top --top / --validate, by a lower bound of their step time)")
-    p.add_argument("--out", type=Path, help="write the best strategy here as a directive program (JSON) that "
+    p.add_argument("--out", type=output_file, help="write the best strategy here as a directive program (JSON) that "
                    "`piper train --strategy` runs")
     p.add_argument("--validate", type=int, default=0, metavar="K",
                    help="run the top K strategies on the runtime and print predicted vs measured step times")
@@ -204,7 +205,7 @@ def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-grad-norm", action="store_true", help="report the global gradient norm without clipping")
     p.add_argument("--prefetch", type=int, default=2, help="batches loaded ahead on a background thread (0: load "
                    "each when its step starts; default: 2)")
-    p.add_argument("--metrics", type=Path, help="write one JSON object per step and evaluation to this .jsonl file")
+    p.add_argument("--metrics", type=output_file, help="write one JSON object per step and evaluation to this .jsonl file")
     p.add_argument("--tensorboard", type=Path, help="write TensorBoard scalars to this directory (needs tensorboard)")
     p.add_argument("--profile-step", type=int, help="write the measured timeline of this step (1-based) as a "
                    "Chrome/Perfetto trace and a Gantt PNG")
@@ -243,7 +244,7 @@ def add_checkpoints(p: argparse.ArgumentParser) -> None:
 
 def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=Path, help="a checkpoint, or a --checkpoint-dir (its latest checkpoint)")
-    p.add_argument("--out", type=Path, required=True, help="where to write the state_dict (torch.save)")
+    p.add_argument("--out", type=output_file, required=True, help="where to write the state_dict (torch.save)")
 
 
 def _add_check(p: argparse.ArgumentParser) -> None:
@@ -267,11 +268,11 @@ def _add_plan_source(p: argparse.ArgumentParser) -> None:
 
 
 def _add_plan_output(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--torch-csv", type=Path, help="also write the strategy's compute actions as a torch "
+    p.add_argument("--torch-csv", type=output_file, help="also write the strategy's compute actions as a torch "
                    "pipelining schedule CSV (one row per rank)")
     add_seed(p)
     add_precision(p)
-    p.add_argument("--out", type=Path, required=True, help="where to write the program (piper-ir JSON)")
+    p.add_argument("--out", type=output_file, required=True, help="where to write the program (piper-ir JSON)")
 
 
 def _add_program(p: argparse.ArgumentParser) -> None:

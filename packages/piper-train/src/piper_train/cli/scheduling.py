@@ -18,6 +18,7 @@ from piper_ir import Graph, Program, from_json, graph_summary, program_text, to_
 from piper_memory import plan_memory
 from piper_scheduler import CostModel, compile_program, plot_gantt, simulate, to_chrome_trace, verify
 from piper_train.cli.options import print_json, say
+from piper_train.cli.outputs import writing
 from piper_train.cli.request import StrategyRequest, model_regions, placed_regions, split_microbatches
 from piper_train.metrics import SCHEMA
 
@@ -87,10 +88,12 @@ def _report(args: argparse.Namespace, program: Program, what: str) -> int:
         "peak_activations": list(timeline.peak_memory),
     }
     if args.trace is not None:
-        args.trace.write_text(json.dumps(to_chrome_trace(timeline)))
+        with writing(args.trace, "--trace"):
+            args.trace.write_text(json.dumps(to_chrome_trace(timeline)))
         say(args, f"wrote {args.trace}")
     if args.png is not None:
-        plot_gantt(timeline, args.png, title=f"{what}: makespan {timeline.makespan:g}")
+        with writing(args.png, "--png"):
+            plot_gantt(timeline, args.png, title=f"{what}: makespan {timeline.makespan:g}")
         say(args, f"wrote {args.png}")
     if args.json:
         print_json(summary)
@@ -158,9 +161,12 @@ def plan_command(args: argparse.Namespace) -> int:
     steps = _Steps("plan")
     placed, program = _compiled(strategy, graph, steps, memory=True)
     seconds = time.perf_counter() - started
-    steps.timed(f"writing {args.out}", args.out.write_text, steps.timed("JSON of the program", to_json, program))
+    text = steps.timed("JSON of the program", to_json, program)
+    with writing(args.out, "--out"):
+        steps.timed(f"writing {args.out}", args.out.write_text, text)
     if args.torch_csv is not None:
-        args.torch_csv.write_text(strategy_to_torch_csv(strategy))
+        with writing(args.torch_csv, "--torch-csv"):
+            args.torch_csv.write_text(strategy_to_torch_csv(strategy))
         print(f"wrote {args.torch_csv} (torch pipelining schedule, compute actions)")
     print(graph_summary(placed).splitlines()[0])
     print(f"compiled {program.world_size} rank plans, {sum(len(p.instructions) for p in program.ranks)} "

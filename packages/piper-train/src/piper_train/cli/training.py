@@ -13,8 +13,16 @@ from piper_ir import CheckpointError
 from piper_runtime import OptimizerSpec, StepResult
 from piper_train.batches import Prefetcher
 from piper_train.check import TOLERANCES, run_check
-from piper_train.checkpoints import Checkpoints, check_compatible, export, read_manifest, resolve
+from piper_train.checkpoints import (
+    Checkpoints,
+    check_compatible,
+    model_state_dict,
+    read_manifest,
+    resolve,
+    save_atomically,
+)
 from piper_train.cli.options import print_json, say
+from piper_train.cli.outputs import writable_folder, writing
 from piper_train.cli.request import StrategyRequest, model_regions
 from piper_train.loop import fit
 from piper_train.metrics import (
@@ -96,6 +104,11 @@ def train_command(args: argparse.Namespace) -> int:
         source = resolve(args.checkpoint_dir)
         check_compatible(source, read_manifest(source),
                          {name: tuple(p.shape) for name, p in workload.model.named_parameters()}, args.optimizer)
+    # Folders written during the run: one that cannot be is refused now, not at its first use.
+    if checkpoints is not None:
+        writable_folder(args.checkpoint_dir, "--checkpoint-dir")
+    if args.profile_step is not None:
+        writable_folder(args.profile_dir, "--profile-dir")
     with contextlib.ExitStack() as stack:
         sinks = _sinks(args, stack)  # before any worker starts: a sink that cannot be made is bad input
         sinks.append(_NonFinite(args))
@@ -153,7 +166,9 @@ def train_command(args: argparse.Namespace) -> int:
 
 
 def export_command(args: argparse.Namespace) -> int:
-    state = export(args.checkpoint, args.out)
+    state = model_state_dict(args.checkpoint)
+    with writing(args.out, "--out"):
+        save_atomically(state, args.out)
     count = sum(t.numel() for t in state.values())
     print(f"piper export: {len(state)} tensors ({count} elements) to {args.out}")
     return 0

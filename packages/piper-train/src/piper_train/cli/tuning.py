@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from piper_runtime import OptimizerSpec, shutdown
 from piper_train.cli.options import say
+from piper_train.cli.outputs import writing
 from piper_train.metrics import SCHEMA, dumps
 from piper_train.tuning.api import Measured, TuneReport, tune, validate
 from piper_train.tuning.profiler import DEFAULT_CACHE
@@ -124,7 +125,8 @@ def tune_command(args: argparse.Namespace) -> int:
         say(args, f"\nbest: {best.candidate.label}: {best.predicted * 1e3:.2f} ms per step predicted, "
                   f"{_mib(best.peak_bytes)} MiB per rank")
         if args.out is not None:
-            report.write(args.out)
+            with writing(args.out, "--out"):
+                report.write(args.out)
             say(args, f"wrote {args.out}; run it with: piper train --model {args.model} --strategy {args.out}")
         rows = validate(report, args.model, args.validate, steps=args.validate_steps, optimizer=optimizer,
                         backend=args.backend, address=args.address, seed=args.seed) if args.validate else []
