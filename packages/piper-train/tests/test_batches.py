@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from piper_train.batches import BatchStream, Prefetcher, as_batch
-from piper_train.workload import load_factory
+from piper_train.workload import load_factory, load_workload
 
 N, D = 10, 3  # 10 samples: 3 full batches of 3 per epoch and one partial batch of 1
 
@@ -171,6 +171,25 @@ def test_factory_forms(tmp_path: Path) -> None:
     bad = _factory(tmp_path, MODEL + "\ndef make():\n    return Net(), 3, nn.functional.mse_loss\n")
     with pytest.raises(ValueError, match="the factory must return"):
         load_factory(bad)
+
+
+def test_a_batch_size_for_data_that_comes_batched_is_refused_not_ignored(tmp_path: Path) -> None:
+    """``--batch-size`` batches a Dataset's samples; given for anything else it would do
+    nothing, so it is refused naming what the data is."""
+    x = torch.randn(8, 3)
+    for source, what in [(DataLoader(TensorDataset(x, x), batch_size=4), "a DataLoader"),
+                         ([(x, x)], "an iterable of batches"), (lambda step: (x, x), "a function of the step")]:
+        with pytest.raises(ValueError, match=f"a batch size .*batches a Dataset's samples; this data is {what}"):
+            BatchStream(source, batch_size=4)
+    tensors = _factory(tmp_path, MODEL + "\ndef make():\n    return Net(), x[:4], x[:4, :1], nn.functional.mse_loss\n")
+    with pytest.raises(ValueError, match=r"this factory returns its batch \(inputs, targets\) itself"):
+        load_factory(tensors, batch_size=4)
+    with pytest.raises(ValueError, match="a built-in model makes its own batches"):
+        load_workload("mlp", stages=2, batch_size=4)
+    # A Dataset to train on, held-out batches ready made: the batch size is the Dataset's alone
+    mixed = _factory(tmp_path, MODEL + "\ndef make():\n    return Net(), data, nn.functional.mse_loss, [(x[:4], x[:4, :1])]\n")
+    spec = load_factory(mixed, batch_size=4)
+    assert spec.eval_batches(0)[0][0].shape == (4, 3)
 
 
 def _rows(start: int, stop: int) -> torch.Tensor:

@@ -82,6 +82,11 @@ class BatchStream:
         else:
             raise ValueError(f"{name}: expected a Dataset, a DataLoader, an iterable of batches or a function "
                              f"of the step, got {_describe(source)}")
+        if batch_size is not None and self.kind != "dataset":
+            what = {"loader": "a DataLoader, which batches with its own batch_size",
+                    "iterable": "an iterable of batches", "function": "a function of the step, giving batches"}
+            raise ValueError(f"{name}: a batch size (--batch-size) batches a Dataset's samples; this data is "
+                             f"{what[self.kind]}")
         self.source = source
         self.batch_size = batch_size
         self.shuffle = shuffle

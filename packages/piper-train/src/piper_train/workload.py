@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.utils.data import Dataset
 
 from piper_train.batches import BatchStream, is_data_source
 from piper_train.models import MODELS, ModelSpec, build_model
@@ -78,6 +79,9 @@ def load_factory(spec: str, *, batch_size: int | None = None, seed: int = 0) -> 
         if not callable(loss_fn):
             raise ValueError(f"model {spec!r}: the factory must return (nn.Module, inputs, targets, callable loss)")
         inputs_t, targets_t = _as_tuple(inputs, "inputs", spec), _as_tuple(targets, "targets", spec)
+        if batch_size is not None:
+            raise ValueError(f"model {spec!r}: a batch size (--batch-size) batches a Dataset's samples; this "
+                             "factory returns its batch (inputs, targets) itself")
         if len(result) == 5:
             if not callable(result[4]):
                 raise ValueError(f"model {spec!r}: the factory's fifth item must be a callable batches(step)")
@@ -93,7 +97,8 @@ def load_factory(spec: str, *, batch_size: int | None = None, seed: int = 0) -> 
     held_out = None
     if eval_data is not None:
         held_out = _Indexed(
-            lambda: BatchStream(eval_data, batch_size=batch_size, shuffle=False, name=f"{spec} eval data"),
+            lambda: BatchStream(eval_data, batch_size=batch_size if isinstance(eval_data, Dataset) else None,
+                                shuffle=False, name=f"{spec} eval data"),
             one_epoch=True,
         )
     inputs_t, targets_t = train(0)
@@ -153,6 +158,9 @@ def load_workload(spec: str, *, stages: int, seed: int = 0, batch_size: int | No
     """A built-in model name (``mlp``, ``transformer``, ``lm``) or ``file.py:factory``
     (``batch_size``: for a factory that returns a ``Dataset``)."""
     if spec in MODELS:
+        if batch_size is not None:
+            raise ValueError(f"model {spec!r}: a batch size (--batch-size) is for a factory that returns a Dataset; "
+                             "a built-in model makes its own batches")
         return build_model(spec, stages=stages, seed=seed)
     if ":" in spec:
         return load_factory(spec, batch_size=batch_size, seed=seed)

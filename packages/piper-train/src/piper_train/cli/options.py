@@ -38,7 +38,8 @@ OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 def add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="lm", help="mlp, transformer, lm, moe, or path/to/file.py:factory (default: lm). "
                    "A file is EXECUTED (like `python file.py`): name only files you trust")
-    p.add_argument("--batch-size", type=int, help="samples per batch, for a factory that returns a Dataset")
+    p.add_argument("--batch-size", type=int, help="samples per batch, for a factory that returns a Dataset (refused for "
+                   "data that comes batched)")
 
 
 def add_pipeline(p: argparse.ArgumentParser) -> None:
