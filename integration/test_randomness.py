@@ -55,8 +55,9 @@ def test_masks_differ_per_microbatch_and_step_and_match_one_device():
     workload = ModelSpec("dropped", Dropped(), (x,), (y,), nn.functional.mse_loss, lambda step: ((x,), (y,)), 2, 0)
     still = OptimizerSpec("sgd", 0.0)
     strategy = build_schedule("1f1b", 2, 4, dp=2)
-    with Trainer(workload.model, (x,), (y,), nn.functional.mse_loss, strategy, optimizer=still, seed=3) as trainer:
-        steps = [trainer.step((x,), (y,)) for _ in range(2)]
+    # Bare tensors and tuples of them are the same batch to a Trainer
+    with Trainer(workload.model, x, y, nn.functional.mse_loss, strategy, optimizer=still, seed=3) as trainer:
+        steps = [trainer.step((x,), (y,)), trainer.step(x, y)]
         reference = reference_for(trainer, workload, still, seed=3)
         wanted = [reference.step((x,), (y,)) for _ in range(2)]
     for got, want in zip(steps, wanted, strict=True):

@@ -132,6 +132,15 @@ def test_bad_example_batches(inputs, targets, message):
         capture(_three_stage(), inputs, targets, nn.functional.mse_loss)
 
 
+def test_one_tensor_is_one_input_not_a_sequence_of_rows():
+    """``capture(model, x, y, loss)`` reads a bare tensor as the one input (target), as the
+    tuple ``(x,)`` would be: not as 8 inputs, one per row."""
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    bare = capture(_three_stage(), x, y, nn.functional.mse_loss)
+    wrapped = capture(_three_stage(), (x,), (y,), nn.functional.mse_loss)
+    assert [(v.name, v.meta.shape) for v in bare.graph.values] == [(v.name, v.meta.shape) for v in wrapped.graph.values]
+
+
 def test_annotate_is_free_outside_capture():
     with annotate("PP") as a:
         assert a._scope is None

@@ -145,23 +145,31 @@ class _ScopeTracer(torch.fx.Tracer):
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
 
+def as_tensors(value: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A batch's inputs or targets as a tuple: one tensor is one input (not a sequence of its
+    rows, which is what ``tuple(tensor)`` would make of it)."""
+    return (value,) if isinstance(value, torch.Tensor) else tuple(value)
+
+
 def capture(
     model: torch.nn.Module,
-    example_inputs: Sequence[torch.Tensor],
-    example_targets: Sequence[torch.Tensor],
+    example_inputs: torch.Tensor | Sequence[torch.Tensor],
+    example_targets: torch.Tensor | Sequence[torch.Tensor],
     loss_fn: Callable[..., torch.Tensor],
     *,
     precision: str | Precision | None = None,
 ) -> CapturedModel:
     """Trace ``model`` and build its single-device training DAG.
 
-    ``example_inputs`` and ``example_targets`` are one full batch (split along dim 0 later);
+    ``example_inputs`` and ``example_targets`` are one full batch (split along dim 0 later),
+    each a tensor or a sequence of tensors (a model with several inputs, a loss with several
+    targets);
     the batch must hold at least 2 samples so the batch dimension of every value can be found.
     ``precision`` (``"bf16"``, or a ``Precision``) records a step that computes in that
     dtype with the parameters as fp32 master weights: values are recorded in the compute
     dtype and the loss casts the model outputs up (piper_directives.precision).
     """
-    inputs, targets = tuple(example_inputs), tuple(example_targets)
+    inputs, targets = as_tensors(example_inputs), as_tensors(example_targets)
     _check_batch(inputs, targets)
     policy = _precision(model, precision)
     with torch.random.fork_rng(devices=[]), _restored_buffers(model) as buffers:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from piper_directives import Strategy, build_schedule, capture, shard_modules
+from piper_directives.capturing import as_tensors
 from piper_ir import DirectiveError, Graph, Program, to_json
 from piper_memory import add_grad_norm, check_budget, plan_memory
 from piper_runtime import (
@@ -48,6 +49,8 @@ from piper_scheduler import compile_program, forward_only
 from piper_train.checkpoints import check_compatible, read_manifest, resolve, write_atomically
 from piper_train.schedule import LearningRate, LRSchedule
 from piper_train.state import TrainState
+
+Tensors = torch.Tensor | Sequence[torch.Tensor]  # a batch's inputs or targets: one tensor, or several
 
 
 def pipeline_stages(graph: Graph, tag: str = "PP") -> int:
@@ -104,8 +107,8 @@ class Trainer:
     def __init__(
         self,
         model: torch.nn.Module,
-        example_inputs: Sequence[torch.Tensor],
-        example_targets: Sequence[torch.Tensor],
+        example_inputs: Tensors,
+        example_targets: Tensors,
         loss_fn: Callable[..., torch.Tensor],
         strategy: Strategy | Callable[[int], Strategy],
         *,
@@ -187,8 +190,8 @@ class Trainer:
     def with_schedule(
         cls,
         model: torch.nn.Module,
-        example_inputs: Sequence[torch.Tensor],
-        example_targets: Sequence[torch.Tensor],
+        example_inputs: Tensors,
+        example_targets: Tensors,
         loss_fn: Callable[..., torch.Tensor],
         *,
         schedule: str,
@@ -212,8 +215,8 @@ class Trainer:
 
     def step(
         self,
-        inputs: Sequence[torch.Tensor],
-        targets: Sequence[torch.Tensor],
+        inputs: Tensors,
+        targets: Tensors,
         *,
         keep_grads: bool = False,
         profile: bool = False,
@@ -227,8 +230,8 @@ class Trainer:
 
     def submit(
         self,
-        inputs: Sequence[torch.Tensor],
-        targets: Sequence[torch.Tensor],
+        inputs: Tensors,
+        targets: Tensors,
         *,
         keep_grads: bool = False,
         profile: bool = False,
@@ -242,7 +245,7 @@ class Trainer:
 
     def submit_steps(
         self,
-        batches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
+        batches: Sequence[tuple[Tensors, Tensors]],
         *,
         keep_grads: bool = False,
         profile: Sequence[bool] | None = None,
@@ -252,7 +255,7 @@ class Trainer:
         per rank (``Runtime.submit_steps``: it saves a small model's per-step call overhead;
         the results arrive together). Each step runs at the schedule's learning rate for it
         and counts as ``submit``'s does; ``profile`` and ``memory`` are per step."""
-        batches = [(tuple(inputs), tuple(targets)) for inputs, targets in batches]
+        batches = [(as_tensors(inputs), as_tensors(targets)) for inputs, targets in batches]
         profile = list(profile) if profile is not None else [False] * len(batches)
         memory = list(memory) if memory is not None else [False] * len(batches)
         if not len(profile) == len(memory) == len(batches):
@@ -272,11 +275,11 @@ class Trainer:
             state.lr.load_state_dict(before[3])
             raise
 
-    def evaluate(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> float:
+    def evaluate(self, inputs: Tensors, targets: Tensors) -> float:
         """The loss of one batch, forward only (no gradient, no update, the modules in eval
         mode): the mean of its microbatches' losses, as ``step`` reports it. The first call
         compiles the forward-only program and loads it on the workers."""
-        inputs, targets = tuple(inputs), tuple(targets)
+        inputs, targets = as_tensors(inputs), as_tensors(targets)
         self._check_batch_size(inputs, targets)
         if self.eval_program is None:
             self.eval_program = compile_program(forward_only(self.graph))
