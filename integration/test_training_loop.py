@@ -113,7 +113,7 @@ def test_fit_sizes_its_calls_automatically_and_still_matches_one_device(monkeypa
     reference = ReferenceTrainer(workload.model, workload.loss_fn, optimizer, 4)
     with Trainer.with_schedule(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
                                schedule="1f1b", pp=2, microbatches=4, optimizer=optimizer) as trainer:
-        run = fit(trainer, iter([workload.batches(k) for k in range(9)]), steps=9)
+        run = fit(trainer, [workload.batches(k) for k in range(9)], steps=9)  # a list: fit reads it
         # Calls of two batches at most: the byte limit is what two batches weigh.
         inputs, targets = workload.batches(0)
         monkeypatch.setattr(call_size, "AUTO_CALL_BYTES", 2 * sum(t.nbytes for t in (*inputs, *targets)))

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from piper_train.batches import BatchStream, Prefetcher, as_batch
+from piper_train.loop import _batch_iterator
 from piper_train.workload import load_factory, load_workload
 
 N, D = 10, 3  # 10 samples: 3 full batches of 3 per epoch and one partial batch of 1
@@ -190,6 +191,17 @@ def test_a_batch_size_for_data_that_comes_batched_is_refused_not_ignored(tmp_pat
     mixed = _factory(tmp_path, MODEL + "\ndef make():\n    return Net(), data, nn.functional.mse_loss, [(x[:4], x[:4, :1])]\n")
     spec = load_factory(mixed, batch_size=4)
     assert spec.eval_batches(0)[0][0].shape == (4, 3)
+
+
+def test_fit_reads_what_a_batch_stream_reads_and_asks_a_dataset_for_its_batch_size() -> None:
+    x = torch.randn(8, 3)
+    stream = _batch_iterator([(x, x)], seed=0)
+    assert isinstance(stream, BatchStream) and torch.equal(next(stream)[0][0], x)
+    assert isinstance(_batch_iterator(DataLoader(TensorDataset(x, x), batch_size=4), seed=0), BatchStream)
+    ready = iter([(x, x)])
+    assert _batch_iterator(ready, seed=0) is ready  # an iterator is used as it is
+    with pytest.raises(ValueError, match=r"pass BatchStream\(dataset, batch_size=N\) or a DataLoader"):
+        _batch_iterator(TensorDataset(x, x), seed=0)
 
 
 def _rows(start: int, stop: int) -> torch.Tensor:

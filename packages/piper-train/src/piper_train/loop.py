@@ -27,15 +27,16 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import attrs
 import torch
+from torch.utils.data import DataLoader, Dataset
 
 from piper_ir import CheckpointError, ExecutionError, NumericalError
 from piper_runtime import PendingStep
-from piper_train.batches import Batch
+from piper_train.batches import Batch, BatchStream
 from piper_train.call_size import AUTO, CallSize
 from piper_train.checkpoints import Checkpoints, prune
 from piper_train.metrics import EvalMetrics, Sink, StepMetrics
@@ -77,7 +78,7 @@ def evaluate(trainer: Trainer, held_out: Callable[[int], Batch], batches: int) -
 
 def fit(
     trainer: Trainer,
-    data: Iterator[Batch],
+    data: Iterator[Batch] | Iterable[Batch] | DataLoader,
     *,
     steps: int | None = None,
     epochs: int | None = None,
@@ -93,8 +94,11 @@ def fit(
     steps_per_call: int | str = AUTO,
 ) -> FitResult:
     """Train until ``steps`` steps (counted by ``trainer.state.step``) or ``epochs`` epochs
-    are done, or ``data`` ends (module doc). ``data`` reports its position through
-    ``state_dict()`` (``epoch``) where it has one. ``profile_step``: that step returns its
+    are done, or ``data`` ends (module doc). ``data`` is an iterator of ``(inputs, targets)``
+    batches (a ``BatchStream``), or what ``BatchStream`` reads (a list of batches, re-read
+    each epoch; a ``DataLoader``, its shuffling seeded per epoch from the trainer's seed), which
+    ``fit`` wraps in one. It reports its position through ``state_dict()`` (``epoch``) where it
+    has one. ``profile_step``: that step returns its
     instruction timings (``StepResult.timings``) to the sinks. ``checkpoints``, ``resume``,
     ``max_restarts``: module doc. ``memory_every``: steps 1, 2 and every that many account
     memory (``StepResult.memory``); the metrics of the others carry the latest accounted
@@ -135,6 +139,7 @@ def fit(
         raise ValueError("steps_per_call > 1 cannot be combined with on_nan='skip-step' (a step is undone before "
                          "the next one runs)")
     call_size = CallSize(steps_per_call, single=undoable)  # ValueError for a size below 1
+    data = _batch_iterator(data, trainer.seed)
     state = trainer.state
     state.data = data if hasattr(data, "state_dict") else None  # type: ignore[assignment]
     if checkpoints is not None:
@@ -332,6 +337,17 @@ class _Flight:
     data_seconds: float
     call: _Call
     tokens: int
+
+
+def _batch_iterator(data: object, seed: int) -> Iterator[Batch]:
+    """``data`` itself where it is an iterator, else a ``BatchStream`` over it; a Dataset
+    needs a batch size, which only the caller knows."""
+    if hasattr(data, "__next__"):
+        return data  # type: ignore[return-value]
+    if isinstance(data, Dataset) and not isinstance(data, DataLoader):
+        raise ValueError("fit: a Dataset is batched by a batch size fit does not know: pass "
+                         "BatchStream(dataset, batch_size=N) or a DataLoader")
+    return BatchStream(data, seed=seed, name="fit's data")
 
 
 def _save(trainer: Trainer, checkpoints: Checkpoints) -> Path:

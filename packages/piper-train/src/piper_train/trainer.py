@@ -135,6 +135,7 @@ class Trainer:
     ) -> None:
         say = log or (lambda _: None)
         started = time.perf_counter()
+        self.seed = seed
         captured = capture(model, example_inputs, example_targets, loss_fn, precision=precision)
         self.captured = captured
         if not isinstance(strategy, Strategy):
