@@ -34,10 +34,12 @@ from piper_train.loop import fit
 from piper_train.models import build_model
 from piper_train.reference import ReferenceTrainer
 from piper_train.trainer import Trainer
+from piper_train.workload import load_factory
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 ADAMW = OptimizerSpec("adamw", 1e-2, weight_decay=0.1)
 FIXTURE = Path(__file__).parent / "fixtures" / "data_model.py"
+USER_MODEL = Path(__file__).parent / "fixtures" / "user_model.py"
 
 
 def _trainer(workload, strategy, optimizer=ADAMW) -> Trainer:
@@ -257,6 +259,27 @@ def test_cli_checkpoints_resume_and_export(tmp_path, capsys) -> None:
         main([*base, "--resume"])
     assert "--resume needs --checkpoint-dir" in capsys.readouterr().err
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000004", "step-00000005"]
+
+
+def test_parameters_forward_never_uses_are_checked_resumed_and_exported(tmp_path, capsys) -> None:
+    """Such parameters stay as given, as on one device (``check`` compares them too), and a
+    checkpoint carries them: the run resumes from its own checkpoint, and the export loads
+    into the model with every key."""
+    model = f"{USER_MODEL}:with_unused"
+    assert main(["check", "--model", model, "--steps", "2", "--dp", "2", "--zero", "2"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    ckpt = tmp_path / "ckpt"
+    base = ["train", "--model", model, "--microbatches", "2", "--json", "--checkpoint-dir", str(ckpt)]
+    assert main([*base, "--steps", "2"]) == 0
+    said = capsys.readouterr().err
+    assert "2 parameter(s) not used by forward, so not trained" in said and "spare.weight, spare.bias" in said
+    assert main([*base, "--steps", "3", "--resume"]) == 0
+    assert json.loads(capsys.readouterr().out)["first_step"] == 3
+    assert main(["export", str(ckpt), "--out", str(tmp_path / "model.pt")]) == 0
+    state = torch.load(tmp_path / "model.pt")
+    fresh = load_factory(model).model
+    fresh.load_state_dict(state)  # every key, strictly
+    assert torch.equal(state["spare.weight"], fresh.spare.weight)  # as given: seeded the same
 
 
 def test_a_run_resumed_with_more_epochs_trains_the_next_epoch_whole(tmp_path, capsys) -> None:

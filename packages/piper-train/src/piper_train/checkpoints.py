@@ -24,11 +24,12 @@ from typing import Any
 import torch
 
 from piper_ir import CheckpointError
-from piper_runtime.checkpoint import read_model
+from piper_runtime.checkpoint import read_model, read_objects
 
 FORMAT = "piper-checkpoint"
 VERSION = 1
 MANIFEST = "piper.json"
+UNTRACED = "untraced_parameters"  # the driver's object: parameters forward never uses, by name
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -165,6 +166,8 @@ def model_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     source = resolve(path)
     manifest = read_manifest(source)
     state = read_model(str(source))
+    if manifest.get("untraced"):  # parameters forward never used: the driver saved them
+        state.update(read_objects(str(source), [UNTRACED])[UNTRACED])
     for alias, name in manifest.get("ties", {}).items():  # a tied parameter under each name the model has
         state[alias] = state[name]
     if "state_dict" in manifest:  # exactly the model's keys: not the non-persistent buffers a segment kept

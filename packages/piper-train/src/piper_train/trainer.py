@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +46,21 @@ from piper_runtime.accumulation import MIN_WEIGHT_BYTES
 from piper_runtime.batch import full_batch_shape
 from piper_runtime.checkpoint import read_objects
 from piper_scheduler import compile_program, forward_only
-from piper_train.checkpoints import check_compatible, read_manifest, resolve, write_atomically
+from piper_train.checkpoints import UNTRACED, check_compatible, read_manifest, resolve, write_atomically
 from piper_train.schedule import LearningRate, LRSchedule
 from piper_train.state import TrainState
 
 Tensors = torch.Tensor | Sequence[torch.Tensor]  # a batch's inputs or targets: one tensor, or several
+
+
+def untraced_parameters(model: torch.nn.Module, traced: Mapping[str, object]) -> dict[str, torch.Tensor]:
+    """The parameters of ``model`` that capture did not find in forward (a module defined
+    but not called in training, a head used only in evaluation), by name, copied: no step
+    gives them a gradient, so, as on one device, no optimizer changes them. ``traced``: the
+    captured parameters' names; a parameter shared with one of them (a tie) is traced."""
+    every = dict(model.named_parameters(remove_duplicate=False))
+    traced_ids = {id(every[name]) for name in traced if name in every}
+    return {name: p.detach().clone() for name, p in model.named_parameters() if id(p) not in traced_ids}
 
 
 def pipeline_stages(graph: Graph, tag: str = "PP") -> int:
@@ -161,6 +171,11 @@ class Trainer:
         self.param_shapes = {
             name: tuple(meta.shape) for seg in captured.graph.segments for name, meta in seg.params
         }
+        self.untraced = untraced_parameters(model, self.param_shapes)
+        if self.untraced:
+            say(f"{len(self.untraced)} parameter(s) not used by forward, so not trained (kept as given, saved "
+                f"and exported with the rest): {', '.join(list(self.untraced)[:5])}"
+                + (f" and {len(self.untraced) - 5} more" if len(self.untraced) > 5 else ""))
         say(
             f"captured {len(self.graph.stage_segments())} regions, compiled and verified "
             f"{self.program.world_size} rank plans in {self.compile_seconds:.2f} s; "
@@ -304,7 +319,12 @@ class Trainer:
                 )
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        return self.runtime.parameters()
+        """Every parameter of the model by name: the trained ones from the workers, and those
+        forward never uses (``untraced``) as they were given or loaded."""
+        return {**self.runtime.parameters(), **{name: t.clone() for name, t in self.untraced.items()}}
+
+    def _all_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {**self.param_shapes, **{name: tuple(t.shape) for name, t in self.untraced.items()}}
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """Write a checkpoint of the model, optimizer and ``state`` to the directory ``path``
@@ -313,7 +333,9 @@ class Trainer:
         manifest = {
             "step": self.state.step,
             "optimizer": self.optimizer.name,
-            "parameters": {name: list(shape) for name, shape in self.param_shapes.items()},
+            "parameters": {name: list(shape) for name, shape in self._all_shapes().items()},
+            # Parameters forward never uses: the driver's, in the objects (``untraced_parameters``).
+            "untraced": sorted(self.untraced),
             "world_size": self.program.world_size,
             "microbatches": self.program.microbatches,
             "replicas": self.program.replicas,
@@ -324,7 +346,7 @@ class Trainer:
             # ``export`` restores a tie under each of its names.
             "ties": {q: tie.name for tie in self.program.ties for _, q in tie.holders if q != tie.name},
         }
-        state = {"train_state": self.state.state_dict()}
+        state = {"train_state": self.state.state_dict(), UNTRACED: dict(self.untraced)}
         return write_atomically(path, lambda tmp: self.runtime.save_checkpoint(str(tmp), state), manifest)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> Path:
@@ -334,9 +356,11 @@ class Trainer:
         Returns the checkpoint read; ``CheckpointError`` names what does not fit."""
         source = resolve(path)
         manifest = read_manifest(source)
-        check_compatible(source, manifest, self.param_shapes, self.optimizer.name)
-        objects = read_objects(str(source), ["train_state"])
+        check_compatible(source, manifest, self._all_shapes(), self.optimizer.name)
+        objects = read_objects(str(source), ["train_state", *([UNTRACED] if manifest.get("untraced") else [])])
         self.state.load_state_dict(objects["train_state"])
+        saved = objects.get(UNTRACED) or {}
+        self.untraced = {name: saved.get(name, t) for name, t in self.untraced.items()}
         # The ranks' own generators (unseeded dropout) mean something only to the same program.
         self.runtime.load_checkpoint(str(source), self.state.step, rng=manifest.get("program") == self.program_digest)
         return source
