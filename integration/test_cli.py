@@ -143,6 +143,18 @@ def test_check_moe_with_expert_parallelism_nested_in_data_parallelism(piper):
     assert "dp=2, tp=1, ep=2, zero=1" in done.stderr and "PASS" in done.stderr
 
 
+def test_check_warns_when_the_loss_is_not_a_mean_over_the_batch(piper):
+    """The strategy still matches single-device training on the same microbatches (exit 0),
+    but a summed loss makes training on microbatches differ from the whole batch: said."""
+    done = piper("check", "--model", f"{USER_MODEL}:summed", "--steps", "1", "--json")
+    assert done.returncode == 0
+    summary = json.loads(done.stdout)
+    assert summary["ok"] and summary["whole_batch_loss_matches"] is False
+    assert "WARNING: the loss of the whole first batch is" in done.stderr and "a sum instead of a mean?" in done.stderr
+    done = piper("check", "--model", f"{USER_MODEL}:make", "--steps", "1", "--json")
+    assert json.loads(done.stdout)["whole_batch_loss_matches"] is True and "WARNING" not in done.stderr
+
+
 def test_check_fails_on_a_real_difference(piper):
     """Python state baked into the captured code at trace time (a known limit of capture)."""
     done = piper("check", "--model", f"{USER_MODEL}:drifting", "--pp", "5", "--microbatches", "2", "--steps", "1")

@@ -34,3 +34,28 @@ def test_indivisible_batch_is_rejected():
     spec = build_model("mlp", stages=1)
     with pytest.raises(ValueError, match="does not split into 3"):
         ReferenceTrainer(spec.model, spec.loss_fn, OptimizerSpec(), 3).step(*spec.batches(0))
+
+
+def test_a_mean_loss_is_the_mean_of_its_pieces_and_a_sum_is_not():
+    """``whole_and_pieces``: the batch run whole against the mean of its microbatch x shard
+    pieces, forward only; a mean over the batch agrees, a sum is the pieces' mean times
+    their count, a mean over a count that varies between pieces (ignored targets) differs."""
+    spec = build_model("mlp", stages=2, seed=0, dtype=torch.float64)
+    (x,), (y,) = spec.batches(0)
+    mean = ReferenceTrainer(spec.model, torch.nn.functional.mse_loss, OptimizerSpec(), 2, shards=2)
+    whole, parts = mean.whole_and_pieces((x,), (y,))
+    assert parts == pytest.approx(whole, rel=1e-12)
+    summed = ReferenceTrainer(spec.model, lambda out, t: ((out - t) ** 2).sum(), OptimizerSpec(), 2, shards=2)
+    whole, parts = summed.whole_and_pieces((x,), (y,))
+    assert parts == pytest.approx(whole / 4, rel=1e-12)
+
+    def ignoring(out, t):  # the mean over the targets that are not NaN: their count varies per piece
+        keep = ~t.isnan()
+        return ((out - t.nan_to_num()) ** 2)[keep].mean()
+
+    y = y.clone()
+    y[:2] = float("nan")  # ignored targets in the first piece only,
+    y[2:4] += 10.0  # whose other targets are far off: weighed by their count whole, by a quarter in pieces
+    whole, parts = ReferenceTrainer(spec.model, ignoring, OptimizerSpec(), 2, shards=2).whole_and_pieces((x,), (y,))
+    assert parts > 1.3 * whole
+    assert spec.model.training  # eval mode only while it measured

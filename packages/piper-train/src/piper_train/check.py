@@ -48,6 +48,9 @@ class CheckReport:
     atol: float
     program: Program = attrs.field(eq=False, repr=False)
     grad_norms: tuple[float, ...] = ()  # the strategy's gradient norm of each step, when clipping
+    # The first batch's loss whole against the mean of its pieces' (``_whole_batch``): not part
+    # of ``ok``, which compares the strategy with single-device training on the same pieces.
+    whole_batch: Difference | None = None
 
     @property
     def ok(self) -> bool:
@@ -125,6 +128,7 @@ def run_check(
         grad_fusion_min_bytes=grad_fusion_min_bytes,
     ) as trainer:
         reference = reference_for(trainer, workload, optimizer, seed, lr_schedule, clip_grad_norm)
+        whole = _whole_batch(reference, *workload.batches(0), rtol, atol, scaled, log)
         for step in range(steps):
             inputs, targets = workload.batches(step)
             got = trainer.step(inputs, targets, keep_grads=True)
@@ -152,7 +156,31 @@ def run_check(
             got_eval, want_eval = trainer.evaluate(inputs, targets), reference.evaluate(inputs, targets)
             diffs.append(_diff("eval", f"batch {k}", torch.tensor(got_eval), torch.tensor(want_eval), rtol, atol, scaled))
             log(f"held-out batch {k}: loss {got_eval:.6f} (reference {want_eval:.6f})")
-    return CheckReport(steps, tuple(diffs), rtol, atol, trainer.program, tuple(norms))
+    return CheckReport(steps, tuple(diffs), rtol, atol, trainer.program, tuple(norms), whole)
+
+
+def _whole_batch(
+    reference: ReferenceTrainer, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...],
+    rtol: float, atol: float, scaled: bool, log: Callable[[str], None],
+) -> Difference:
+    """Whether the first batch's loss run whole is the mean of its pieces' losses: what
+    lets training on microbatches (and the reference, which runs them too) stand for
+    training on the whole batch (``ReferenceTrainer.whole_and_pieces``). A warning, not a
+    failure: a loss meant per microbatch differs on purpose."""
+    whole, parts = reference.whole_and_pieces(inputs, targets)
+    pieces = reference.microbatches * reference.shards
+    found = _diff("batch loss", f"step 0, whole vs mean of {pieces} pieces", torch.tensor(parts),
+                  torch.tensor(whole), rtol, atol, scaled)
+    if not found.ok:
+        ratio = f" ({parts / whole:.3g} times it: a sum instead of a mean?)" if whole else ""
+        log(f"WARNING: the loss of the whole first batch is {whole:.6g}, the mean of its {pieces} pieces' losses "
+            f"{parts:.6g}{ratio}. A step averages the losses of microbatches (and data-parallel shards), as "
+            "gradient accumulation does, so loss_fn must be a mean over the batch whose value does not depend "
+            "on where the batch is cut (reduction='mean', with no ignored or masked elements that vary "
+            "between pieces); otherwise every strategy, and the single-device reference that runs the same "
+            "pieces, trains differently from the whole batch (an auxiliary loss meant per microbatch, as "
+            "Megatron computes a load-balancing loss, is the exception)")
+    return found
 
 
 def reference_for(

@@ -97,6 +97,25 @@ class ReferenceTrainer:
         with _torch_threads(self.threads), torch.no_grad():
             return self._evaluate(inputs, targets)
 
+    def whole_and_pieces(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> tuple[float, float]:
+        """The loss of the batch run whole, and the mean of the losses of the pieces a step
+        cuts it into (microbatches x data-parallel shards), forward only in eval mode
+        (dropout off: the same function both ways). Equal for a loss that is a mean over the
+        batch; a sum, or a mean over a count that varies between pieces (ignored or masked
+        elements), makes them differ, and training on pieces then differs from training on
+        the whole batch."""
+        pieces = self.microbatches * self.shards
+        n_in = len(inputs)
+        with _torch_threads(self.threads), torch.no_grad():
+            self.model.eval()
+            try:
+                whole = float(self._loss(self.forward(*inputs), targets))
+                cut = list(zip(*(t.tensor_split(pieces) for t in (*inputs, *targets)), strict=True))
+                parts = sum(float(self._loss(self.forward(*c[:n_in]), c[n_in:])) for c in cut) / pieces
+            finally:
+                self.model.train()
+        return whole, parts
+
     def _evaluate(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> float:
         m, n_in = self.microbatches, len(inputs)
         chunks = list(zip(*(t.chunk(m) for t in (*inputs, *targets)), strict=True))

@@ -238,6 +238,9 @@ def check_command(args: argparse.Namespace) -> int:
         print_json({"schema": SCHEMA, "command": "check", "ok": report.ok, "steps": report.steps,
                      "grad_norms": list(report.grad_norms),
                      **{f"max_{w}_abs": d.abs for w, d in rows.items()},
-                     **{f"max_{w}_rel": d.rel for w, d in rows.items()}})
+                     **{f"max_{w}_rel": d.rel for w, d in rows.items()},
+                     # the first batch's loss whole against the mean of its pieces' (a warning when not)
+                     "whole_batch_loss_matches": report.whole_batch.ok if report.whole_batch else None,
+                     "whole_batch_loss_rel": report.whole_batch.rel if report.whole_batch else None})
     return 0 if report.ok else 1
 
