@@ -75,8 +75,12 @@ def test_tune_writes_a_program_piper_train_runs(cache: Path, tmp_path: Path,
 def test_second_run_measures_nothing(cache: Path) -> None:
     kw = dict(stages=2, microbatches=(1, 2), schedules=("1f1b", "gpipe"), comm=(5e-5, 1e9), profile_steps=2,
               cache_dir=cache)
-    first = tune("mlp", 2, **kw)
+    said: list[str] = []
+    first = tune("mlp", 2, log=said.append, **kw)
     again = tune("mlp", 2, **kw)
+    # No expert module: no expert-parallel candidate is tried (each would only be refused)
+    assert any("expert parallelism left out" in line for line in said)
+    assert all(e.candidate.ep == 1 for e in first.result.evaluations)
     assert again.profile_runs == 0
     assert again.profile == first.profile
     assert [e.candidate for e in again.result.fitting] == [e.candidate for e in first.result.fitting]

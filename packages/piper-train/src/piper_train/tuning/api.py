@@ -132,6 +132,9 @@ def tune(
     spec = load_workload(model, stages=regions, seed=seed) if isinstance(model, str) else model
     captured = capture(spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn)
     regions = len(captured.graph.stage_segments())
+    if "ep" in kinds and not any(getattr(m, "piper_experts", False) for m in spec.model.modules()):
+        kinds = [k for k in kinds if k != "ep"]  # every ep candidate would be refused, one by one
+        say("no expert module (piper_experts = True) in the model: expert parallelism left out of the search")
     started = time.perf_counter()
     profiler = Profiler(name, spec, captured, backend=backend or "cpu", address=address, optimizer=optimizer,
                         cache_dir=cache_dir, comm=comm, steps=profile_steps, log=say)
