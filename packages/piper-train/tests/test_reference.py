@@ -45,6 +45,7 @@ def test_a_mean_loss_is_the_mean_of_its_pieces_and_a_sum_is_not():
     mean = ReferenceTrainer(spec.model, torch.nn.functional.mse_loss, OptimizerSpec(), 2, shards=2)
     whole, parts = mean.whole_and_pieces((x,), (y,))
     assert parts == pytest.approx(whole, rel=1e-12)
+    assert mean.whole_and_pieces(x, y) == (whole, parts)  # a bare tensor is the one input, as for Trainer
     summed = ReferenceTrainer(spec.model, lambda out, t: ((out - t) ** 2).sum(), OptimizerSpec(), 2, shards=2)
     whole, parts = summed.whole_and_pieces((x,), (y,))
     assert parts == pytest.approx(whole / 4, rel=1e-12)

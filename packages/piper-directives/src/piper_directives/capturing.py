@@ -145,7 +145,10 @@ class _ScopeTracer(torch.fx.Tracer):
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
 
-def as_tensors(value: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+Tensors = torch.Tensor | Sequence[torch.Tensor]  # a batch's inputs or targets: one tensor, or several
+
+
+def as_tensors(value: Tensors) -> tuple[torch.Tensor, ...]:
     """A batch's inputs or targets as a tuple: one tensor is one input (not a sequence of its
     rows, which is what ``tuple(tensor)`` would make of it)."""
     return (value,) if isinstance(value, torch.Tensor) else tuple(value)
@@ -153,8 +156,8 @@ def as_tensors(value: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tens
 
 def capture(
     model: torch.nn.Module,
-    example_inputs: torch.Tensor | Sequence[torch.Tensor],
-    example_targets: torch.Tensor | Sequence[torch.Tensor],
+    example_inputs: Tensors,
+    example_targets: Tensors,
     loss_fn: Callable[..., torch.Tensor],
     *,
     precision: str | Precision | None = None,

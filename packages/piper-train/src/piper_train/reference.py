@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 import attrs
 import torch
 
+from piper_directives.capturing import Tensors, as_tensors
 from piper_directives.precision import PrecisionModel
 from piper_directives.randomness import Randomness
 from piper_ir import Precision
@@ -91,13 +92,13 @@ class ReferenceTrainer:
         self.optimizer = optimizer.build_named(self.model.named_parameters())
         self.scheduler = (lr_schedule or LRSchedule()).build(self.optimizer)
 
-    def evaluate(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> float:
+    def evaluate(self, inputs: Tensors, targets: Tensors) -> float:
         """The loss of a batch, forward only and in eval mode, as the mean of its
         microbatches' losses (what ``Trainer.evaluate`` reports)."""
         with _torch_threads(self.threads), torch.no_grad():
-            return self._evaluate(inputs, targets)
+            return self._evaluate(as_tensors(inputs), as_tensors(targets))
 
-    def whole_and_pieces(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> tuple[float, float]:
+    def whole_and_pieces(self, inputs: Tensors, targets: Tensors) -> tuple[float, float]:
         """The loss of the batch run whole, and the mean of the losses of the pieces a step
         cuts it into (microbatches x data-parallel shards), forward only in eval mode
         (dropout off: the same function both ways). Equal for a loss that is a mean over the
@@ -105,6 +106,7 @@ class ReferenceTrainer:
         elements), makes them differ, and training on pieces then differs from training on
         the whole batch."""
         pieces = self.microbatches * self.shards
+        inputs, targets = as_tensors(inputs), as_tensors(targets)
         n_in = len(inputs)
         with _torch_threads(self.threads), torch.no_grad():
             self.model.eval()
@@ -125,9 +127,10 @@ class ReferenceTrainer:
         finally:
             self.model.train()
 
-    def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> ReferenceStep:
+    def step(self, inputs: Tensors, targets: Tensors) -> ReferenceStep:
+        """One step on a batch (a tensor or a tuple of tensors each, as ``Trainer.step``)."""
         with _torch_threads(self.threads):
-            return self._step(inputs, targets)
+            return self._step(as_tensors(inputs), as_tensors(targets))
 
     def _step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> ReferenceStep:
         m, n_in = self.microbatches, len(inputs)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from piper_directives import Strategy, build_schedule, capture, shard_modules
-from piper_directives.capturing import as_tensors
+from piper_directives.capturing import Tensors, as_tensors
 from piper_ir import DirectiveError, Graph, Program, to_json
 from piper_memory import add_grad_norm, check_budget, plan_memory
 from piper_runtime import (
@@ -49,8 +49,6 @@ from piper_scheduler import compile_program, forward_only
 from piper_train.checkpoints import UNTRACED, check_compatible, read_manifest, resolve, write_atomically
 from piper_train.schedule import LearningRate, LRSchedule
 from piper_train.state import TrainState
-
-Tensors = torch.Tensor | Sequence[torch.Tensor]  # a batch's inputs or targets: one tensor, or several
 
 
 def untraced_parameters(model: torch.nn.Module, traced: Mapping[str, object]) -> dict[str, torch.Tensor]:
