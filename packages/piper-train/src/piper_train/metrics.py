@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
@@ -231,7 +232,11 @@ class TensorBoardWriter:
 class ProfileWriter:
     """Writes the measured timeline of step ``step`` (whose ``StepResult.timings`` the loop
     asked for) to ``<directory>/step<N>.trace.json`` (Chrome/Perfetto) and, with
-    matplotlib installed, ``<directory>/step<N>.png`` (Gantt chart)."""
+    matplotlib installed, ``<directory>/step<N>.png`` (Gantt chart). The chart is drawn on a
+    thread of its own (a few hundred ms, most of it importing matplotlib), so the steps after
+    the profiled one neither wait for it nor report its time as theirs; ``close`` waits."""
+
+    DRAW_TIMEOUT_S = 120.0
 
     def __init__(self, step: int, directory: str | Path, program: Program, say: Any = print) -> None:
         self.step = step
@@ -239,11 +244,12 @@ class ProfileWriter:
         self.program = program
         self.say = say
         self.written: list[Path] = []
+        self._drawing: threading.Thread | None = None
 
     def on_step(self, metrics: StepMetrics, result: StepResult) -> None:
         if metrics.step != self.step or not result.timings:
             return
-        from piper_scheduler import measured_timeline, plot_gantt, to_chrome_trace
+        from piper_scheduler import measured_timeline, to_chrome_trace
 
         spans = [(t.rank, t.instruction, t.start * 1e3, t.end * 1e3) for t in result.timings]
         timeline = measured_timeline(self.program, spans)
@@ -251,6 +257,12 @@ class ProfileWriter:
         trace = self.directory / f"step{self.step}.trace.json"
         trace.write_text(json.dumps(to_chrome_trace(timeline)))
         self.written.append(trace)
+        self._drawing = threading.Thread(target=self._draw, args=(timeline,), name="piper-profile-chart", daemon=True)
+        self._drawing.start()
+
+    def _draw(self, timeline: Any) -> None:
+        from piper_scheduler import plot_gantt
+
         try:
             png = plot_gantt(
                 timeline, self.directory / f"step{self.step}.png",
@@ -259,10 +271,13 @@ class ProfileWriter:
             self.written.append(png)
         except ImportError:
             self.say("matplotlib is not installed: no Gantt chart (pip install matplotlib)")
+        except Exception as err:  # a chart is a convenience: the trace is written, training goes on
+            self.say(f"could not draw the Gantt chart of step {self.step}: {err}")
         self.say(f"wrote the timeline of step {self.step}: {', '.join(map(str, self.written))}")
 
     def on_eval(self, metrics: EvalMetrics) -> None:
         pass
 
     def close(self) -> None:
-        pass
+        if self._drawing is not None:
+            self._drawing.join(self.DRAW_TIMEOUT_S)

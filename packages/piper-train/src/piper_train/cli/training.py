@@ -123,7 +123,9 @@ def train_command(args: argparse.Namespace) -> int:
         ))
         say(args, f"workers up after {time.perf_counter() - started:.1f} s")
         if args.profile_step is not None:
-            sinks.append(ProfileWriter(args.profile_step, args.profile_dir, trainer.program, lambda s: say(args, s)))
+            profile = ProfileWriter(args.profile_step, args.profile_dir, trainer.program, lambda s: say(args, s))
+            stack.callback(profile.close)  # waits for its chart
+            sinks.append(profile)
         data = Prefetcher(stream, args.prefetch) if args.prefetch else stream
         if args.prefetch:
             stack.callback(data.close)
