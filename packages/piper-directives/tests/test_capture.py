@@ -141,6 +141,14 @@ def test_one_tensor_is_one_input_not_a_sequence_of_rows():
     assert [(v.name, v.meta.shape) for v in bare.graph.values] == [(v.name, v.meta.shape) for v in wrapped.graph.values]
 
 
+def test_a_model_that_is_no_module_or_a_loss_that_is_no_function_is_named():
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    with pytest.raises(CaptureError, match="the model must be a torch.nn.Module, got function"):
+        capture(lambda t: t, x, y, nn.functional.mse_loss)
+    with pytest.raises(CaptureError, match=r"the loss function must be callable .*, got int"):
+        capture(_three_stage(), x, y, 3)
+
+
 def test_annotate_is_free_outside_capture():
     with annotate("PP") as a:
         assert a._scope is None

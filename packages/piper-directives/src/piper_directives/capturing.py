@@ -172,6 +172,11 @@ def capture(
     dtype with the parameters as fp32 master weights: values are recorded in the compute
     dtype and the loss casts the model outputs up (piper_directives.precision).
     """
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"the model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise CaptureError(f"the loss function must be callable as loss_fn(*outputs, *targets), got "
+                           f"{type(loss_fn).__name__}")
     inputs, targets = as_tensors(example_inputs), as_tensors(example_targets)
     _check_batch(inputs, targets)
     policy = _precision(model, precision)

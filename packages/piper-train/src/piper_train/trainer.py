@@ -143,6 +143,15 @@ class Trainer:
     ) -> None:
         say = log or (lambda _: None)
         started = time.perf_counter()
+        if not (isinstance(strategy, Strategy) or callable(strategy)):
+            raise TypeError(
+                f"strategy must be a Strategy or a function of the model's region count returning one, got "
+                f"{type(strategy).__name__} {strategy!r}; for a library schedule by name use "
+                "Trainer.with_schedule(..., schedule=, pp=, microbatches=)"
+            )
+        if optimizer is not None and not isinstance(optimizer, OptimizerSpec):
+            raise TypeError(f"optimizer must be a piper_runtime.OptimizerSpec (OptimizerSpec('adamw', 1e-3)), got "
+                            f"{type(optimizer).__name__} {optimizer!r}")
         self.seed = seed
         captured = capture(model, example_inputs, example_targets, loss_fn, precision=precision)
         self.captured = captured
