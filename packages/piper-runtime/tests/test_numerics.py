@@ -37,6 +37,9 @@ def test_empty_and_huge_gradients_are_finite() -> None:
     empty.grad, huge.grad, half.grad = torch.ones(0), torch.tensor([1e300, -1e300], dtype=torch.float64), \
         torch.tensor([65504.0, -65504.0], dtype=torch.float16)  # beyond float32; float16's largest
     assert nonfinite_grad([empty, huge, half], {}) is None
+    big = nn.Parameter(torch.ones(2))
+    big.grad = torch.tensor([3e38, 3e38])  # each finite, their float32 sum is not
+    assert torch.isinf(big.grad.sum()) and nonfinite_grad([big], {}) is None
 
 
 def test_a_loss_is_named_before_a_gradient_and_the_lowest_microbatch_first() -> None:
