@@ -10,7 +10,9 @@
   parameters of an uninterrupted run, recomputing the steps after each checkpoint (also with
   two steps per call);
 - a run of one epoch resumed for a second trains that epoch whole, with the losses of one
-  run of two epochs.
+  run of two epochs;
+- a stop asked for mid-run (SIGTERM in ``piper train``) ends at a step with its checkpoint,
+  and the run resumed from it ends like an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from piper_train.cli import main
 from piper_train.loop import fit
 from piper_train.models import build_model
 from piper_train.reference import ReferenceTrainer
+from piper_train.stopping import StopRequest
 from piper_train.trainer import Trainer
 from piper_train.workload import load_factory
 
@@ -226,6 +229,56 @@ def test_restarts_after_killed_workers_finish_like_an_uninterrupted_run(tmp_path
     for (step, _, killed), back, restart in zip(killer.killed, killer.first_after, run.restarts, strict=True):
         print(f"killed after step {step}: training again after {back - killed:.2f} s "
               f"(restart and load {restart.seconds:.2f} s), {restart.recomputed} steps recomputed")
+
+
+class _StopAt:
+    """A sink that asks ``stop`` to stop once step ``at`` is reported."""
+
+    def __init__(self, stop: StopRequest, at: int) -> None:
+        self.stop, self.at = stop, at
+
+    def on_step(self, metrics, result) -> None:
+        if metrics.step == self.at:
+            self.stop.request("asked")
+
+    def on_eval(self, metrics) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 2])
+def test_a_stop_ends_at_a_step_with_its_checkpoint_and_the_run_resumes_exactly(tmp_path, steps_per_call) -> None:
+    """What ``piper train`` does on SIGTERM: no step is sent after the request, those sent
+    finish, the last is checkpointed, and a resumed run ends like an uninterrupted one."""
+    steps = 8
+    workload = build_model("mlp", stages=2, seed=17)
+    strategy = build_schedule("1f1b", 2, 2, stages=2)
+    with _trainer(workload, strategy) as trainer:
+        whole = fit(trainer, workload.stream(), steps=steps)
+        expected = trainer.parameters()
+    root = Checkpoints(tmp_path, every=100)  # none on the way: the stop writes the only one
+    with _trainer(workload, strategy) as trainer:
+        stop = StopRequest()
+        first = fit(trainer, workload.stream(), steps=steps, checkpoints=root, sinks=[_StopAt(stop, 3)], stop=stop,
+                    steps_per_call=steps_per_call)
+        stopped_at = trainer.state.step
+    assert first.stopped == "asked"
+    # Step 3's result arrives with one call in flight ahead of the one it came in: [4], or
+    # [5, 6] after [3, 4]. Those finish; nothing is sent after them.
+    assert stopped_at == {1: 4, 2: 6}[steps_per_call] and first.calls == (steps_per_call,) * (stopped_at // steps_per_call)
+    assert [m.step for m in first.steps] == list(range(1, stopped_at + 1))
+    assert [p.name for p in tmp_path.iterdir()] == [f"step-{stopped_at:08d}"]
+    with _trainer(workload, strategy) as trainer:
+        second = fit(trainer, workload.stream(), steps=steps, checkpoints=root, resume=True)
+        assert second.stopped is None
+        assert [m.loss for m in first.steps + second.steps] == [m.loss for m in whole.steps]
+        assert _equal(trainer.parameters(), expected)
+    with _trainer(workload, strategy) as trainer:  # asked for after the last step: not a stop
+        late = StopRequest()
+        done = fit(trainer, workload.stream(), steps=2, sinks=[_StopAt(late, 2)], stop=late)
+    assert late and done.stopped is None and len(done.steps) == 2
 
 
 def test_cli_checkpoints_resume_and_export(tmp_path, capsys) -> None:

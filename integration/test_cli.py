@@ -40,11 +40,13 @@ def _processes_under(path: str) -> list[str]:
     return out.stdout.splitlines()
 
 
-def piper_process(*args: str, console_script: bool = False, interrupt_after: str | None = None) -> Done:
+def piper_process(*args: str, console_script: bool = False, interrupt_after: str | None = None,
+                  interrupt_with: signal.Signals = signal.SIGINT, whole_job: bool = False) -> Done:
     """Run the command as a process of its own (the console script, or ``python -m``),
     with the default worker policy and its own Ray temp folder, so we can tell its Ray
     processes from those of anything else on the machine, and check it leaves none behind.
-    ``interrupt_after``: send SIGINT once a line of stdout starts with this."""
+    ``interrupt_after``: send ``interrupt_with`` once a line of stdout starts with this; to
+    every process of the command's session with ``whole_job`` (as SLURM's scancel does)."""
     ray_tmp = tempfile.mkdtemp(prefix="piper-cli-")  # short: Ray's socket paths must fit 107 bytes
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo",
                RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=ray_tmp)
@@ -52,12 +54,15 @@ def piper_process(*args: str, console_script: bool = False, interrupt_after: str
     command = [str(Path(sys.executable).with_name("piper"))] if console_script else [sys.executable, "-m",
                                                                                      "piper_train.cli"]
     proc = subprocess.Popen([*command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=ROOT)
+                            cwd=ROOT, start_new_session=whole_job)
     try:
         head = ""
         if interrupt_after is not None:
             head = _read_until(proc, interrupt_after, time.monotonic() + CLI_TIMEOUT_S)
-            proc.send_signal(signal.SIGINT)
+            if whole_job:
+                os.killpg(proc.pid, interrupt_with)
+            else:
+                proc.send_signal(interrupt_with)
         out, err = proc.communicate(timeout=CLI_TIMEOUT_S)
         assert not _processes_under(ray_tmp), "the command left Ray processes behind"
     finally:
@@ -105,6 +110,26 @@ def test_the_console_script_trains_and_leaves_nothing_behind():
     assert "step    2/2" in done.stderr and "Traceback" not in done.stderr
     summary = json.loads(done.stdout)
     assert summary["pp"] == 2 and summary["microbatches"] == 2 and len(summary["losses"]) == 2
+
+
+@pytest.mark.own_process
+def test_sigterm_to_the_whole_job_stops_at_a_step_with_a_checkpoint_and_exits_143(piper, tmp_path):
+    """A scheduler ending the job (SIGTERM to every process, the raylet too): the run ends
+    after the steps already sent, checkpoints the last, says so, and a run resumes from it."""
+    ckpt = tmp_path / "ckpt"
+    base = ["train", "--model", "mlp", "--pp", "2", "--checkpoint-dir", str(ckpt)]
+    done = piper_process(*base, "--steps", "100000", "--checkpoint-every", "100000", interrupt_after="step ",
+                         interrupt_with=signal.SIGTERM, whole_job=True)
+    assert done.returncode == 143, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "SIGTERM received" not in done.stderr  # Ray's own handler
+    said = [line for line in done.stderr.splitlines() if line.startswith("piper train: stopped on SIGTERM")]
+    assert len(said) == 1, done.stderr
+    last = int(said[0].split("after step ")[1].split(";")[0])
+    assert [p.name for p in ckpt.iterdir()] == [f"step-{last:08d}"]
+    assert f"the latest checkpoint is {ckpt / f'step-{last:08d}'} (--resume continues from it)" in said[0]
+    resumed = piper(*base, "--steps", str(last + 2), "--resume", "--json")
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["first_step"] == last + 1
 
 
 @pytest.mark.own_process

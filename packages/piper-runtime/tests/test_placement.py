@@ -4,6 +4,7 @@ backend choice, as functions; on compiled programs and real runs: integration/te
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +16,13 @@ import ray
 
 from piper_ir import ClusterError
 from piper_runtime import cluster
-from piper_runtime.cluster import check_address, choose_backend, requested_address, split_address
+from piper_runtime.cluster import (
+    _keeping_sigterm_handler,
+    check_address,
+    choose_backend,
+    requested_address,
+    split_address,
+)
 from piper_runtime.placement import assign_ranks, check_resources
 
 # -- which ranks go together (compiled programs: integration/test_cluster.py) ------------------
@@ -156,3 +163,28 @@ def test_a_large_argument_travels_inside_the_call(ray_cluster) -> None:
     # An argument in the object store is a reference the running call holds ("submitted").
     assert not [k for k, counts in added.items() if counts.get("submitted")], added
     assert ray.get(ref, timeout=60) == 2**20
+
+
+def test_a_sigterm_handler_of_the_program_outlives_ray_init() -> None:
+    """``ray.init`` replaces SIGTERM's handler; ``ensure_ray`` puts the program's own back
+    (``piper train`` stops at a step boundary on SIGTERM), and leaves Ray's where the
+    program had none. Ray's replacing it is played here by a handler set inside."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def ours(signum, frame) -> None:
+        pass
+
+    def rays(signum, frame) -> None:
+        pass
+
+    try:
+        signal.signal(signal.SIGTERM, ours)
+        with _keeping_sigterm_handler():
+            signal.signal(signal.SIGTERM, rays)
+        assert signal.getsignal(signal.SIGTERM) is ours
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with _keeping_sigterm_handler():
+            signal.signal(signal.SIGTERM, rays)
+        assert signal.getsignal(signal.SIGTERM) is rays
+    finally:
+        signal.signal(signal.SIGTERM, previous)

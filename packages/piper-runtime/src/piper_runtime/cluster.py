@@ -5,7 +5,8 @@
   message; Ray itself would retry for minutes), or start an embedded single-node cluster
   bound to 127.0.0.1, whose processes die with this one (``piper_runtime.reaper``, also when
   this process is SIGKILLed). Either way the driver first sets ``INLINE_ENV``: a step's
-  batches travel inside the call to each worker, not through Ray's object store.
+  batches travel inside the call to each worker, not through Ray's object store. A SIGTERM
+  handler the program installed stays its own (``_keeping_sigterm_handler``).
 - ``choose_backend``: ``cuda`` when the cluster has a GPU for every rank and a GPU worker
   has what the CUDA backend needs, else ``cpu``; always with the reason, for the log.
 - ``worker_env``: the environment every rank gets (the socket interface variables only
@@ -15,10 +16,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import socket
+import threading
 import time
+from collections.abc import Iterator
 
 import ray
 
@@ -75,23 +80,40 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         try:
             check_address(address)
             try:
-                ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+                with _keeping_sigterm_handler():
+                    ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {exc}") from None
         except ClusterError as exc:
             raise ClusterError(f"{source}{exc}") from None
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(
-        address="local",  # a cluster of our own, not one `ray start` left a record of
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        logging_level=logging.ERROR,
-        log_to_driver=False,
-    )
+    with _keeping_sigterm_handler():
+        ray.init(
+            address="local",  # a cluster of our own, not one `ray start` left a record of
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            logging_level=logging.ERROR,
+            log_to_driver=False,
+        )
     _started_here = True
     reaper.start()
+
+
+@contextlib.contextmanager
+def _keeping_sigterm_handler() -> Iterator[None]:
+    """Put back the program's own SIGTERM handler after ``ray.init``, which replaces it (with
+    one that exits at once, and a native one that aborts with a stack dump): a program that
+    handles SIGTERM itself (``piper train`` stops at a step boundary and checkpoints) keeps
+    doing so. A program that left SIGTERM alone gets Ray's handling, as before."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and (callable(previous) or previous == signal.SIG_IGN):
+            signal.signal(signal.SIGTERM, previous)
 
 
 def requested_address(address: str | None) -> str | None:

@@ -25,6 +25,7 @@ reported with what the cluster has available: both ``ClusterError``, never a han
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,6 +35,8 @@ from piper_ir import ClusterError, NodeKind, Program, ShardKind
 from piper_runtime.rendezvous import LOOPBACK
 
 POLICIES = ("pack", "spread")
+# Giving a reservation back takes milliseconds; past this the cluster is going away (``release``).
+RELEASE_TIMEOUT_S = 3.0
 
 
 def affinity_units(program: Program) -> list[tuple[int, ...]]:
@@ -173,14 +176,22 @@ class Placement:
             ),
         }
 
-    def release(self) -> None:
-        """Give the reservation back (the actors in it are killed with it)."""
+    def release(self, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
+        """Give the reservation back (the actors in it are killed with it), waiting at most
+        ``timeout_s``: Ray's call blocks for good when the cluster's GCS is ending (a SIGTERM
+        to every process of a job, as SLURM sends), and a reservation goes with its cluster,
+        or with its driver's job, anyway. Past the wait the call goes on in the background."""
         from ray.util.placement_group import remove_placement_group
 
-        try:
-            remove_placement_group(self.group)
-        except Exception:  # already removed, or Ray shut down
-            pass
+        def remove() -> None:
+            try:
+                remove_placement_group(self.group)
+            except Exception:  # already removed, or Ray shut down
+                pass
+
+        remover = threading.Thread(target=remove, name="piper-release-placement", daemon=True)
+        remover.start()
+        remover.join(timeout_s)
 
 
 def place_ranks(

@@ -15,6 +15,7 @@ _LAZY = {
     "TrainState": "piper_train.state",
     "BatchStream": "piper_train.batches",
     "fit": "piper_train.loop",
+    "StopRequest": "piper_train.stopping",
     "Checkpoints": "piper_train.checkpoints",
     "export": "piper_train.checkpoints",
     "tune": "piper_train.tuning.api",

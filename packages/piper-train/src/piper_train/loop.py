@@ -21,6 +21,10 @@ makes ``fit`` start new workers (``Trainer.restart``), reload the latest complet
 (or, without one, go back to the state ``fit`` began with, when that was the start of
 training) and go on; the steps after that checkpoint are recomputed (``FitResult.restarts``
 says how many) and drop out of ``FitResult.steps``.
+
+Stopping early (``stop``, a ``piper_train.stopping.StopRequest``; ``piper train`` sets one on
+SIGTERM): no further step is sent, the steps already sent finish, the last one is
+checkpointed (with ``checkpoints``), and ``FitResult.stopped`` says why.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from piper_train.batches import Batch, BatchStream
 from piper_train.call_size import AUTO, CallSize
 from piper_train.checkpoints import Checkpoints, prune
 from piper_train.metrics import EvalMetrics, Sink, StepMetrics
+from piper_train.stopping import StopRequest
 from piper_train.trainer import Trainer, batch_tokens
 
 MEMORY_EVERY = 100  # fit accounts memory on steps 1, 2 and every this many
@@ -65,6 +70,7 @@ class FitResult:
     restarts: tuple[Restart, ...] = ()
     checkpoints: tuple[Path, ...] = ()  # written by this run, oldest first
     calls: tuple[int, ...] = ()  # the steps of each call sent to the workers, in order
+    stopped: str | None = None  # why the run ended before its end (``StopRequest.reason``)
 
 
 def evaluate(trainer: Trainer, held_out: Callable[[int], Batch], batches: int) -> EvalMetrics:
@@ -92,6 +98,7 @@ def fit(
     max_restarts: int = 0,
     memory_every: int = MEMORY_EVERY,
     steps_per_call: int | str = AUTO,
+    stop: StopRequest | None = None,
 ) -> FitResult:
     """Train until ``steps`` steps (counted by ``trainer.state.step``) or ``epochs`` epochs
     are done, or ``data`` ends (module doc). ``data`` is an iterator of ``(inputs, targets)``
@@ -125,7 +132,11 @@ def fit(
     single steps while it measures the pace, then as many as fit in about half a second (at
     most 16 steps and 64 MiB of batches; one for a step that takes that long). A number
     above 1 is refused with ``on_nan="skip-step"``, which ``"auto"`` runs one step per
-    call."""
+    call.
+
+    ``stop``: once it is set, no further step is sent; the steps already sent finish (at most
+    one call beyond the one computing, each bounded by the step timeout), the last is
+    checkpointed with ``checkpoints``, and the result's ``stopped`` is the request's reason."""
     if steps is None and epochs is None:
         raise ValueError("fit needs steps or epochs")
     if eval_every and held_out is None:
@@ -167,12 +178,18 @@ def fit(
     peaks: tuple[int, ...] = ()
     inflight: collections.deque[_Flight] = collections.deque()  # sent, results not in yet; oldest first
     ended = False  # the data or the epochs ended
+    abandoned = False  # the workers failed after a stop was asked for: nothing more is saved
     last_done = time.perf_counter()
 
     def recover(err: ExecutionError, failed: int | None = None) -> None:
         # A NaN is the model's, not the workers': replaying the same data would find it
         # again (``on_nan`` says what to do with one), so it never restarts the workers.
-        nonlocal ended
+        # Once a stop is asked for, the run ends without starting new workers (the machine
+        # may be going away: a SIGTERM to every process of a job), with what is saved.
+        nonlocal ended, saved_at, abandoned
+        if stop and not isinstance(err, NumericalError):
+            abandoned = True
+            return
         if len(restarts) >= max_restarts or isinstance(err, NumericalError):
             raise err
         failed, began = failed or state.step + 1, time.perf_counter()
@@ -182,6 +199,7 @@ def fit(
         trainer.restart()
         if source is not None:
             trainer.load_checkpoint(source)
+            saved_at = state.step  # that checkpoint is this state: not written again at the end
         else:
             state.load_state_dict(start)
         ended = False  # the data is back where the state was
@@ -243,15 +261,16 @@ def fit(
         # newest step sent must be followed by quiet workers.
         calls = {id(f.call) for f in inflight}
         if (len(calls) < 2 and not (inflight and quiet_after(inflight[-1].step))
-                and not (steps is not None and state.step >= steps)):
+                and not (steps is not None and state.step >= steps) and not stop):
             sent = send()
             if sent:
                 inflight.extend(sent)
                 continue
         if not inflight:
-            # Done (the step count reached, the data or the epochs ended): the last
-            # checkpoint first, which a failure while writing it sends back to the one before.
-            if checkpoints is None or saved_at == state.step or state.step == 0:
+            # Done (the step count reached, the data or the epochs ended, a stop asked
+            # for): the last checkpoint first, which a failure while writing it sends back
+            # to the one before.
+            if checkpoints is None or saved_at == state.step or state.step == 0 or abandoned:
                 break
             try:
                 written.append(_save(trainer, checkpoints))
@@ -313,7 +332,10 @@ def fit(
             inflight.clear()
         if quiet_after(flight.step):
             last_done = time.perf_counter()
-    return FitResult(tuple(history), tuple(evals), tuple(restarts), tuple(written), tuple(sizes))
+    # A stop asked for once the run had nothing left to do changed nothing.
+    finished = ended or any(last is not None and state.step >= last for last in (steps, in_epochs))
+    return FitResult(tuple(history), tuple(evals), tuple(restarts), tuple(written), tuple(sizes),
+                     stop.reason if stop and not finished else None)
 
 
 @attrs.define

@@ -8,7 +8,9 @@ strategy search (tune). Exit codes: 0 ok, 1 a
 check found a difference, 2 bad input (argparse's usage errors, or a ``PiperError``/``ValueError``
 printed as ``piper <command>: error: ...``), 3 the run failed (an ``ExecutionError``: a worker
 died, hung past ``--timeout`` or raised; a NaN/Inf with ``--on-nan stop``; printed as
-``piper <command>: run failed: ...``), 130 interrupted.
+``piper <command>: run failed: ...``), 130 interrupted (Ctrl-C), 143 ended by SIGTERM
+(``piper train`` first stops at a step boundary and writes a checkpoint with
+``--checkpoint-dir``: ``piper_train.stopping``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from piper_ir import ExecutionError, PiperError
+from piper_train import stopping
 from piper_train.cli.options import build_parser, check_args
 from piper_train.cli.request import StrategyRequest
 from piper_train.cli.scheduling import plan_command, show_command, simulate_command
@@ -45,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    stopping.install()
     try:
         return _command(args.command)(args)
     except ExecutionError as err:  # the input was fine; the run itself failed
@@ -56,3 +60,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"piper {args.command}: interrupted", file=sys.stderr)
         return 130
+    except stopping.Terminated:
+        print(f"piper {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        return stopping.EXIT_TERMINATED

@@ -36,6 +36,7 @@ from piper_train.metrics import (
 )
 from piper_train.models import ModelSpec
 from piper_train.schedule import LRSchedule
+from piper_train.stopping import EXIT_TERMINATED, StopRequest, stopping_on_sigterm
 from piper_train.trainer import Trainer
 from piper_train.workload import load_workload
 
@@ -129,10 +130,11 @@ def train_command(args: argparse.Namespace) -> int:
         data = Prefetcher(stream, args.prefetch) if args.prefetch else stream
         if args.prefetch:
             stack.callback(data.close)
-        run = fit(trainer, data, steps=steps, epochs=args.epochs, held_out=workload.eval_batches,
-                  eval_every=args.eval_every, eval_batches=args.eval_batches, sinks=sinks,
-                  profile_step=args.profile_step, checkpoints=checkpoints, resume=args.resume,
-                  max_restarts=args.max_restarts, steps_per_call=args.steps_per_call)
+        with stopping_on_sigterm(StopRequest()) as stop:
+            run = fit(trainer, data, steps=steps, epochs=args.epochs, held_out=workload.eval_batches,
+                      eval_every=args.eval_every, eval_batches=args.eval_batches, sinks=sinks,
+                      profile_step=args.profile_step, checkpoints=checkpoints, resume=args.resume,
+                      max_restarts=args.max_restarts, steps_per_call=args.steps_per_call, stop=stop)
         for r in run.restarts:
             say(args, f"restarted after step {r.failed_step - 1} failed ({r.error}): new workers, checkpoint of step "
                       f"{r.resumed_from} loaded in {r.seconds:.1f} s, {r.recomputed} steps recomputed")
@@ -158,12 +160,19 @@ def train_command(args: argparse.Namespace) -> int:
         "restarts": [{"failed_step": r.failed_step, "resumed_from": r.resumed_from, "recomputed": r.recomputed,
                       "seconds": r.seconds, "error": r.error} for r in run.restarts],
         "skipped_steps": [m.step for m in history if m.skipped],
+        "stopped": run.stopped,
     }
     if args.json:
         print_json(summary)
     elif losses:
-        say(args, f"done: {len(history)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+        say(args, f"{'stopped' if run.stopped else 'done'}: {len(history)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
                   f"{summary['mean_step_seconds'] * 1000:.1f} ms/step")
+    if run.stopped:
+        latest = checkpoints.latest() if checkpoints is not None else None
+        saved = (f"the latest checkpoint is {latest} (--resume continues from it)" if latest is not None
+                 else "nothing is saved without --checkpoint-dir")
+        print(f"piper train: stopped on {run.stopped} after step {trainer.state.step}; {saved}", file=sys.stderr)
+        return EXIT_TERMINATED
     return 0
 
 

@@ -1,0 +1,81 @@
+"""Ending a run early on request, at a step's boundary, with its state saved.
+
+A cluster scheduler (SLURM, Kubernetes, a spot instance going away) ends a job with SIGTERM
+and, a grace period later, SIGKILL. Dying at the signal loses every step since the last
+checkpoint; ``fit`` instead stops when asked (``StopRequest``): it sends no further step,
+lets the steps already sent finish, writes a checkpoint of the last one (with a
+``Checkpoints``) and returns, its ``FitResult.stopped`` saying why.
+
+``on_sigterm`` is the ``piper`` command's handler: while a ``stopping_on_sigterm(request)``
+block runs (``piper train``'s loop), the first SIGTERM asks ``request`` to stop and a second
+one ends the run at once; elsewhere (starting workers, ``piper check``, ``piper tune``) a
+SIGTERM ends the command at once. Ending at once raises ``Terminated``, which unwinds like
+Ctrl-C's ``KeyboardInterrupt``: workers are shut down, the checkpoints already written stay
+complete (each is written to a temporary folder and renamed), and the command exits 143.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: the shell's code for a process ended by SIGTERM
+
+
+class Terminated(BaseException):
+    """The process was asked to end now (SIGTERM): unwinds like ``KeyboardInterrupt``, past
+    ``except Exception``."""
+
+
+class StopRequest:
+    """A request to end training at the next step boundary, set from any thread or a signal
+    handler (``request``) and read by ``fit`` between steps."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason: str | None = None
+
+    def request(self, reason: str) -> None:
+        """Ask to stop; ``reason`` (e.g. ``"SIGTERM"``) ends up in ``FitResult.stopped``. The
+        first reason given is kept."""
+        if not self._event.is_set():
+            self.reason = reason
+            self._event.set()
+
+    def __bool__(self) -> bool:
+        return self._event.is_set()
+
+
+_active: StopRequest | None = None  # what the next SIGTERM asks to stop, if anything
+
+
+def on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """The ``piper`` command's SIGTERM handler (module doc)."""
+    request = _active
+    if request is None or request:
+        raise Terminated()
+    request.request("SIGTERM")
+    print("piper: SIGTERM: stopping after the steps already sent (a checkpoint is written with "
+          "--checkpoint-dir); a second SIGTERM ends the run at once", file=sys.stderr, flush=True)
+
+
+def install() -> None:
+    """Make ``on_sigterm`` the process's SIGTERM handler (the main thread only, as Python's
+    signals require; elsewhere nothing changes)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
+@contextlib.contextmanager
+def stopping_on_sigterm(request: StopRequest) -> Iterator[StopRequest]:
+    """Within the block, a first SIGTERM asks ``request`` to stop (``on_sigterm``)."""
+    global _active
+    previous, _active = _active, request
+    try:
+        yield request
+    finally:
+        _active = previous

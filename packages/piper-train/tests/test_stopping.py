@@ -1,0 +1,46 @@
+"""``piper_train.stopping`` without processes: what a SIGTERM does inside and outside a
+training loop that can stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from piper_train import stopping
+from piper_train.stopping import EXIT_TERMINATED, StopRequest, Terminated, stopping_on_sigterm
+
+
+@pytest.fixture
+def handler():
+    previous = signal.getsignal(signal.SIGTERM)
+    stopping.install()
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_outside_a_loop_a_sigterm_ends_the_command_at_once(handler) -> None:
+    with pytest.raises(Terminated):
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert EXIT_TERMINATED == 143
+
+
+def test_in_a_loop_the_first_sigterm_asks_to_stop_and_the_second_ends_at_once(handler, capsys) -> None:
+    request = StopRequest()
+    with stopping_on_sigterm(request):
+        assert not request
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert request and request.reason == "SIGTERM"
+        assert "a second SIGTERM ends the run at once" in capsys.readouterr().err
+        with pytest.raises(Terminated):
+            os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(Terminated):  # the block is over: at once again
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_the_first_reason_is_kept() -> None:
+    request = StopRequest()
+    request.request("SIGTERM")
+    request.request("later")
+    assert request.reason == "SIGTERM"
