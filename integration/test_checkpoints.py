@@ -308,6 +308,7 @@ def test_cli_checkpoints_resume_and_export(tmp_path, capsys) -> None:
     assert main([*base, "--checkpoint-dir", str(tmp_path / "empty"), "--resume"]) == 2
     assert "nothing to resume from" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "empty"), "--out", str(tmp_path / "x.pt")]) == 2
+    assert f"nothing to export: {tmp_path / 'empty'} does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*base, "--resume"])
     assert "--resume needs --checkpoint-dir" in capsys.readouterr().err

@@ -60,9 +60,9 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def resolve(path: str | os.PathLike[str]) -> Path:
+def resolve(path: str | os.PathLike[str], purpose: str = "resume from") -> Path:
     """The checkpoint ``path`` names: itself when it is one, else the latest complete one
-    under it; ``CheckpointError`` when there is none."""
+    under it; ``CheckpointError`` when there is none ("nothing to ``purpose``")."""
     path = Path(path)
     if is_complete(path):
         return path
@@ -71,7 +71,7 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     latest = latest_checkpoint(path)
     if latest is None:
         what = "does not exist" if not path.exists() else "holds no complete checkpoint"
-        raise CheckpointError(f"nothing to resume from: {path} {what}")
+        raise CheckpointError(f"nothing to {purpose}: {path} {what}")
     return latest
 
 
@@ -163,7 +163,7 @@ def export(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[st
 def model_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The model of checkpoint ``path`` (or the latest under it) as a single-device
     ``state_dict``: every name the model has, tied parameters under each of theirs."""
-    source = resolve(path)
+    source = resolve(path, "export")
     manifest = read_manifest(source)
     state = read_model(str(source))
     if manifest.get("untraced"):  # parameters forward never used: the driver saved them
