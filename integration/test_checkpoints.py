@@ -313,6 +313,12 @@ def test_cli_checkpoints_resume_and_export(tmp_path, capsys) -> None:
         main([*base, "--resume"])
     assert "--resume needs --checkpoint-dir" in capsys.readouterr().err
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000004", "step-00000005"]
+    (ckpt / "step-00000005" / "piper.json").write_text("{damaged")
+    assert main([*saving, "--steps", "6", "--resume"]) == 2
+    assert (f"not a readable checkpoint manifest (Expecting property name enclosed in double quotes: line 1 column 2 "
+            f"(char 1)); to resume from the checkpoint before it, move {ckpt / 'step-00000005'} out of {ckpt}"
+            ) in capsys.readouterr().err
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000004", "step-00000005"]
 
 
 def test_parameters_forward_never_uses_are_checked_resumed_and_exported(tmp_path, capsys) -> None:

@@ -103,7 +103,12 @@ def train_command(args: argparse.Namespace) -> int:
     if checkpoints is not None and args.resume:
         # Nothing to resume from, or a checkpoint of another model: said before any worker starts.
         source = resolve(args.checkpoint_dir)
-        check_compatible(source, read_manifest(source),
+        try:
+            manifest = read_manifest(source)
+        except CheckpointError as err:  # damaged after it was written: the user decides what to do with it
+            raise CheckpointError(f"{err}; to resume from the checkpoint before it, move {source} out of "
+                                  f"{args.checkpoint_dir}") from None
+        check_compatible(source, manifest,
                          {name: tuple(p.shape) for name, p in workload.model.named_parameters()}, args.optimizer)
     # Folders written during the run: one that cannot be is refused now, not at its first use.
     if checkpoints is not None:
