@@ -132,6 +132,52 @@ def test_sigterm_to_the_whole_job_stops_at_a_step_with_a_checkpoint_and_exits_14
     assert json.loads(resumed.stdout)["first_step"] == last + 1
 
 
+_UNCLOSED = """
+import torch
+from torch import nn
+from piper_directives import annotate, one_f_one_b
+from piper_train import Trainer
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            with annotate("PP"):
+                x = torch.tanh(layer(x))
+        return x
+
+x, y = torch.randn(8, 8), torch.randn(8, 8)
+trainer = Trainer(Net(), x, y, nn.functional.mse_loss, one_f_one_b(pp=2, microbatches=2, stages=2))
+print(trainer.step(x, y).loss)
+"""
+
+
+@pytest.mark.own_process
+def test_a_script_that_never_closes_its_trainer_exits_and_leaves_nothing_behind():
+    """The runtime's finalizer runs at interpreter exit after Ray's own exit hook; a Ray call
+    there used to start a second local Ray instance, whose agents outlived the script."""
+    ray_tmp = tempfile.mkdtemp(prefix="piper-unclosed-")
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo",
+               RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=ray_tmp)
+    env.pop(REUSE_ENV, None)
+    try:
+        done = subprocess.run([sys.executable, "-c", _UNCLOSED], capture_output=True, text=True, env=env, cwd=ROOT,
+                              timeout=CLI_TIMEOUT_S)
+        assert done.returncode == 0, done.stderr
+        assert float(done.stdout) > 0 and "Started a local Ray instance" not in done.stderr
+        deadline = time.monotonic() + 10  # the reaper's kill lands within a second
+        while _processes_under(ray_tmp) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _processes_under(ray_tmp), "the script left Ray processes behind"
+    finally:
+        for line in _processes_under(ray_tmp):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
 @pytest.mark.own_process
 def test_an_interrupted_run_exits_with_130_and_stops_its_workers():
     done = piper_process("train", "--model", "mlp", "--pp", "2", "--steps", "100000", interrupt_after="step ")

@@ -181,7 +181,11 @@ class Placement:
         ``timeout_s``: Ray's call blocks for good when the cluster's GCS is ending (a SIGTERM
         to every process of a job, as SLURM sends), and a reservation goes with its cluster,
         or with its driver's job, anyway. Past the wait the call goes on in the background."""
+        import ray
         from ray.util.placement_group import remove_placement_group
+
+        if not ray.is_initialized():  # gone with Ray; a call now would start a new Ray (``kill_workers``)
+            return
 
         def remove() -> None:
             try:

@@ -66,7 +66,12 @@ class WorkerSpec:
 
 
 def kill_workers(workers: list[Any]) -> None:
-    """Kill ``workers`` (already dead ones, or all after Ray shut down, are fine)."""
+    """Kill ``workers`` (already dead ones, or all after Ray shut down, are fine). Nothing to
+    do once Ray is shut down (an actor dies with its driver's connection), and nothing may be
+    called then: ``ray.kill`` would start a new local Ray instance (Ray's auto-init), as a
+    ``Runtime`` collected at interpreter exit, after Ray's own exit hook, used to."""
+    if not ray.is_initialized():
+        return
     for w in workers:
         try:
             ray.kill(w, no_restart=True)
