@@ -179,6 +179,18 @@ def test_a_script_that_never_closes_its_trainer_exits_and_leaves_nothing_behind(
 
 
 @pytest.mark.own_process
+@pytest.mark.parametrize("after", ["captured", "backend"])  # as Ray starts; as the workers are set up
+def test_sigterm_while_workers_start_ends_the_command_with_143_and_no_traceback(after):
+    """Ray replaces SIGTERM's handler in ``ray.init`` and turns a handler's exception inside
+    ``ray.wait`` into a ``SystemError`` unless it is a ``KeyboardInterrupt``: wherever the
+    signal lands while the run starts, it ends cleanly."""
+    done = piper_process("train", "--model", "mlp", "--pp", "2", "--steps", "100000",
+                         interrupt_after=after, interrupt_with=signal.SIGTERM)
+    assert done.returncode == 143, done.stdout + done.stderr
+    assert "piper train: terminated (SIGTERM)" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.own_process
 def test_an_interrupted_run_exits_with_130_and_stops_its_workers():
     done = piper_process("train", "--model", "mlp", "--pp", "2", "--steps", "100000", interrupt_after="step ")
     assert done.returncode == 130, done.stdout + done.stderr

@@ -168,7 +168,8 @@ def test_a_large_argument_travels_inside_the_call(ray_cluster) -> None:
 def test_a_sigterm_handler_of_the_program_outlives_ray_init() -> None:
     """``ray.init`` replaces SIGTERM's handler; ``ensure_ray`` puts the program's own back
     (``piper train`` stops at a step boundary on SIGTERM), and leaves Ray's where the
-    program had none. Ray's replacing it is played here by a handler set inside."""
+    program had none. Ray's replacing it is played here by a handler set inside; a SIGTERM
+    that Ray's handler turned into ``SystemExit(15)`` goes to the program's handler."""
     previous = signal.getsignal(signal.SIGTERM)
 
     def ours(signum, frame) -> None:
@@ -186,5 +187,13 @@ def test_a_sigterm_handler_of_the_program_outlives_ray_init() -> None:
         with _keeping_sigterm_handler():
             signal.signal(signal.SIGTERM, rays)
         assert signal.getsignal(signal.SIGTERM) is rays
+
+        def raising(signum, frame) -> None:
+            raise KeyboardInterrupt("ours")
+
+        signal.signal(signal.SIGTERM, raising)
+        with pytest.raises(KeyboardInterrupt, match="ours"), _keeping_sigterm_handler():
+            raise SystemExit(signal.SIGTERM)  # what Ray's handler does with a SIGTERM during ray.init
+        assert signal.getsignal(signal.SIGTERM) is raising
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -88,6 +88,9 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             raise ClusterError(f"{source}{exc}") from None
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # The watcher first: a start cut short (a SIGTERM or Ctrl-C during ray.init) leaves Ray's
+    # agents running for a minute otherwise.
+    reaper.start()
     with _keeping_sigterm_handler():
         ray.init(
             address="local",  # a cluster of our own, not one `ray start` left a record of
@@ -98,7 +101,6 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             log_to_driver=False,
         )
     _started_here = True
-    reaper.start()
 
 
 @contextlib.contextmanager
@@ -111,6 +113,12 @@ def _keeping_sigterm_handler() -> Iterator[None]:
     previous = signal.getsignal(signal.SIGTERM) if main else None
     try:
         yield
+    except SystemExit as exc:
+        # A SIGTERM during ``ray.init`` met Ray's handler, ``sys.exit(SIGTERM)``: it is the
+        # program's to handle (which may raise in its turn).
+        if exc.code == signal.SIGTERM and callable(previous):
+            previous(signal.SIGTERM, None)
+        raise
     finally:
         if main and (callable(previous) or previous == signal.SIG_IGN):
             signal.signal(signal.SIGTERM, previous)

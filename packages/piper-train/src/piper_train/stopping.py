@@ -9,9 +9,12 @@ lets the steps already sent finish, writes a checkpoint of the last one (with a
 ``on_sigterm`` is the ``piper`` command's handler: while a ``stopping_on_sigterm(request)``
 block runs (``piper train``'s loop), the first SIGTERM asks ``request`` to stop and a second
 one ends the run at once; elsewhere (starting workers, ``piper check``, ``piper tune``) a
-SIGTERM ends the command at once. Ending at once raises ``Terminated``, which unwinds like
-Ctrl-C's ``KeyboardInterrupt``: workers are shut down, the checkpoints already written stay
-complete (each is written to a temporary folder and renamed), and the command exits 143.
+SIGTERM ends the command at once. Ending at once raises ``Terminated``, a
+``KeyboardInterrupt``, so it unwinds as Ctrl-C does (workers are shut down, the checkpoints
+already written stay complete: each is written to a temporary folder and renamed) and passes
+through Ray: a signal handler's exception raised inside ``ray.get``/``ray.wait`` reaches the
+caller only as a ``KeyboardInterrupt`` (any other becomes a ``SystemError``), so Ray raises
+a plain one there; ``terminating()`` tells the command it came from SIGTERM (exit 143).
 """
 
 from __future__ import annotations
@@ -26,9 +29,8 @@ from types import FrameType
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: the shell's code for a process ended by SIGTERM
 
 
-class Terminated(BaseException):
-    """The process was asked to end now (SIGTERM): unwinds like ``KeyboardInterrupt``, past
-    ``except Exception``."""
+class Terminated(KeyboardInterrupt):
+    """The process was asked to end now (SIGTERM); unwinds as Ctrl-C does (module doc)."""
 
 
 class StopRequest:
@@ -51,12 +53,21 @@ class StopRequest:
 
 
 _active: StopRequest | None = None  # what the next SIGTERM asks to stop, if anything
+_terminating = False  # a SIGTERM asked to end the process at once
+
+
+def terminating() -> bool:
+    """Whether a SIGTERM asked this process to end at once: a ``KeyboardInterrupt`` caught
+    after it is that request (Ray raises its own in place of ``Terminated``)."""
+    return _terminating
 
 
 def on_sigterm(signum: int, frame: FrameType | None) -> None:
     """The ``piper`` command's SIGTERM handler (module doc)."""
+    global _terminating
     request = _active
     if request is None or request:
+        _terminating = True
         raise Terminated()
     request.request("SIGTERM")
     print("piper: SIGTERM: stopping after the steps already sent (a checkpoint is written with "
@@ -65,7 +76,9 @@ def on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 def install() -> None:
     """Make ``on_sigterm`` the process's SIGTERM handler (the main thread only, as Python's
-    signals require; elsewhere nothing changes)."""
+    signals require; elsewhere nothing changes), no termination asked for yet."""
+    global _terminating
+    _terminating = False
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_sigterm)
 

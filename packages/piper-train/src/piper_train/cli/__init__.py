@@ -57,9 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PiperError, ValueError) as err:
         print(f"piper {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or a SIGTERM that ends the command at once (``Terminated``)
+        if stopping.terminating():
+            print(f"piper {args.command}: terminated (SIGTERM)", file=sys.stderr)
+            return stopping.EXIT_TERMINATED
         print(f"piper {args.command}: interrupted", file=sys.stderr)
         return 130
-    except stopping.Terminated:
-        print(f"piper {args.command}: terminated (SIGTERM)", file=sys.stderr)
-        return stopping.EXIT_TERMINATED
