@@ -257,6 +257,7 @@ def check_command(args: argparse.Namespace) -> int:
                      **{f"max_{w}_rel": d.rel for w, d in rows.items()},
                      # the first batch's loss whole against the mean of its pieces' (a warning when not)
                      "whole_batch_loss_matches": report.whole_batch.ok if report.whole_batch else None,
-                     "whole_batch_loss_rel": report.whole_batch.rel if report.whole_batch else None})
+                     "whole_batch_loss_rel": report.whole_batch.rel if report.whole_batch else None,
+                     "params_not_compared": report.params_not_compared})
     return 0 if report.ok else 1
 
