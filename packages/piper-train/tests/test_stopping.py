@@ -15,9 +15,9 @@ from piper_train.stopping import EXIT_TERMINATED, StopRequest, Terminated, stopp
 @pytest.fixture
 def handler():
     previous = signal.getsignal(signal.SIGTERM)
-    stopping.install()
-    yield
-    signal.signal(signal.SIGTERM, previous)
+    with stopping.handling_sigterm():
+        yield
+    assert signal.getsignal(signal.SIGTERM) is previous  # given back
 
 
 def test_outside_a_loop_a_sigterm_ends_the_command_at_once(handler) -> None:
@@ -26,8 +26,8 @@ def test_outside_a_loop_a_sigterm_ends_the_command_at_once(handler) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
     # Ray raises a plain KeyboardInterrupt in its place inside ray.get: the flag tells them apart.
     assert issubclass(Terminated, KeyboardInterrupt) and stopping.terminating() and EXIT_TERMINATED == 143
-    stopping.install()
-    assert not stopping.terminating()
+    with stopping.handling_sigterm():
+        assert not stopping.terminating()
 
 
 def test_in_a_loop_the_first_sigterm_asks_to_stop_and_the_second_ends_at_once(handler, capsys) -> None:

@@ -20,6 +20,7 @@ a plain one there; ``terminating()`` tells the command it came from SIGTERM (exi
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -70,17 +71,37 @@ def on_sigterm(signum: int, frame: FrameType | None) -> None:
         _terminating = True
         raise Terminated()
     request.request("SIGTERM")
-    print("piper: SIGTERM: stopping after the steps already sent (a checkpoint is written with "
-          "--checkpoint-dir); a second SIGTERM ends the run at once", file=sys.stderr, flush=True)
+    _say("piper: SIGTERM: stopping after the steps already sent (a checkpoint is written with --checkpoint-dir); "
+         "a second SIGTERM ends the run at once\n")
 
 
-def install() -> None:
-    """Make ``on_sigterm`` the process's SIGTERM handler (the main thread only, as Python's
-    signals require; elsewhere nothing changes), no termination asked for yet."""
+def _say(text: str) -> None:
+    """To stderr's file descriptor where it has one: a signal handler that prints through
+    ``sys.stderr`` while the interrupted code is inside that stream's write fails ("reentrant
+    call"). A stream without one (captured output) is written as a stream."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
+        sys.stderr.write(text)
+    else:
+        os.write(fd, text.encode())
+
+
+@contextlib.contextmanager
+def handling_sigterm() -> Iterator[None]:
+    """``on_sigterm`` is the process's SIGTERM handler within the block, no termination asked
+    for yet; the handler before comes back after it. The main thread only, as Python's
+    signals require (elsewhere nothing changes)."""
     global _terminating
     _terminating = False
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_sigterm)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 @contextlib.contextmanager

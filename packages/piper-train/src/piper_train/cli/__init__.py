@@ -48,9 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    stopping.install()
     try:
-        return _command(args.command)(args)
+        with stopping.handling_sigterm():
+            return _command(args.command)(args)
     except ExecutionError as err:  # the input was fine; the run itself failed
         print(f"piper {args.command}: run failed: {err}", file=sys.stderr)
         return 3
