@@ -7,6 +7,8 @@ back is bitwise equal to the others).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import attrs
 import pytest
 import torch
@@ -20,6 +22,7 @@ from piper_runtime import OptimizerSpec
 from piper_scheduler import compile_program
 from piper_train.check import run_check
 from piper_train.models import ModelSpec
+from piper_train.workload import load_factory
 
 VOCAB, D = 16, 8
 
@@ -133,6 +136,23 @@ def test_holders_on_one_rank_share_one_tensor_and_need_no_sum():
     program = _planned("dualpipev")
     assert not [c for c in program.communicators if c.traffic == "tie"]
     assert not [b for b in program.buckets if "tie" in b.id]
+
+
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("pp", [1, 2])
+def test_tensor_parallel_holders_train_the_tie_as_one_parameter(pp):
+    """``--tp 2`` on a GPT whose head is tied to its embedding: every rank of a
+    tensor-parallel group computes the whole gradient of a parameter it does not cut, so the
+    tie's copies are replicas only across the groups' positions. At pp=1 both holders share
+    each rank's tensor and nothing is summed (compile used to refuse it, asking for a bucket
+    on both ranks); at pp=2 each position sums its two holders. SGD: Adam would amplify the
+    rounding of the row-parallel sums (README)."""
+    workload = load_factory(f"{Path(__file__).parent / 'fixtures' / 'user_model.py'}:gpt")
+    report = run_check(workload, build_schedule("1f1b", pp, 4, stages=2, tp=2), optimizer=OptimizerSpec("sgd", 0.1),
+                       steps=3)
+    assert report.ok, report.failures()
+    ties = [c for c in report.program.communicators if c.traffic == "tie"]
+    assert sorted(c.ranks for c in ties) == ([] if pp == 1 else [(0, 2), (1, 3)])
 
 
 def test_unsupported_combinations_are_refused_naming_both_module_paths():

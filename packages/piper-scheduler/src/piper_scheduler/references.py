@@ -39,6 +39,7 @@ from piper_ir import (
     Phase,
     Program,
     SchedulingError,
+    ShardKind,
     Tie,
 )
 from piper_scheduler.diagnostics import describe, excerpts
@@ -178,12 +179,13 @@ def _check_tables(program: Program) -> None:
 
 
 def _check_tie_summed(program: Program, tie: Tie) -> None:
-    """A tie whose holders span several ranks must sit, on each of them, in a bucket of its
-    own (a tie bucket, ``piper_memory.plan_memory``), which the plan's collectives sum;
-    otherwise each rank would train its own copy."""
-    placement = dict(program.placement)
-    ranks = sorted({r for seg, _ in tie.holders for r in placement.get(seg, ())})
-    if len(ranks) < 2:
+    """A tie whose copies are replicas of one another on several ranks must sit, on each of
+    them, in a bucket of its own (a tie bucket, ``piper_memory.plan_memory``), which the
+    plan's collectives sum; otherwise each rank would train its own copy. Copies at different
+    positions of a tensor-parallel group are not replicas: each position computes the whole
+    gradient (``_tie_families``), so holders that share one rank per position need none."""
+    ranks = sorted({r for family in _tie_families(program, tie) if len(family) > 1 for r in family})
+    if not ranks:
         return
     held = set(tie.holders)
     covered = {r for b in program.buckets if len(b.params) == 1 and (b.segment, b.params[0]) in held for r in b.devices}
@@ -192,6 +194,23 @@ def _check_tie_summed(program: Program, tie: Tie) -> None:
             f"tie {tie.name!r} is held on ranks {ranks}, but no bucket of its own sums its gradient on ranks "
             f"{missing}; run piper_memory.plan_memory before compile_program"
         )
+
+
+def _tie_families(program: Program, tie: Tie) -> list[set[int]]:
+    """The sets of ranks over which a tie's copies are replicas of one another, as
+    ``piper_memory.ties`` groups them: per tensor-parallel position where its holders are
+    tensor-parallel (``Sharding.holders``), else every rank holding one. Holders
+    tensor-parallel to different degrees (which the planner refuses) count as one set."""
+    placement = dict(program.placement)
+    sharding = {s.segment: s for s in program.sharding}
+    per_holder = []
+    for seg, _ in tie.holders:
+        sh = sharding.get(seg)
+        tp = sh is not None and sh.kind is ShardKind.TP
+        per_holder.append([set(sh.holders(t)) for t in range(sh.degree)] if tp else [set(placement.get(seg, ()))])
+    if len({len(families) for families in per_holder}) > 1:
+        return [set().union(*(f for families in per_holder for f in families))]
+    return [set().union(*(families[t] for families in per_holder)) for t in range(len(per_holder[0]))]
 
 
 def _problem(
