@@ -173,6 +173,22 @@ def test_a_checkpoint_the_disk_refuses_fails_the_run_and_keeps_the_ones_before(t
     assert read_manifest(tmp_path / "step-00000001")["step"] == 1
 
 
+def test_checkpoints_of_tensor_parallel_strategies_are_refused_before_the_first_step(tmp_path, capsys) -> None:
+    """Not supported yet (parameters cut across ranks): said before training, not after it at
+    the first checkpoint (as a worker's error, with exit 3)."""
+    workload = load_factory(f"{USER_MODEL}:gpt")
+    with _trainer(workload, build_schedule("1f1b", 1, 2, stages=2, tp=2), OptimizerSpec("sgd", 0.1)) as trainer:
+        with pytest.raises(CheckpointError, match=r"tensor- or expert-parallel segments \(loss, s0, s1\) are not "):
+            fit(trainer, workload.stream(), steps=2, checkpoints=Checkpoints(tmp_path, every=1))
+        assert trainer.state.step == 0
+        with pytest.raises(CheckpointError, match="not supported yet"):
+            trainer.save_checkpoint(tmp_path / "direct")
+    assert not list(tmp_path.iterdir())
+    argv = ["train", "--model", f"{USER_MODEL}:gpt", "--pp", "1", "--tp", "2", "--checkpoint-dir", str(tmp_path / "c")]
+    assert main(argv) == 2
+    assert "tensor- or expert-parallel strategies (--tp, --ep) are not supported yet" in capsys.readouterr().err
+
+
 class _Killer:
     """A sink that SIGKILLs one worker process after the given steps (once each)."""
 

@@ -95,6 +95,9 @@ def train_command(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     checkpoints = (Checkpoints(args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints)
                    if args.checkpoint_dir is not None else None)
+    if checkpoints is not None and (args.tp > 1 or args.ep > 1):  # said before any worker starts (fit says it too)
+        raise CheckpointError("--checkpoint-dir: checkpoints of tensor- or expert-parallel strategies (--tp, --ep) "
+                              "are not supported yet; train without --checkpoint-dir, or with --tp 1 --ep 1")
     if checkpoints is not None and not args.resume and checkpoints.latest() is not None:
         # Refused before any worker starts (fit refuses too).
         raise CheckpointError(f"{args.checkpoint_dir} already holds checkpoints (the latest: "
