@@ -16,6 +16,7 @@ died, hung past ``--timeout`` or raised; a NaN/Inf with ``--on-nan stop``; print
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -48,6 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    # When one rank fails, the runtime reports it and tears every worker down; the other
+    # ranks' answers it never reads would otherwise reach stderr as Ray's "Unhandled error"
+    # tracebacks after the command's own message.
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     try:
         with stopping.handling_sigterm():
             return _command(args.command)(args)
