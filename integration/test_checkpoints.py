@@ -189,7 +189,17 @@ def test_checkpoints_of_tensor_parallel_strategies_are_refused_before_the_first_
     assert "tensor- or expert-parallel strategies (--tp, --ep) are not supported yet" in capsys.readouterr().err
 
 
-class _Killer:
+class _StepSink:
+    """A sink that only watches steps (``on_step``)."""
+
+    def on_eval(self, metrics) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Killer(_StepSink):
     """A sink that SIGKILLs one worker process after the given steps (once each)."""
 
     def __init__(self, trainer: Trainer, at: set[int]) -> None:
@@ -207,12 +217,6 @@ class _Killer:
             pid = self.trainer.worker_pids()[1]
             os.kill(pid, signal.SIGKILL)
             self.killed.append((metrics.step, pid, time.perf_counter()))
-
-    def on_eval(self, metrics) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.mark.parametrize("steps_per_call", [1, 2])
@@ -247,7 +251,7 @@ def test_restarts_after_killed_workers_finish_like_an_uninterrupted_run(tmp_path
               f"(restart and load {restart.seconds:.2f} s), {restart.recomputed} steps recomputed")
 
 
-class _StopAt:
+class _StopAt(_StepSink):
     """A sink that asks ``stop`` to stop once step ``at`` is reported."""
 
     def __init__(self, stop: StopRequest, at: int) -> None:
@@ -256,12 +260,6 @@ class _StopAt:
     def on_step(self, metrics, result) -> None:
         if metrics.step == self.at:
             self.stop.request("asked")
-
-    def on_eval(self, metrics) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.mark.parametrize("steps_per_call", [1, 2])

@@ -33,6 +33,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import os
+import signal
 import socket
 import sys
 import threading
@@ -87,6 +88,11 @@ class RankWorker:
 
     def __init__(self) -> None:
         faulthandler.enable(all_threads=True)  # a crash in native code shows every thread
+        if threading.current_thread() is threading.main_thread():
+            # A SIGTERM to every process of a job (SLURM's scancel) is the driver's to act
+            # on: it lets the steps sent finish and checkpoints the last (``piper train``),
+            # then ends the workers itself; the reaper, or Ray, ends them when it is gone.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         torch.set_num_threads(TORCH_THREADS)
         self._fresh = _ProcessSettings.read()
         self._forget()

@@ -71,6 +71,7 @@ class FitResult:
     checkpoints: tuple[Path, ...] = ()  # written by this run, oldest first
     calls: tuple[int, ...] = ()  # the steps of each call sent to the workers, in order
     stopped: str | None = None  # why the run ended before its end (``StopRequest.reason``)
+    stop_failure: str | None = None  # what ended the workers after the stop was asked for, if anything
 
 
 def evaluate(trainer: Trainer, held_out: Callable[[int], Batch], batches: int) -> EvalMetrics:
@@ -179,7 +180,7 @@ def fit(
     peaks: tuple[int, ...] = ()
     inflight: collections.deque[_Flight] = collections.deque()  # sent, results not in yet; oldest first
     ended = False  # the data or the epochs ended
-    abandoned = False  # the workers failed after a stop was asked for: nothing more is saved
+    abandoned: str | None = None  # how the workers failed after a stop was asked for: nothing more is saved
     last_done = time.perf_counter()
 
     def recover(err: ExecutionError, failed: int | None = None) -> None:
@@ -189,7 +190,7 @@ def fit(
         # may be going away: a SIGTERM to every process of a job), with what is saved.
         nonlocal ended, saved_at, abandoned
         if stop and not isinstance(err, NumericalError):
-            abandoned = True
+            abandoned = abandoned or str(err).splitlines()[0]
             return
         if len(restarts) >= max_restarts or isinstance(err, NumericalError):
             raise err
@@ -271,7 +272,7 @@ def fit(
             # Done (the step count reached, the data or the epochs ended, a stop asked
             # for): the last checkpoint first, which a failure while writing it sends back
             # to the one before.
-            if checkpoints is None or saved_at == state.step or state.step == 0 or abandoned:
+            if checkpoints is None or saved_at == state.step or state.step == 0 or abandoned is not None:
                 break
             try:
                 written.append(_save(trainer, checkpoints))
@@ -336,7 +337,7 @@ def fit(
     # A stop asked for once the run had nothing left to do changed nothing.
     finished = ended or any(last is not None and state.step >= last for last in (steps, in_epochs))
     return FitResult(tuple(history), tuple(evals), tuple(restarts), tuple(written), tuple(sizes),
-                     stop.reason if stop and not finished else None)
+                     stop.reason if stop and not finished else None, abandoned)
 
 
 @attrs.define

@@ -177,8 +177,12 @@ def train_command(args: argparse.Namespace) -> int:
                   f"{summary['mean_step_seconds'] * 1000:.1f} ms/step")
     if run.stopped:
         latest = checkpoints.latest() if checkpoints is not None else None
-        saved = (f"the latest checkpoint is {latest} (--resume continues from it)" if latest is not None
-                 else "nothing is saved without --checkpoint-dir")
+        if checkpoints is None:
+            saved = "nothing is saved without --checkpoint-dir"
+        else:
+            ended = f" (the workers ended first: {run.stop_failure})" if run.stop_failure else ""
+            saved = (f"no checkpoint was written{ended}" if latest is None
+                     else f"the latest checkpoint is {latest}{ended} (--resume continues from it)")
         print(f"piper train: stopped on {run.stopped} after step {trainer.state.step}; {saved}", file=sys.stderr)
         return EXIT_TERMINATED
     return 0
