@@ -22,8 +22,9 @@ program's traffic), and the files are exactly what ``dcp.save`` writes. Loading 
 ``dcp.load`` on each rank on its own (``no_dist``): every rank reads the full tensors of the
 parameters it holds (and their optimizer state) and keeps its part, so any layout reshards.
 
-Tensor- and expert-parallel segments (parameters cut across ranks) are not supported yet:
-``ExecutionError`` says so.
+Tensor- and expert-parallel segments (parameters cut across ranks) are not supported yet
+(``cut_segments``): the driver refuses them first (``piper_train``), a rank's
+``ExecutionError`` is the backstop.
 """
 
 from __future__ import annotations
@@ -99,6 +100,12 @@ def _restrict(slices: Iterable[Slice], lo: int, hi: int) -> list[Slice]:
     return out
 
 
+def cut_segments(program: Program, rank: int | None = None) -> list[str]:
+    """The segments whose parameters tensor or expert parallelism cuts across ranks (held by
+    ``rank``, or by any rank), sorted: what a checkpoint cannot hold yet."""
+    return sorted({s.segment for s in program.sharding if rank is None or rank in s.devices})
+
+
 class RankState:
     """What one rank holds of the model and optimizer state, as slices of single-device
     parameters (module doc). Built from the worker's modules, ``DataParallel`` and
@@ -106,10 +113,10 @@ class RankState:
 
     def __init__(self, program: Program, rank: int, modules: Mapping[str, nn.Module], data_parallel: Any,
                  optimizers: Any) -> None:
-        cut = [s.segment for s in program.sharding if rank in s.devices]
+        cut = cut_segments(program, rank)
         if cut:
             raise ExecutionError(
-                f"rank {rank}: checkpoints of tensor- or expert-parallel segments ({', '.join(sorted(cut))}) "
+                f"rank {rank}: checkpoints of tensor- or expert-parallel segments ({', '.join(cut)}) "
                 "are not supported yet",
                 ranks=(rank,),
             )

@@ -44,7 +44,7 @@ from piper_runtime import (
 )
 from piper_runtime.accumulation import MIN_WEIGHT_BYTES
 from piper_runtime.batch import full_batch_shape
-from piper_runtime.checkpoint import read_objects
+from piper_runtime.checkpoint import cut_segments, read_objects
 from piper_scheduler import compile_program, forward_only
 from piper_train.checkpoints import UNTRACED, check_compatible, read_manifest, resolve, write_atomically
 from piper_train.schedule import LearningRate, LRSchedule
@@ -379,7 +379,7 @@ class Trainer:
         parameters tensor or expert parallelism cuts across ranks are not supported yet
         (``piper_runtime.checkpoint``). Said on the driver, before any worker writes or reads,
         and by ``fit`` before its first step."""
-        cut = sorted({s.segment for s in self.program.sharding})
+        cut = cut_segments(self.program)
         if cut:
             raise CheckpointError(
                 f"checkpoints of tensor- or expert-parallel segments ({', '.join(cut)}) are not supported yet: "

@@ -173,7 +173,8 @@ def train_command(args: argparse.Namespace) -> int:
     if args.json:
         print_json(summary)
     elif losses:
-        say(args, f"{'stopped' if run.stopped else 'done'}: {len(history)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+        ending = "stopped" if run.stopped else "done"
+        say(args, f"{ending}: {len(history)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
                   f"{summary['mean_step_seconds'] * 1000:.1f} ms/step")
     if run.stopped:
         latest = checkpoints.latest() if checkpoints is not None else None
