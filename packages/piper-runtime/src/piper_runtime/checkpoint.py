@@ -22,9 +22,11 @@ program's traffic), and the files are exactly what ``dcp.save`` writes. Loading 
 ``dcp.load`` on each rank on its own (``no_dist``): every rank reads the full tensors of the
 parameters it holds (and their optimizer state) and keeps its part, so any layout reshards.
 
-Tensor- and expert-parallel segments (parameters cut across ranks) are not supported yet
-(``cut_segments``): the driver refuses them first (``piper_train``), a rank's
-``ExecutionError`` is the backstop.
+A parameter that tensor or expert parallelism cuts across ranks (``Sharding.params``) is held
+as pieces of one dimension, concatenated (``ParamShard.pieces``; ``Cut``): a rank writes each
+of its boxes split at the pieces' edges, at their offsets in the full tensor, and on loading
+cuts its pieces out of the full tensor it read. So such a checkpoint too holds single-device
+tensors, and loads under any strategy.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import io
 import math
 import warnings
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,8 +57,9 @@ from piper_ir import ExecutionError, Program
 MODEL = "model."
 OPTIM = "optim."
 
-# (name, full shape, start, stop, at): elements [start, stop) of parameter ``name`` (row-major),
-# held at [at, at + stop - start) of a flat tensor.
+# (name, shape, start, stop, at): elements [start, stop) of parameter ``name`` (row-major, of
+# the tensor of ``shape`` the rank holds: a cut parameter's pieces, ``Cut``), held at
+# [at, at + stop - start) of a flat tensor.
 Slice = tuple[str, tuple[int, ...], int, int, int]
 Box = tuple[tuple[int, ...], tuple[int, ...], int]  # (offsets, sizes, first element's flat index)
 
@@ -100,10 +104,50 @@ def _restrict(slices: Iterable[Slice], lo: int, hi: int) -> list[Slice]:
     return out
 
 
-def cut_segments(program: Program, rank: int | None = None) -> list[str]:
-    """The segments whose parameters tensor or expert parallelism cuts across ranks (held by
-    ``rank``, or by any rank), sorted: what a checkpoint cannot hold yet."""
-    return sorted({s.segment for s in program.sharding if rank is None or rank in s.devices})
+@dataclass(frozen=True)
+class Cut:
+    """Where a rank's tensor of a tensor- or expert-parallel parameter lies in the full one:
+    along ``dim`` it is the full tensor's ranges ``pieces`` (``(start, length)``, as
+    ``ParamShard.pieces`` gives them) concatenated in order; ``full`` is the full shape."""
+
+    dim: int
+    pieces: tuple[tuple[int, int], ...]
+    full: tuple[int, ...]
+
+    def boxes(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[tuple[tuple[int, ...], int, int]]:
+        """A box of the rank's tensor (its offsets and sizes there) as boxes of the full tensor:
+        ``(full offsets, start, length)``, the box's entries ``[start, start + length)`` along
+        ``dim`` (relative to the box) lying at those offsets."""
+        lo, hi = offsets[self.dim], offsets[self.dim] + sizes[self.dim]
+        out: list[tuple[tuple[int, ...], int, int]] = []
+        at = 0  # where the piece starts in the rank's tensor
+        for start, length in self.pieces:
+            a, z = max(lo, at), min(hi, at + length)
+            if a < z:
+                full = list(offsets)
+                full[self.dim] = start + a - at
+                out.append((tuple(full), a - lo, z - a))
+            at += length
+        return out
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        """The rank's tensor, cut out of the ``full`` one."""
+        return torch.cat([full.narrow(self.dim, a, n) for a, n in self.pieces], self.dim)
+
+
+def cuts_of(program: Program, rank: int, modules: Mapping[str, nn.Module]) -> dict[str, Cut]:
+    """The ``Cut`` of each parameter of this rank's tensor- and expert-parallel segments, by
+    name; ``modules`` hold the rank's pieces already (``sharding.cut_parameters``)."""
+    cuts: dict[str, Cut] = {}
+    for sh in program.sharding:
+        if sh.segment not in modules or rank not in sh.devices:
+            continue
+        for spec in sh.params:
+            full = list(modules[sh.segment].get_parameter(spec.name).shape)
+            full[spec.dim] *= sh.degree
+            pieces = spec.pieces(full[spec.dim], sh.degree, sh.position(rank))
+            cuts[spec.name] = Cut(spec.dim, pieces, tuple(full))
+    return cuts
 
 
 class RankState:
@@ -113,13 +157,7 @@ class RankState:
 
     def __init__(self, program: Program, rank: int, modules: Mapping[str, nn.Module], data_parallel: Any,
                  optimizers: Any) -> None:
-        cut = cut_segments(program, rank)
-        if cut:
-            raise ExecutionError(
-                f"rank {rank}: checkpoints of tensor- or expert-parallel segments ({', '.join(cut)}) "
-                "are not supported yet",
-                ranks=(rank,),
-            )
+        self.cuts = cuts_of(program, rank, modules)
         # A tied parameter is one entry under its ``Tie.name``, whichever holder's name a rank
         # knows it by: a rank reads it back into every copy it holds.
         self.alias = {qualname: tie.name for tie in program.ties for _, qualname in tie.holders}
@@ -155,6 +193,12 @@ class RankState:
         self.slices_of = slices_of
         self.buffers = {n: b for m in modules.values() for n, b in m.named_buffers()}
 
+    def local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """What this rank holds of parameter ``name`` (or of a state shaped like it), given
+        the full tensor: its pieces if tensor or expert parallelism cuts it."""
+        cut = self.cuts.get(name)
+        return full if cut is None else cut.local(full)
+
     def key(self, name: str) -> str:
         """The checkpoint's name for parameter ``name`` (a tie's holders share one)."""
         return self.alias.get(name, name)
@@ -173,10 +217,16 @@ class RankState:
 
         def add(prefix: str, suffix: str, flat: torch.Tensor, slices: list[Slice]) -> None:
             for name, shape, start, stop, at in slices:
+                key, cut = f"{prefix}{self.key(name)}{suffix}", self.cuts.get(name)
                 for off, size, first in flat_boxes(shape, start, stop):
                     lo = at + first - start
-                    chunk = flat[lo : lo + math.prod(size)].reshape(size)
-                    out.setdefault((f"{prefix}{self.key(name)}{suffix}", off), (shape, chunk.detach().to("cpu", copy=True)))
+                    chunk = flat[lo : lo + math.prod(size)].reshape(size).detach()
+                    if cut is None:
+                        out.setdefault((key, off), (shape, chunk.to("cpu", copy=True)))
+                        continue
+                    for full_off, a, n in cut.boxes(off, size):  # the box, split at the pieces' edges
+                        piece = chunk.narrow(cut.dim, a, n).to("cpu", copy=True).contiguous()
+                        out.setdefault((key, full_off), (cut.full, piece))
 
         for p, slices in self.params:
             add(MODEL, "", p.detach().reshape(-1), slices)
@@ -214,9 +264,12 @@ class RankState:
                 )
             if not isinstance(md, TensorStorageMetadata):
                 raise ExecutionError(f"rank {rank}: checkpoint entry {key!r} is not a tensor", ranks=(rank,))
-            if target is not None and tuple(md.size) != tuple(target.shape):
+            shape = self.cuts[name].full if name in self.cuts else None
+            if shape is None and target is not None:
+                shape = tuple(target.shape)
+            if shape is not None and tuple(md.size) != shape:
                 raise ExecutionError(
-                    f"rank {rank}: parameter {name!r} has shape {tuple(target.shape)} here, "
+                    f"rank {rank}: parameter {name!r} has shape {shape} here, "
                     f"{tuple(md.size)} in the checkpoint at {path}",
                     ranks=(rank,),
                 )
@@ -231,13 +284,13 @@ class RankState:
             dcp.load(wanted, storage_reader=FileSystemReader(path), no_dist=True)
         with torch.no_grad():
             for name, p in self.full.items():
-                p.copy_(wanted[MODEL + self.key(name)])
+                p.copy_(self.local(name, wanted[MODEL + self.key(name)]))
             for name, buf in self.buffers.items():
                 if MODEL + name in wanted:
                     buf.copy_(wanted[MODEL + name])
             for b in self.data_parallel.buckets.values():
                 if b.params_sharded:
-                    flat = b.layout.flatten([wanted[MODEL + self.key(n)] for n in b.bucket.params])
+                    flat = b.layout.flatten([self.local(n, wanted[MODEL + self.key(n)]) for n in b.bucket.params])
                     b.shard.copy_(b.layout.shard(flat, b.replica))
         for opt, p, slices in self.optimizer_params():
             opt.state.pop(p, None)
@@ -253,7 +306,7 @@ class RankState:
                         continue
                     if what not in state:
                         state[what] = torch.zeros(p.numel(), dtype=value.dtype, device=p.device)
-                    state[what][at : at + stop - start] = value.reshape(-1)[start:stop]
+                    state[what][at : at + stop - start] = self.local(name, value).reshape(-1)[start:stop]
             if state:
                 opt.state[p] = {k: v if v.dim() == 0 else v.view(p.shape) for k, v in state.items()}
 

@@ -92,8 +92,11 @@ def read_manifest(path: Path) -> dict[str, Any]:
 def check_compatible(path: Path, manifest: Mapping[str, Any], params: Mapping[str, tuple[int, ...]],
                      optimizer: str) -> None:
     """``CheckpointError`` naming the culprit when checkpoint ``path`` was saved from another
-    model (parameter names or shapes differ) or with another optimizer."""
-    saved = {name: tuple(shape) for name, shape in manifest.get("parameters", {}).items()}
+    model (parameter names or shapes differ) or with another optimizer. A tied parameter's
+    other names (the manifest's ``ties``) hold nothing of their own: neither side's count."""
+    aliases = set(manifest.get("ties", {}))
+    params = {name: shape for name, shape in params.items() if name not in aliases}
+    saved = {name: tuple(shape) for name, shape in manifest.get("parameters", {}).items() if name not in aliases}
     missing = sorted(set(params) - set(saved))
     extra = sorted(set(saved) - set(params))
     shapes = [f"{n}: {list(params[n])} here, {list(saved[n])} saved" for n in sorted(set(params) & set(saved))

@@ -155,7 +155,6 @@ def fit(
     state = trainer.state
     state.data = data if hasattr(data, "state_dict") else None  # type: ignore[assignment]
     if checkpoints is not None:
-        trainer.check_checkpointable()  # before the first step, not at the first checkpoint
         latest = checkpoints.latest()
         if resume:
             trainer.load_checkpoint(checkpoints.root)

@@ -31,7 +31,7 @@ import torch
 
 from piper_directives import Strategy, build_schedule, capture, shard_modules
 from piper_directives.capturing import Tensors, as_tensors
-from piper_ir import CheckpointError, DirectiveError, Graph, Program, to_json
+from piper_ir import DirectiveError, Graph, Program, to_json
 from piper_memory import add_grad_norm, check_budget, plan_memory
 from piper_runtime import (
     DEFAULT_TIMEOUT_S,
@@ -44,7 +44,7 @@ from piper_runtime import (
 )
 from piper_runtime.accumulation import MIN_WEIGHT_BYTES
 from piper_runtime.batch import full_batch_shape
-from piper_runtime.checkpoint import cut_segments, read_objects
+from piper_runtime.checkpoint import read_objects
 from piper_scheduler import compile_program, forward_only
 from piper_train.checkpoints import UNTRACED, check_compatible, read_manifest, resolve, write_atomically
 from piper_train.schedule import LearningRate, LRSchedule
@@ -336,7 +336,6 @@ class Trainer:
     def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """Write a checkpoint of the model, optimizer and ``state`` to the directory ``path``
         (which must not exist), atomically: into a temporary sibling, renamed when complete."""
-        self.check_checkpointable()
         path = Path(path)
         manifest = {
             "step": self.state.step,
@@ -362,7 +361,6 @@ class Trainer:
         under any strategy: the ranks read their parameters and optimizer state, ``state``
         its step, schedule and data position (set ``state.data`` first, as ``fit`` does).
         Returns the checkpoint read; ``CheckpointError`` names what does not fit."""
-        self.check_checkpointable()
         source = resolve(path)
         manifest = read_manifest(source)
         check_compatible(source, manifest, self._all_shapes(), self.optimizer.name)
@@ -373,19 +371,6 @@ class Trainer:
         # The ranks' own generators (unseeded dropout) mean something only to the same program.
         self.runtime.load_checkpoint(str(source), self.state.step, rng=manifest.get("program") == self.program_digest)
         return source
-
-    def check_checkpointable(self) -> None:
-        """``CheckpointError`` when this program cannot be checkpointed: segments whose
-        parameters tensor or expert parallelism cuts across ranks are not supported yet
-        (``piper_runtime.checkpoint``). Said on the driver, before any worker writes or reads,
-        and by ``fit`` before its first step."""
-        cut = cut_segments(self.program)
-        if cut:
-            raise CheckpointError(
-                f"checkpoints of tensor- or expert-parallel segments ({', '.join(cut)}) are not supported yet: "
-                "train this strategy without checkpoints, or checkpoint a strategy without tensor or expert "
-                "parallelism (--tp 1 --ep 1)"
-            )
 
     def restart(self) -> None:
         """Replace the workers (after a failure, which has torn them down already) by new

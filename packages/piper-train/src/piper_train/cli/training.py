@@ -95,9 +95,6 @@ def train_command(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     checkpoints = (Checkpoints(args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints)
                    if args.checkpoint_dir is not None else None)
-    if checkpoints is not None and (args.tp > 1 or args.ep > 1):  # said before any worker starts (fit says it too)
-        raise CheckpointError("--checkpoint-dir: checkpoints of tensor- or expert-parallel strategies (--tp, --ep) "
-                              "are not supported yet; train without --checkpoint-dir, or with --tp 1 --ep 1")
     if checkpoints is not None and not args.resume and checkpoints.latest() is not None:
         # Refused before any worker starts (fit refuses too).
         raise CheckpointError(f"{args.checkpoint_dir} already holds checkpoints (the latest: "
@@ -112,7 +109,8 @@ def train_command(args: argparse.Namespace) -> int:
             raise CheckpointError(f"{err}; to resume from the checkpoint before it, move {source} out of "
                                   f"{args.checkpoint_dir}") from None
         check_compatible(source, manifest,
-                         {name: tuple(p.shape) for name, p in workload.model.named_parameters()}, args.optimizer)
+                         {name: tuple(p.shape) for name, p in workload.model.named_parameters(remove_duplicate=False)},
+                         args.optimizer)
     # Folders written during the run: one that cannot be is refused now, not at its first use.
     if checkpoints is not None:
         writable_folder(args.checkpoint_dir, "--checkpoint-dir")
