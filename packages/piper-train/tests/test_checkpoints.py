@@ -1,8 +1,14 @@
 """Checkpoint directories without workers: a write that fails leaves nothing that looks like a
 checkpoint and touches nothing else, the latest complete checkpoint is found past partial
-ones, pruning keeps the newest, and a checkpoint of another model is refused by name."""
+ones, pruning keeps the newest and removes what dead writers of this host left, and a
+checkpoint of another model is refused by name."""
 
 from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,6 +16,7 @@ import torch
 from piper_ir import CheckpointError
 from piper_train.checkpoints import (
     MANIFEST,
+    abandoned,
     check_compatible,
     complete_checkpoints,
     latest_checkpoint,
@@ -67,6 +74,27 @@ def test_latest_skips_partial_checkpoints_and_prune_keeps_the_newest(tmp_path) -
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
         resolve(tmp_path / "step-00000009")
     assert read_manifest(tmp_path / "step-00000004")["step"] == 4
+
+
+def test_prune_removes_what_dead_writers_of_this_host_left(tmp_path) -> None:
+    """A writer SIGKILLed mid-write (or mid-delete) leaves its temporary directory; the next
+    complete checkpoint's prune removes it, but never one of a live process, of another host
+    (a shared filesystem) or of a name it does not know."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    pid, host = int(dead.stdout), socket.gethostname()
+    left = [tmp_path / f".tmp-step-00000005-{pid}@{host}-0123abcd",
+            tmp_path / f".tmp-deleting-step-00000001-{pid}@{host}-89abcdef"]
+    kept = [tmp_path / f".tmp-step-00000006-{os.getpid()}@{host}-0123abcd",  # alive: still writing
+            tmp_path / f".tmp-step-00000007-{pid}@{host}x-0123abcd",  # another host
+            tmp_path / ".tmp-step-00000008-1-abc", tmp_path / "notes"]
+    for path in left + kept:
+        path.mkdir()
+        (path / "__0_0.distcp").write_bytes(b"half")
+    assert abandoned(tmp_path) == sorted(left)
+    _write(tmp_path, 2)
+    assert prune(tmp_path, 2) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([p.name for p in kept] + ["step-00000002"])
 
 
 def test_nothing_to_resume_and_bad_manifests_are_named(tmp_path) -> None:

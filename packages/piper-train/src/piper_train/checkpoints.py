@@ -7,7 +7,8 @@ optimizer. A checkpoint is written into a hidden sibling ``.tmp-step-...`` and r
 place only when every rank's files, ``.metadata`` and the manifest are on disk, so a crash
 while writing leaves a ``.tmp-`` directory that nothing reads, never a checkpoint that looks
 complete. A rename never replaces an existing checkpoint, and older checkpoints are deleted
-(beyond the newest ``keep``) only after a new one is complete.
+(beyond the newest ``keep``) only after a new one is complete; so are the temporary directories
+a writer of this host left when it died (their names say which process wrote them).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -31,6 +33,8 @@ VERSION = 1
 MANIFEST = "piper.json"
 UNTRACED = "untraced_parameters"  # the driver's object: parameters forward never uses, by name
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# A temporary directory of a checkpoint being written (or deleted): ``.tmp-[deleting-]<name>-<pid>@<host>-<8 hex>``.
+_PARTIAL = re.compile(r"^\.tmp-(?:deleting-)?step-\d+-(\d+)@(.+)-[0-9a-f]{8}$")
 
 
 def checkpoint_name(step: int) -> str:
@@ -125,7 +129,7 @@ def write_atomically(path: Path, write: Callable[[Path], None], manifest: Mappin
     if path.exists():
         raise CheckpointError(f"{path} already exists: a checkpoint is never overwritten")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = path.parent / f".tmp-{path.name}-{_writer()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         write(tmp)
@@ -142,17 +146,47 @@ def write_atomically(path: Path, write: Callable[[Path], None], manifest: Mappin
 
 
 def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints under ``root``; the deleted."""
+    """Delete all but the newest ``keep`` complete checkpoints under ``root``, and what dead
+    writers left (``abandoned``); the checkpoints deleted."""
     if keep < 1:
         return []
     old = [path for _, path in complete_checkpoints(root)[:-keep]]
     for path in old:
         # Rename first, so a crash half-way through the delete leaves no partial checkpoint
         # under a checkpoint's name.
-        doomed = path.parent / f".tmp-deleting-{path.name}-{uuid.uuid4().hex[:8]}"
+        doomed = path.parent / f".tmp-deleting-{path.name}-{_writer()}-{uuid.uuid4().hex[:8]}"
         os.rename(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
+    for path in abandoned(root):
+        shutil.rmtree(path, ignore_errors=True)
     return old
+
+
+def abandoned(root: Path) -> list[Path]:
+    """The temporary directories under ``root`` whose writer died: made by a process of this
+    host that no longer runs (killed while writing a checkpoint, or while deleting one). Those
+    of other hosts (a shared filesystem), of live processes, or named otherwise stay."""
+    host = socket.gethostname()
+    found = []
+    for child in sorted(root.iterdir()) if root.is_dir() else []:
+        m = _PARTIAL.match(child.name)
+        if m and m.group(2) == host and not _running(int(m.group(1))):
+            found.append(child)
+    return found
+
+
+def _writer() -> str:
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process, say: it exists
+        return True
+    return True
 
 
 def export(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
