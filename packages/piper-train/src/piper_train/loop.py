@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from piper_ir import CheckpointError, ExecutionError, NumericalError
 from piper_runtime import PendingStep
+from piper_train import stopping
 from piper_train.batches import Batch, BatchStream
 from piper_train.call_size import AUTO, CallSize
 from piper_train.checkpoints import Checkpoints, prune
@@ -258,6 +259,7 @@ def fit(
         ]
 
     while True:
+        stopping.raise_if_interrupted()  # a Ctrl-C whose exception was lost (``piper_train.stopping``)
         # Keep one call in flight ahead of the one whose results come in next, unless the
         # newest step sent must be followed by quiet workers.
         calls = {id(f.call) for f in inflight}

@@ -15,6 +15,14 @@ already written stay complete: each is written to a temporary folder and renamed
 through Ray: a signal handler's exception raised inside ``ray.get``/``ray.wait`` reaches the
 caller only as a ``KeyboardInterrupt`` (any other becomes a ``SystemError``), so Ray raises
 a plain one there; ``terminating()`` tells the command it came from SIGTERM (exit 143).
+
+A signal handler's exception can also be lost: raised while the interpreter runs a hook it
+cannot propagate from (``ray.init`` forking its daemons runs ``logging``'s at-fork hooks), it
+is printed as "Exception ignored in ..." and dropped, and the command went on as if no Ctrl-C
+had come (measured: 2 of 18 presses during worker start-up; the run then trained to its end).
+So the ``piper`` command's handlers (``handling_signals``) also note an interrupt (and keep
+its dropped exception's traceback off stderr), and ``raise_if_interrupted`` raises it again
+where the trainer can: once its workers are up, and before each step's call.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
+from typing import Any
 
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: the shell's code for a process ended by SIGTERM
 
@@ -55,6 +64,7 @@ class StopRequest:
 
 _active: StopRequest | None = None  # what the next SIGTERM asks to stop, if anything
 _terminating = False  # a SIGTERM asked to end the process at once
+_interrupted = False  # a Ctrl-C or such a SIGTERM came (its exception may have been lost)
 
 
 def terminating() -> bool:
@@ -63,12 +73,27 @@ def terminating() -> bool:
     return _terminating
 
 
+def raise_if_interrupted() -> None:
+    """Raise again the interrupt (Ctrl-C, or a SIGTERM ending the command at once) that the
+    ``piper`` command's handlers took, in case its exception was lost (module doc). Nothing
+    outside ``handling_signals``, nor before any such signal."""
+    if _interrupted:
+        raise Terminated() if _terminating else KeyboardInterrupt()
+
+
+def on_sigint(signum: int, frame: FrameType | None) -> None:
+    """The ``piper`` command's SIGINT handler: Python's own (``KeyboardInterrupt``), noted."""
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt()
+
+
 def on_sigterm(signum: int, frame: FrameType | None) -> None:
     """The ``piper`` command's SIGTERM handler (module doc)."""
-    global _terminating
+    global _terminating, _interrupted
     request = _active
     if request is None or request:
-        _terminating = True
+        _terminating = _interrupted = True
         raise Terminated()
     request.request("SIGTERM")
     _say("piper: SIGTERM: stopping after the steps already sent (a checkpoint is written with --checkpoint-dir); "
@@ -88,20 +113,37 @@ def _say(text: str) -> None:
 
 
 @contextlib.contextmanager
-def handling_sigterm() -> Iterator[None]:
-    """``on_sigterm`` is the process's SIGTERM handler within the block, no termination asked
-    for yet; the handler before comes back after it. The main thread only, as Python's
-    signals require (elsewhere nothing changes)."""
-    global _terminating
-    _terminating = False
+def handling_signals() -> Iterator[None]:
+    """Within the block ``on_sigterm`` handles SIGTERM, and ``on_sigint`` SIGINT where Python's
+    own handler has it (not where it is ignored, as in a shell's background job); no
+    interrupt or termination asked for yet. The handlers before come back after it. The main
+    thread only, as Python's signals require (elsewhere nothing changes)."""
+    global _terminating, _interrupted
+    _terminating = _interrupted = False
     if threading.current_thread() is not threading.main_thread():
         yield
+        _interrupted = False
         return
     previous = signal.signal(signal.SIGTERM, on_sigterm)
+    previous_int = signal.getsignal(signal.SIGINT)
+    if previous_int is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_sigint)
+    previous_hook = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        # An interrupt dropped where it cannot propagate: raised again later, not a traceback now.
+        if not (_interrupted and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+            previous_hook(unraisable)
+
+    sys.unraisablehook = hook
     try:
         yield
     finally:
+        sys.unraisablehook = previous_hook
+        _interrupted = False  # the command is over: nothing to raise again in whatever runs next
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if previous_int is signal.default_int_handler:
+            signal.signal(signal.SIGINT, previous_int)
 
 
 @contextlib.contextmanager

@@ -46,6 +46,7 @@ from piper_runtime.accumulation import MIN_WEIGHT_BYTES
 from piper_runtime.batch import full_batch_shape
 from piper_runtime.checkpoint import read_objects
 from piper_scheduler import compile_program, forward_only
+from piper_train import stopping
 from piper_train.checkpoints import UNTRACED, check_compatible, read_manifest, resolve, write_atomically
 from piper_train.schedule import LearningRate, LRSchedule
 from piper_train.state import TrainState
@@ -208,6 +209,11 @@ class Trainer:
             reuse_workers=reuse_workers,
         )
         self.runtime = Runtime(self.program, modules, **self._runtime_options)
+        try:
+            stopping.raise_if_interrupted()  # a Ctrl-C while the workers started, should Ray have dropped it
+        except KeyboardInterrupt:
+            self.runtime.shutdown()
+            raise
 
     @classmethod
     def with_schedule(
@@ -377,6 +383,7 @@ class Trainer:
         ones holding the model as it was given; ``load_checkpoint`` then brings them forward."""
         self.runtime.shutdown()
         self.runtime = Runtime(self.program, self._modules, **self._runtime_options)
+        stopping.raise_if_interrupted()
         if self.eval_program is not None:
             self.runtime.load_forward(self.eval_program)
 

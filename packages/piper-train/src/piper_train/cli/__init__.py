@@ -45,6 +45,17 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
     return {"simulate": simulate_command, "plan": plan_command, "show": show_command}[name]
 
 
+def _run(args: argparse.Namespace) -> int:
+    try:
+        return _command(args.command)(args)
+    except Exception:
+        # An interrupt can come out as another error: one that cut an import short leaves a
+        # "partially initialized module", and the code after it fails on that. Such an error
+        # is the interrupt's, not the user's input's.
+        stopping.raise_if_interrupted()
+        raise
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -54,8 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # tracebacks after the command's own message.
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     try:
-        with stopping.handling_sigterm():
-            return _command(args.command)(args)
+        with stopping.handling_signals():
+            return _run(args)
     except ExecutionError as err:  # the input was fine; the run itself failed
         print(f"piper {args.command}: run failed: {err}", file=sys.stderr)
         return 3
