@@ -357,7 +357,9 @@ def test_cli_checkpoints_resume_and_export(tmp_path, capsys) -> None:
 
     # Bad input, each refused before any worker starts, nothing deleted.
     assert main([*saving, "--stages", "4", "--resume"]) == 2
-    assert "saved from another model: parameters missing from the checkpoint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "saved from another model: parameters missing from the checkpoint" in err
+    assert "a built-in model's depth follows --stages (here 4, " in err
     assert main([*base, "--checkpoint-dir", str(tmp_path / "empty"), "--resume"]) == 2
     assert "nothing to resume from" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "empty"), "--out", str(tmp_path / "x.pt")]) == 2

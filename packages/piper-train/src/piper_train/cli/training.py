@@ -34,7 +34,7 @@ from piper_train.metrics import (
     StepMetrics,
     TensorBoardWriter,
 )
-from piper_train.models import ModelSpec
+from piper_train.models import MODELS, ModelSpec
 from piper_train.schedule import LRSchedule
 from piper_train.stopping import EXIT_TERMINATED, StopRequest, stopping_on_sigterm
 from piper_train.trainer import Trainer
@@ -108,9 +108,17 @@ def train_command(args: argparse.Namespace) -> int:
         except CheckpointError as err:  # damaged after it was written: the user decides what to do with it
             raise CheckpointError(f"{err}; to resume from the checkpoint before it, move {source} out of "
                                   f"{args.checkpoint_dir}") from None
-        check_compatible(source, manifest,
-                         {name: tuple(p.shape) for name, p in workload.model.named_parameters(remove_duplicate=False)},
-                         args.optimizer)
+        try:
+            check_compatible(
+                source, manifest,
+                {name: tuple(p.shape) for name, p in workload.model.named_parameters(remove_duplicate=False)},
+                args.optimizer)
+        except CheckpointError as err:
+            if args.model in MODELS and "another model" in str(err):  # the usual cause with a built-in model
+                raise CheckpointError(f"{err}; a built-in model's depth follows --stages (here {model_regions(args)}, "
+                                      "by default the schedule's stages on --pp ranks): pass the --stages it was "
+                                      "trained with") from None
+            raise
     # Folders written during the run: one that cannot be is refused now, not at its first use.
     if checkpoints is not None:
         writable_folder(args.checkpoint_dir, "--checkpoint-dir")
