@@ -1,4 +1,4 @@
-"""``--dp``, ``--zero`` and ``--memory-budget-mb`` of ``piper train`` / ``piper check`` (no Ray:
+"""``--dp``, ``--zero``, ``--recompute`` and ``--memory-budget-mb`` of ``piper train`` / ``piper check`` (no Ray:
 the budget fails at compile time, before any worker starts)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from piper_directives import Place, Replicate, Shard, Strategy, one_f_one_b
+from piper_directives import Place, Recompute, Replicate, Shard, Strategy, one_f_one_b
 from piper_ir import ShardKind
 from piper_train.cli import StrategyRequest, main
 from piper_train.cli.options import build_parser
@@ -106,6 +106,8 @@ def test_ep_composes_with_a_schedule_and_a_strategy_file(tmp_path: Path) -> None
         (["check", "--ep", "0"], "--ep must be >= 1"),
         (["train", "--ep", "2", "--tp", "2"], "--ep with --tp (tensor and expert parallelism in one strategy) "
                                               "is not supported yet"),
+        (["check", "--recompute", "all", "--tp", "2"], "--recompute all with --tp or --ep: recomputing a tensor- or "
+                                                       "expert-parallel region"),
     ],
 )
 def test_bad_ep_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -135,6 +137,15 @@ def test_tp_and_ep_compose_with_dp_and_zero() -> None:
     alone = built(zero=1, ep=2)  # ZeRO over the expert-parallel group, which is data-parallel
     assert [(d.devices, d.zero) for d in alone.directives if isinstance(d, Replicate)] == [((0, 1), 1), ((2, 3), 1)]
 
+
+
+def test_recompute_all_adds_one_recompute_of_every_region_after_the_parallelisms(tmp_path: Path) -> None:
+    plain = _request("--dp", "2").resolve(2)
+    recomputed = _request("--dp", "2", "--recompute", "all").resolve(2)
+    assert recomputed.directives[:-1] == plain.directives
+    assert recomputed.of(Recompute) == [Recompute({})] and not plain.of(Recompute)
+    from_file = _request("--strategy", _file(tmp_path, one_f_one_b(2, 4, stages=4)), "--recompute", "all")
+    assert from_file.resolve(None).of(Recompute) == [Recompute({})]
 
 
 def test_strategy_request_reads_the_file_once_and_says_what_needs_the_model(tmp_path: Path) -> None:

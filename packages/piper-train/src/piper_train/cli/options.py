@@ -5,7 +5,7 @@ take it, and the checks argparse cannot express.
 | --- | --- | --- |
 | model | --model (default lm), --batch-size | train, check |
 | pipeline | --schedule, --strategy, --pp, --stages, --microbatches | train, check, simulate, plan |
-| parallelism | --dp, --zero, --tp, --ep | train, check |
+| parallelism | --dp, --zero, --tp, --ep, --recompute | train, check |
 | run | --memory-budget-mb, --optimizer, --optimizer-impl, --lr, --seed, --precision, --address, --backend, --placement, --ranks-per-gpu, --timeout | train, check |
 | optimization | --lr-schedule, --warmup-steps, --min-lr, --lr-step-size, --lr-gamma, --clip-grad-norm, --weight-decay | train, check |
 | summary | --json (a machine-readable summary; standard JSON: a NaN or infinite number is written as the string "NaN", "Infinity" or "-Infinity") | train, check |
@@ -65,6 +65,11 @@ def add_parallelism(p: argparse.ArgumentParser) -> None:
                    help="expert-parallel ranks per pipeline stage and replica (Shard kind='ep': data-parallel for "
                         "non-expert weights, experts split across the group, each expert's gradient reduced "
                         "over the --dp ranks holding it; adjacent devices) (default: 1)")
+    p.add_argument("--recompute", choices=["none", "all"], default="none",
+                   help="all: drop every region's activations after its forward and recompute them in its "
+                        "backward (activation checkpointing; torchtitan's --activation_checkpoint.mode full): less "
+                        "memory for about one more forward per step; the Recompute directive chooses regions "
+                        "(default: none)")
 
 
 def add_seed(p: argparse.ArgumentParser) -> None:
@@ -328,6 +333,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--eval-batches must be >= 1 with --eval-every")
     if getattr(args, "lr_schedule", None) == "step" and args.lr_step_size is None:
         parser.error("--lr-schedule step needs --lr-step-size")
+    if getattr(args, "recompute", "none") != "none" and (getattr(args, "tp", 1) > 1 or getattr(args, "ep", 1) > 1):
+        parser.error("--recompute all with --tp or --ep: recomputing a tensor- or expert-parallel region (its "
+                     "forward's collectives issued again in its backward) is not supported yet; a --strategy "
+                     "file can Recompute the regions it does not Shard")
     if getattr(args, "ep", 1) > 1 and getattr(args, "tp", 1) > 1:
         parser.error("--ep with --tp (tensor and expert parallelism in one strategy) is not supported yet")
     if getattr(args, "zero", 0) and getattr(args, "dp", 1) < 2 and getattr(args, "ep", 1) < 2:

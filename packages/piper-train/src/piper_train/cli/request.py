@@ -3,7 +3,8 @@
 A pipeline program comes from a library schedule (``--schedule/--pp/--microbatches``) or a
 file (``--strategy``: a JSON directive program, or a torch.distributed.pipelining CSV); the
 parallelisms (``--dp/--zero/--tp/--ep``) go on top of it with ``parallelize``, the same
-composition ``build_schedule`` and ``Trainer.with_schedule`` use.
+composition ``build_schedule`` and ``Trainer.with_schedule`` use, and ``--recompute all`` adds
+a ``Recompute`` of every region.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import attrs
 
 from piper_directives import (
     Place,
+    Recompute,
     Split,
     Strategy,
     build_schedule,
@@ -42,6 +44,7 @@ class StrategyRequest:
     tp: int = 1
     ep: int = 1
     stages: int | None = None  # --stages: the model's annotated regions, when the user says
+    recompute: bool = False  # --recompute all: every region's activations recomputed in its backward
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StrategyRequest:
@@ -64,7 +67,7 @@ class StrategyRequest:
         return cls(
             args.schedule, args.pp, args.microbatches, args.strategy, program, torch_csv,
             getattr(args, "dp", 1), getattr(args, "zero", 0), getattr(args, "tp", 1), getattr(args, "ep", 1),
-            getattr(args, "stages", None),
+            getattr(args, "stages", None), getattr(args, "recompute", "none") == "all",
         )
 
     @property
@@ -95,7 +98,11 @@ class StrategyRequest:
         pipeline = self.pipeline(regions)
         flags = " ".join(f"--{k} {v}" for k, v in (("dp", self.dp), ("zero", self.zero), ("tp", self.tp), ("ep", self.ep)))
         with written_at(f"the command line ({flags})"):
-            return parallelize(pipeline, dp=self.dp, zero=self.zero, tp=self.tp, ep=self.ep)
+            strategy = parallelize(pipeline, dp=self.dp, zero=self.zero, tp=self.tp, ep=self.ep)
+        if not self.recompute:
+            return strategy
+        with written_at("the command line (--recompute all)"):
+            return Strategy([*strategy.directives, Recompute({})])  # an empty filter: every region
 
     def check_regions(self, regions: int | None) -> None:
         """``--stages`` is honoured, never ignored: a model whose region count differs from it

@@ -70,8 +70,9 @@ def _describe(args: argparse.Namespace, request: StrategyRequest) -> str:
     says them, not ``--pp``/``--microbatches``), the parallelisms and the precision."""
     pp, microbatches = request.shape()
     precision = f", precision={args.precision}" if args.precision else ""
+    recompute = ", recompute=all" if request.recompute else ""
     return (f"model {args.model}, {request.name}, pp={pp}, dp={args.dp}, tp={args.tp}, ep={args.ep}, "
-            f"zero={args.zero}, microbatches={microbatches}{precision}")
+            f"zero={args.zero}, microbatches={microbatches}{precision}{recompute}")
 
 
 def train_command(args: argparse.Namespace) -> int:
