@@ -262,3 +262,15 @@ def test_help_says_that_a_model_file_is_executed(capsys, command):
     with pytest.raises(SystemExit):
         main([command, "--help"])
     assert "A file is EXECUTED" in " ".join(capsys.readouterr().out.split())
+
+
+def test_version_names_every_package_and_the_torch_and_ray_in_use(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"piper {version('piper-train')} (") and out.count("\n") == 1
+    for name in ("piper-ir", "piper-directives", "piper-scheduler", "piper-memory", "piper-runtime", "torch", "ray"):
+        assert f"{name} {version(name)}" in out

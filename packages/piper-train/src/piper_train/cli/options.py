@@ -301,8 +301,39 @@ SUBCOMMANDS: dict[str, tuple[str, tuple[Group, ...]]] = {
 }
 
 
+PACKAGES = ("piper-train", "piper-ir", "piper-directives", "piper-scheduler", "piper-memory", "piper-runtime",
+            "torch", "ray")
+
+
+def versions() -> str:
+    """``piper --version``: each Piper package's version and those of torch and Ray, as
+    installed (read from the packages' metadata: nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return "piper " + of("piper-train") + " (" + ", ".join(f"{name} {of(name)}" for name in PACKAGES[1:]) + ")"
+
+
+class _Version(argparse.Action):
+    """``--version``: ``versions()`` on one line, unwrapped (argparse's own action wraps it)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0,
+                         help="print the versions of Piper's packages, torch and Ray, and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(versions())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="piper", description="Programmable distributed training for PyTorch.")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (text, groups) in SUBCOMMANDS.items():
         command = sub.add_parser(name, help=text)
