@@ -340,7 +340,9 @@ def test_cli_checkpoints_resume_and_export(tmp_path, capsys) -> None:
             "--no-progress-bar"]
     saving = [*base, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--keep-checkpoints", "2"]
     assert main([*saving, "--steps", "3"]) == 0
-    first = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    first = json.loads(out)
+    assert f"checkpoint after step 2: {ckpt / 'step-00000002'} (" in err  # said as it is written, with its size
     assert [p.rsplit("/", 1)[1] for p in first["checkpoints"]] == ["step-00000002", "step-00000003"]
     assert main([*saving, "--steps", "3"]) == 2
     assert "already holds checkpoints (the latest: step-00000003); pass --resume" in capsys.readouterr().err

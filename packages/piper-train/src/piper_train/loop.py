@@ -44,7 +44,7 @@ from piper_train import stopping
 from piper_train.batches import Batch, BatchStream
 from piper_train.call_size import AUTO, CallSize
 from piper_train.checkpoints import Checkpoints, prune
-from piper_train.metrics import EvalMetrics, Sink, StepMetrics
+from piper_train.metrics import CheckpointMetrics, EvalMetrics, Sink, StepMetrics
 from piper_train.stopping import StopRequest
 from piper_train.trainer import Trainer, batch_tokens
 
@@ -276,7 +276,7 @@ def fit(
             if checkpoints is None or saved_at == state.step or state.step == 0 or abandoned is not None:
                 break
             try:
-                written.append(_save(trainer, checkpoints))
+                written.append(_save(trainer, checkpoints, sinks))
                 saved_at = state.step
             except ExecutionError as err:
                 recover(err)
@@ -328,7 +328,7 @@ def fit(
                 for sink in sinks:
                     sink.on_eval(ev)
             if checkpoints is not None and checkpoints.every and flight.step % checkpoints.every == 0:
-                written.append(_save(trainer, checkpoints))
+                written.append(_save(trainer, checkpoints, sinks))
                 saved_at = state.step
         except ExecutionError as err:
             recover(err)
@@ -375,17 +375,29 @@ def _batch_iterator(data: object, seed: int) -> Iterator[Batch]:
     return BatchStream(data, seed=seed, name="fit's data")
 
 
-def _save(trainer: Trainer, checkpoints: Checkpoints) -> Path:
-    """Write this step's checkpoint and prune old ones. The driver's own file operations
-    failing (the disk full, the folder gone) fail the run like a worker's would
-    (``ExecutionError``), not with a traceback; the checkpoints before stay as they were."""
+def _save(trainer: Trainer, checkpoints: Checkpoints, sinks: Sequence[Sink]) -> Path:
+    """Write this step's checkpoint, tell the sinks that have ``on_checkpoint``, and prune old
+    ones. The driver's own file operations failing (the disk full, the folder gone) fail the
+    run like a worker's would (``ExecutionError``), not with a traceback; the checkpoints
+    before stay as they were."""
     target = checkpoints.path(trainer.state.step)
+    started = time.perf_counter()
     try:
         path = trainer.save_checkpoint(target)
+        seconds = time.perf_counter() - started
+        written = CheckpointMetrics(trainer.state.step, str(path), _bytes_under(path), seconds)
         prune(checkpoints.root, checkpoints.keep)
     except OSError as err:
         raise ExecutionError(f"writing checkpoint {target} failed: {err.strerror or err}") from err
+    for sink in sinks:
+        on_checkpoint = getattr(sink, "on_checkpoint", None)
+        if callable(on_checkpoint):
+            on_checkpoint(written)
     return path
+
+
+def _bytes_under(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def _batch_bytes(batch: Batch) -> int:

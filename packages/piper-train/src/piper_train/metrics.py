@@ -1,15 +1,17 @@
 """What a training run reports, step by step, and where it goes.
 
-``StepMetrics`` / ``EvalMetrics`` are one step's and one evaluation's figures; sinks receive
-them from ``piper_train.loop.fit``:
+``StepMetrics`` / ``EvalMetrics`` / ``CheckpointMetrics`` are one step's, one evaluation's
+and one checkpoint's figures; sinks receive them from ``piper_train.loop.fit`` (a sink
+without ``on_checkpoint`` is not told of checkpoints):
 
 - ``Progress``: a tqdm bar on a terminal (when tqdm is installed), else one plain line per
-  step (``step   12/20  loss ...``), on the given stream;
+  step (``step   12/20  loss ...``), on the given stream, and a line per checkpoint;
 - ``JsonlWriter``: one JSON object per line and event (``{"schema": 1, "kind": "step", ...}``),
   standard JSON only (a NaN or infinite number is written as ``null``);
 - ``TensorBoardWriter``: scalars for torch's ``SummaryWriter`` (``train/loss``, ``train/lr``,
   ``train/grad_norm``, ``train/step_seconds``, ``train/samples_per_s``, ``train/tokens_per_s``,
-  ``train/peak_memory_mib/rank<r>``, ``eval/loss``); needs the ``tensorboard`` package;
+  ``train/peak_memory_mib/rank<r>``, ``eval/loss``, ``checkpoint/seconds``); needs the
+  ``tensorboard`` package;
 - ``ProfileWriter``: the measured timeline of one step as a Chrome/Perfetto trace and a
   Gantt PNG (``piper_scheduler.measured_timeline``, ``to_chrome_trace``, ``plot_gantt``).
 """
@@ -73,7 +75,23 @@ class EvalMetrics:
         return json_safe({"schema": SCHEMA, "kind": "eval", **attrs.asdict(self)})
 
 
+@attrs.frozen
+class CheckpointMetrics:
+    """A checkpoint written after step ``step`` to ``path``: ``bytes`` on disk, ``seconds`` from
+    asking the workers to the rename (the steps wait that long)."""
+
+    step: int
+    path: str
+    bytes: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return json_safe({"schema": SCHEMA, "kind": "checkpoint", **attrs.asdict(self)})
+
+
 class Sink(Protocol):
+    """Receives a run's figures; ``on_checkpoint(CheckpointMetrics)`` is optional."""
+
     def on_step(self, metrics: StepMetrics, result: StepResult) -> None: ...
 
     def on_eval(self, metrics: EvalMetrics) -> None: ...
@@ -122,6 +140,10 @@ def eval_line(m: EvalMetrics) -> str:
     return f"eval after step {m.step}: loss {m.loss:.4f} over {m.batches} held-out batches ({m.seconds:.2f} s)"
 
 
+def checkpoint_line(m: CheckpointMetrics) -> str:
+    return f"checkpoint after step {m.step}: {m.path} ({m.bytes / MIB:,.1f} MiB in {m.seconds:.2f} s)"
+
+
 def _clock(seconds: float) -> str:
     s = int(round(seconds))
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
@@ -165,10 +187,16 @@ class Progress:
         self._bar.update(1)
 
     def on_eval(self, metrics: EvalMetrics) -> None:
+        self._line(eval_line(metrics))
+
+    def on_checkpoint(self, metrics: CheckpointMetrics) -> None:
+        self._line(checkpoint_line(metrics))
+
+    def _line(self, text: str) -> None:
         if self._bar is not None:
-            self._bar.write(eval_line(metrics), file=self.stream)
+            self._bar.write(text, file=self.stream)
         else:
-            print(eval_line(metrics), file=self.stream, flush=True)
+            print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -190,6 +218,9 @@ class JsonlWriter:
         self._write(metrics.as_dict())
 
     def on_eval(self, metrics: EvalMetrics) -> None:
+        self._write(metrics.as_dict())
+
+    def on_checkpoint(self, metrics: CheckpointMetrics) -> None:
         self._write(metrics.as_dict())
 
     def _write(self, record: dict[str, Any]) -> None:
@@ -224,6 +255,9 @@ class TensorBoardWriter:
 
     def on_eval(self, metrics: EvalMetrics) -> None:
         self.writer.add_scalar("eval/loss", metrics.loss, metrics.step)
+
+    def on_checkpoint(self, metrics: CheckpointMetrics) -> None:
+        self.writer.add_scalar("checkpoint/seconds", metrics.seconds, metrics.step)
 
     def close(self) -> None:
         self.writer.close()
