@@ -137,3 +137,16 @@ def test_overheads_and_startup_are_charged() -> None:
     assert padded.busy[0] == base.busy[0] + 0.5 * computes
     comm = simulate(program, CostModel(overrides={"loss": {"F": 0, "B": 0}}, comm_overhead=0.25))
     assert comm.makespan > base.makespan
+
+
+@pytest.mark.parametrize(("pp", "mb"), CASES)
+def test_a_recomputed_segment_pays_its_forward_again_in_its_backward(pp: int, mb: int) -> None:
+    """1F1B with every stage recomputed is 1F1B whose backward costs F + B."""
+    import attrs
+
+    program = compile_program(pipeline_graph(pp, mb, "1f1b"))
+    recomputed = attrs.evolve(program, segments=[attrs.evolve(s, recompute=s.id != "loss") for s in program.segments])
+    timeline = simulate(recomputed, CostModel(F=1.0, B=2.0, overrides=FREE_LOSS))
+    assert timeline.makespan == (mb + pp - 1) * (1.0 + 3.0)
+    assert timeline.busy == (mb * (1.0 + 3.0),) * pp
+    assert simulate(program, CostModel(F=1.0, B=2.0, overrides=FREE_LOSS)).makespan == (mb + pp - 1) * 3.0

@@ -15,6 +15,10 @@ the events others wait on, no earlier than the pair's start plus that half's own
 and including it; and the stream takes nothing else until every instruction of the pair has
 completed (docs/schedules.md derives what this does to DualPipe's bubble).
 
+A segment that recomputes its activations (``Segment.recompute``) runs its forward again at
+the start of its backward: its ``B`` (or ``BI``, the half that comes first) is charged its
+``F`` on top.
+
 Start times follow from dependencies alone, so the order in which streams are visited does
 not change the result (a dataflow fixpoint, computed with a worklist).
 """
@@ -24,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from piper_ir import DeadlockError, NodeKind, Phase, Program, SchedulingError, SegmentRole
+from piper_ir import DeadlockError, Instruction, NodeKind, Phase, Program, SchedulingError, SegmentRole
 from piper_scheduler.costs import CostModel
 from piper_scheduler.diagnostics import describe, excerpts
 from piper_scheduler.matching import COLLECTIVE_KINDS, Slot, collective_slots, p2p_sequences, recv_partners
@@ -41,6 +45,13 @@ def simulate(program: Program, costs: CostModel | None = None) -> Timeline:
     coll = collective_slots(program)
     members = {c.id: len(c.ranks) for c in program.communicators}
     overlap = costs.overlap_factor()
+    recomputed = {seg.id for seg in program.segments if seg.recompute}
+
+    def compute_cost(ins: Instruction) -> float:
+        cost = costs.compute_cost(ins.segment, ins.phase)
+        if ins.segment in recomputed and ins.phase in (Phase.B, Phase.BI):
+            cost += costs.compute_cost(ins.segment, Phase.F)  # the forward again, first
+        return cost
 
     atomic = costs.pairs == "atomic"
     queues: dict[tuple[int, str], list[int]] = {}
@@ -53,7 +64,7 @@ def simulate(program: Program, costs: CostModel | None = None) -> Timeline:
             if ins.overlap is not None and ins.kind in COMPUTE_KINDS:
                 key = (r, ins.overlap)
                 pair_waits.setdefault(key, []).extend(ins.waits)
-                charged = costs.compute_cost(ins.segment, ins.phase) * overlap + costs.overhead
+                charged = compute_cost(ins) * overlap + costs.overhead
                 pair_cost[key] = pair_cost.get(key, 0.0) + charged
     head = dict.fromkeys(queues, 0)
     free = dict.fromkeys(queues, float(costs.startup))
@@ -117,7 +128,7 @@ def simulate(program: Program, costs: CostModel | None = None) -> Timeline:
                 if ins.kind is NodeKind.SEND:
                     en = t + costs.comm_cost(ins.meta) + costs.comm_overhead
                 elif ins.kind in COMPUTE_KINDS:
-                    cost = costs.compute_cost(ins.segment, ins.phase)
+                    cost = compute_cost(ins)
                     if ins.overlap is not None:
                         en = t + cost * overlap + costs.overhead
                     else:
@@ -134,7 +145,7 @@ def simulate(program: Program, costs: CostModel | None = None) -> Timeline:
                     done = pair.start + pair_cost[(r, ins.overlap)]
                     pair.done = done
                 else:
-                    alone = costs.compute_cost(ins.segment, ins.phase) + costs.overhead
+                    alone = compute_cost(ins) + costs.overhead
                     done = pair.add(ins.phase is Phase.F, en, alone)
                 holding[q_key] = pair
             else:
