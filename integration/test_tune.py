@@ -1,7 +1,8 @@
 """``piper tune`` end to end on a tiny model: the ranking it prints, the program it writes
 and ``piper train --strategy`` runs, the cache that makes a second run measure nothing, a
-memory budget that moves the pick to a higher ZeRO level (and the run fits it), and the
-bad inputs (a budget nothing fits, more devices than Ray has) with exit code 2.
+memory budget that moves the pick to a higher ZeRO level or to recomputation (and the run
+fits it), and the bad inputs (a budget nothing fits, more devices than Ray has) with exit
+code 2.
 
 The link is given (``--latency-us``/``--bandwidth-mbs``) so no ping-pong runs; the model is
 the 2-region MLP, whose regions hold no Linear pair or expert module, so only pipeline and
@@ -104,6 +105,27 @@ def test_budget_too_small_for_zero0_picks_higher_zero_and_fits(cache: Path) -> N
     seconds, peaks = measure_step(build_model("mlp", stages=2), best.candidate, report.regions, steps=1, warmup=1,
                                   memory_budget_bytes=budget, optimizer=OptimizerSpec("adamw", 1e-3))
     assert seconds > 0 and max(peaks) <= budget  # measured on the runtime, not only estimated
+
+
+def test_budget_below_every_strategy_without_recomputation_picks_recomputation_and_fits(cache: Path) -> None:
+    """The pipeline's activations are what recomputation cuts: with the budget one byte under
+    every candidate that keeps them, the pick recomputes, and the runtime, under that
+    budget, measures a peak within it."""
+    kw = dict(stages=2, microbatches=(2,), schedules=("gpipe",), pps=(2,), kinds=(), zeros=(0,), comm=(5e-5, 1e9),
+              profile_steps=2, cache_dir=cache, optimizer=OptimizerSpec("sgd", 1e-3), recompute=(False, True))
+    free = tune("lm", 2, **kw)
+    kept = min(e.peak_bytes for e in free.result.fitting if not e.candidate.recompute)
+    assert min(e.peak_bytes for e in free.result.fitting if e.candidate.recompute) < kept
+    assert not free.best.candidate.recompute  # without a budget it only costs a forward
+    report = tune("lm", 2, memory_budget_bytes=kept - 1, **kw)
+    best = report.best
+    assert best is not None and best.candidate.recompute and best.peak_bytes < kept
+    from piper_train.models import build_model
+    from piper_train.tuning.api import measure_step
+
+    seconds, peaks = measure_step(build_model("lm", stages=2), best.candidate, report.regions, steps=1, warmup=1,
+                                  memory_budget_bytes=kept - 1, optimizer=OptimizerSpec("sgd", 1e-3))
+    assert seconds > 0 and max(peaks) <= kept - 1
 
 
 def test_budget_nothing_fits_exits_2_with_the_smallest_requirement(cache: Path,

@@ -1,14 +1,17 @@
 """The search of ``piper tune`` on a synthetic model with a made-up profile (no torch, no
 Ray): predictions are the simulator's, the ranking follows them, the budget prunes by the
-memory estimate before simulating, balanced stages beat even ones on uneven regions."""
+memory estimate before simulating, balanced stages beat even ones on uneven regions, and
+recomputation, a forward dearer, wins only under a budget nothing else meets."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import attrs
 import pytest
 
+from piper_directives import Recompute
 from piper_directives.synthetic import synthetic_graph
 from piper_memory import estimate_memory
 from piper_scheduler import simulate
@@ -75,7 +78,8 @@ def test_predictions_are_the_simulators_and_the_ranking_follows_them() -> None:
 @pytest.mark.parametrize("cores", [None, 1])
 def test_lower_bound_never_exceeds_the_prediction(cores: int | None) -> None:
     profile = _profile(heavy=2.0, cores=cores)
-    space = enumerate_space(4, REGIONS, microbatches=[1, 2, 4, 8], kinds=(), weights=profile.region_weights())
+    space = enumerate_space(4, REGIONS, microbatches=[1, 2, 4, 8], kinds=(), weights=profile.region_weights(),
+                            recompute=(False, True))
     result = search(_graph(), profile, space)
     assert len(result.fitting) > 20
     for e in result.fitting:
@@ -123,6 +127,26 @@ def test_zero_lowers_the_estimate_that_the_budget_checks() -> None:
     budget = peaks[0] - 1  # too small for ZeRO-0
     best = search(graph, profile, dp, budget_bytes=budget).best
     assert best is not None and best.candidate.zero > 0 and best.peak_bytes <= budget
+
+
+def test_recomputing_costs_a_forward_and_wins_only_where_memory_demands_it() -> None:
+    graph, profile = _graph(), _profile()
+    space = _space(schedules=["1f1b", "gpipe"], recompute=(False, True))
+    assert {c.recompute for c in space} == {False, True}
+    assert all(not c.recompute or (c.tp == c.ep == 1) for c in enumerate_space(
+        4, REGIONS, microbatches=[2], kinds=("tp",), recompute=(False, True)))
+    free = search(graph, profile, space)
+    by = {e.candidate: e for e in free.fitting}
+    pairs = [(by[c], by[attrs.evolve(c, recompute=True)]) for c in by if not c.recompute]
+    assert pairs
+    for kept, again in pairs:  # a forward more per microbatch, its activations held for one at a time
+        assert again.predicted > kept.predicted and again.peak_bytes < kept.peak_bytes
+    assert not free.best.candidate.recompute  # unconstrained, recomputing only costs
+    budget = min(e.peak_bytes for e in free.fitting if not e.candidate.recompute) - 1
+    tight = search(graph, profile, space, budget_bytes=budget)
+    assert tight.best is not None and tight.best.candidate.recompute and tight.best.peak_bytes <= budget
+    strategy = tight.best.candidate.strategy(REGIONS)
+    assert strategy.of(Recompute) == [Recompute({})] and "recompute" in tight.best.candidate.label
 
 
 def test_balanced_stages_win_on_uneven_regions() -> None:

@@ -33,7 +33,8 @@ categories ``piper_runtime.memory.RankMemory`` measures:
 - *activations*: what a forward keeps until its backward (``B``, or ``BW`` after a split
   backward), per microbatch; for a segment that recomputes its activations
   (``Segment.recompute``) its non-batch inputs until the backward, which then holds the
-  recomputed forward's activations while it runs (until ``BW`` after a split backward). The IR does not describe a segment's interior, so by default
+  recomputed forward's activations while it runs (until ``BW`` after a split backward),
+  and, at its start, the gradients it makes of its inputs too. The IR does not describe a segment's interior, so by default
   this is the segment's outputs (``Segment.outputs`` value metas, one replica's shard of one
   microbatch), a lower bound that is exact in its *shape* across schedules (GPipe holds M
   microbatches, 1F1B at most the number of stages). ``activation_bytes`` (segment id -> bytes
@@ -276,6 +277,7 @@ class _RankReplay:
                 self.full[seg_id] = {seg_id: full}
         self.activation_bytes = dict(activation_bytes or {})
         self.kept: dict[str, int] = {}  # segment -> _kept_bytes (the same for every microbatch)
+        self.input_grads: dict[str, int] = {}  # segment -> _input_grad_bytes
         self.recv_positions = [k for k, ins in enumerate(self.instructions) if ins.kind is NodeKind.RECV]
         # posted[j]: the bytes of the first j receives; a sample needs a window of them
         self.posted = list(itertools.accumulate(
@@ -312,6 +314,12 @@ class _RankReplay:
         batch = {*self.program.inputs, *self.program.targets}
         values = self.program.value_by_name
         return sum(values[v].meta.nbytes() for v in seg.inputs if v in values and v not in batch)
+
+    def _input_grad_bytes(self, seg_id: str) -> int:
+        """The gradients a backward of ``seg_id`` makes of its inputs (those that need one)."""
+        seg = self.program.segment_by_id[seg_id]
+        values = self.program.value_by_name
+        return sum(values[v].meta.nbytes() for v in seg.inputs if v in values and values[v].meta.requires_grad)
 
     def _sample(self, position: int, transient: int = 0) -> None:
         grads = self.grads.total + self.grad_shards.total
@@ -412,9 +420,17 @@ class _RankReplay:
         if ins.phase in (Phase.B, Phase.BI):
             for name in seg.outputs:
                 self.received.pop((grad_name(name), mb), None)
-            if seg.recompute:  # the forward runs again: its activations exist while this pass runs
-                self.acts[key] = self.acts.get(key, 0) + self._forward_bytes(seg.id)
+            if seg.recompute:
+                # The forward runs again: its activations exist while this pass runs, and
+                # before it frees them the pass makes the gradients of its inputs. (Where
+                # the activations were kept, their profiled bytes held more than the measured
+                # peak already; a recomputed pass's peak is this moment.)
+                made = self.input_grads.get(seg.id)
+                if made is None:
+                    made = self.input_grads[seg.id] = self._input_grad_bytes(seg.id)
+                self.acts[key] = self.acts.get(key, 0) + self._forward_bytes(seg.id) + made
                 self._sample(self.position)
+                self.acts[key] -= made
         if ins.phase in (Phase.B, Phase.BW) and seg.id in self.early:
             # Taken as freed first: autograd releases a segment's saved activations as its
             # backward goes, and the last bucket completes at the end of the pass.

@@ -12,7 +12,7 @@ take it, and the checks argparse cannot express.
 | length, evaluation, metrics | --steps, --epochs, --eval-every, --eval-batches, --metrics, --tensorboard, --profile-step, --steps-per-call, --on-nan, ... | train |
 | checkpoints | --checkpoint-dir, --checkpoint-every, --keep-checkpoints, --resume, --max-restarts | train |
 | simulation | --cost, --json, --png, --trace | simulate, show |
-| tune | --devices, --stages, --memory-budget-mb, --microbatch-range, --schedules, --zero-levels, --top, --out, --validate, ... | tune |
+| tune | --devices, --stages, --memory-budget-mb, --microbatch-range, --schedules, --zero-levels, --recompute, --top, --out, --validate, ... | tune |
 """
 
 from __future__ import annotations
@@ -169,6 +169,10 @@ def add_tune(p: argparse.ArgumentParser) -> None:
                    help="ZeRO levels to try, comma-separated (default: 0,1,2,3)")
     p.add_argument("--pp", type=_comma_list(int), default=None,
                    help="pipeline degrees to try, comma-separated (default: every divisor of --devices)")
+    p.add_argument("--recompute", choices=["none", "all", "search"], default=None,
+                   help="recomputing every region's activations in its backward: never, always, or both ways "
+                        "for every candidate without --tp/--ep (default: search with --memory-budget-mb, where "
+                        "it can make a strategy fit; else none)")
     p.add_argument("--top", type=int, default=10, help="rows of the ranking to print (default: 10)")
     p.add_argument("--exhaustive", action="store_true",
                    help="compile and simulate every candidate (default: only those that could still enter the "

@@ -99,6 +99,13 @@ def _microbatches(text: str) -> tuple[int, ...]:
     return values
 
 
+def _recompute(choice: str | None, budget: int | None) -> tuple[bool, ...]:
+    """The recomputation choices ``--recompute`` asks for (by default searched only under a
+    budget: without one it never wins, being the same step plus a forward)."""
+    choice = choice or ("search" if budget is not None else "none")
+    return {"none": (False,), "all": (True,), "search": (False, True)}[choice]
+
+
 def tune_command(args: argparse.Namespace) -> int:
     microbatches = _microbatches(args.microbatch_range)
     comm = None
@@ -113,6 +120,7 @@ def tune_command(args: argparse.Namespace) -> int:
     try:
         report = tune(args.model, args.devices, stages=args.stages, memory_budget_bytes=budget,
                       microbatches=microbatches, schedules=args.schedules, zeros=args.zero_levels, pps=args.pp,
+                      recompute=_recompute(args.recompute, budget),
                       optimizer=optimizer, backend=args.backend, address=args.address,
                       cache_dir=None if args.no_cache else (args.cache_dir or DEFAULT_CACHE), comm=comm,
                       profile_steps=args.profile_steps, seed=args.seed,

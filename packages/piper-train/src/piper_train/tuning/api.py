@@ -101,6 +101,7 @@ def tune(
     zeros: Sequence[int] = (0, 1, 2, 3),
     kinds: Sequence[str] = ("tp", "ep"),
     pps: Sequence[int] | None = None,
+    recompute: Sequence[bool] = (False,),
     optimizer: OptimizerSpec | None = None,
     backend: str | None = "cpu",
     address: str | None = None,
@@ -118,7 +119,8 @@ def tune(
     default ``2 * devices``), ``path/to/file.py:factory``, or a ``ModelSpec``.
     ``memory_budget_bytes`` is per rank; a budget no candidate fits raises ``MemoryPlanError``
     naming the smallest estimated requirement. ``pps`` limits the pipeline degrees, ``kinds``
-    the shard kinds (``"tp"``, ``"ep"``). ``comm`` = (latency s, bandwidth bytes/s)
+    the shard kinds (``"tp"``, ``"ep"``), ``recompute`` the recomputation choices (``(False,
+    True)``: each candidate without tp/ep also with every region recomputed). ``comm`` = (latency s, bandwidth bytes/s)
     replaces the measured link. ``keep=K`` ranks only the best K exactly (``search``: the
     rest are compiled only while they could still enter the top K); ``None`` ranks every
     candidate. ``progress(total)`` returns what hears each evaluation.
@@ -143,7 +145,7 @@ def tune(
         profiler.need("none", captured.batch_size, False)
         weights = profiler.profile.region_weights()
     candidates = enumerate_space(devices, regions, microbatches=microbatches, schedules=schedules, zeros=zeros,
-                                 kinds=kinds, weights=weights, pps=pps)
+                                 kinds=kinds, weights=weights, pps=pps, recompute=recompute)
     shard = _Sharder(captured)
     buildable = _buildable(candidates, captured, regions, shard)
     for variant, local, split in _needs(buildable, captured.batch_size):

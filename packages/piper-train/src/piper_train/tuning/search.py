@@ -159,20 +159,23 @@ def evaluate(
 def lower_bound(profile: Profile, candidate: Candidate) -> float:
     """A step time ``candidate`` cannot beat, from the profile alone: the busiest pipeline
     rank does at least its share of one replica's compute (every region's forward and
-    backward for every microbatch, each instruction with its overhead, spread over ``pp``
-    ranks), and where ranks share fewer cores, the cores do every rank's compute; plus the
-    step's fixed costs. 0 when the candidate's variant and size are not profiled."""
+    backward for every microbatch, the forward twice when recomputed, each instruction with
+    its overhead, spread over ``pp`` ranks), and where ranks share fewer cores, the cores do
+    every rank's compute; plus the step's fixed costs. 0 when the candidate's variant and
+    size are not profiled."""
     try:
         times = profile.times(candidate.variant, candidate.local_batch(profile.batch))
     except KeyError:
         return 0.0
     split = candidate.schedule in SPLIT_BACKWARD
     per_mb = 0.0
-    for phases in times.values():
+    for segment, phases in times.items():
         backward = phases.get("B", 0.0)
         if split:  # such a schedule splits some backwards, not necessarily all: the cheaper way
             backward = min(backward if "B" in phases else float("inf"), phases.get("BI", 0.0) + phases.get("BW", 0.0))
-        per_mb += phases.get("F", 0.0) + backward + 2 * profile.overhead
+        forward = phases.get("F", 0.0)
+        again = forward if candidate.recompute and segment != "loss" else 0.0  # regions recompute, the loss not
+        per_mb += forward + again + backward + 2 * profile.overhead
     work = candidate.microbatches * per_mb
     step = work / candidate.pp
     world = candidate.devices

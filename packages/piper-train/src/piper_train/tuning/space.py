@@ -2,17 +2,20 @@
 
 A ``Candidate`` is one point: a library schedule over ``pp`` pipeline ranks, ``dp``
 data-parallel replicas, tensor- or expert-parallel degree ``tp``/``ep``, a ZeRO level, a
-microbatch count, and where the schedule's stages begin among the model's annotated regions
-(``bounds``). ``Candidate.strategy(regions)`` is its program: the schedule built over one
+microbatch count, where the schedule's stages begin among the model's annotated regions
+(``bounds``), and whether every region recomputes its activations in its backward
+(``recompute``: less memory, one more forward per microbatch; not with tp/ep, which the
+runtime refuses). ``Candidate.strategy(regions)`` is its program: the schedule built over one
 region per schedule stage (``build_schedule(..., stages=chunks)``), every ``PP`` filter
-widened to the stage's regions (``rebound``), then ``parallelize`` — the same composition
-``piper train`` uses, so the JSON ``piper tune --out`` writes is what ``piper train --strategy``
+widened to the stage's regions (``rebound``), then ``parallelize`` and, when it recomputes, a ``Recompute`` of every region
+— the same composition ``piper train`` uses, so the JSON ``piper tune --out`` writes is what ``piper train --strategy``
 runs.
 
 ``enumerate_space`` lists the candidates for a device count: every factorisation
 ``pp * dp * k`` (k = tp or ep), every ZeRO level that applies, every schedule and microbatch
 count, and for each the even split of the regions and, given region weights, the balanced
-one (uneven regions, e.g. an embedding or an LM head, make the even split lopsided).
+one (uneven regions, e.g. an embedding or an LM head, make the even split lopsided), each
+without and (given ``recompute=(False, True)``) with recomputation.
 Candidates that cannot be built (a batch that does not divide, a schedule's own limits) are
 kept, with the reason, so the table can say why they were left out.
 
@@ -25,7 +28,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from piper_directives import SCHEDULES, Order, Place, Strategy, build_schedule, parallelize
+from piper_directives import SCHEDULES, Order, Place, Recompute, Strategy, build_schedule, parallelize
 from piper_ir import DirectiveError, Filter
 
 #: Schedule stages per pipeline rank (virtual stages for interleaved 1F1B and DualPipeV).
@@ -47,6 +50,7 @@ class Candidate:
     ep: int = 1
     zero: int = 0
     bounds: tuple[int, ...] | None = None
+    recompute: bool = False
 
     @property
     def devices(self) -> int:
@@ -82,6 +86,8 @@ class Candidate:
         if self.bounds is not None:
             parts.append("stages=" + "|".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}"
                                                for a, b in zip(self.bounds, self.bounds[1:], strict=False)))
+        if self.recompute:
+            parts.append("recompute")
         return " ".join(parts)
 
     def as_dict(self) -> dict[str, object]:
@@ -100,7 +106,8 @@ class Candidate:
                                  f"into {chunks} non-empty stages")
         pipeline = rebound(build_schedule(self.schedule, self.pp, self.microbatches, stages=chunks, tag=tag),
                            bounds, tag)
-        return parallelize(pipeline, dp=self.dp, zero=self.zero, tp=self.tp, ep=self.ep)
+        strategy = parallelize(pipeline, dp=self.dp, zero=self.zero, tp=self.tp, ep=self.ep)
+        return Strategy([*strategy.directives, Recompute({})]) if self.recompute else strategy
 
 
 def rebound(strategy: Strategy, bounds: Sequence[int], tag: str = "PP") -> Strategy:
@@ -195,12 +202,14 @@ def enumerate_space(
     kinds: Iterable[str] = ("tp", "ep"),
     weights: Sequence[float] | None = None,
     pps: Iterable[int] | None = None,
+    recompute: Iterable[bool] = (False,),
 ) -> list[Candidate]:
     """The candidates for ``devices`` devices and a model of ``regions`` regions (module
     doc). ``weights``, one per region (e.g. profiled forward + backward time), adds the
     balanced split where it differs from the even one. A ZeRO level above 0 needs a group
     to shard over (dp > 1, or ep > 1, whose group is data-parallel for the non-expert
-    weights)."""
+    weights). ``recompute`` lists the choices tried (recomputing only without tp/ep)."""
+    recomputes = sorted(set(recompute))
     microbatches, zeros, schedules, kinds = sorted(set(microbatches)), sorted(set(zeros)), list(schedules), tuple(kinds)
     out: list[Candidate] = []
     for pp, dp, tp, ep in factorizations(devices, kinds, pps):
@@ -219,5 +228,6 @@ def enumerate_space(
                 if not layouts:
                     layouts.append(None)  # refused later, with the library's reason
                 for m in microbatches:
-                    out.extend(Candidate(schedule, pp, m, dp, tp, ep, zero, b) for b in layouts)
+                    out.extend(Candidate(schedule, pp, m, dp, tp, ep, zero, b, r) for r in recomputes
+                               if not (r and (tp > 1 or ep > 1)) for b in layouts)
     return out
