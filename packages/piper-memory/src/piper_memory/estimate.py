@@ -34,7 +34,7 @@ categories ``piper_runtime.memory.RankMemory`` measures:
   backward), per microbatch; for a segment that recomputes its activations
   (``Segment.recompute``) its non-batch inputs until the backward, which then holds the
   recomputed forward's activations while it runs (until ``BW`` after a split backward),
-  and, at its start, the gradients it makes of its inputs too. The IR does not describe a segment's interior, so by default
+  and, at its start, the gradients of its outputs and those it makes of its inputs too. The IR does not describe a segment's interior, so by default
   this is the segment's outputs (``Segment.outputs`` value metas, one replica's shard of one
   microbatch), a lower bound that is exact in its *shape* across schedules (GPipe holds M
   microbatches, 1F1B at most the number of stages). ``activation_bytes`` (segment id -> bytes
@@ -277,7 +277,7 @@ class _RankReplay:
                 self.full[seg_id] = {seg_id: full}
         self.activation_bytes = dict(activation_bytes or {})
         self.kept: dict[str, int] = {}  # segment -> _kept_bytes (the same for every microbatch)
-        self.input_grads: dict[str, int] = {}  # segment -> _input_grad_bytes
+        self.pass_grads: dict[str, int] = {}  # segment -> _pass_grad_bytes
         self.recv_positions = [k for k, ins in enumerate(self.instructions) if ins.kind is NodeKind.RECV]
         # posted[j]: the bytes of the first j receives; a sample needs a window of them
         self.posted = list(itertools.accumulate(
@@ -315,11 +315,13 @@ class _RankReplay:
         values = self.program.value_by_name
         return sum(values[v].meta.nbytes() for v in seg.inputs if v in values and v not in batch)
 
-    def _input_grad_bytes(self, seg_id: str) -> int:
-        """The gradients a backward of ``seg_id`` makes of its inputs (those that need one)."""
+    def _pass_grad_bytes(self, seg_id: str) -> int:
+        """The gradients a backward of ``seg_id`` holds: of its outputs, which it reads, and
+        of its inputs (those that need one), which it makes."""
         seg = self.program.segment_by_id[seg_id]
         values = self.program.value_by_name
-        return sum(values[v].meta.nbytes() for v in seg.inputs if v in values and values[v].meta.requires_grad)
+        return sum(values[v].meta.nbytes() for v in (*seg.outputs, *seg.inputs)
+                   if v in values and values[v].meta.requires_grad)
 
     def _sample(self, position: int, transient: int = 0) -> None:
         grads = self.grads.total + self.grad_shards.total
@@ -421,13 +423,14 @@ class _RankReplay:
             for name in seg.outputs:
                 self.received.pop((grad_name(name), mb), None)
             if seg.recompute:
-                # The forward runs again: its activations exist while this pass runs, and
-                # before it frees them the pass makes the gradients of its inputs. (Where
-                # the activations were kept, their profiled bytes held more than the measured
-                # peak already; a recomputed pass's peak is this moment.)
-                made = self.input_grads.get(seg.id)
+                # The forward runs again: its activations exist while this pass runs, with
+                # the gradients of its outputs it reads and, before it frees them, those it
+                # makes of its inputs. (Where the activations were kept, their profiled bytes
+                # held more than the measured peak already; a recomputed pass's peak is this
+                # moment.)
+                made = self.pass_grads.get(seg.id)
                 if made is None:
-                    made = self.input_grads[seg.id] = self._input_grad_bytes(seg.id)
+                    made = self.pass_grads[seg.id] = self._pass_grad_bytes(seg.id)
                 self.acts[key] = self.acts.get(key, 0) + self._forward_bytes(seg.id) + made
                 self._sample(self.position)
                 self.acts[key] -= made
