@@ -57,16 +57,17 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("schedule", "zero"), [("dualpipev", 3), ("1f1b", 1)], ids=["dualpipev-dp2-zero3", "1f1b-dp2-zero1"]
+    ("schedule", "zero", "asynchronous"), [("dualpipev", 3, False), ("1f1b", 1, False), ("1f1b", 1, True)],
+    ids=["dualpipev-dp2-zero3", "1f1b-dp2-zero1", "1f1b-dp2-zero1-written-while-training"]
 )
-def test_resume_is_exact(schedule, zero, tmp_path) -> None:
+def test_resume_is_exact(schedule, zero, asynchronous, tmp_path) -> None:
     n = 3
     workload = build_model("mlp", stages=4, seed=11)
     strategy = build_schedule(schedule, 2, 4, stages=4, dp=2, zero=zero)
     with _trainer(workload, strategy) as trainer:
         whole = fit(trainer, workload.stream(), steps=2 * n)
         expected = trainer.parameters()
-    root = Checkpoints(tmp_path, every=n)
+    root = Checkpoints(tmp_path, every=n, asynchronous=asynchronous)
     with _trainer(workload, strategy) as trainer:
         first = fit(trainer, workload.stream(), steps=n, checkpoints=root)
     assert [p.name for p in first.checkpoints] == [f"step-{n:08d}"]
@@ -288,6 +289,32 @@ def test_restarts_after_killed_workers_finish_like_an_uninterrupted_run(tmp_path
     for (step, _, killed), back, restart in zip(killer.killed, killer.first_after, run.restarts, strict=True):
         print(f"killed after step {step}: training again after {back - killed:.2f} s "
               f"(restart and load {restart.seconds:.2f} s), {restart.recomputed} steps recomputed")
+
+
+def test_checkpoints_written_while_training_goes_on_survive_killed_workers(tmp_path) -> None:
+    """With the ranks writing each checkpoint while the next steps run, a worker killed
+    meanwhile takes that checkpoint with it (its temporary directory removed): the run goes
+    back to the latest complete one and still ends with an uninterrupted run's losses and
+    parameters, and every checkpoint it kept is complete."""
+    steps, every = 10, 3
+    workload = build_model("mlp", stages=2, seed=13)
+    strategy = build_schedule("1f1b", 2, 2, stages=2)
+    with _trainer(workload, strategy) as trainer:
+        whole = fit(trainer, workload.stream(), steps=steps)
+        expected = trainer.parameters()
+    root = Checkpoints(tmp_path, every, keep=10, asynchronous=True)
+    with _trainer(workload, strategy) as trainer:
+        killer = _Killer(trainer, {4, 8})
+        run = fit(trainer, workload.stream(), steps=steps, checkpoints=root, sinks=[killer], max_restarts=2)
+        params = trainer.parameters()
+    assert len(run.restarts) == 2
+    # The latest checkpoint complete when the rank died: the one before, if it was still being written.
+    assert run.restarts[0].resumed_from in (0, 3) and run.restarts[1].resumed_from in (3, 6)
+    assert [m.loss for m in run.steps] == [m.loss for m in whole.steps]
+    assert _equal(params, expected)
+    assert [p.name for p in run.checkpoints][-2:] == ["step-00000009", "step-00000010"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({p.name for p in run.checkpoints})  # no .tmp- left
+    assert all(p.name.startswith("step-") and (p / "piper.json").is_file() for p in tmp_path.iterdir())
 
 
 class _StopAt(_StepSink):

@@ -46,7 +46,7 @@ def test_jsonl_is_standard_json_with_a_schema(tmp_path) -> None:
     writer = JsonlWriter(path)
     writer.on_step(STEP, StepResult((0.5,), 0.5))
     writer.on_eval(EvalMetrics(3, 0.25, 2, 0.1))
-    writer.on_checkpoint(CheckpointMetrics(3, "ck/step-00000003", 5 * 2**20, 0.4))
+    writer.on_checkpoint(CheckpointMetrics(3, "ck/step-00000003", 5 * 2**20, 0.4, 0.1))
     writer.close()
     step, ev, ck = (_strict(line) for line in path.read_text().splitlines())
     assert step["schema"] == SCHEMA and step["kind"] == "step" and step["step"] == 3
@@ -54,7 +54,7 @@ def test_jsonl_is_standard_json_with_a_schema(tmp_path) -> None:
     assert step["peak_memory_bytes"] == [2**20, 3 * 2**20] and step["tokens_per_s"] == 51200.0
     assert ev == {"schema": SCHEMA, "kind": "eval", "step": 3, "loss": 0.25, "batches": 2, "seconds": 0.1}
     assert ck == {"schema": SCHEMA, "kind": "checkpoint", "step": 3, "path": "ck/step-00000003", "bytes": 5 * 2**20,
-                  "seconds": 0.4}
+                  "seconds": 0.4, "waited_seconds": 0.1}
     assert _strict(dumps({"x": [math.nan, 1.0]})) == {"x": ["NaN", 1.0]}
     with pytest.raises(ValueError, match="cannot write metrics"):
         JsonlWriter(tmp_path / "missing" / "m.jsonl")
@@ -66,13 +66,15 @@ def test_progress_prints_plain_lines_off_a_terminal() -> None:
     assert not progress.bar
     progress.on_step(StepMetrics(1, 0, 2.5, 3e-3, 0.7, 0.05, 0.0, 320.0, None, (2**20,), 1.0, 20), StepResult((2.5,), 2.5))
     progress.on_eval(EvalMetrics(1, 2.0, 4, 0.3))
-    progress.on_checkpoint(CheckpointMetrics(1, "ck/step-00000001", 3 * 2**19, 0.25))
+    progress.on_checkpoint(CheckpointMetrics(1, "ck/step-00000001", 3 * 2**19, 0.25, 0.25))
+    progress.on_checkpoint(CheckpointMetrics(2, "ck/step-00000002", 3 * 2**19, 0.25, 0.05))  # written meanwhile
     progress.close()
-    step, ev, ck = out.getvalue().splitlines()
+    step, ev, ck, written_meanwhile = out.getvalue().splitlines()
     assert step.startswith("step    1/20  loss   2.5000  lr 0.003  grad norm 0.7")
     assert "50.0 ms/step" in step and "320 samples/s" in step and "peak 1.0 MiB/rank" in step and "eta 0:00:01" in step
     assert ev == "eval after step 1: loss 2.0000 over 4 held-out batches (0.30 s)"
     assert ck == "checkpoint after step 1: ck/step-00000001 (1.5 MiB in 0.25 s)"
+    assert written_meanwhile == "checkpoint after step 2: ck/step-00000002 (1.5 MiB in 0.25 s; the steps waited 0.05 s)"
 
 
 def test_progress_draws_a_bar_when_asked() -> None:

@@ -9,7 +9,7 @@ from piper_runtime.memory import RankMemory
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.pool import WorkerPool, shared_pool
 from piper_runtime.results import InstructionTiming, StepOutput, StepResult
-from piper_runtime.runtime import DEFAULT_TIMEOUT_S, PendingStep, Runtime, StepRequest
+from piper_runtime.runtime import DEFAULT_TIMEOUT_S, PendingSave, PendingStep, Runtime, StepRequest
 from piper_runtime.worker import RankWorker
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "Backend",
     "InstructionTiming",
     "OptimizerSpec",
+    "PendingSave",
     "PendingStep",
     "RankMemory",
     "RankWorker",

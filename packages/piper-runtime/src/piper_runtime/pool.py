@@ -32,11 +32,14 @@ _PING_TIMEOUT_S = 10.0
 # The concurrency group of ``RankWorker.progress``: the watchdog's reads run on a thread of
 # their own, beside a step (every other method runs one at a time, in call order).
 MONITOR = "monitor"
+# The concurrency group of ``RankWorker.checkpoint_write``: a checkpoint's files are written on
+# a thread of their own while the next steps run (``Runtime.save_checkpoint(wait=False)``).
+WRITER = "writer"
 
 
 def worker_actor(**options: Any) -> Any:
     """The ``RankWorker`` actor class, with ``options``."""
-    actor = ray.remote(concurrency_groups={MONITOR: 1})(RankWorker)
+    actor = ray.remote(concurrency_groups={MONITOR: 1, WRITER: 1})(RankWorker)
     return actor.options(**options) if options else actor
 
 

@@ -52,7 +52,7 @@ from piper_runtime.merge import merge_outputs, merge_parameters
 from piper_runtime.numerics import check_on_nan, first_nonfinite
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.placement import Placement, check_resources, place_ranks
-from piper_runtime.pool import MONITOR, WorkerPool, WorkerSpec, kill_workers, pool_for, worker_actor
+from piper_runtime.pool import MONITOR, WRITER, WorkerPool, WorkerSpec, kill_workers, pool_for, worker_actor
 from piper_runtime.precision import compute_inputs
 from piper_runtime.progress import RankProgress, hang_report
 from piper_runtime.rendezvous import LOOPBACK
@@ -156,6 +156,7 @@ class Runtime:
         self._workers: list[Any] = []
         self._steps = 0
         self._in_flight = False  # a call was sent and its answers not all gathered
+        self._writing: PendingSave | None = None  # a checkpoint whose files the ranks are writing
         self._pending: collections.deque[PendingStep] = collections.deque()  # submitted, not gathered
         if backend is not None:
             backend_factory(backend)  # an unknown name fails before anything starts
@@ -402,14 +403,22 @@ class Runtime:
         shards = self._gather([w.parameter_shards.remote() for w in self._workers], 60.0, "parameters")
         return merge_parameters(self.program, per_rank, shards)
 
-    def save_checkpoint(self, path: str, objects: Mapping[str, Any] | None = None, timeout_s: float = 300.0) -> None:
+    def save_checkpoint(
+        self, path: str, objects: Mapping[str, Any] | None = None, timeout_s: float = 300.0, *, wait: bool = True
+    ) -> PendingSave | None:
         """Write a DCP checkpoint into the (new, empty) directory ``path``: every rank writes
         what it holds (``piper_runtime.checkpoint``), rank 0 also ``objects`` (picklable values
         by key); ``.metadata`` is written last, by this process. Not atomic by itself: the
-        caller writes into a temporary directory and renames it."""
-        from piper_runtime.checkpoint import finish, plan_globally  # on first use: DCP's import is slow
+        caller writes into a temporary directory and renames it.
+
+        ``wait=False``: return once every rank has copied what it holds (its local plan);
+        the ranks write their files on a thread of their own (``WRITER``) while the next
+        steps run, and the returned ``PendingSave`` completes the checkpoint (``wait``)."""
+        from piper_runtime.checkpoint import plan_globally  # on first use: DCP's import is slow
 
         self._check_open()
+        if self._writing is not None:
+            self._writing.wait(timeout_s)  # one checkpoint written at a time
         self._collect()  # after every submitted step
         extra = dict(objects or {})
         plans = self._gather(
@@ -417,11 +426,13 @@ class Runtime:
             timeout_s, "checkpoint",
         )
         plans, metadata = plan_globally(path, plans)
-        results = self._gather(
-            [w.checkpoint_write.remote(plan) for w, plan in zip(self._workers, plans, strict=True)],
-            timeout_s, "checkpoint",
-        )
-        finish(path, metadata, results)
+        refs = [w.checkpoint_write.options(concurrency_group=WRITER).remote(plan)
+                for w, plan in zip(self._workers, plans, strict=True)]
+        pending = self._writing = PendingSave(self, path, metadata, refs)
+        if not wait:
+            return pending
+        pending.wait(timeout_s)
+        return None
 
     def load_checkpoint(self, path: str, step: int, rng: bool = False, timeout_s: float = 300.0) -> None:
         """Every rank reads its parameters and optimizer state from the checkpoint at
@@ -442,7 +453,7 @@ class Runtime:
         reset them and give them back to the pool. Safe to call more than once."""
         if not self._finalizer.alive:
             return
-        if self._pool is not None and not self._in_flight and self._reset_workers():
+        if self._pool is not None and not self._in_flight and self._writing is None and self._reset_workers():
             self._finalizer.detach()
             workers, self._workers = self._workers, []  # the pool's now, maybe another runtime's
             self._pool.release(workers, self._spec)
@@ -628,6 +639,44 @@ class PendingStep:
             self.runtime._collect(self)
         assert self.done is not None  # _collect gathered it or raised
         return self.done
+
+
+class PendingSave:
+    """A checkpoint whose files the ranks are writing (``Runtime.save_checkpoint(wait=False)``):
+    ``done()`` says whether every rank has finished, ``wait()`` waits for them and writes
+    ``.metadata``, which completes the DCP checkpoint. A rank that fails while writing fails
+    the runtime, as a failing step does (``ExecutionError``)."""
+
+    def __init__(self, runtime: Runtime, path: str, metadata: Any, refs: list[Any]) -> None:
+        self.runtime = runtime
+        self.path = path
+        self.metadata = metadata
+        self.refs = refs
+        self.finished = False
+
+    def done(self) -> bool:
+        """Whether every rank's files are written (or a rank failed): ``wait`` will not block."""
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def wait(self, timeout_s: float = 300.0) -> None:
+        from piper_runtime.checkpoint import finish
+
+        if self.finished:
+            return
+        try:
+            results = self.runtime._gather(self.refs, timeout_s, "checkpoint")
+        finally:
+            self.finished = True
+            if self.runtime._writing is self:
+                self.runtime._writing = None
+        finish(self.path, self.metadata, results)
+
+    def abandon(self) -> None:
+        """Give the checkpoint up without waiting (the runtime failed: its ranks are gone)."""
+        self.finished = True
+        if self.runtime._writing is self:
+            self.runtime._writing = None
 
 
 def _one_node() -> bool:

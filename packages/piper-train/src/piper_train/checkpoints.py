@@ -18,10 +18,11 @@ import os
 import re
 import shutil
 import socket
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -126,13 +127,30 @@ def write_atomically(path: Path, write: Callable[[Path], None], manifest: Mappin
     """Write a checkpoint to ``path`` (which must not exist): ``write(tmp)`` fills a fresh
     temporary sibling, the manifest goes in last, then one rename makes it visible. On any
     failure the temporary directory is removed and nothing else is touched."""
+    tmp = begin_atomically(path)
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return complete_atomically(tmp, path, manifest)
+
+
+def begin_atomically(path: Path) -> Path:
+    """The fresh temporary sibling a checkpoint to ``path`` is written into (``CheckpointError``
+    when ``path`` exists: a checkpoint is never overwritten)."""
     if path.exists():
         raise CheckpointError(f"{path} already exists: a checkpoint is never overwritten")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".tmp-{path.name}-{_writer()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    return tmp
+
+
+def complete_atomically(tmp: Path, path: Path, manifest: Mapping[str, Any]) -> Path:
+    """The manifest into ``tmp`` (fsynced), then one rename to ``path``; on failure ``tmp`` is
+    removed."""
     try:
-        write(tmp)
         with open(tmp / MANIFEST, "w") as f:
             json.dump({"format": FORMAT, "version": VERSION, **manifest}, f, indent=1)
             f.flush()
@@ -143,6 +161,48 @@ def write_atomically(path: Path, write: Callable[[Path], None], manifest: Mappin
         raise
     _fsync_dir(path.parent)
     return path
+
+
+class Writing(Protocol):
+    """The workers' side of a checkpoint being written (``piper_runtime.PendingSave``)."""
+
+    def done(self) -> bool: ...
+
+    def wait(self, timeout_s: float = ...) -> None: ...
+
+    def abandon(self) -> None: ...
+
+
+class PendingCheckpoint:
+    """A checkpoint the ranks are writing into a temporary sibling of ``path`` while training
+    goes on (``Trainer.begin_checkpoint``): ``done()`` says whether ``finish`` would return at
+    once; ``finish()`` waits, writes the manifest and renames, returning ``path``; ``abandon()``
+    (after the workers failed) removes the temporary directory. ``staged_seconds``: how long
+    the steps waited for it (the ranks copying what they hold)."""
+
+    def __init__(self, path: Path, tmp: Path, manifest: Mapping[str, Any], writing: Writing,
+                 staged_seconds: float) -> None:
+        self.path = path
+        self.tmp = tmp
+        self.manifest = dict(manifest)
+        self.writing = writing
+        self.staged_seconds = staged_seconds
+        self.started = time.perf_counter() - staged_seconds
+
+    def done(self) -> bool:
+        return self.writing.done()
+
+    def finish(self, timeout_s: float = 300.0) -> Path:
+        try:
+            self.writing.wait(timeout_s)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        return complete_atomically(self.tmp, self.path, self.manifest)
+
+    def abandon(self) -> None:
+        self.writing.abandon()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def prune(root: Path, keep: int) -> list[Path]:
@@ -239,9 +299,12 @@ def _fsync_dir(path: Path) -> None:
 
 class Checkpoints:
     """Where and how often ``fit`` checkpoints: every ``every`` steps (0: only at the end)
-    into ``root``, keeping the newest ``keep``."""
+    into ``root``, keeping the newest ``keep``. ``asynchronous``: the periodic checkpoints are
+    written while the next steps run (the steps wait only for the ranks to copy what they
+    hold; one is written at a time; the last, at the end, is written before ``fit`` returns)."""
 
-    def __init__(self, root: str | os.PathLike[str], every: int = 0, keep: int = 3) -> None:
+    def __init__(self, root: str | os.PathLike[str], every: int = 0, keep: int = 3, *,
+                 asynchronous: bool = False) -> None:
         if every < 0:
             raise ValueError(f"checkpoint interval must be >= 0 steps, got {every}")
         if keep < 1:
@@ -249,6 +312,7 @@ class Checkpoints:
         self.root = Path(root)
         self.every = every
         self.keep = keep
+        self.asynchronous = asynchronous
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.root)

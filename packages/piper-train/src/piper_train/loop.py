@@ -43,7 +43,7 @@ from piper_runtime import PendingStep
 from piper_train import stopping
 from piper_train.batches import Batch, BatchStream
 from piper_train.call_size import AUTO, CallSize
-from piper_train.checkpoints import Checkpoints, prune
+from piper_train.checkpoints import Checkpoints, PendingCheckpoint, prune
 from piper_train.metrics import CheckpointMetrics, EvalMetrics, Sink, StepMetrics
 from piper_train.stopping import StopRequest
 from piper_train.trainer import Trainer, batch_tokens
@@ -181,14 +181,26 @@ def fit(
     inflight: collections.deque[_Flight] = collections.deque()  # sent, results not in yet; oldest first
     ended = False  # the data or the epochs ended
     abandoned: str | None = None  # how the workers failed after a stop was asked for: nothing more is saved
+    writing: PendingCheckpoint | None = None  # a checkpoint the ranks are writing (``Checkpoints.asynchronous``)
     last_done = time.perf_counter()
+
+    def complete_writing() -> None:
+        """Wait for the checkpoint being written and complete it (``ExecutionError`` when it
+        fails: the checkpoints before it stay as they were)."""
+        nonlocal writing
+        pending, writing = writing, None
+        if pending is not None:
+            written.append(_complete(pending, checkpoints, sinks))
 
     def recover(err: ExecutionError, failed: int | None = None) -> None:
         # A NaN is the model's, not the workers': replaying the same data would find it
         # again (``on_nan`` says what to do with one), so it never restarts the workers.
         # Once a stop is asked for, the run ends without starting new workers (the machine
         # may be going away: a SIGTERM to every process of a job), with what is saved.
-        nonlocal ended, saved_at, abandoned
+        nonlocal ended, saved_at, abandoned, writing
+        if writing is not None:  # its ranks are gone with the others: what they wrote is not a checkpoint
+            writing.abandon()
+            writing = None
         if stop and not isinstance(err, NumericalError):
             abandoned = abandoned or str(err).splitlines()[0]
             return
@@ -260,6 +272,13 @@ def fit(
 
     while True:
         stopping.raise_if_interrupted()  # a Ctrl-C whose exception was lost (``piper_train.stopping``)
+        if writing is not None and writing.done():
+            try:
+                complete_writing()
+            except ExecutionError as err:
+                recover(err)
+                inflight.clear()
+                continue
         # Keep one call in flight ahead of the one whose results come in next, unless the
         # newest step sent must be followed by quiet workers.
         calls = {id(f.call) for f in inflight}
@@ -273,9 +292,10 @@ def fit(
             # Done (the step count reached, the data or the epochs ended, a stop asked
             # for): the last checkpoint first, which a failure while writing it sends back
             # to the one before.
-            if checkpoints is None or saved_at == state.step or state.step == 0 or abandoned is not None:
-                break
             try:
+                complete_writing()
+                if checkpoints is None or saved_at == state.step or state.step == 0 or abandoned is not None:
+                    break
                 written.append(_save(trainer, checkpoints, sinks))
                 saved_at = state.step
             except ExecutionError as err:
@@ -328,7 +348,11 @@ def fit(
                 for sink in sinks:
                     sink.on_eval(ev)
             if checkpoints is not None and checkpoints.every and flight.step % checkpoints.every == 0:
-                written.append(_save(trainer, checkpoints, sinks))
+                if checkpoints.asynchronous:
+                    complete_writing()  # one at a time
+                    writing = _begin(trainer, checkpoints)
+                else:
+                    written.append(_save(trainer, checkpoints, sinks))
                 saved_at = state.step
         except ExecutionError as err:
             recover(err)
@@ -385,15 +409,41 @@ def _save(trainer: Trainer, checkpoints: Checkpoints, sinks: Sequence[Sink]) -> 
     try:
         path = trainer.save_checkpoint(target)
         seconds = time.perf_counter() - started
-        written = CheckpointMetrics(trainer.state.step, str(path), _bytes_under(path), seconds)
+        written = CheckpointMetrics(trainer.state.step, str(path), _bytes_under(path), seconds, seconds)
         prune(checkpoints.root, checkpoints.keep)
     except OSError as err:
         raise ExecutionError(f"writing checkpoint {target} failed: {err.strerror or err}") from err
+    _tell(sinks, written)
+    return path
+
+
+def _begin(trainer: Trainer, checkpoints: Checkpoints) -> PendingCheckpoint:
+    """Start this step's checkpoint; the ranks write it while the next steps run."""
+    target = checkpoints.path(trainer.state.step)
+    try:
+        return trainer.begin_checkpoint(target)
+    except OSError as err:
+        raise ExecutionError(f"writing checkpoint {target} failed: {err.strerror or err}") from err
+
+
+def _complete(pending: PendingCheckpoint, checkpoints: Checkpoints, sinks: Sequence[Sink]) -> Path:
+    """Wait for a checkpoint being written, complete it, tell the sinks and prune (as ``_save``)."""
+    try:
+        path = pending.finish()
+        written = CheckpointMetrics(int(pending.manifest["step"]), str(path), _bytes_under(path),
+                                    time.perf_counter() - pending.started, pending.staged_seconds)
+        prune(checkpoints.root, checkpoints.keep)
+    except OSError as err:
+        raise ExecutionError(f"writing checkpoint {pending.path} failed: {err.strerror or err}") from err
+    _tell(sinks, written)
+    return path
+
+
+def _tell(sinks: Sequence[Sink], written: CheckpointMetrics) -> None:
     for sink in sinks:
         on_checkpoint = getattr(sink, "on_checkpoint", None)
         if callable(on_checkpoint):
             on_checkpoint(written)
-    return path
 
 
 def _bytes_under(path: Path) -> int:

@@ -78,12 +78,14 @@ class EvalMetrics:
 @attrs.frozen
 class CheckpointMetrics:
     """A checkpoint written after step ``step`` to ``path``: ``bytes`` on disk, ``seconds`` from
-    asking the workers to the rename (the steps wait that long)."""
+    asking the workers to the rename, of which the steps waited ``waited_seconds`` (all of it,
+    unless the ranks wrote their files while the next steps ran: ``Checkpoints.asynchronous``)."""
 
     step: int
     path: str
     bytes: int
     seconds: float
+    waited_seconds: float
 
     def as_dict(self) -> dict[str, Any]:
         return json_safe({"schema": SCHEMA, "kind": "checkpoint", **attrs.asdict(self)})
@@ -141,7 +143,8 @@ def eval_line(m: EvalMetrics) -> str:
 
 
 def checkpoint_line(m: CheckpointMetrics) -> str:
-    return f"checkpoint after step {m.step}: {m.path} ({m.bytes / MIB:,.1f} MiB in {m.seconds:.2f} s)"
+    waited = f"; the steps waited {m.waited_seconds:.2f} s" if m.waited_seconds < m.seconds else ""
+    return f"checkpoint after step {m.step}: {m.path} ({m.bytes / MIB:,.1f} MiB in {m.seconds:.2f} s{waited})"
 
 
 def _clock(seconds: float) -> str:

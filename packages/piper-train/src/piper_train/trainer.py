@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -47,7 +48,15 @@ from piper_runtime.batch import full_batch_shape
 from piper_runtime.checkpoint import read_objects
 from piper_scheduler import compile_program, forward_only
 from piper_train import stopping
-from piper_train.checkpoints import UNTRACED, check_compatible, read_manifest, resolve, write_atomically
+from piper_train.checkpoints import (
+    UNTRACED,
+    PendingCheckpoint,
+    begin_atomically,
+    check_compatible,
+    read_manifest,
+    resolve,
+    write_atomically,
+)
 from piper_train.schedule import LearningRate, LRSchedule
 from piper_train.state import TrainState
 
@@ -343,7 +352,30 @@ class Trainer:
         """Write a checkpoint of the model, optimizer and ``state`` to the directory ``path``
         (which must not exist), atomically: into a temporary sibling, renamed when complete."""
         path = Path(path)
-        manifest = {
+        state = {"train_state": self.state.state_dict(), UNTRACED: dict(self.untraced)}
+        return write_atomically(path, lambda tmp: self.runtime.save_checkpoint(str(tmp), state), self._manifest())
+
+    def begin_checkpoint(self, path: str | os.PathLike[str]) -> PendingCheckpoint:
+        """``save_checkpoint`` that returns once the ranks have copied what they hold (the
+        steps wait that long): they write their files while the next steps run, and the
+        returned ``PendingCheckpoint`` completes it (``finish``: the metadata, the manifest,
+        the rename). One checkpoint is written at a time: the next waits for this one."""
+        path = Path(path)
+        started = time.perf_counter()
+        state = {"train_state": self.state.state_dict(), UNTRACED: dict(self.untraced)}
+        manifest = self._manifest()
+        tmp = begin_atomically(path)
+        try:
+            writing = self.runtime.save_checkpoint(str(tmp), state, wait=False)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        assert writing is not None
+        return PendingCheckpoint(path, tmp, manifest, writing, time.perf_counter() - started)
+
+    def _manifest(self) -> dict[str, Any]:
+        """What a checkpoint's ``piper.json`` says of this run, now."""
+        return {
             "step": self.state.step,
             "optimizer": self.optimizer.name,
             "parameters": {name: list(shape) for name, shape in self._all_shapes().items()},
@@ -359,8 +391,6 @@ class Trainer:
             # ``export`` restores a tie under each of its names.
             "ties": {q: tie.name for tie in self.program.ties for _, q in tie.holders if q != tie.name},
         }
-        state = {"train_state": self.state.state_dict(), UNTRACED: dict(self.untraced)}
-        return write_atomically(path, lambda tmp: self.runtime.save_checkpoint(str(tmp), state), manifest)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """Continue from the checkpoint ``path`` (or the latest complete one under it), saved

@@ -10,7 +10,7 @@ take it, and the checks argparse cannot express.
 | optimization | --lr-schedule, --warmup-steps, --min-lr, --lr-step-size, --lr-gamma, --clip-grad-norm, --weight-decay | train, check |
 | summary | --json (a machine-readable summary; standard JSON: a NaN or infinite number is written as the string "NaN", "Infinity" or "-Infinity") | train, check |
 | length, evaluation, metrics | --steps, --epochs, --eval-every, --eval-batches, --metrics, --tensorboard, --profile-step, --steps-per-call, --on-nan, ... | train |
-| checkpoints | --checkpoint-dir, --checkpoint-every, --keep-checkpoints, --resume, --max-restarts | train |
+| checkpoints | --checkpoint-dir, --checkpoint-every, --keep-checkpoints, --checkpoint-async, --resume, --max-restarts | train |
 | simulation | --cost, --json, --png, --trace | simulate, show |
 | tune | --devices, --stages, --memory-budget-mb, --microbatch-range, --schedules, --zero-levels, --recompute, --top, --out, --validate, ... | tune |
 """
@@ -245,6 +245,10 @@ def add_checkpoints(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="checkpoint every N steps (default: 0, only at the end)")
     p.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest K checkpoints (default: 3)")
+    p.add_argument("--checkpoint-async", action="store_true",
+                   help="write each periodic checkpoint while the next steps run: the steps wait only for the ranks "
+                        "to copy what they hold (host memory for one more copy of it); torchtitan's "
+                        "checkpoint.async_mode")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest complete checkpoint in --checkpoint-dir (saved under any strategy)")
     p.add_argument("--max-restarts", type=int, default=0,
@@ -384,7 +388,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if getattr(args, "keep_checkpoints", 1) < 1:
         parser.error("--keep-checkpoints must be >= 1")
     if getattr(args, "checkpoint_dir", None) is None:
-        for name in ("resume", "checkpoint_every", "max_restarts"):
+        for name in ("resume", "checkpoint_every", "max_restarts", "checkpoint_async"):
             if getattr(args, name, None):
                 parser.error(f"--{name.replace('_', '-')} needs --checkpoint-dir")
     if getattr(args, "timeout", 1.0) <= 0:

@@ -94,7 +94,8 @@ def train_command(args: argparse.Namespace) -> int:
     request = StrategyRequest.from_args(args)
     say(args, f"piper train: {_describe(args, request)}, {length}")
     started = time.perf_counter()
-    checkpoints = (Checkpoints(args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints)
+    checkpoints = (Checkpoints(args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints,
+                               asynchronous=args.checkpoint_async)
                    if args.checkpoint_dir is not None else None)
     if checkpoints is not None and not args.resume and checkpoints.latest() is not None:
         # Refused before any worker starts (fit refuses too).
