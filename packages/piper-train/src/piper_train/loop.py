@@ -15,7 +15,11 @@ evaluates ``held_out`` after every that many steps. The batch stream is the
 Checkpoints (``Checkpoints``): every ``every`` steps and at the end, into ``root``, keeping
 the newest ``keep``; ``resume`` continues from the latest complete one. A root that already
 holds checkpoints is refused without ``resume`` (nothing of another run is overwritten or
-pruned). Fault tolerance: ``max_restarts`` times, an ``ExecutionError`` (a worker died,
+pruned). With ``Checkpoints(asynchronous=True)`` the ranks write each periodic checkpoint
+while the next steps run (the steps wait only for their copy of what they hold), and the
+loop completes it between steps once they are done; a failure meanwhile takes that one
+checkpoint with it. Every checkpoint is said to the sinks that have ``on_checkpoint``.
+Fault tolerance: ``max_restarts`` times, an ``ExecutionError`` (a worker died,
 raised, or did not answer within the step timeout; the runtime has torn every worker down)
 makes ``fit`` start new workers (``Trainer.restart``), reload the latest complete checkpoint
 (or, without one, go back to the state ``fit`` began with, when that was the start of
