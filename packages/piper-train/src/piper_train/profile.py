@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from piper_ir import Program
+from piper_ir import Program, Segment
 
 
 def activation_bytes(
@@ -33,10 +33,20 @@ def activation_bytes(
         n: t[: t.shape[0] // shard]
         for n, t in zip((*program.inputs, *program.targets), (*inputs, *targets), strict=True)
     }
+    return forward_kept_bytes(program.segments, modules, values)
+
+
+def forward_kept_bytes(
+    segments: Sequence[Segment], modules: Mapping[str, nn.Module], values: Mapping[str, torch.Tensor]
+) -> dict[str, int]:
+    """Segment id -> the bytes its forward keeps (module doc), running ``segments`` in
+    dataflow order on ``values`` (the batch's tensors by name; the batch itself is not
+    counted)."""
+    values = dict(values)
     batch = {t.untyped_storage().data_ptr() for t in values.values()}
     out: dict[str, int] = {}
     with torch.random.fork_rng(devices=[]):
-        for seg in program.segments:  # in dataflow order
+        for seg in segments:  # in dataflow order
             module = modules[seg.id]
             args = [
                 values[n].detach().requires_grad_(True) if values[n].is_floating_point() else values[n]

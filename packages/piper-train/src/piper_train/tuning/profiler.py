@@ -12,8 +12,10 @@ the executor's own costs and the link, cached on disk.
   compute spent waiting inside its collectives; as in ``benchmarks/bench_simulate_vs_runtime.py``,
   means rather than medians, since a step takes what its instructions really took.
 - **Activations** (``activation_bytes``): each captured segment's forward on the example
-  batch in this process, counting the storages autograd saves (parameters excluded) and its
-  outputs, per sample.
+  batch in this process, counting what the runtime holds for its backward as
+  ``piper_train.profile`` does (the storages autograd saves, the forward's inputs and
+  outputs; not parameters or the batch), per sample. Until 2026-12-02 the inputs were left
+  out, and estimates of recomputing candidates fell below the measured peak.
 - **Link** (``ping_pong``): two processes send tensors of growing size back and forth
   through the CPU backend's point-to-point channel, as two ranks on this host would (shared
   memory, or gloo with ``PIPER_SHM_DISABLE=1``); latency is the smallest one-way time,
@@ -44,6 +46,7 @@ from piper_ir import NodeKind
 from piper_runtime import OptimizerSpec
 from piper_runtime.backends import Communicator
 from piper_train.models import ModelSpec
+from piper_train.profile import forward_kept_bytes
 from piper_train.trainer import Trainer
 from piper_train.tuning.costs import Profile
 
@@ -58,6 +61,11 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+#: What a cached profile holds: one of another format is measured again (2, 2026-12-02: the
+#: activation bytes count the forward's inputs).
+PROFILE_FORMAT = 2
+
+
 def profile_key(name: str, captured: CapturedModel, backend: str) -> str:
     """The cache key: the model's name, its graph's structure and shapes (segments, their
     parameters and values; not the code), the backend (and on the CPU, whether messages go
@@ -66,7 +74,8 @@ def profile_key(name: str, captured: CapturedModel, backend: str) -> str:
 
     g = captured.graph
     transport = "shm" if backend == "cpu" and shm_enabled() else "gloo"
-    shape = [name, backend, transport, torch.__version__, usable_cores(), list(g.inputs), list(g.targets)]
+    shape = [PROFILE_FORMAT, name, backend, transport, torch.__version__, usable_cores(), list(g.inputs),
+             list(g.targets)]
     shape += [[s.id, s.role.value, sorted(s.tags.as_dict().items()) if hasattr(s.tags, "as_dict") else str(s.tags),
                list(s.inputs), list(s.outputs), [(n, str(m)) for n, m in s.params]] for s in g.segments]
     shape += [[v.name, str(v.meta)] for v in g.values]
@@ -80,29 +89,9 @@ def activation_bytes(captured: CapturedModel, inputs: Iterable[torch.Tensor], ta
     """Per segment, the bytes one forward keeps for its backward, per sample of the batch
     (module doc)."""
     graph = captured.graph
-    values: dict[str, torch.Tensor] = dict(zip(graph.inputs, inputs, strict=False))
-    values.update(zip(graph.targets, targets, strict=False))
-    out: dict[str, float] = {}
-    for seg in graph.segments:
-        module = captured.modules[seg.id]
-        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor, saved: dict[int, int] = saved, params: set[int] = params) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in params:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        args = [values[name].detach().requires_grad_(values[name].is_floating_point()) for name in seg.inputs]
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            result = module(*args)
-        outs = (result,) if isinstance(result, torch.Tensor) else tuple(result)
-        for name, o in zip(seg.outputs, outs, strict=False):
-            values[name] = o.detach()
-            saved.setdefault(o.untyped_storage().data_ptr(), o.untyped_storage().nbytes())
-        out[seg.id] = sum(saved.values()) / captured.batch_size
-    return out
+    values = {**dict(zip(graph.inputs, inputs, strict=False)), **dict(zip(graph.targets, targets, strict=False))}
+    kept = forward_kept_bytes(graph.segments, captured.modules, values)
+    return {seg: nbytes / captured.batch_size for seg, nbytes in kept.items()}
 
 
 @attrs.frozen
