@@ -328,6 +328,30 @@ class _StopAt(_StepSink):
             self.stop.request("asked")
 
 
+def test_a_stop_while_a_checkpoint_is_written_completes_it_and_the_run_resumes_exactly(tmp_path) -> None:
+    """Stopped as step 3's checkpoint starts being written while training would go on: the
+    run ends at step 3 (nothing is sent after a checkpoint's step before it is taken), with
+    that checkpoint complete, and resumes from it like an uninterrupted run."""
+    steps = 8
+    workload = build_model("mlp", stages=2, seed=17)
+    strategy = build_schedule("1f1b", 2, 2, stages=2)
+    with _trainer(workload, strategy) as trainer:
+        whole = fit(trainer, workload.stream(), steps=steps)
+        expected = trainer.parameters()
+    root = Checkpoints(tmp_path, every=3, asynchronous=True)
+    with _trainer(workload, strategy) as trainer:
+        stop = StopRequest()
+        first = fit(trainer, workload.stream(), steps=steps, checkpoints=root, sinks=[_StopAt(stop, 3)], stop=stop,
+                    steps_per_call=1)
+    assert first.stopped == "asked" and [m.step for m in first.steps] == [1, 2, 3]
+    assert [p.name for p in first.checkpoints] == [p.name for p in tmp_path.iterdir()] == ["step-00000003"]
+    assert (tmp_path / "step-00000003" / "piper.json").is_file()
+    with _trainer(workload, strategy) as trainer:
+        second = fit(trainer, workload.stream(), steps=steps, checkpoints=root, resume=True)
+        assert [m.loss for m in first.steps + second.steps] == [m.loss for m in whole.steps]
+        assert _equal(trainer.parameters(), expected)
+
+
 @pytest.mark.parametrize("steps_per_call", [1, 2])
 def test_a_stop_ends_at_a_step_with_its_checkpoint_and_the_run_resumes_exactly(tmp_path, steps_per_call) -> None:
     """What ``piper train`` does on SIGTERM: no step is sent after the request, those sent
