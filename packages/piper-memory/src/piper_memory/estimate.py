@@ -34,11 +34,12 @@ categories ``piper_runtime.memory.RankMemory`` measures:
   backward), per microbatch; for a segment that recomputes its activations
   (``Segment.recompute``) its non-batch inputs until the backward, which then holds the
   recomputed forward's activations while it runs (until ``BW`` after a split backward),
-  and, at its start, the gradients of its outputs and those it makes of its inputs too. The IR does not describe a segment's interior, so by default
-  this is the segment's outputs (``Segment.outputs`` value metas, one replica's shard of one
-  microbatch), a lower bound that is exact in its *shape* across schedules (GPipe holds M
-  microbatches, 1F1B at most the number of stages). ``activation_bytes`` (segment id -> bytes
-  one forward keeps, e.g. profiled once on one device) replaces it per segment.
+  and, at its start, the gradients of its outputs and those it makes of its inputs too.
+  The IR does not describe a segment's interior, so by default this is the segment's
+  outputs (``Segment.outputs`` value metas, one replica's shard of one microbatch), a lower
+  bound that is exact in its *shape* across schedules (GPipe holds M microbatches, 1F1B at
+  most the number of stages). ``activation_bytes`` (segment id -> bytes one forward keeps,
+  e.g. profiled once on one device) replaces it per segment.
 
 ``peak_bytes`` is the largest simultaneous sum of all five over the order, the figure a
 per-rank budget has to hold; ``total_bytes`` (model state plus activations, each at its own
