@@ -52,6 +52,13 @@ def _trainer(workload, strategy, optimizer=ADAMW) -> Trainer:
                    optimizer=optimizer)
 
 
+def _uninterrupted(workload, strategy, steps: int):
+    """A run of ``steps`` steps without checkpoints or faults, and its final parameters: the
+    oracle a stopped, resumed or restarted run must match bit for bit."""
+    with _trainer(workload, strategy) as trainer:
+        return fit(trainer, workload.stream(), steps=steps), trainer.parameters()
+
+
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
@@ -299,9 +306,7 @@ def test_checkpoints_written_while_training_goes_on_survive_killed_workers(tmp_p
     steps, every = 10, 3
     workload = build_model("mlp", stages=2, seed=13)
     strategy = build_schedule("1f1b", 2, 2, stages=2)
-    with _trainer(workload, strategy) as trainer:
-        whole = fit(trainer, workload.stream(), steps=steps)
-        expected = trainer.parameters()
+    whole, expected = _uninterrupted(workload, strategy, steps)
     root = Checkpoints(tmp_path, every, keep=10, asynchronous=True)
     with _trainer(workload, strategy) as trainer:
         killer = _Killer(trainer, {4, 8})
@@ -335,9 +340,7 @@ def test_a_stop_while_a_checkpoint_is_written_completes_it_and_the_run_resumes_e
     steps = 8
     workload = build_model("mlp", stages=2, seed=17)
     strategy = build_schedule("1f1b", 2, 2, stages=2)
-    with _trainer(workload, strategy) as trainer:
-        whole = fit(trainer, workload.stream(), steps=steps)
-        expected = trainer.parameters()
+    whole, expected = _uninterrupted(workload, strategy, steps)
     root = Checkpoints(tmp_path, every=3, asynchronous=True)
     with _trainer(workload, strategy) as trainer:
         stop = StopRequest()
@@ -359,9 +362,7 @@ def test_a_stop_ends_at_a_step_with_its_checkpoint_and_the_run_resumes_exactly(t
     steps = 8
     workload = build_model("mlp", stages=2, seed=17)
     strategy = build_schedule("1f1b", 2, 2, stages=2)
-    with _trainer(workload, strategy) as trainer:
-        whole = fit(trainer, workload.stream(), steps=steps)
-        expected = trainer.parameters()
+    whole, expected = _uninterrupted(workload, strategy, steps)
     root = Checkpoints(tmp_path, every=100)  # none on the way: the stop writes the only one
     with _trainer(workload, strategy) as trainer:
         stop = StopRequest()
