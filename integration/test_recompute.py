@@ -3,7 +3,7 @@ drop a region's activations after its forward and recompute them for its backwar
 gradients are those of training without it (bit for bit: the same operations, the same
 dropout masks) and match single-device training; the estimate and the measured per-rank
 peak both hold less (benchmarks/bench_recompute.py prints the figures at a larger size).
-``piper train/check --recompute all`` recomputes every region."""
+``piper train/check --recompute all`` recomputes every region, ``--recompute N`` every N-th."""
 
 from __future__ import annotations
 
@@ -91,6 +91,13 @@ def test_the_command_line_recomputes_every_region(piper):
     kept_run, recomputed_run = json.loads(kept.stdout), json.loads(recomputed.stdout)
     assert recomputed_run["losses"] == kept_run["losses"]
     assert all(r < k for r, k in zip(recomputed_run["peak_memory_bytes"], kept_run["peak_memory_bytes"], strict=True))
+    # Every 2nd region: of lm's two (one per rank), region 0 only; rank 1 holds what it held.
+    every_other = piper(*base, "--recompute", "2")
+    assert every_other.returncode == 0 and "recompute=2" in every_other.stderr
+    every_other_run = json.loads(every_other.stdout)
+    assert every_other_run["losses"] == kept_run["losses"]
+    (first, second), (kept_first, kept_second) = every_other_run["peak_memory_bytes"], kept_run["peak_memory_bytes"]
+    assert first < kept_first and second == kept_second
     gpt = f"{Path(__file__).parent / 'fixtures' / 'user_model.py'}:gpt"
     checked = piper("check", "--model", gpt, "--pp", "2", "--steps", "2", "--recompute", "all")
     assert checked.returncode == 0 and "recompute=all" in checked.stdout and "PASS" in checked.stdout

@@ -106,8 +106,10 @@ def test_ep_composes_with_a_schedule_and_a_strategy_file(tmp_path: Path) -> None
         (["check", "--ep", "0"], "--ep must be >= 1"),
         (["train", "--ep", "2", "--tp", "2"], "--ep with --tp (tensor and expert parallelism in one strategy) "
                                               "is not supported yet"),
-        (["check", "--recompute", "all", "--tp", "2"], "--recompute all with --tp or --ep: recomputing a tensor- or "
+        (["check", "--recompute", "all", "--tp", "2"], "--recompute with --tp or --ep: recomputing a tensor- or "
                                                        "expert-parallel region"),
+        (["train", "--recompute", "0"], "expected none, all or a region interval N >= 1; got '0'"),
+        (["train", "--recompute", "some"], "expected none, all or a region interval N >= 1; got 'some'"),
     ],
 )
 def test_bad_ep_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -146,6 +148,11 @@ def test_recompute_all_adds_one_recompute_of_every_region_after_the_parallelisms
     assert recomputed.of(Recompute) == [Recompute({})] and not plain.of(Recompute)
     from_file = _request("--strategy", _file(tmp_path, one_f_one_b(2, 4, stages=4)), "--recompute", "all")
     assert from_file.resolve(None).of(Recompute) == [Recompute({})]
+    # Every N-th region (torchtitan's selective mode with an int): regions 0, N, 2N, ...
+    assert _request("--recompute", "2").resolve(6).of(Recompute) == [Recompute({"PP": k}) for k in (0, 2, 4)]
+    assert _request("--strategy", _file(tmp_path, one_f_one_b(2, 4, stages=4)), "--recompute", "3").resolve(
+        None).of(Recompute) == [Recompute({"PP": 0}), Recompute({"PP": 3})]  # the program's 4 regions
+    assert _request("--recompute", "none").resolve(2).of(Recompute) == []
 
 
 def test_strategy_request_reads_the_file_once_and_says_what_needs_the_model(tmp_path: Path) -> None:

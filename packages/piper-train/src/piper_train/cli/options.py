@@ -65,11 +65,12 @@ def add_parallelism(p: argparse.ArgumentParser) -> None:
                    help="expert-parallel ranks per pipeline stage and replica (Shard kind='ep': data-parallel for "
                         "non-expert weights, experts split across the group, each expert's gradient reduced "
                         "over the --dp ranks holding it; adjacent devices) (default: 1)")
-    p.add_argument("--recompute", choices=["none", "all"], default="none",
+    p.add_argument("--recompute", type=_recompute_every, default=0, metavar="none|all|N",
                    help="all: drop every region's activations after its forward and recompute them in its "
                         "backward (activation checkpointing; torchtitan's --activation_checkpoint.mode full): less "
-                        "memory for about one more forward per step; the Recompute directive chooses regions "
-                        "(default: none)")
+                        "memory for about one more forward per step; N: every N-th region only (regions 0, N, "
+                        "2N, ...; torchtitan's selective mode with an int); the Recompute directive chooses any "
+                        "regions (default: none)")
 
 
 def add_seed(p: argparse.ArgumentParser) -> None:
@@ -136,6 +137,20 @@ def add_simulation(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print makespan, per-rank busy and idle time as JSON")
     p.add_argument("--png", type=output_file, help="write a Gantt chart of the simulated step (needs matplotlib)")
     p.add_argument("--trace", type=output_file, help="write a Chrome/Perfetto trace of the simulated step")
+
+
+def _recompute_every(text: str) -> int:
+    """``--recompute``: ``none`` (0), ``all`` (1) or every N-th region (N >= 1)."""
+    named = {"none": 0, "all": 1}
+    if text in named:
+        return named[text]
+    try:
+        every = int(text)
+    except ValueError:
+        every = 0
+    if every < 1:
+        raise argparse.ArgumentTypeError(f"expected none, all or a region interval N >= 1; got {text!r}")
+    return every
 
 
 def _comma_list(kind: Callable[[str], object], choices: Sequence[object] | None = None) -> Callable[[str], list]:
@@ -372,8 +387,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--eval-batches must be >= 1 with --eval-every")
     if getattr(args, "lr_schedule", None) == "step" and args.lr_step_size is None:
         parser.error("--lr-schedule step needs --lr-step-size")
-    if getattr(args, "recompute", "none") != "none" and (getattr(args, "tp", 1) > 1 or getattr(args, "ep", 1) > 1):
-        parser.error("--recompute all with --tp or --ep: recomputing a tensor- or expert-parallel region (its "
+    recompute = getattr(args, "recompute", 0)
+    if recompute and isinstance(recompute, int) and (getattr(args, "tp", 1) > 1 or getattr(args, "ep", 1) > 1):
+        parser.error("--recompute with --tp or --ep: recomputing a tensor- or expert-parallel region (its "
                      "forward's collectives issued again in its backward) is not supported yet; a --strategy "
                      "file can Recompute the regions it does not Shard")
     if getattr(args, "ep", 1) > 1 and getattr(args, "tp", 1) > 1:

@@ -3,8 +3,8 @@
 A pipeline program comes from a library schedule (``--schedule/--pp/--microbatches``) or a
 file (``--strategy``: a JSON directive program, or a torch.distributed.pipelining CSV); the
 parallelisms (``--dp/--zero/--tp/--ep``) go on top of it with ``parallelize``, the same
-composition ``build_schedule`` and ``Trainer.with_schedule`` use, and ``--recompute all`` adds
-a ``Recompute`` of every region.
+composition ``build_schedule`` and ``Trainer.with_schedule`` use, and ``--recompute`` adds a
+``Recompute`` of every region (``all``) or of every N-th one.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class StrategyRequest:
     tp: int = 1
     ep: int = 1
     stages: int | None = None  # --stages: the model's annotated regions, when the user says
-    recompute: bool = False  # --recompute all: every region's activations recomputed in its backward
+    recompute: int = 0  # --recompute: 0 none, 1 every region, N every N-th region (0, N, 2N, ...)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StrategyRequest:
@@ -67,7 +67,7 @@ class StrategyRequest:
         return cls(
             args.schedule, args.pp, args.microbatches, args.strategy, program, torch_csv,
             getattr(args, "dp", 1), getattr(args, "zero", 0), getattr(args, "tp", 1), getattr(args, "ep", 1),
-            getattr(args, "stages", None), getattr(args, "recompute", "none") == "all",
+            getattr(args, "stages", None), getattr(args, "recompute", 0),
         )
 
     @property
@@ -101,8 +101,17 @@ class StrategyRequest:
             strategy = parallelize(pipeline, dp=self.dp, zero=self.zero, tp=self.tp, ep=self.ep)
         if not self.recompute:
             return strategy
-        with written_at("the command line (--recompute all)"):
-            return Strategy([*strategy.directives, Recompute({})])  # an empty filter: every region
+        with written_at(f"the command line (--recompute {self.recompute_name})"):
+            if self.recompute == 1:
+                return Strategy([*strategy.directives, Recompute({})])  # an empty filter: every region
+            count = regions if regions is not None else placed_regions(strategy)
+            picked = [Recompute({"PP": k}) for k in range(0, count, self.recompute)]
+            return Strategy([*strategy.directives, *picked])
+
+    @property
+    def recompute_name(self) -> str:
+        """How ``--recompute`` was given: ``all``, or the interval N."""
+        return "all" if self.recompute == 1 else str(self.recompute)
 
     def check_regions(self, regions: int | None) -> None:
         """``--stages`` is honoured, never ignored: a model whose region count differs from it

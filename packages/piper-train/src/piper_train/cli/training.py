@@ -70,7 +70,7 @@ def _describe(args: argparse.Namespace, request: StrategyRequest) -> str:
     says them, not ``--pp``/``--microbatches``), the parallelisms and the precision."""
     pp, microbatches = request.shape()
     precision = f", precision={args.precision}" if args.precision else ""
-    recompute = ", recompute=all" if request.recompute else ""
+    recompute = f", recompute={request.recompute_name}" if request.recompute else ""
     return (f"model {args.model}, {request.name}, pp={pp}, dp={args.dp}, tp={args.tp}, ep={args.ep}, "
             f"zero={args.zero}, microbatches={microbatches}{precision}{recompute}")
 
