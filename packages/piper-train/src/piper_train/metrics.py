@@ -59,7 +59,7 @@ class StepMetrics:
     skipped: bool = False  # the step was undone for it (``on_nan="skip-step"``)
 
     def as_dict(self) -> dict[str, Any]:
-        return json_safe({"schema": SCHEMA, "kind": "step", **attrs.asdict(self)})
+        return record("step", self)
 
 
 @attrs.frozen
@@ -72,7 +72,7 @@ class EvalMetrics:
     seconds: float
 
     def as_dict(self) -> dict[str, Any]:
-        return json_safe({"schema": SCHEMA, "kind": "eval", **attrs.asdict(self)})
+        return record("eval", self)
 
 
 @attrs.frozen
@@ -88,7 +88,7 @@ class CheckpointMetrics:
     waited_seconds: float
 
     def as_dict(self) -> dict[str, Any]:
-        return json_safe({"schema": SCHEMA, "kind": "checkpoint", **attrs.asdict(self)})
+        return record("checkpoint", self)
 
 
 class Sink(Protocol):
@@ -99,6 +99,11 @@ class Sink(Protocol):
     def on_eval(self, metrics: EvalMetrics) -> None: ...
 
     def close(self) -> None: ...
+
+
+def record(kind: str, figures: Any) -> dict[str, Any]:
+    """One JSON record of ``figures`` (an attrs instance): the schema, its ``kind``, its fields."""
+    return json_safe({"schema": SCHEMA, "kind": kind, **attrs.asdict(figures)})
 
 
 def json_safe(value: Any) -> Any:

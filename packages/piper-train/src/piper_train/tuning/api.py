@@ -119,9 +119,9 @@ def tune(
     default ``2 * devices``), ``path/to/file.py:factory``, or a ``ModelSpec``.
     ``memory_budget_bytes`` is per rank; a budget no candidate fits raises ``MemoryPlanError``
     naming the smallest estimated requirement. ``pps`` limits the pipeline degrees, ``kinds``
-    the shard kinds (``"tp"``, ``"ep"``), ``recompute`` the recomputation choices (``(False,
-    True)``: each candidate without tp/ep also with every region recomputed). ``comm`` = (latency s, bandwidth bytes/s)
-    replaces the measured link. ``keep=K`` ranks only the best K exactly (``search``: the
+    the shard kinds (``"tp"``, ``"ep"``), ``recompute`` the recomputation choices
+    (``(False, True)``: each candidate without tp/ep also with every region recomputed).
+    ``comm`` = (latency s, bandwidth bytes/s) replaces the measured link. ``keep=K`` ranks only the best K exactly (``search``: the
     rest are compiled only while they could still enter the top K); ``None`` ranks every
     candidate. ``progress(total)`` returns what hears each evaluation.
     """
