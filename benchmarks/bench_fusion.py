@@ -7,15 +7,18 @@ off: ``Trainer(..., fuse_loss_backward=False)``). ``--fusion grads``: each micro
 for weights of ``--min-bytes`` or more (default ``MIN_WEIGHT_BYTES``, 1 MiB: the runtime's
 default; off: ``grad_fusion_min_bytes=None``, autograd adds every one). ``--width D,H`` runs
 the ``stack`` model's residual blocks at ``d_model`` D and hidden width H instead of a
-built-in model (``--blocks`` of them, batch ``--batch`` x 32 positions).
+built-in model (``--blocks`` of them, batch ``--batch`` x 32 positions). ``--fusion
+input-grads-first``: a backward's input gradient sent before its fused layers' weight
+products are added (``piper_runtime.input_grads_first``; off: ``input_grads_first=False``,
+the products inside the pass; both with the ``grads`` fusion from ``--min-bytes``).
 
 This runs one model and schedule both ways, alternating rounds (fused, apart, apart, fused,
 ...), each a Trainer on the same reused workers. It prints, per setting, the median of the
 pipelined step time (one step in flight ahead, as ``fit`` runs) and of the slowest rank's
 time inside its step; then the median of the rounds' fused/apart ratios.
 
-    .venv/bin/python benchmarks/bench_fusion.py [--fusion loss|grads] [--model mlp] [--schedule 1f1b]
-        [--pp 2] [--microbatches 8] [--steps 20] [--rounds 6]
+    .venv/bin/python benchmarks/bench_fusion.py [--fusion loss|grads|input-grads-first] [--model mlp]
+        [--schedule 1f1b] [--pp 2] [--microbatches 8] [--steps 20] [--rounds 6]
         [--width 1024,4096 --blocks 4 --batch 16] [--min-bytes 4194304]
 """
 
@@ -39,7 +42,7 @@ from piper_runtime.accumulation import MIN_WEIGHT_BYTES
 from piper_train.models import ResidualStack, build_model
 from piper_train.trainer import Trainer
 
-FLAGS = {"loss": "fuse_loss_backward", "grads": "grad_fusion_min_bytes"}
+FLAGS = {"loss": "fuse_loss_backward", "grads": "grad_fusion_min_bytes", "input-grads-first": "input_grads_first"}
 SEQ = 32
 
 
@@ -82,8 +85,11 @@ def main() -> None:
     parser.add_argument("--min-bytes", type=int, default=MIN_WEIGHT_BYTES)
     args = parser.parse_args()
     flag = FLAGS[args.fusion]
-    settings = {True: {flag: True}, False: {flag: False}} if args.fusion == "loss" else {
-        True: {flag: args.min_bytes}, False: {flag: None}}
+    settings = {
+        "loss": {True: {flag: True}, False: {flag: False}},
+        "grads": {True: {flag: args.min_bytes}, False: {flag: None}},
+        "input-grads-first": {fuse: {flag: fuse, "grad_fusion_min_bytes": args.min_bytes} for fuse in (True, False)},
+    }[args.fusion]
     if args.width:
         d_model, hidden = (int(v) for v in args.width.split(","))
         spec = Wide(d_model, hidden, args.blocks, args.pp, args.batch)
@@ -91,7 +97,7 @@ def main() -> None:
                 f"({d_model * hidden * 4 / 2**20:g} MiB weights)")
     else:
         spec, what = build_model(args.model, stages=args.pp), args.model
-    fused_from = f", from {args.min_bytes / 2**20:g} MiB" if args.fusion == "grads" else ""
+    fused_from = f", from {args.min_bytes / 2**20:g} MiB" if args.fusion != "loss" else ""
     print(f"{args.fusion} fusion ({flag}{fused_from}); {what}, {args.schedule}, pp={args.pp}, "
           f"{args.microbatches} microbatches, AdamW; {args.steps} pipelined steps per round; "
           f"load {os.getloadavg()[0]:.1f}")

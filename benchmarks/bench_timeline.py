@@ -20,7 +20,7 @@ from the step's start to its first instruction. ``--show`` prints the median ste
 line (µs from the earliest rank's start).
 
     .venv/bin/python benchmarks/bench_timeline.py [--model mlp] [--schedule 1f1b] [--pp 2]
-        [--microbatches 8] [--steps 12] [--show]
+        [--microbatches 8] [--steps 12] [--show] [--input-grads-first on|off]
 """
 
 from __future__ import annotations
@@ -134,12 +134,15 @@ def show(program: Program, result: StepResult) -> None:
 def main() -> None:
     parser = trainer_arguments(__doc__.splitlines()[0], steps=12)
     parser.add_argument("--show", action="store_true", help="print the median step's time line")
+    parser.add_argument("--input-grads-first", choices=("on", "off"), default="on",
+                        help="send a backward's input gradient before its weight products (piper_runtime.input_grads_first)")
     args = parser.parse_args()
     spec = build_model(args.model, stages=args.pp * (2 if args.schedule == "interleaved_1f1b" else 1))
     load = os.getloadavg()[0]
     with Trainer.with_schedule(
         spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn, schedule=args.schedule, pp=args.pp,
         microbatches=args.microbatches, optimizer=OptimizerSpec("adamw", 1e-3), reuse_workers=True,
+        input_grads_first=args.input_grads_first == "on",
     ) as trainer:
         program = trainer.program
         for k in range(3):

@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from piper_directives import Recompute, Strategy, annotate, build_schedule
+from piper_ir import Instruction, NodeKind, Phase
 from piper_runtime import OptimizerSpec
 from piper_train.check import run_check
 from piper_train.models import ModelSpec, build_model
+from piper_train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 ADAMW = OptimizerSpec("adamw", 1e-3)
@@ -112,3 +114,50 @@ def test_a_fused_head_tied_to_an_embedding(pp):
     assert [t.name for t in program.ties] == ["embed.weight"]
     assert len({r for seg in ("s0", "s1") for r in program.devices_of(seg)}) == pp
     assert any(line.startswith("gradients: ") for line in lines)
+
+
+def _profiled_steps(workload: ModelSpec, strategy: Strategy, first: bool, steps: int = 2):
+    with Trainer(
+        workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
+        optimizer=ADAMW, grad_fusion_min_bytes=0, input_grads_first=first,
+    ) as trainer:
+        results = [trainer.runtime.step(*workload.batches(s), keep_grads=True, profile=True) for s in range(steps)]
+        return results, trainer.program
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_the_last_input_gradients_go_before_the_weight_products(schedule):
+    """``piper_runtime.input_grads_first``: with it, the last backward of each stage that
+    sends a gradient is timed around its send (the weight products come after it); without,
+    every send starts after its backward ends. Losses and gradients are bit for bit the same."""
+    stages = 4 if schedule == "interleaved_1f1b" else 2
+    workload = build_model("mlp", stages=stages, seed=3)
+    strategy = build_schedule(schedule, 2, 4, stages=stages)
+    (on, program), (off, _) = (_profiled_steps(workload, strategy, first) for first in (True, False))
+    for a, b in zip(on, off, strict=True):
+        assert a.losses == b.losses
+        assert a.grads.keys() == b.grads.keys() and all(torch.equal(a.grads[n], b.grads[n]) for n in a.grads)
+
+    def around_sends(result) -> dict[tuple[int, str, int], bool]:
+        """(rank, stage, microbatch) of each gradient send -> whether the backwards right
+        before it on its rank (a loss's and its stage's, or a stage's), and so the weight
+        products, ended after the send was posted."""
+        spans = {(t.rank, t.instruction): (t.start, t.end) for t in result.timings}
+        found = {}
+        for plan in program.ranks:
+            passes: list[Instruction] = []
+            for ins in plan.instructions:
+                if ins.kind is NodeKind.COMPUTE and ins.phase is Phase.B:
+                    passes.append(ins)
+                    continue
+                if ins.kind is NodeKind.SEND and ins.value.startswith("grad:") and passes:
+                    end = max(spans[(plan.rank, b.id)][1] for b in passes)
+                    found[(plan.rank, passes[-1].segment, ins.microbatch)] = end > spans[(plan.rank, ins.id)][0]
+                passes = []
+        return found
+
+    sends = around_sends(on[-1])
+    assert len(sends) == (stages - 1) * 4  # every non-first stage sends each microbatch's gradient
+    last = {(rank, seg): max(mb for r, s, mb in sends if (r, s) == (rank, seg)) for rank, seg, _ in sends}
+    assert sends == {(r, s, mb): last[(r, s)] == mb for r, s, mb in sends}
+    assert not any(around_sends(off[-1]).values())

@@ -41,11 +41,22 @@ A ``Linear`` stays as it is where the fusion would be wrong:
 
 And at each call, the fused layer runs ``nn.Linear``'s own forward unless its weight is a
 plain leaf tensor (not a cast copy, not a tensor subclass) and autocast is off.
+
+**Deferred weight products.** Inside ``deferring(products)`` a fused layer's backward
+computes its input gradient only and appends its weight product to ``products``
+(``WeightProducts``), which ``settle`` later adds into ``.grad`` with the same kernel and
+in the same order per weight, so the sums are bit for bit those of the undeferred pass. A
+backward whose input gradient goes to another rank sends it first and computes the weight
+products after (``piper_runtime.input_grads_first``). Which ``WeightProducts`` a backward
+appends to is one process-wide setting, not a thread's: on CUDA autograd runs ``backward``
+on a device thread of its own. Every backward pass of a rank runs under its gradient lock,
+so at most one pass defers at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -85,6 +96,56 @@ def accumulate_in_products(
                 layer.forward = partial(_forward, layer)
                 changed += 1
     return changed
+
+
+def has_fused_layers(module: nn.Module) -> bool:
+    """Whether ``accumulate_in_products`` gave some ``nn.Linear`` of ``module`` its backward."""
+    return any(isinstance(f := layer.__dict__.get("forward"), partial) and f.func is _forward for layer in module.modules())
+
+
+class WeightProducts:
+    """Weight products that fused layers' backwards left for later (module doc)."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (weight, dy, x), 2-D
+
+    def __bool__(self) -> bool:
+        return bool(self.pending)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the pending products keep alive (for the memory accounting)."""
+        return [t for _, dy, x in self.pending for t in (dy, x)]
+
+    def settle(self) -> None:
+        """Add every pending product into its weight's ``.grad``, in the order they came;
+        call it under the rank's gradient lock."""
+        pending, self.pending = self.pending, []
+        for weight, dy, x in pending:
+            acc = weight.grad
+            if acc is None:
+                weight.grad = dy.t().mm(x)  # what autograd would have stored
+            elif _accumulates_into(acc, dy, weight):
+                acc.addmm_(dy.t(), x)
+            else:
+                weight.grad = acc + dy.t().mm(x)
+
+
+_deferred: WeightProducts | None = None  # where fused backwards leave their weight products now
+
+
+@contextmanager
+def deferring(products: WeightProducts | None) -> Iterator[None]:
+    """Within: fused layers' backwards leave their weight products in ``products`` (``None``:
+    they compute them as usual). Enter it under the rank's gradient lock (module doc)."""
+    global _deferred
+    if products is None:
+        yield
+        return
+    _deferred = products
+    try:
+        yield
+    finally:
+        _deferred = None
 
 
 def describe_fusion(layers: Mapping[int, int], min_bytes: int | None) -> str:
@@ -129,17 +190,24 @@ class _LinearAccumulating(torch.autograd.Function):
         if need_w:
             flat_x = x.reshape(-1, x.shape[-1])
             acc = weight.grad
-            if (
-                acc is not None
-                and acc.dtype == dy.dtype
-                and acc.device == dy.device
-                and acc.shape == weight.shape
-                and acc.is_contiguous()
-                and not acc.requires_grad
-            ):
+            deferred = _deferred
+            if deferred is not None:
+                deferred.pending.append((weight, dy, flat_x))  # ``WeightProducts.settle`` adds it
+            elif acc is not None and _accumulates_into(acc, dy, weight):
                 acc.addmm_(dy.t(), flat_x)  # into the sum; autograd accumulates nothing
             else:
                 grad_w = dy.t().mm(flat_x)
         if need_b and ctx.has_bias:
             grad_b = dy.sum(0)
         return grad_x, grad_w, grad_b
+
+
+def _accumulates_into(acc: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a product may be added into ``acc`` in place (else autograd's path)."""
+    return (
+        acc.dtype == dy.dtype
+        and acc.device == dy.device
+        and acc.shape == weight.shape
+        and acc.is_contiguous()
+        and not acc.requires_grad
+    )

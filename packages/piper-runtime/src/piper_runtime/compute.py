@@ -36,6 +36,10 @@ autograd engine call, a detached boundary and one gradient tensor per microbatch
 fused (a profiled run; ``benchmarks/bench_fusion.py --fusion loss`` times whole steps both ways).
 ``profile=True`` shows the stage's work inside the loss's ``B``.
 
+A ``B`` inside a window of ``piper_runtime.input_grads_first`` (``defer``) leaves the weight
+products of its fused layers (``piper_runtime.accumulation``) in the step's
+``WeightProducts``; ``settle`` adds them into ``.grad`` once the window's sends are posted.
+
 ``forward_only`` (a plan without backward passes: an evaluation step) runs forwards without
 autograd and keeps nothing for a backward; casts apply as in training, and the worker has
 put the modules in eval mode (dropout draws no masks).
@@ -45,13 +49,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
 
 from piper_ir import Instruction, NodeKind, Phase, Program, Segment, SegmentRole, grad_name
+from piper_runtime.accumulation import deferring, has_fused_layers
 from piper_runtime.precision import cast_forward, dtype_of
 from piper_runtime.randomness import seeded
 from piper_runtime.state import StepState
@@ -126,6 +131,28 @@ class SegmentCompute:
         # The rank's plan (``instructions``) says which loss backwards take their stage's along.
         self.fused = {} if forward_only else fused_losses(program, instructions)
         self.fused_stages = {(stage, mb) for (_, mb), stage in self.fused.items()}
+        self.deferred: frozenset[str] = frozenset()  # ids of the B instructions that defer (``defer``)
+
+    # -- input gradients first (``piper_runtime.input_grads_first``) ----------------------------
+
+    def defers(self, ins: Instruction) -> bool:
+        """Whether ``ins``'s backward pass runs through layers whose weight products can wait."""
+        seg = self.fused.get((ins.segment, ins.microbatch), ins.segment)
+        return not self.forward_only and has_fused_layers(self.modules[seg])
+
+    def passes_with(self, first: Instruction, other: Instruction) -> bool:
+        """Whether ``first``'s backward pass is ``other``'s too (a fused loss and its stage)."""
+        return other.microbatch == first.microbatch and self.fused.get((first.segment, first.microbatch)) == other.segment
+
+    def defer(self, instructions: Sequence[Instruction], windows: Mapping[int, tuple[int, ...]]) -> None:
+        """Let the ``B``s of ``windows`` (``deferral_windows``) leave their weight products."""
+        self.deferred = frozenset(instructions[k].id for passes in windows.values() for k in passes)
+
+    def settle(self, st: StepState) -> None:
+        """Add the weight products a window's backward left into ``.grad``."""
+        if st.weight_products:
+            with self.grads_lock:
+                st.weight_products.settle()
 
     def _run(self, seg: Segment, mb: int, step: int, args: list[torch.Tensor]) -> object:
         """The segment's module on ``args``, its random numbers drawn for (segment,
@@ -287,11 +314,11 @@ class SegmentCompute:
             return  # the loss's B ran this pass already (module doc)
         stage = self.fused.get((seg.id, mb))
         if stage is not None and any(a.grad_fn is not None for a in st.saved.get((seg.id, mb), ((), None))[0]):
-            self._fused_backward(seg, self.program.segment_by_id[stage], mb, st)
+            self._fused_backward(ins, self.program.segment_by_id[stage], mb, st)
             return
         args, tensors, grads = self._backward_roots(ins, st)
         if tensors:
-            with self.weight_pass(seg.id):
+            with self.weight_pass(seg.id), self._deferring(ins, st):
                 torch.autograd.backward(tensors, grads)
         st.autograd_saved.pop((seg.id, mb), None)
         for name, a in zip(seg.inputs, args, strict=True):
@@ -299,14 +326,21 @@ class SegmentCompute:
                 g = a.grad if a.grad is not None else torch.zeros_like(a)
                 st.add_grad(grad_name(name), mb, g)
 
-    def _fused_backward(self, loss: Segment, stage: Segment, mb: int, st: StepState) -> None:
+    def _deferring(self, ins: Instruction, st: StepState) -> AbstractContextManager[None]:
+        """Around ``ins``'s pass: its fused layers' weight products wait in the step's
+        ``WeightProducts`` if ``ins`` is in a window; an accounted step counts them."""
+        if ins.id not in self.deferred:
+            return nullcontext()
+        return _deferred_pass(st, self.sample if st.accounted else None)
+
+    def _fused_backward(self, ins: Instruction, stage: Segment, mb: int, st: StepState) -> None:
         """The loss's B and its stage's in one pass: from the scaled loss through the stage,
         whose inputs' gradients are handed on as the stage's own B would."""
-        _, outs = st.saved.pop((loss.id, mb))
+        _, outs = st.saved.pop((ins.segment, mb))
         stage_args, _ = st.saved.pop((stage.id, mb))
-        with self.weight_pass(stage.id):
+        with self.weight_pass(stage.id), self._deferring(ins, st):
             torch.autograd.backward(list(outs))
-        st.autograd_saved.pop((loss.id, mb), None)
+        st.autograd_saved.pop((ins.segment, mb), None)
         st.autograd_saved.pop((stage.id, mb), None)
         for name, a in zip(stage.inputs, stage_args, strict=True):
             if a.requires_grad:
@@ -345,6 +379,16 @@ class SegmentCompute:
             with self.weight_pass(ins.segment):
                 torch.autograd.backward(tensors, grads, inputs=params)
         st.autograd_saved.pop(key, None)
+
+
+@contextmanager
+def _deferred_pass(st: StepState, sample: Callable[[list[torch.Tensor]], None] | None) -> Iterator[None]:
+    """``deferring`` into the step's weight products for one pass, then (accounted steps) a
+    memory sample that counts what they hold."""
+    with deferring(st.weight_products):
+        yield
+    if sample is not None and st.weight_products:
+        sample(st.weight_products.tensors())
 
 
 def _describe(out: object) -> str:

@@ -14,6 +14,10 @@ A failure becomes an ``ExecutionError`` naming the rank, the instruction and the
 the worker's traceback. Each instruction's start and end go to a ``Progress`` record, which
 the driver's watchdog reads while a step is in flight. The executor knows instruction kinds and the backend protocol only:
 what each kind does is its handler's business, the hardware is the backend's.
+
+``windows`` (``piper_runtime.input_grads_first``): after the last instruction of each window
+the executor calls ``settle``, inside that instruction; a profiled step times the window's
+first ``B`` from its start to the end of the settling, so its time stays the whole pass's.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ class Executor:
         threads: bool,
         timeout_s: float,
         progress: Progress | None = None,
+        layout: StreamLayout | None = None,
+        windows: Mapping[int, tuple[int, ...]] | None = None,
+        settle: Callable[[StepState], None] = lambda st: None,
     ) -> None:
         self.plan = plan
         self.handlers = dict(handlers)
@@ -58,7 +65,11 @@ class Executor:
         self.threads = threads
         self.timeout_s = timeout_s
         self.progress = progress or Progress(plan.rank, plan.instructions)
-        self.layout = StreamLayout(plan.instructions) if threads else None  # the same every step
+        # the same every step
+        self.layout = (layout or StreamLayout(plan.instructions)) if threads else None
+        self.windows = dict(windows or {})  # last instruction of a window -> its B's indices
+        self.opening = {passes[0]: end for end, passes in self.windows.items()}
+        self.settle = settle
 
     def run(
         self, st: StepState, step: int, started: float, profile: bool, memory: bool = True
@@ -76,17 +87,31 @@ class Executor:
 
         progress = self.progress
         started_at, finished = progress.started, progress.finished
+        windows, opening, settle = self.windows, self.opening, self.settle
+        opened: dict[int, float] = {}  # a window's first B -> its start, until the window settles
 
         def execute(k: int, ins: Instruction) -> None:
             t0 = perf_counter() if profile else 0.0
             started_at(k)
+            closes = windows.get(k) if windows else None
             try:
                 before(k, st)
                 handlers[k](ins, st)
+                if closes is not None:
+                    t1 = perf_counter() if profile else 0.0
+                    settle(st)
             except Exception as exc:
                 raise self.error(f"instruction {ins.id} ({ins.short()})", exc, step, ins.id) from None
             if profile:
-                timings.append(InstructionTiming(rank, ins.id, t0 - started, perf_counter() - started))
+                if k in opening:
+                    opened[k] = t0  # timed when its window settles
+                elif closes is not None:
+                    timings.append(InstructionTiming(rank, ins.id, t0 - started, t1 - started))
+                    first = closes[0]
+                    end = perf_counter() - started
+                    timings.append(InstructionTiming(rank, instructions[first].id, opened.pop(first) - started, end))
+                else:
+                    timings.append(InstructionTiming(rank, ins.id, t0 - started, perf_counter() - started))
             release(k, st)
             if memory:
                 sample(st, model_state=not keeps_model_state(ins))

@@ -86,7 +86,9 @@ class Runtime:
     profile that times each segment alone. ``grad_fusion_min_bytes``: ``nn.Linear`` weights
     of at least this many bytes have each microbatch's gradient added into ``.grad`` by the
     matrix product that computes it (``piper_runtime.accumulation``; ``None``: autograd adds
-    every one). ``bind_cores``: where a host has a free core per rank
+    every one). ``input_grads_first``: a backward whose input gradient another rank waits
+    for sends it before those layers add their weight products
+    (``piper_runtime.input_grads_first``; the same gradients, bit for bit). ``bind_cores``: where a host has a free core per rank
     (one no other job's rank claims), bind each rank's step threads to cores of its own
     (``piper_runtime.cores``; ``log`` hears which); ``False`` leaves them to the operating
     system.
@@ -138,6 +140,7 @@ class Runtime:
         threads: bool = True,
         fuse_loss_backward: bool = True,
         grad_fusion_min_bytes: int | None = MIN_WEIGHT_BYTES,
+        input_grads_first: bool = True,
         bind_cores: bool = True,
         placement: str = "pack",
         ranks_per_gpu: int = 1,
@@ -248,6 +251,7 @@ class Runtime:
                 fuse_loss_backward=fuse_loss_backward,
                 cores=cores.get(rank, ()),
                 grad_fusion_min_bytes=grad_fusion_min_bytes,
+                input_grads_first=input_grads_first,
             )
             for rank, w in enumerate(self._workers)
         ]

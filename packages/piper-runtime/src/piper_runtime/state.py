@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from piper_ir import Instruction, NodeKind, Phase, Program, grad_name
+from piper_runtime.accumulation import WeightProducts
 
 Key = tuple[str, int]  # (value name, microbatch)
 
@@ -40,6 +41,8 @@ class StepState:
         # (segment, microbatch) -> (outputs, their gradients) between a BI and its BW; the
         # outputs keep the retained autograd graph alive until BW releases it.
         self.pending_bw: dict[Key, tuple[list[torch.Tensor], list[torch.Tensor] | None]] = {}
+        # weight products a backward left until its input gradient is sent (``input_grads_first``)
+        self.weight_products = WeightProducts()
         self.losses: dict[int, float] = {}
         self.nonfinite: list[str] = []  # gradients found NaN/Inf before an optimizer step
         self.sends: list[tuple[Any, torch.Tensor]] = []  # (Work, tensor kept alive until waited)

@@ -58,6 +58,7 @@ from piper_runtime.data_parallel import DataParallel
 from piper_runtime.evaluation import ForwardStep
 from piper_runtime.executor import Executor
 from piper_runtime.grad_norm import GradNorm
+from piper_runtime.input_grads_first import deferral_windows
 from piper_runtime.numerics import StateBackup
 from piper_runtime.optim import OptimizerSpec
 from piper_runtime.optimizers import Optimizers
@@ -66,7 +67,7 @@ from piper_runtime.rendezvous import open_listener
 from piper_runtime.results import StepOutput
 from piper_runtime.sharding import bind_collectives, collective_seconds, cut_parameters, unbucketed_experts
 from piper_runtime.state import ReadCounts, StepState
-from piper_runtime.streams import lanes_share_a_communicator
+from piper_runtime.streams import StreamLayout, lanes_share_a_communicator
 from piper_runtime.ties import alias_tied
 from piper_runtime.transport import Transport
 
@@ -156,6 +157,7 @@ class RankWorker:
         fuse_loss_backward: bool = True,
         cores: Sequence[int] = (),
         grad_fusion_min_bytes: int | None = MIN_WEIGHT_BYTES,
+        input_grads_first: bool = True,
     ) -> tuple[tuple[int, ...], int]:
         """Join the world, keep this rank's segment modules, build the optimizers.
         ``backend``: a registered name or a factory (``piper_runtime.backends``);
@@ -166,7 +168,9 @@ class RankWorker:
         allows (``piper_runtime.compute``; off: each segment's time alone in a profile);
         ``grad_fusion_min_bytes``: ``nn.Linear`` weights of this many bytes or more sum
         their microbatches' gradients inside the matrix product (``piper_runtime.accumulation``;
-        ``None``: none do);
+        ``None``: none do); ``input_grads_first``: a backward whose input gradient is
+        sent posts the send before those layers add their weight products
+        (``piper_runtime.input_grads_first``; off: they add them during the pass);
         ``cores``: claim these and bind the thread that runs steps to them
         (``piper_runtime.cores``; empty, or claimed by another job meanwhile: every core of
         the host); returns the cores it is bound to and how many layers the gradient fusion
@@ -222,12 +226,19 @@ class RankWorker:
             # A thread woken by finished communication waits for the GIL at most this long
             # (Python's default is 5 ms, longer than many of our instructions).
             sys.setswitchinterval(SWITCH_INTERVAL_S)
+        compute = SegmentCompute(
+            program, self._modules, self._grads_lock, dp.weight_pass,
+            seed=seed, replica=plan.replica, device=self.backend.device, sample=self._sampler.sample_now,
+            instructions=plan.instructions if fuse_loss_backward else (),
+        )
+        layout = StreamLayout(plan.instructions) if threaded else None
+        windows = (
+            deferral_windows(plan.instructions, compute.defers, compute.passes_with, layout)
+            if input_grads_first and self.fused_layers else {}
+        )
+        compute.defer(plan.instructions, windows)
         handlers = {
-            NodeKind.COMPUTE: SegmentCompute(
-                program, self._modules, self._grads_lock, dp.weight_pass,
-                seed=seed, replica=plan.replica, device=self.backend.device, sample=self._sampler.sample_now,
-                instructions=plan.instructions if fuse_loss_backward else (),
-            ),
+            NodeKind.COMPUTE: compute,
             NodeKind.OPTIMIZER: optimizers,
             NodeKind.SEND: transport.send,
             NodeKind.RECV: transport.recv,
@@ -251,6 +262,9 @@ class RankWorker:
             threads=threaded,
             timeout_s=timeout_s,
             progress=self._progress,
+            layout=layout,
+            windows=windows,
+            settle=compute.settle,
         )
         self._forward: ForwardStep | None = None
         # Last, so the threads made while joining the world (the communication library's)

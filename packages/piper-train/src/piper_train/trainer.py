@@ -94,7 +94,9 @@ class Trainer:
     then times every segment alone; ``piper_runtime.compute``). ``grad_fusion_min_bytes``:
     ``nn.Linear`` weights of at least this many bytes (1 MiB) have each microbatch's gradient
     added into ``.grad`` by the matrix product that computes it (``piper_runtime.accumulation``;
-    ``None``: autograd adds every one). ``bind_cores=False`` leaves
+    ``None``: autograd adds every one); ``input_grads_first=False`` computes those products
+    before a backward's input gradient is sent, not after (``piper_runtime.input_grads_first``).
+    ``bind_cores=False`` leaves
     the ranks' threads to the operating system instead of binding each rank to cores of its
     own where a host has a core per rank (``piper_runtime.cores``).
     ``seed``: what random numbers (dropout) are drawn from, per (region, microbatch, step,
@@ -140,6 +142,7 @@ class Trainer:
         threads: bool = True,
         fuse_loss_backward: bool = True,
         grad_fusion_min_bytes: int | None = MIN_WEIGHT_BYTES,
+        input_grads_first: bool = True,
         bind_cores: bool = True,
         seed: int = 0,
         precision: str | None = None,
@@ -208,6 +211,7 @@ class Trainer:
             threads=threads,
             fuse_loss_backward=fuse_loss_backward,
             grad_fusion_min_bytes=grad_fusion_min_bytes,
+            input_grads_first=input_grads_first,
             bind_cores=bind_cores,
             seed=seed,
             by_value=captured.user_modules,  # the model file, its neighbours: by value to the workers
