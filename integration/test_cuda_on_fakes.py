@@ -48,8 +48,9 @@ def _restore_process_settings() -> Iterator[None]:
     sys.setswitchinterval(interval)
 
 
-def _run(workload, strategy: Strategy, gpus: list[str], steps: int = 2) -> list[RankWorker]:
-    """Train ``steps`` steps with rank r on fake GPU ``gpus[r]``; compare with one device."""
+def _run(workload, strategy: Strategy, gpus: list[str], steps: int = 2, **options: object) -> list[RankWorker]:
+    """Train ``steps`` steps with rank r on fake GPU ``gpus[r]``; compare with one device.
+    ``options``: more of ``RankWorker.setup``'s."""
     captured = capture(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn)
     graph, modules = shard_modules(strategy.apply(captured.graph), captured.modules)
     program = compile_program(plan_memory(graph))
@@ -67,7 +68,8 @@ def _run(workload, strategy: Strategy, gpus: list[str], steps: int = 2) -> list[
         def factory() -> CudaBackend:
             return CudaBackend(FakeDevice(gpus[rank]), FakeNccl(world), join=lambda r, *_: world_host(r))
 
-        workers[rank].setup(rank, program.world_size, "in-process", key, program, mine, optimizer, factory, TIMEOUT_S)
+        workers[rank].setup(rank, program.world_size, "in-process", key, program, mine, optimizer, factory, TIMEOUT_S,
+                            **options)
 
     def world_host(rank: int):
         from piper_runtime.backends.fakes import MemoryHost
@@ -143,6 +145,19 @@ def test_the_cuda_backend_on_fakes_matches_single_device_training(case: str) -> 
     log = [entry for b in backends for entry in b.gpu.log]
     lanes = {stream for stream, what in log if what[0] == "wait"}
     assert "compute" in lanes
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_weight_products_after_the_input_gradients_send_on_device_streams(schedule: str) -> None:
+    """Every ``nn.Linear`` fused (``grad_fusion_min_bytes=0``): the last backward of each stage
+    that sends a gradient leaves its weight products until the send is issued
+    (``piper_runtime.input_grads_first``), on the lanes' device streams; single-device results."""
+    stages = 4 if schedule == "interleaved_1f1b" else 2
+    workload = build_model("mlp", stages=stages, seed=11, dtype=torch.float64)
+    workers = _run(workload, build_schedule(schedule, 2, 4, stages=stages), ["g0", "g1"], grad_fusion_min_bytes=0)
+    windows = [w._executor.windows for w in workers]
+    assert windows[1] and all(len(passes) >= 1 for passes in windows[1].values())
+    assert bool(windows[0]) is (stages == 4)  # rank 0 sends gradients only when it holds a later stage too
 
 
 def test_one_gpu_per_rank_uses_nccl_channels_per_direction() -> None:
