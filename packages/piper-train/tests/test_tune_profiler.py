@@ -9,9 +9,10 @@ import textwrap
 import pytest
 
 from piper_directives import capture
+from piper_runtime import InstructionTiming
 from piper_runtime.testing import ranks_as_processes
 from piper_train.models import build_model
-from piper_train.tuning.profiler import link_costs, profile_key
+from piper_train.tuning.profiler import gaps_and_tail, link_costs, profile_key
 
 # One end of the ping-pong (what each Ray actor runs), in a process of its own.
 END = textwrap.dedent(
@@ -50,3 +51,18 @@ def test_the_cache_key_tells_shared_memory_from_gloo(monkeypatch: pytest.MonkeyP
     from piper_runtime.backends.shm import shm_available
 
     assert (gloo != default) == shm_available()
+
+
+def test_gaps_start_at_the_latest_end_so_far() -> None:
+    """A window's ``B`` is timed until its weight products are in, around the no-op ``B``
+    and the send inside it (``piper_runtime.input_grads_first``): the time its products take
+    is the ``B``'s, not a gap before the next instruction."""
+    timings = [
+        InstructionTiming(1, "F", 0.0, 1.0),
+        InstructionTiming(1, "B.loss", 1.5, 5.0),  # its window ends at 5.0
+        InstructionTiming(1, "B.stage", 3.0, 3.1),  # inside it
+        InstructionTiming(1, "F.next", 5.25, 6.0),
+    ]
+    gaps, tail = gaps_and_tail(timings, 6.5)
+    assert gaps == [0.5, 0.0, 0.25] and tail == 0.5
+    assert gaps_and_tail([], 1.0) == ([], 1.0)

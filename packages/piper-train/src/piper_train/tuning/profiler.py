@@ -35,7 +35,7 @@ import socket
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import attrs
@@ -43,7 +43,7 @@ import torch
 
 from piper_directives import CapturedModel, build_schedule, parallelize
 from piper_ir import NodeKind
-from piper_runtime import OptimizerSpec
+from piper_runtime import InstructionTiming, OptimizerSpec
 from piper_runtime.backends import Communicator
 from piper_train.models import ModelSpec
 from piper_train.profile import forward_kept_bytes
@@ -151,8 +151,9 @@ def measure(
         for rank, timings in per_rank.items():
             timings.sort(key=lambda t: t.start)
             starts.append(timings[0].start)
-            tails.append(max(0.0, result.worker_seconds[rank] - timings[-1].end))
-            gaps.extend(max(0.0, b.start - a.end) for a, b in zip(timings, timings[1:], strict=False))
+            between, tail = gaps_and_tail(timings, result.worker_seconds[rank])
+            gaps += between
+            tails.append(tail)
     times: dict[str, dict[str, float]] = defaultdict(dict)
     for (seg, phase), ds in compute.items():
         times[seg][phase] = statistics.fmean(ds)
@@ -162,6 +163,19 @@ def measure(
     stats = RunStats(statistics.fmean(gaps) if gaps else 0.0, statistics.median(starts), statistics.median(tails),
                      max(0.0, statistics.median(driver) - worker), min(1.0, waiting / busy) if busy else 0.0)
     return dict(times), stats
+
+
+def gaps_and_tail(timings: Sequence[InstructionTiming], worker_seconds: float) -> tuple[list[float], float]:
+    """One rank's idle gaps between instructions timed in order of start, and its time after
+    the last end. An instruction may enclose the next ones (a ``B`` is timed until its weight
+    products are in, after the sends of its window: ``piper_runtime.input_grads_first``), so
+    a gap starts at the latest end so far, not at the previous instruction's."""
+    gaps: list[float] = []
+    reach = timings[0].end if timings else 0.0
+    for t in timings[1:]:
+        gaps.append(max(0.0, t.start - reach))
+        reach = max(reach, t.end)
+    return gaps, max(0.0, worker_seconds - reach)
 
 
 def _batch_size(spec: ModelSpec) -> int:
