@@ -65,10 +65,9 @@ class Executor:
         self.threads = threads
         self.timeout_s = timeout_s
         self.progress = progress or Progress(plan.rank, plan.instructions)
-        # the same every step
-        self.layout = (layout or StreamLayout(plan.instructions)) if threads else None
+        self.layout = (layout or StreamLayout(plan.instructions)) if threads else None  # the same every step
         self.windows = dict(windows or {})  # last instruction of a window -> its B's indices
-        self.opening = {passes[0]: end for end, passes in self.windows.items()}
+        self.opening = frozenset(passes[0] for passes in self.windows.values())  # each window's first B
         self.settle = settle
 
     def run(
