@@ -70,6 +70,7 @@ def test_fused_gradients_match_single_device(model, schedule, parallel, precisio
         assert not fused
         return
     (line,) = fused
+    assert line.endswith("(input_grads_first)")
     per_rank = {int(r): int(n) for r, n in re.findall(r"rank (\d+): (\d+)", line)}
     assert per_rank and all(n > 0 for n in per_rank.values())
 

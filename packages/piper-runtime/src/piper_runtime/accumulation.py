@@ -148,12 +148,15 @@ def deferring(products: WeightProducts | None) -> Iterator[None]:
         _deferred = None
 
 
-def describe_fusion(layers: Mapping[int, int], min_bytes: int | None) -> str:
-    """One line for the run's log: how many layers each rank fused (``accumulate_in_products``)."""
+def describe_fusion(layers: Mapping[int, int], min_bytes: int | None, input_grads_first: bool = False) -> str:
+    """One line for the run's log: how many layers each rank fused (``accumulate_in_products``)
+    and, with ``input_grads_first``, that a stage's last backward sends before adding them."""
     shown = ", ".join(f"rank {r}: {n}" for r, n in sorted(layers.items()))
+    first = ("; a stage's last backward sends its input gradient before adding them (input_grads_first)"
+             if input_grads_first else "")
     return (
         f"gradients: {sum(layers.values())} nn.Linear layers with weights of {min_bytes or 0:,} bytes or more add "
-        f"each microbatch's weight gradient inside its matrix product ({shown})"
+        f"each microbatch's weight gradient inside its matrix product ({shown}){first}"
     )
 
 

@@ -261,7 +261,7 @@ class Runtime:
             log(describe(bound, program.world_size, bind_cores, claimed, planned=cores))
             fused = {r: n for r, (_, n) in enumerate(answers) if n}
             if fused:
-                log(describe_fusion(fused, grad_fusion_min_bytes))
+                log(describe_fusion(fused, grad_fusion_min_bytes, input_grads_first))
 
     # -- public API ---------------------------------------------------------------------------
 
