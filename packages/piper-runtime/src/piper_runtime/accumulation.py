@@ -46,8 +46,8 @@ plain leaf tensor (not a cast copy, not a tensor subclass) and autocast is off.
 computes its input gradient only and appends its weight product to ``products``
 (``WeightProducts``), which ``settle`` later adds into ``.grad`` with the same kernel and
 in the same order per weight, so the sums are bit for bit those of the undeferred pass. A
-backward whose input gradient goes to another rank sends it first and computes the weight
-products after (``piper_runtime.input_grads_first``). Which ``WeightProducts`` a backward
+stage's last backward of a step, whose input gradient another rank waits for, sends it
+first and computes the weight products after (``piper_runtime.input_grads_first``). Which ``WeightProducts`` a backward
 appends to is one process-wide setting, not a thread's: on CUDA autograd runs ``backward``
 on a device thread of its own. Every backward pass of a rank runs under its gradient lock,
 so at most one pass defers at a time.

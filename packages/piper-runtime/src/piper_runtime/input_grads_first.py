@@ -1,13 +1,14 @@
-"""Send a backward's input gradient before computing its weight gradients.
+"""Send a stage's last input gradient of the step before computing its weight gradients.
 
 In every schedule a stage's ``B`` is followed, on the rank, by the ``SEND`` of its input
 gradient to the previous stage, which waits for it. Autograd computes that gradient last: the
 first layer's input gradient comes out of the pass's final node, after every weight product.
-So where a ``B``'s pass runs through layers whose weight products can be left for later
-(``nn.Linear`` layers with the fused backward of ``piper_runtime.accumulation``), the runtime
-computes the pass with those products deferred, posts the sends that follow it, and only then
-adds the products into ``.grad`` (``WeightProducts.settle``). The previous stage starts its
-backward one weight-gradient pass sooner: in 1F1B at pp=2 the last microbatch's gradient
+So where the last ``B`` of a stage in the step runs through layers whose weight products can
+be left for later (``nn.Linear`` layers with the fused backward of
+``piper_runtime.accumulation``), the runtime computes the pass with those products deferred,
+posts the sends that follow it, and only then adds the products into ``.grad``
+(``WeightProducts.settle``). The previous stage starts its last backward one weight-gradient
+pass sooner: in 1F1B at pp=2 the last microbatch's gradient
 reaches rank 0 about half a backward earlier, and the step's drain is that much shorter.
 Zero-bubble schedules split ``B`` in the plan (``BI``/``BW``); this changes no plan and no
 schedule, only when inside one ``B``'s window the weight products run.

@@ -86,10 +86,11 @@ class Runtime:
     profile that times each segment alone. ``grad_fusion_min_bytes``: ``nn.Linear`` weights
     of at least this many bytes have each microbatch's gradient added into ``.grad`` by the
     matrix product that computes it (``piper_runtime.accumulation``; ``None``: autograd adds
-    every one). ``input_grads_first``: a backward whose input gradient another rank waits
-    for sends it before those layers add their weight products
-    (``piper_runtime.input_grads_first``; the same gradients, bit for bit). ``bind_cores``: where a host has a free core per rank
-    (one no other job's rank claims), bind each rank's step threads to cores of its own
+    every one). ``input_grads_first``: a stage's last backward of the step, whose input
+    gradient another rank waits for, sends it before those layers add their weight products
+    (``piper_runtime.input_grads_first``; the same gradients, bit for bit). ``bind_cores``:
+    where a host has a free core per rank (one no other job's rank claims), bind each rank's
+    step threads to cores of its own
     (``piper_runtime.cores``; ``log`` hears which); ``False`` leaves them to the operating
     system.
 

@@ -168,8 +168,8 @@ class RankWorker:
         allows (``piper_runtime.compute``; off: each segment's time alone in a profile);
         ``grad_fusion_min_bytes``: ``nn.Linear`` weights of this many bytes or more sum
         their microbatches' gradients inside the matrix product (``piper_runtime.accumulation``;
-        ``None``: none do); ``input_grads_first``: a backward whose input gradient is
-        sent posts the send before those layers add their weight products
+        ``None``: none do); ``input_grads_first``: a stage's last backward of the step
+        posts the send of its input gradient before those layers add their weight products
         (``piper_runtime.input_grads_first``; off: they add them during the pass);
         ``cores``: claim these and bind the thread that runs steps to them
         (``piper_runtime.cores``; empty, or claimed by another job meanwhile: every core of
