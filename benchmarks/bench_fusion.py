@@ -8,8 +8,8 @@ for weights of ``--min-bytes`` or more (default ``MIN_WEIGHT_BYTES``, 1 MiB: the
 default; off: ``grad_fusion_min_bytes=None``, autograd adds every one). ``--width D,H`` runs
 the ``stack`` model's residual blocks at ``d_model`` D and hidden width H instead of a
 built-in model (``--blocks`` of them, batch ``--batch`` x 32 positions). ``--fusion
-input-grads-first``: a backward's input gradient sent before its fused layers' weight
-products are added (``piper_runtime.input_grads_first``; off: ``input_grads_first=False``,
+input-grads-first``: a stage's last backward of the step sends its input gradient before its
+fused layers' weight products are added (``piper_runtime.input_grads_first``; off: ``input_grads_first=False``,
 the products inside the pass; both with the ``grads`` fusion from ``--min-bytes``).
 
 This runs one model and schedule both ways, alternating rounds (fused, apart, apart, fused,

@@ -135,7 +135,8 @@ def main() -> None:
     parser = trainer_arguments(__doc__.splitlines()[0], steps=12)
     parser.add_argument("--show", action="store_true", help="print the median step's time line")
     parser.add_argument("--input-grads-first", choices=("on", "off"), default="on",
-                        help="send a backward's input gradient before its weight products (piper_runtime.input_grads_first)")
+                        help="a stage's last backward sends its input gradient before its weight products "
+                             "(piper_runtime.input_grads_first)")
     args = parser.parse_args()
     spec = build_model(args.model, stages=args.pp * (2 if args.schedule == "interleaved_1f1b" else 1))
     load = os.getloadavg()[0]
