@@ -5,10 +5,13 @@ checkpoint of another model is refused by name."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -24,24 +27,25 @@ from piper_train.checkpoints import (
     read_manifest,
     resolve,
     save_atomically,
+    skipped_newer,
     write_atomically,
 )
 
 
-def _fake_dcp(tmp) -> None:
-    (tmp / ".metadata").write_bytes(b"meta")
-    (tmp / "__0_0.distcp").write_bytes(b"data")
+def _fake_files(tmp) -> None:
+    (tmp / "index.json").write_bytes(b"{}")
+    (tmp / "rank-00000.safetensors").write_bytes(b"data")
 
 
 def _write(root, step: int) -> None:
-    write_atomically(root / f"step-{step:08d}", _fake_dcp, {"step": step, "parameters": {"w": [2, 3]}})
+    write_atomically(root / f"step-{step:08d}", _fake_files, {"step": step, "parameters": {"w": [2, 3]}})
 
 
 def test_a_failed_write_leaves_no_checkpoint_and_keeps_the_others(tmp_path) -> None:
     _write(tmp_path, 2)
 
     def crash(tmp) -> None:
-        (tmp / "__0_0.distcp").write_bytes(b"half")
+        (tmp / "rank-00000.safetensors").write_bytes(b"half")
         raise RuntimeError("killed while writing")
 
     with pytest.raises(RuntimeError, match="killed"):
@@ -50,7 +54,7 @@ def test_a_failed_write_leaves_no_checkpoint_and_keeps_the_others(tmp_path) -> N
     assert latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
     with pytest.raises(CheckpointError, match="never overwritten"):
         _write(tmp_path, 2)
-    assert (tmp_path / "step-00000002" / "__0_0.distcp").read_bytes() == b"data"
+    assert (tmp_path / "step-00000002" / "rank-00000.safetensors").read_bytes() == b"data"
 
 
 def test_an_export_that_fails_leaves_the_file_before_it(tmp_path) -> None:
@@ -65,7 +69,7 @@ def test_an_export_that_fails_leaves_the_file_before_it(tmp_path) -> None:
 def test_latest_skips_partial_checkpoints_and_prune_keeps_the_newest(tmp_path) -> None:
     for step in (1, 2, 3, 4):
         _write(tmp_path, step)
-    (tmp_path / "step-00000009").mkdir()  # no metadata: a partial copy, not a checkpoint
+    (tmp_path / "step-00000009").mkdir()  # no index: a partial copy, not a checkpoint
     (tmp_path / ".tmp-step-00000010-1-abc").mkdir()  # a crashed writer's leftovers
     assert latest_checkpoint(tmp_path).name == "step-00000004"
     assert resolve(tmp_path).name == "step-00000004"
@@ -90,7 +94,7 @@ def test_prune_removes_what_dead_writers_of_this_host_left(tmp_path) -> None:
             tmp_path / ".tmp-step-00000008-1-abc", tmp_path / "notes"]
     for path in left + kept:
         path.mkdir()
-        (path / "__0_0.distcp").write_bytes(b"half")
+        (path / "rank-00000.safetensors").write_bytes(b"half")
     assert abandoned(tmp_path) == sorted(left)
     _write(tmp_path, 2)
     assert prune(tmp_path, 2) == []
@@ -117,3 +121,69 @@ def test_another_model_is_refused_naming_the_parameters(tmp_path) -> None:
         check_compatible(tmp_path, manifest, {"a.weight": (4, 2), "c.weight": (3,)}, "adamw")
     with pytest.raises(CheckpointError, match="holds adamw optimizer state; this run uses sgd"):
         check_compatible(tmp_path, manifest, {"a.weight": (4, 2), "b.bias": (3,)}, "sgd")
+
+
+def _legacy_checkpoint(root, marker=None):
+    """A checkpoint as Piper wrote them before: a torch distributed checkpoint (pickled
+    ``.metadata``, objects through ``torch.save``) and a version-1 manifest."""
+    import random
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
+    path = root / "step-00000003"
+    state = {"model.w": torch.arange(6.0).reshape(2, 3), "optim.w.exp_avg": torch.ones(2, 3),
+             "optim.w.step": torch.tensor(3.0),
+             "train_state": {"step": 3, "samples": 12, "tokens": 0, "lr": {"lr": 0.1}, "data": None,
+                             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}},
+             "rng.rank0": {"torch": torch.get_rng_state(), "cuda": None}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(state, storage_writer=FileSystemWriter(str(path)), no_dist=True,
+                 planner=DefaultSavePlanner(flatten_state_dict=False))  # objects whole, as Piper wrote them
+    (path / MANIFEST).write_text(json.dumps({"format": "piper-checkpoint", "version": 1, "step": 3,
+                                             "parameters": {"w": [2, 3]}, "optimizer": "adam", "untraced": []}))
+    return path, state
+
+
+def test_an_earlier_checkpoint_is_refused_then_converted_when_trusted(tmp_path, capsys) -> None:
+    """The earlier format is never read on its own; ``piper convert-checkpoint --trust-pickles``
+    writes the same tensors and objects as data, which then export and read back."""
+    from piper_runtime.checkpoint import read_model, read_objects
+    from piper_train.cli import main
+
+    source, state = _legacy_checkpoint(tmp_path / "old")
+    for command in (["export", str(source.parent), "--out", str(tmp_path / "m.pt")],
+                    ["convert-checkpoint", str(source), "--out", str(tmp_path / "new")]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert str(source) in err and "pickle" in err and "Traceback" not in err
+    with pytest.raises(CheckpointError, match="convert it once"):
+        resolve(source.parent)
+    assert main(["convert-checkpoint", str(source), "--out", str(tmp_path / "new"), "--trust-pickles"]) == 0
+    converted = tmp_path / "new" / "step-00000003"
+    assert resolve(tmp_path / "new") == converted and read_manifest(converted)["step"] == 3
+    assert torch.equal(read_model(str(converted))["w"], state["model.w"])
+    train_state = read_objects(str(converted), ["train_state"])["train_state"]
+    assert train_state["rng"]["python"] == state["train_state"]["rng"]["python"]
+    assert torch.equal(train_state["rng"]["torch"], state["train_state"]["rng"]["torch"])
+    assert {k: v for k, v in train_state.items() if k != "rng"} == {
+        k: v for k, v in state["train_state"].items() if k != "rng"}
+    assert main(["export", str(tmp_path / "new"), "--out", str(tmp_path / "m.safetensors")]) == 0
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(tmp_path / "m.safetensors")["w"], state["model.w"])
+    assert sorted(p.name for p in source.iterdir()) == sorted([".metadata", "__0_0.distcp", MANIFEST])  # untouched
+
+
+def test_resume_names_the_newer_directories_it_passes_over(tmp_path) -> None:
+    for step in (1, 2):
+        _write(tmp_path, step)
+    (tmp_path / "step-00000003").mkdir()
+    (tmp_path / "step-00000003" / "index.json").write_text("{}")  # no manifest: cut short by hand
+    assert skipped_newer(tmp_path) == [(tmp_path / "step-00000003", "no piper.json (damaged, or cut short by hand)")]
+    assert resolve(tmp_path).name == "step-00000002"
+    shutil.rmtree(tmp_path / "step-00000003")
+    _legacy_checkpoint(tmp_path)  # the newest, of the earlier format: never passed over quietly
+    with pytest.raises(CheckpointError, match="written by an earlier Piper"):
+        resolve(tmp_path)

@@ -1,26 +1,28 @@
-"""Sharded checkpoints in ``torch.distributed.checkpoint`` (DCP) format: each rank writes what
-it holds and reads what it needs, by the single-device parameter names (docs/checkpoints.md).
+"""Sharded checkpoints of data only (safetensors and JSON, ``piper_runtime.checkpoint_files``):
+each rank writes what it holds and reads what it needs, by the single-device parameter names
+(docs/checkpoints.md). Nothing a checkpoint holds is unpickled on loading.
 
 Keys (strategy-independent, so a checkpoint loads under any other strategy or on one device):
 
 - ``model.<name>``: parameter (or buffer) ``<name>`` of the single-device model, its full shape;
 - ``optim.<name>.<state>``: the optimizer state ``<state>`` (``exp_avg``, ``momentum_buffer``,
   ...) of that parameter, the parameter's shape; a scalar state (Adam's ``step``) is 0-d;
-- objects the driver adds (the training loop's state), pickled by DCP, written by rank 0.
+- objects (the training loop's state, each rank's generators): JSON trees whose tensors lie in
+  the writing rank's file (``checkpoint_files.encode``); anything else is refused on saving.
 
 A rank holds whole parameters (and their optimizer state), or, in a bucket whose optimizer
 state or parameters live sharded (ZeRO), a flat range of the bucket's buffer: pieces of
-several parameters, each a contiguous range of a parameter's row-major elements. DCP stores
-rectangular chunks, so a range is written as the few boxes that tile it (``flat_boxes``).
-Replicas write equal boxes under equal keys, and DCP's global plan keeps one of each.
+several parameters, each a contiguous range of a parameter's row-major elements. The files
+hold rectangular chunks, so a range is written as the few boxes that tile it
+(``flat_boxes``). Replicas hold equal boxes under equal keys; the driver keeps one of each.
 
-Saving goes through DCP's own planner and ``FileSystemWriter``, with Ray in place of its
-collectives: each rank makes its local plan (``SaveSide.plan``), the driver makes the global
-plan (``plan_globally``), each rank writes its files (``SaveSide.write``), the driver writes
-``.metadata`` (``finish``). So no process group is needed (the ranks' gloo groups carry the
-program's traffic), and the files are exactly what ``dcp.save`` writes. Loading is
-``dcp.load`` on each rank on its own (``no_dist``): every rank reads the full tensors of the
-parameters it holds (and their optimizer state) and keeps its part, so any layout reshards.
+Saving has three steps with Ray between them (no process group needed: the ranks' gloo
+groups carry the program's traffic): each rank copies what it holds and says which chunks
+it has (``SaveSide.plan``), the driver assigns each chunk to one rank that has it, evening
+out the bytes, and makes the index (``plan_globally``), each rank writes its file
+(``SaveSide.write``), and the driver writes ``index.json`` (``finish``). Loading is each rank
+on its own: it reads the full tensors of the parameters it holds (and their optimizer state)
+and keeps its part, so any layout reshards.
 
 A parameter that tensor or expert parallelism cuts across ranks (``Sharding.params``) is held
 as pieces of one dimension, concatenated (``ParamShard.pieces``; ``Cut``): a rank writes each
@@ -31,28 +33,29 @@ tensors, and loads under any strategy.
 
 from __future__ import annotations
 
-import io
 import math
-import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
 
-from piper_ir import ExecutionError, Program
+from piper_ir import CheckpointError, ExecutionError, Program
+from piper_runtime.checkpoint_files import (
+    BY_NAME,
+    Chunk,
+    Index,
+    ObjectEntry,
+    Reader,
+    TensorEntry,
+    chunk_name,
+    dtype_name,
+    encode,
+    rank_file,
+    write_safetensors,
+)
 
 MODEL = "model."
 OPTIM = "optim."
@@ -245,7 +248,11 @@ class RankState:
 
     def load(self, path: str, rank: int) -> None:
         """Read what this rank holds from the checkpoint at ``path`` and put it in place."""
-        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+        with Reader(path) as reader:
+            self._load(reader, path, rank)
+
+    def _load(self, reader: Reader, path: str, rank: int) -> None:
+        metadata = reader.index.tensors
         names = set(self.full) | self.sharded_names | set(self.buffers)
         wanted: dict[str, torch.Tensor] = {}
         for name in sorted(names):
@@ -262,26 +269,21 @@ class RankState:
                     "model?)",
                     ranks=(rank,),
                 )
-            if not isinstance(md, TensorStorageMetadata):
-                raise ExecutionError(f"rank {rank}: checkpoint entry {key!r} is not a tensor", ranks=(rank,))
             shape = self.cuts[name].full if name in self.cuts else None
             if shape is None and target is not None:
                 shape = tuple(target.shape)
-            if shape is not None and tuple(md.size) != shape:
+            if shape is not None and tuple(md.shape) != shape:
                 raise ExecutionError(
                     f"rank {rank}: parameter {name!r} has shape {shape} here, "
-                    f"{tuple(md.size)} in the checkpoint at {path}",
+                    f"{tuple(md.shape)} in the checkpoint at {path}",
                     ranks=(rank,),
                 )
-            wanted[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            wanted[key] = reader.tensor(key)
         covered = {self.key(name) for _, _, slices in self.optimizer_params() for name, *_ in slices}
         prefixes = tuple(f"{OPTIM}{name}." for name in covered)
-        for key, md in metadata.items():
-            if key.startswith(prefixes) and isinstance(md, TensorStorageMetadata):
-                wanted[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
-            dcp.load(wanted, storage_reader=FileSystemReader(path), no_dist=True)
+        for key in metadata:
+            if key.startswith(prefixes):
+                wanted[key] = reader.tensor(key)
         with torch.no_grad():
             for name, p in self.full.items():
                 p.copy_(self.local(name, wanted[MODEL + self.key(name)]))
@@ -311,103 +313,112 @@ class RankState:
                 opt.state[p] = {k: v if v.dim() == 0 else v.view(p.shape) for k, v in state.items()}
 
 
-class PieceSavePlanner(DefaultSavePlanner):
-    """DCP's default planner over pre-cut chunks: each piece is one ``SHARD`` write item at
-    its offsets in the full tensor (what DCP makes of a ``DTensor``/``ShardedTensor`` shard);
-    objects are ``BYTE_IO`` items."""
+@dataclass(frozen=True)
+class LocalPlan:
+    """What one rank has to write: its chunks, ``(key, offsets) -> (sizes, full shape, dtype
+    name)``, and its objects as JSON trees (their tensors in its file)."""
 
-    def __init__(self, pieces: Mapping[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], torch.Tensor]],
-                 objects: Mapping[str, Any]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.pieces = dict(pieces)
-        self.objects = dict(objects)
-
-    def set_up_planner(self, state_dict: Any = None, storage_meta: Any = None, is_coordinator: bool = False) -> None:
-        self.state_dict = {}
-        self.is_coordinator = is_coordinator
-
-    def create_local_plan(self) -> SavePlan:
-        items = [
-            WriteItem(
-                index=MetadataIndex(key, torch.Size(off)),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size(off), sizes=chunk.shape),
-                    properties=TensorProperties.create_from_tensor(chunk),
-                    size=torch.Size(size),
-                ),
-            )
-            for (key, off), (size, chunk) in self.pieces.items()
-        ]
-        items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in self.objects]
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        key = write_item.index.fqn
-        if write_item.type is WriteItemType.BYTE_IO:
-            buffer = io.BytesIO()
-            torch.save(self.objects[key], buffer)
-            return buffer
-        return self.pieces[(key, tuple(write_item.index.offset))][1]
+    chunks: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...], str]]
+    objects: dict[str, Any] = field(default_factory=dict)
 
 
 class SaveSide:
-    """One rank's half of a save: its local plan, then its files."""
+    """One rank's half of a save: what it holds, copied (``pieces``: ``(key, offsets) ->
+    (full shape, chunk)``, ``RankState.pieces``) with its ``objects``; its local plan, then
+    its file."""
 
-    def __init__(self, path: str, rank: int, pieces: Mapping, objects: Mapping[str, Any]) -> None:
-        self.planner = PieceSavePlanner(pieces, objects)
-        self.planner.set_up_planner(is_coordinator=rank == 0)
-        self.writer = _writer(path, rank)
+    def __init__(self, path: str, rank: int, pieces: Mapping[tuple[str, tuple[int, ...]],
+                 tuple[tuple[int, ...], torch.Tensor]], objects: Mapping[str, Any]) -> None:
+        self.path = Path(path)
+        self.rank = rank
+        self.pieces = dict(pieces)
+        self.trees: dict[str, Any] = {}
+        self.object_tensors: dict[str, torch.Tensor] = {}
+        for key, value in objects.items():
+            tree, tensors = encode(value, f"object/{key}/")
+            self.trees[key] = tree
+            self.object_tensors.update(tensors)
 
-    def plan(self) -> SavePlan:
-        return self.writer.prepare_local_plan(self.planner.create_local_plan())
+    def plan(self) -> LocalPlan:
+        chunks = {
+            (key, tuple(off)): (tuple(chunk.shape), tuple(size), dtype_name(chunk.dtype))
+            for (key, off), (size, chunk) in self.pieces.items()
+        }
+        return LocalPlan(chunks, self.trees)
 
-    def write(self, plan: SavePlan) -> list[WriteResult]:
-        future = self.writer.write_data(self.planner.finish_plan(plan), self.planner)
-        future.wait()
-        return future.value()
-
-
-def _writer(path: str, rank: int) -> FileSystemWriter:
-    writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True, overwrite=False)
-    writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
-    return writer
-
-
-def plan_globally(path: str, local_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-    """The driver's step between the ranks' local plans and their writes: one plan per rank
-    (replicated chunks kept once, file names assigned) and the checkpoint's metadata."""
-    planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    plans, metadata = planner.create_global_plan(local_plans)
-    return _writer(path, 0).prepare_global_plan(plans), metadata
+    def write(self, assigned: Iterable[tuple[str, tuple[int, ...]]]) -> int:
+        """Write the chunks the driver ``assigned`` to this rank, and its objects' tensors, to
+        its file; the bytes written (0: no file, nothing was assigned)."""
+        tensors = {chunk_name(key, off): self.pieces[(key, off)][1] for key, off in assigned}
+        tensors.update(self.object_tensors)
+        if not tensors:
+            return 0
+        return write_safetensors(self.path / rank_file(self.rank), tensors)
 
 
-def finish(path: str, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-    """Write ``.metadata`` once every rank's files are written: the DCP checkpoint is whole."""
-    _writer(path, 0).finish(metadata, results)
+def plan_globally(path: str, local_plans: list[LocalPlan]) -> tuple[list[list[tuple[str, tuple[int, ...]]]], Index]:
+    """The driver's step between the ranks' local plans and their writes: which chunks each
+    rank writes (every chunk once, by a rank that holds it, the ranks' bytes evened out) and
+    the checkpoint's index."""
+    del path  # the index names files relative to the checkpoint's own directory
+    holders: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    info: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...], str]] = {}
+    for rank, plan in enumerate(local_plans):
+        for chunk, what in plan.chunks.items():
+            if info.setdefault(chunk, what) != what:
+                raise CheckpointError(f"ranks disagree on checkpoint chunk {chunk_name(*chunk)}: {info[chunk]} and "
+                                      f"{what} (rank {rank})")
+            holders.setdefault(chunk, []).append(rank)
+    load = [0] * len(local_plans)
+    assigned: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in local_plans]
+    tensors: dict[str, list[Chunk]] = {}
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    for chunk in sorted(holders):  # a fixed order: the same plans give the same files
+        sizes, shape, dtype = info[chunk]
+        key, off = chunk
+        if shapes.setdefault(key, (shape, dtype)) != (shape, dtype):
+            raise CheckpointError(f"checkpoint key {key} has two shapes or dtypes: {shapes[key]} and {(shape, dtype)}")
+        rank = min(holders[chunk], key=lambda r: (load[r], r))
+        load[rank] += math.prod(sizes) * BY_NAME[dtype].itemsize
+        assigned[rank].append(chunk)
+        tensors.setdefault(key, []).append(Chunk(off, sizes, rank_file(rank), chunk_name(key, off)))
+    objects = {key: ObjectEntry(rank_file(rank) if _has_tensors(tree) else None, tree)
+               for rank, plan in enumerate(local_plans) for key, tree in plan.objects.items()}
+    index = Index({key: TensorEntry(BY_NAME[shapes[key][1]], shapes[key][0], tuple(chunks))
+                   for key, chunks in tensors.items()}, objects)
+    return assigned, index
+
+
+def _has_tensors(tree: Any) -> bool:
+    if isinstance(tree, dict):
+        return "tensor" in tree or any(_has_tensors(v) for v in tree.values())
+    if isinstance(tree, list):
+        return any(_has_tensors(v) for v in tree)
+    return False
+
+
+def finish(path: str, index: Index, results: list[int]) -> None:
+    """Write ``index.json`` once every rank's file is written: the checkpoint's data is whole."""
+    del results  # each rank's byte count: its write returned, so its file is on disk
+    index.write(Path(path))
+
+
+def check(path: str | Path) -> Index:
+    """The index of the checkpoint at ``path``, checked against its files (headers only):
+    ``CheckpointError`` naming a damaged or missing file before any rank reads one."""
+    with Reader(path) as reader:
+        reader.check()
+        return reader.index
 
 
 def read_objects(path: str, keys: Iterable[str]) -> dict[str, Any]:
-    """The driver's objects (``BYTE_IO`` entries) of the checkpoint at ``path``."""
-    wanted: dict[str, Any] = {key: None for key in keys}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(wanted, storage_reader=FileSystemReader(path), no_dist=True)
-    return wanted
+    """The objects ``keys`` of the checkpoint at ``path`` (the driver's, or a rank's)."""
+    with Reader(path) as reader:
+        return {key: reader.object(key) for key in keys}
 
 
 def read_model(path: str) -> dict[str, torch.Tensor]:
     """Every ``model.*`` tensor of the checkpoint at ``path`` by parameter name: a plain
     single-device ``state_dict``."""
-    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
-    wanted = {
-        key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        for key, md in metadata.items()
-        if key.startswith(MODEL) and isinstance(md, TensorStorageMetadata)
-    }
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(wanted, storage_reader=FileSystemReader(path), no_dist=True)
-    return {key[len(MODEL):]: t for key, t in wanted.items()}
-
+    with Reader(path) as reader:
+        return {key[len(MODEL):]: reader.tensor(key) for key in reader.keys() if key.startswith(MODEL)}

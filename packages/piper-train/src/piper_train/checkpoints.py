@@ -1,10 +1,11 @@
 """Checkpoint directories: atomic writes, the latest complete one, keeping the last few.
 
-A checkpoint root holds one directory per checkpoint, ``step-00000040``: a DCP checkpoint
-(``.metadata`` plus one ``__<rank>_0.distcp`` file per rank, ``piper_runtime.checkpoint``) and
-``piper.json``, a manifest naming the format, the step, every parameter's shape and the
-optimizer. A checkpoint is written into a hidden sibling ``.tmp-step-...`` and renamed into
-place only when every rank's files, ``.metadata`` and the manifest are on disk, so a crash
+A checkpoint root holds one directory per checkpoint, ``step-00000040``: the ranks' tensors
+(``rank-<r>.safetensors``) and ``index.json`` (``piper_runtime.checkpoint``), and ``piper.json``,
+a manifest naming the format, the step, every parameter's shape and the optimizer. Every file
+is data: reading a checkpoint runs no code from it (docs/reliability.md, trust model). A
+checkpoint is written into a hidden sibling ``.tmp-step-...`` and renamed into
+place only when every rank's files, the index and the manifest are on disk, so a crash
 while writing leaves a ``.tmp-`` directory that nothing reads, never a checkpoint that looks
 complete. A rename never replaces an existing checkpoint, and older checkpoints are deleted
 (beyond the newest ``keep``) only after a new one is complete; so are the temporary directories
@@ -14,6 +15,7 @@ a writer of this host left when it died (their names say which process wrote the
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -27,15 +29,19 @@ from typing import Any, Protocol
 import torch
 
 from piper_ir import CheckpointError
-from piper_runtime.checkpoint import read_model, read_objects
+from piper_runtime.checkpoint import check, read_model, read_objects
+from piper_runtime.checkpoint_files import INDEX
 
 FORMAT = "piper-checkpoint"
-VERSION = 1
+# 1: torch.distributed.checkpoint files (pickles: refused, ``LEGACY``); 2: safetensors and JSON.
+VERSION = 2
+LEGACY = (".metadata", "__0_0.distcp")
 MANIFEST = "piper.json"
 UNTRACED = "untraced_parameters"  # the driver's object: parameters forward never uses, by name
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # A temporary directory of a checkpoint being written (or deleted): ``.tmp-[deleting-]<name>-<pid>@<host>-<8 hex>``.
 _PARTIAL = re.compile(r"^\.tmp-(?:deleting-)?step-\d+-(\d+)@(.+)-[0-9a-f]{8}$")
+log = logging.getLogger("piper_train.checkpoints")
 
 
 def checkpoint_name(step: int) -> str:
@@ -43,21 +49,40 @@ def checkpoint_name(step: int) -> str:
 
 
 def is_complete(path: Path) -> bool:
-    """Whether ``path`` is a whole checkpoint (renamed into place: metadata and manifest in it;
+    """Whether ``path`` is a whole checkpoint (renamed into place: index and manifest in it;
     a temporary directory never is, it has no manifest until just before the rename)."""
-    return (path / MANIFEST).is_file() and (path / ".metadata").is_file()
+    return (path / MANIFEST).is_file() and (path / INDEX).is_file()
+
+
+def is_legacy(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint of the earlier format (torch distributed checkpoint),
+    which Piper no longer reads: its ``.metadata`` and objects are pickles."""
+    return any((path / name).exists() for name in LEGACY) and not (path / INDEX).exists()
 
 
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """``(step, path)`` of the complete checkpoints under ``root``, oldest first."""
+    return [(step, path) for step, path, why in _step_dirs(root) if why is None]
+
+
+def _step_dirs(root: Path) -> list[tuple[int, Path, str | None]]:
+    """``(step, path, why it is not a checkpoint to load, or None)`` of the ``step-N``
+    directories under ``root``, oldest first."""
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
         m = _STEP_DIR.match(child.name)
-        if m and is_complete(child):
-            found.append((int(m.group(1)), child))
+        if m and child.is_dir():
+            found.append((int(m.group(1)), child, _incomplete(child)))
     return sorted(found)
+
+
+def _incomplete(path: Path) -> str | None:
+    if is_legacy(path):
+        return "written by an earlier Piper in a format whose files are pickles"
+    missing = [name for name in (MANIFEST, INDEX) if not (path / name).is_file()]
+    return f"no {' or '.join(missing)} (damaged, or cut short by hand)" if missing else None
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -65,19 +90,47 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def skipped_newer(root: Path) -> list[tuple[Path, str]]:
+    """The ``step-N`` directories under ``root`` newer than its latest complete checkpoint,
+    each with why it is not one: what resuming passes over, which the user is told."""
+    dirs = _step_dirs(root)
+    done = [step for step, _, why in dirs if why is None]
+    last = done[-1] if done else -1
+    return [(path, why) for step, path, why in dirs if why is not None and step > last]
+
+
 def resolve(path: str | os.PathLike[str], purpose: str = "resume from") -> Path:
     """The checkpoint ``path`` names: itself when it is one, else the latest complete one
-    under it; ``CheckpointError`` when there is none ("nothing to ``purpose``")."""
+    under it; ``CheckpointError`` when there is none ("nothing to ``purpose``"), or when the
+    newest is of the earlier, pickled format (``legacy_error``). Newer directories passed over
+    are logged with the reason (``skipped_newer``)."""
     path = Path(path)
+    if is_legacy(path):
+        raise legacy_error(path)
     if is_complete(path):
         return path
-    if (path / MANIFEST).exists() or (path / ".metadata").exists() or (_STEP_DIR.match(path.name) and path.is_dir()):
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST} or .metadata: a partial write?)")
+    if (path / MANIFEST).exists() or (path / INDEX).exists() or (_STEP_DIR.match(path.name) and path.is_dir()):
+        raise CheckpointError(f"{path} is not a complete checkpoint ({_incomplete(path)})")
+    skipped = skipped_newer(path)
+    legacy = [p for p, why in skipped if is_legacy(p)]
+    if legacy:
+        raise legacy_error(legacy[-1])
     latest = latest_checkpoint(path)
     if latest is None:
         what = "does not exist" if not path.exists() else "holds no complete checkpoint"
-        raise CheckpointError(f"nothing to {purpose}: {path} {what}")
+        reasons = "".join(f"; {p.name}: {why}" for p, why in skipped)
+        raise CheckpointError(f"nothing to {purpose}: {path} {what}{reasons}")
+    for newer, why in skipped:
+        log.warning("%s %s, not from %s: %s", purpose, latest, newer.name, why)
     return latest
+
+
+def legacy_error(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{path} was written by an earlier Piper as a torch distributed checkpoint, whose .metadata and objects "
+        "are pickles: reading one can run any code its author put there, so this Piper does not. If you trust "
+        f"where it came from, convert it once: piper convert-checkpoint {path} --trust-pickles"
+    )
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -89,8 +142,18 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{file}: not a readable checkpoint manifest ({err})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{file}: not a Piper checkpoint manifest")
+    if manifest.get("version") == 1 and is_legacy(path):
+        raise legacy_error(path)
     if manifest.get("version") != VERSION:
         raise CheckpointError(f"{file}: checkpoint format version {manifest.get('version')}, this Piper reads {VERSION}")
+    return manifest
+
+
+def read_checked(path: Path) -> dict[str, Any]:
+    """The manifest of checkpoint ``path``, and its index checked against its files (headers
+    only): a damaged or missing file is a ``CheckpointError`` naming it before any rank reads."""
+    manifest = read_manifest(path)
+    check(path)
     return manifest
 
 
@@ -251,7 +314,9 @@ def _running(pid: int) -> bool:
 
 def export(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Write the model of checkpoint ``path`` (or the latest under it) to ``out`` as a plain
-    single-device ``state_dict`` (``torch.save``), which ``model.load_state_dict`` accepts."""
+    single-device ``state_dict``, which ``model.load_state_dict`` accepts: a safetensors file
+    when ``out`` ends in ``.safetensors`` (tied parameters under each name, as copies: the
+    format keeps no shared storage), else ``torch.save``'s format."""
     state = model_state_dict(path)
     save_atomically(state, Path(out))
     return state
@@ -261,7 +326,7 @@ def model_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The model of checkpoint ``path`` (or the latest under it) as a single-device
     ``state_dict``: every name the model has, tied parameters under each of theirs."""
     source = resolve(path, "export")
-    manifest = read_manifest(source)
+    manifest = read_checked(source)
     state = read_model(str(source))
     if manifest.get("untraced"):  # parameters forward never used: the driver saved them
         state.update(read_objects(str(source), [UNTRACED])[UNTRACED])
@@ -273,11 +338,16 @@ def model_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
 
 def save_atomically(state: dict[str, torch.Tensor], out: Path) -> None:
-    """``torch.save(state, out)`` through a temporary sibling and a rename: a failed write
+    """``state`` written to ``out`` (``export``'s formats) through a temporary sibling and a rename: a failed write
     leaves ``out`` as it was (absent, or the previous export), never half a file."""
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        torch.save(state, tmp)
+        if out.suffix == ".safetensors":
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, str(tmp))
+        else:
+            torch.save(state, tmp)
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -2,8 +2,8 @@
 
 The parameters and optimizer state live on the ranks; everything else a run needs to
 continue exactly lives here, on the driver, as one object with ``state_dict`` /
-``load_state_dict`` (plain Python and tensors, ready for ``torch.save`` or
-``torch.distributed.checkpoint``):
+``load_state_dict`` (plain Python and tensors: data a checkpoint holds as JSON and tensors,
+``piper_runtime.checkpoint_files.encode``):
 
 - ``step``: optimizer steps taken; ``samples``, ``tokens``: how much data they consumed;
 - ``lr``: the learning-rate schedule's position (``LearningRate``: the torch scheduler's own

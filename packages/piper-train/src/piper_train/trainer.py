@@ -13,8 +13,9 @@ the program (``piper_memory.add_grad_norm``); weight decay is the ``OptimizerSpe
 same graph, compiled on first use) on the same workers.
 
 Checkpoints (``save_checkpoint``/``load_checkpoint``, docs/checkpoints.md): the ranks write
-what they hold in ``torch.distributed.checkpoint`` format, keyed by single-device parameter
-names, the driver adds the ``TrainState``; a checkpoint loads under any strategy.
+what they hold as safetensors files with a JSON index, keyed by single-device parameter
+names, the driver adds the ``TrainState`` (JSON and tensors); a checkpoint loads under any
+strategy, and loading one runs no code from it.
 ``restart`` replaces the workers (after a failure) by new ones holding the initial model.
 """
 
@@ -53,7 +54,7 @@ from piper_train.checkpoints import (
     PendingCheckpoint,
     begin_atomically,
     check_compatible,
-    read_manifest,
+    read_checked,
     resolve,
     write_atomically,
 )
@@ -402,7 +403,7 @@ class Trainer:
         its step, schedule and data position (set ``state.data`` first, as ``fit`` does).
         Returns the checkpoint read; ``CheckpointError`` names what does not fit."""
         source = resolve(path)
-        manifest = read_manifest(source)
+        manifest = read_checked(source)
         check_compatible(source, manifest, self._all_shapes(), self.optimizer.name)
         objects = read_objects(str(source), ["train_state", *([UNTRACED] if manifest.get("untraced") else [])])
         self.state.load_state_dict(objects["train_state"])
