@@ -1,6 +1,8 @@
 """piper-runtime: Ray actors executing a Piper ``Program`` behind one backend protocol
 (``piper_runtime.backends``: CPU with gloo, CUDA with cupy streams and NCCL)."""
 
+# First: Ray reads what keeps an embedded cluster on loopback when it is imported (ray_env).
+from piper_runtime import ray_env as ray_env  # isort: skip
 from piper_runtime._version import __version__ as __version__
 from piper_runtime.backends import Backend, register_backend, resolve_backend
 from piper_runtime.batch import check_batch, split_microbatches

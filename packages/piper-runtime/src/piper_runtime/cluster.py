@@ -3,8 +3,9 @@
 - ``ensure_ray``: reuse an initialised Ray, connect to ``address`` (checked first: an
   address nothing answers on fails within ``CONNECT_TIMEOUT_S`` with the address in the
   message; Ray itself would retry for minutes), or start an embedded single-node cluster
-  bound to 127.0.0.1, whose processes die with this one (``piper_runtime.reaper``, also when
-  this process is SIGKILLed). Either way the driver first sets ``INLINE_ENV``: a step's
+  bound to 127.0.0.1 (every port of it: ``piper_runtime.ray_env``; checked once it runs),
+  whose processes die with this one (``piper_runtime.reaper``, also when this process is
+  SIGKILLed). Either way the driver first sets ``INLINE_ENV``: a step's
   batches travel inside the call to each worker, not through Ray's object store. A SIGTERM
   handler the program installed stays its own (``_keeping_sigterm_handler``).
 - ``choose_backend``: ``cuda`` when the cluster has a GPU for every rank and a GPU worker
@@ -28,8 +29,8 @@ from collections.abc import Iterator
 import ray
 
 from piper_ir import ClusterError
-from piper_runtime import reaper
-from piper_runtime.rendezvous import SOCKET_ENV
+from piper_runtime import ray_env, reaper
+from piper_runtime.rendezvous import LOOPBACK, SOCKET_ENV, is_loopback
 
 # Environment every Piper worker gets, and what it gets from the driver's where set there.
 WORKER_ENV = {"OMP_NUM_THREADS": "1"}
@@ -87,7 +88,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         except ClusterError as exc:
             raise ClusterError(f"{source}{exc}") from None
         return
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray_env.keep_local()  # else Ray replaces 127.0.0.1 below by the machine's address (ray_env)
     # The watcher first: a start cut short (a SIGTERM or Ctrl-C during ray.init) leaves Ray's
     # agents running for a minute otherwise.
     reaper.start()
@@ -96,11 +97,18 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             address="local",  # a cluster of our own, not one `ray start` left a record of
             num_cpus=num_cpus,
             include_dashboard=False,
-            _node_ip_address="127.0.0.1",
+            _node_ip_address=LOOPBACK,
             logging_level=logging.ERROR,
             log_to_driver=False,
         )
     _started_here = True
+    node = ray.util.get_node_ip_address()
+    if not is_loopback(node):  # a Ray whose rules changed: its ports would be open to the network
+        shutdown()
+        raise ClusterError(
+            f"the embedded Ray cluster started on {node}, not on {LOOPBACK}; stopped it (its ports "
+            "would be reachable from the network)"
+        )
 
 
 @contextlib.contextmanager

@@ -409,9 +409,9 @@ class RankWorker:
         return self._data_parallel.parameter_shards()
 
     def checkpoint_plan(self, path: str, objects: Mapping[str, Any]) -> Any:
-        """The first half of a save (``piper_runtime.checkpoint``): this rank's DCP local plan
+        """The first half of a save (``piper_runtime.checkpoint``): this rank's local plan
         for what it holds (and ``objects``, which the driver gives rank 0 only)."""
-        # Imported on first use: torch.distributed.checkpoint is 0.7 s of a worker's start.
+        # Imported on first use: a worker that never saves never imports safetensors.
         from piper_runtime.checkpoint import RankState, SaveSide
 
         state = RankState(self.program, self.rank, self._modules, self._data_parallel, self._optimizers)

@@ -8,6 +8,9 @@ import argparse
 import contextlib
 import sys
 import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from piper_ir import CheckpointError
 from piper_runtime import OptimizerSpec, StepResult
@@ -17,16 +20,20 @@ from piper_train.checkpoints import (
     Checkpoints,
     check_compatible,
     model_state_dict,
-    read_manifest,
+    read_checked,
     resolve,
     save_atomically,
+    skipped_newer,
 )
-from piper_train.cli.options import print_json, say
+from piper_train.cli.document import emit, fail
+from piper_train.cli.options import say
 from piper_train.cli.outputs import writable_folder, writing
 from piper_train.cli.request import StrategyRequest, model_regions
-from piper_train.loop import fit
+from piper_train.loop import Restart, fit
 from piper_train.metrics import (
     SCHEMA,
+    CheckpointMetrics,
+    EvalMetrics,
     JsonlWriter,
     ProfileWriter,
     Progress,
@@ -106,10 +113,13 @@ def train_command(args: argparse.Namespace) -> int:
         # Nothing to resume from, or a checkpoint of another model: said before any worker starts.
         source = resolve(args.checkpoint_dir)
         try:
-            manifest = read_manifest(source)
+            manifest = read_checked(source)  # every file's header too: a damaged one is named now
         except CheckpointError as err:  # damaged after it was written: the user decides what to do with it
             raise CheckpointError(f"{err}; to resume from the checkpoint before it, move {source} out of "
                                   f"{args.checkpoint_dir}") from None
+        passed_over = "".join(f"; not from the newer {p.name}: {why}"
+                              for p, why in skipped_newer(Path(args.checkpoint_dir)))
+        say(args, f"piper train: resuming from {source}{passed_over}")
         try:
             check_compatible(
                 source, manifest,
@@ -129,6 +139,9 @@ def train_command(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         sinks = _sinks(args, stack)  # before any worker starts: a sink that cannot be made is bad input
         sinks.append(_NonFinite(args))
+        record = _Record()
+        sinks.append(record)
+        stack.push(record.on_exit(args))  # a run that fails or is interrupted: its document so far
         trainer = stack.enter_context(Trainer(
             workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
             request.for_trainer(), optimizer=_optimizer(args), address=args.address,
@@ -138,6 +151,7 @@ def train_command(args: argparse.Namespace) -> int:
             ranks_per_gpu=args.ranks_per_gpu, seed=args.seed, precision=args.precision,
             timeout_s=args.timeout, on_nan=args.on_nan, bind_cores=not args.no_bind_cores,
         ))
+        record.trainer = trainer
         say(args, f"workers up after {time.perf_counter() - started:.1f} s")
         if args.profile_step is not None:
             profile = ProfileWriter(args.profile_step, args.profile_dir, trainer.program, lambda s: say(args, s))
@@ -155,31 +169,10 @@ def train_command(args: argparse.Namespace) -> int:
             say(args, f"restarted after step {r.failed_step - 1} failed ({r.error}): new workers, checkpoint of step "
                       f"{r.resumed_from} loaded in {r.seconds:.1f} s, {r.recomputed} steps recomputed")
     history = run.steps
-    losses = [m.loss for m in history]
-    steady = [m.step_seconds for m in history[1:]] or [m.step_seconds for m in history]
-    summary = {
-        "schema": SCHEMA, "command": "train", "model": args.model,
-        "schedule": None if args.strategy else args.schedule,
-        "strategy": str(args.strategy) if args.strategy else None,
-        "pp": len(trainer.program.ranks) // (trainer.program.replicas * args.tp),
-        "dp": trainer.program.replicas // args.ep, "tp": args.tp, "ep": args.ep, "zero": args.zero,
-        "microbatches": trainer.program.microbatches, "steps": len(history),
-        "epochs": history[-1].epoch + 1 if history else 0,
-        "losses": losses, "lrs": [m.lr for m in history], "grad_norms": [m.grad_norm for m in history],
-        "eval": [{"step": e.step, "loss": e.loss} for e in run.evals],
-        "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
-        "mean_step_seconds": sum(steady) / len(steady) if steady else None,
-        "compile_seconds": trainer.compile_seconds,
-        "peak_memory_bytes": [max(per_rank) for per_rank in zip(*(m.peak_memory_bytes for m in history), strict=True)],
-        "first_step": history[0].step if history else None,
-        "checkpoints": [str(p) for p in run.checkpoints],
-        "restarts": [{"failed_step": r.failed_step, "resumed_from": r.resumed_from, "recomputed": r.recomputed,
-                      "seconds": r.seconds, "error": r.error} for r in run.restarts],
-        "skipped_steps": [m.step for m in history if m.skipped],
-        "stopped": run.stopped,
-    }
+    summary = _summary(args, trainer, history, run.evals, run.checkpoints, run.restarts, run.stopped)
+    losses = summary["losses"]
     if args.json:
-        print_json(summary)
+        emit(args, summary)
     elif losses:
         ending = "stopped" if run.stopped else "done"
         say(args, f"{ending}: {len(history)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
@@ -192,9 +185,76 @@ def train_command(args: argparse.Namespace) -> int:
             ended = f" (the workers ended first: {run.stop_failure})" if run.stop_failure else ""
             saved = (f"no checkpoint was written{ended}" if latest is None
                      else f"the latest checkpoint is {latest}{ended} (--resume continues from it)")
-        print(f"piper train: stopped on {run.stopped} after step {trainer.state.step}; {saved}", file=sys.stderr)
+        fail(args, f"piper train: stopped on {run.stopped} after step {trainer.state.step}; {saved}")
         return EXIT_TERMINATED
     return 0
+
+
+def _summary(args: argparse.Namespace, trainer: Trainer | None, history: Sequence[StepMetrics],
+             evals: Sequence[EvalMetrics], checkpoints: Sequence[Path], restarts: Sequence[Restart],
+             stopped: str | None) -> dict[str, Any]:
+    """``piper train --json``'s document: of the whole run, or of the steps before it failed
+    (``trainer`` ``None``: it never started; its figures are then ``None``)."""
+    program = trainer.program if trainer is not None else None
+    losses = [m.loss for m in history]
+    steady = [m.step_seconds for m in history[1:]] or [m.step_seconds for m in history]
+    return {
+        "schema": SCHEMA, "command": "train", "model": args.model,
+        "schedule": None if args.strategy else args.schedule,
+        "strategy": str(args.strategy) if args.strategy else None,
+        "pp": len(program.ranks) // (program.replicas * args.tp) if program is not None else None,
+        "dp": program.replicas // args.ep if program is not None else None, "tp": args.tp, "ep": args.ep,
+        "zero": args.zero, "microbatches": program.microbatches if program is not None else None,
+        "steps": len(history), "epochs": history[-1].epoch + 1 if history else 0,
+        "losses": losses, "lrs": [m.lr for m in history], "grad_norms": [m.grad_norm for m in history],
+        "eval": [{"step": e.step, "loss": e.loss} for e in evals],
+        "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
+        "mean_step_seconds": sum(steady) / len(steady) if steady else None,
+        "compile_seconds": trainer.compile_seconds if trainer is not None else None,
+        "peak_memory_bytes": [max(per_rank) for per_rank in zip(*(m.peak_memory_bytes for m in history), strict=True)],
+        "first_step": history[0].step if history else None,
+        "checkpoints": [str(p) for p in checkpoints],
+        "restarts": [{"failed_step": r.failed_step, "resumed_from": r.resumed_from, "recomputed": r.recomputed,
+                      "seconds": r.seconds, "error": r.error} for r in restarts],
+        "skipped_steps": [m.step for m in history if m.skipped],
+        "stopped": stopped,
+    }
+
+
+class _Record:
+    """The steps, evaluations and checkpoints of a run as they come: with ``--json``, a run
+    that fails or is interrupted still leaves a document of what it did (``on_exit``; the
+    restarts it made are known only to a run that ends)."""
+
+    def __init__(self) -> None:
+        self.trainer: Trainer | None = None
+        self.steps: dict[int, StepMetrics] = {}  # by step: a step recomputed after a restart replaces its first run
+        self.evals: list[EvalMetrics] = []
+        self.checkpoints: list[Path] = []
+
+    def on_step(self, metrics: StepMetrics, result: StepResult) -> None:
+        self.steps[metrics.step] = metrics
+
+    def on_eval(self, metrics: EvalMetrics) -> None:
+        self.evals.append(metrics)
+
+    def on_checkpoint(self, metrics: CheckpointMetrics) -> None:
+        self.checkpoints.append(Path(metrics.path))
+
+    def close(self) -> None:
+        pass
+
+    def on_exit(self, args: argparse.Namespace) -> Callable[..., bool]:
+        """An exit callback (``ExitStack.push``) handing the document so far to ``--json``
+        when the block ends by an exception; it lets the exception go on."""
+
+        def exit_(kind: type[BaseException] | None, *_: object) -> bool:
+            if kind is not None and args.json:
+                history = [self.steps[k] for k in sorted(self.steps)]
+                emit(args, _summary(args, self.trainer, history, self.evals, self.checkpoints, (), None))
+            return False
+
+        return exit_
 
 
 def export_command(args: argparse.Namespace) -> int:
@@ -203,6 +263,14 @@ def export_command(args: argparse.Namespace) -> int:
         save_atomically(state, args.out)
     count = sum(t.numel() for t in state.values())
     print(f"piper export: {len(state)} tensors ({count} elements) to {args.out}")
+    return 0
+
+
+def convert_command(args: argparse.Namespace) -> int:
+    from piper_train.legacy import convert
+
+    out = convert(args.checkpoint, args.out, trust_pickles=args.trust_pickles)
+    print(f"piper convert-checkpoint: {args.checkpoint} -> {out}")
     return 0
 
 
@@ -267,7 +335,7 @@ def check_command(args: argparse.Namespace) -> int:
     if not report.ok:
         say(args, report.failures())
     if args.json:
-        print_json({"schema": SCHEMA, "command": "check", "ok": report.ok, "steps": report.steps,
+        emit(args, {"schema": SCHEMA, "command": "check", "ok": report.ok, "steps": report.steps,
                      "grad_norms": list(report.grad_norms),
                      **{f"max_{w}_abs": d.abs for w, d in rows.items()},
                      **{f"max_{w}_rel": d.rel for w, d in rows.items()},

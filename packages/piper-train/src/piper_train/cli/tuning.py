@@ -10,9 +10,10 @@ from collections import Counter
 from collections.abc import Callable
 
 from piper_runtime import OptimizerSpec, shutdown
+from piper_train.cli.document import emit
 from piper_train.cli.options import say
 from piper_train.cli.outputs import writing
-from piper_train.metrics import SCHEMA, dumps
+from piper_train.metrics import SCHEMA
 from piper_train.tuning.api import Measured, TuneReport, tune, validate
 from piper_train.tuning.profiler import DEFAULT_CACHE
 from piper_train.tuning.search import DOMINATED, INVALID, OVER_BUDGET, Evaluation
@@ -143,7 +144,7 @@ def tune_command(args: argparse.Namespace) -> int:
     finally:
         shutdown()
     if args.json:
-        print(dumps({
+        emit(args, {
             "schema": SCHEMA, "command": "tune", "model": args.model, "devices": args.devices,
             "regions": report.regions, "space": report.space, "search_seconds": report.result.seconds,
             "profile_seconds": report.profile_seconds, "best": best.as_dict(),
@@ -151,7 +152,7 @@ def tune_command(args: argparse.Namespace) -> int:
             "validation": [{"strategy": m.evaluation.candidate.label, "predicted_seconds": m.evaluation.predicted,
                             "measured_seconds": m.seconds, "peak_bytes": list(m.peak_bytes), "error": m.error}
                            for m in rows],
-        }))
+        })
     return 0
 
 
