@@ -101,18 +101,6 @@ def test_train_prints_progress_and_a_json_summary(piper):
 
 
 @pytest.mark.own_process
-def test_the_console_script_trains_and_leaves_nothing_behind():
-    """The installed ``piper`` script in a process of its own, starting (and stopping) its
-    own Ray with new workers."""
-    done = piper_process("train", "--model", "mlp", "--schedule", "1f1b", "--pp", "2", "--microbatches", "2",
-                         "--steps", "2", "--json", console_script=True)
-    assert done.returncode == 0, done.stderr
-    assert "step    2/2" in done.stderr and "Traceback" not in done.stderr
-    summary = json.loads(done.stdout)
-    assert summary["pp"] == 2 and summary["microbatches"] == 2 and len(summary["losses"]) == 2
-
-
-@pytest.mark.own_process
 @pytest.mark.parametrize("whole_job", [False, True], ids=["driver", "whole-job"])
 def test_sigterm_stops_at_a_step_with_a_checkpoint_and_exits_143(piper, tmp_path, whole_job):
     """SIGTERM to the driver (Kubernetes signals a pod's first process): the run ends after
