@@ -177,7 +177,7 @@ def test_a_checkpoint_the_disk_refuses_fails_the_run_and_keeps_the_ones_before(t
             return real(path)
 
         monkeypatch.setattr(trainer, "save_checkpoint", full_after_the_first)
-        with pytest.raises(ExecutionError, match="writing checkpoint .*step-00000002 failed: No space left on device"):
+        with pytest.raises(ExecutionError, match="no space left on device writing checkpoint .*step-00000002"):
             fit(trainer, workload.stream(), steps=3, checkpoints=Checkpoints(tmp_path, every=1), steps_per_call=1)
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
     assert read_manifest(tmp_path / "step-00000001")["step"] == 1

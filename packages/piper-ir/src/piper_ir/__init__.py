@@ -23,6 +23,7 @@ from piper_ir.errors import (
     PiperError,
     SchedulingError,
     SerializationError,
+    StorageError,
     ValidationError,
 )
 from piper_ir.graph import (
@@ -64,7 +65,7 @@ from piper_ir.validate import cycle_error, validate
 __all__ = [
     "ANY", "MB", "PASS", "SEG", "BUCKET_KINDS", "COMMUNICATION_KINDS", "COMPUTE_KINDS", "GRAD_PREFIX",
     "POINT_TO_POINT_KINDS", "TIE_STREAM", "Residency", "ShardKind", "ExecutionOptions", "grad_name", "grad_of", "is_grad", "Bucket", "Replication", "CaptureError", "CheckpointError", "ClusterError", "CodeRef", "Communicator",
-    "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph", "HangError", "NumericalError",
+    "DeadlockError", "DirectiveError", "Edge", "EdgeKind", "ExecutionError", "Filter", "Graph", "HangError", "NumericalError", "StorageError",
     "GradNorm", "Instruction", "Listing", "MemoryPlanError", "Node", "NodeKind", "NormTerm", "ParamShard", "Phase", "Precision", "PiperError",
     "Program", "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Sharding", "Tags",
     "TensorMeta", "Tie", "ValidationError", "Value", "critical_path", "cycle_error", "find_cycle", "format_instruction",

@@ -6,7 +6,10 @@ wrote it), the nodes, the ranks and the step involved. ``str(err)`` renders all 
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Sequence
+from typing import ClassVar
 
 
 class PiperError(Exception):
@@ -82,7 +85,14 @@ class MemoryPlanError(PiperError):
 
 
 class ExecutionError(PiperError):
-    """Running a plan failed on a worker (an exception, a dead worker or a timeout)."""
+    """Running a plan failed on a worker (an exception, a dead worker or a timeout).
+
+    ``transient``: whether running the same steps again on new workers may pass. A worker
+    that died, hung or raised may have met a passing fault (a lost node, a peer's death seen
+    as a broken connection), so by default it may; a kind whose cause stays (``NumericalError``,
+    ``StorageError``) says it cannot, and ``fit`` does not restart for it."""
+
+    transient: ClassVar[bool] = True
 
 
 class HangError(ExecutionError):
@@ -92,7 +102,29 @@ class HangError(ExecutionError):
 
 class NumericalError(ExecutionError):
     """A loss or gradient became NaN or infinite: names the step, microbatch and rank where
-    it first appeared."""
+    it first appeared. Not transient: the same data finds the same NaN."""
+
+    transient = False
+
+
+class StorageError(ExecutionError):
+    """Writing to storage failed for a reason that running again does not mend: no space left
+    on the device (or in the quota), no permission, a read-only filesystem, a file too large.
+    The message says the cause first, then what was being written (``StorageError.of``)."""
+
+    transient = False
+    ERRNOS: ClassVar[frozenset[int]] = frozenset(
+        {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG}
+    )
+
+    @classmethod
+    def of(cls, err: OSError, doing: str, *, ranks: Sequence[int] = (), step: int | None = None) -> StorageError | None:
+        """``"no space left on device <doing>"`` for an ``OSError`` of one of ``ERRNOS``;
+        ``None`` for another (a reset connection, a stale file handle may pass)."""
+        if err.errno not in cls.ERRNOS:
+            return None
+        cause = os.strerror(err.errno)
+        return cls(f"{cause[:1].lower()}{cause[1:]} {doing}", ranks=ranks, step=step)
 
 
 class ClusterError(PiperError):

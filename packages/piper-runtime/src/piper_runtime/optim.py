@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -88,9 +89,11 @@ class OptimizerSpec:
         if chosen and self.implementation != "auto":
             raise ValueError(f"the optimizer implementation is given twice: as {self.implementation!r} and as "
                              f"{chosen[0]}= in kwargs")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ValueError(f"the learning rate must be a finite number >= 0, got {self.lr}")
         if self.weight_decay is not None:
-            if self.weight_decay < 0:
-                raise ValueError(f"weight decay must be >= 0, got {self.weight_decay}")
+            if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+                raise ValueError(f"weight decay must be a finite number >= 0, got {self.weight_decay}")
             if "weight_decay" in dict(self.kwargs):
                 raise ValueError("weight decay is given twice: as weight_decay and in kwargs")
 

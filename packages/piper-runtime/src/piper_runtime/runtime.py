@@ -411,15 +411,15 @@ class Runtime:
     def save_checkpoint(
         self, path: str, objects: Mapping[str, Any] | None = None, timeout_s: float = 300.0, *, wait: bool = True
     ) -> PendingSave | None:
-        """Write a DCP checkpoint into the (new, empty) directory ``path``: every rank writes
-        what it holds (``piper_runtime.checkpoint``), rank 0 also ``objects`` (picklable values
-        by key); ``.metadata`` is written last, by this process. Not atomic by itself: the
-        caller writes into a temporary directory and renames it.
+        """Write a checkpoint into the (new, empty) directory ``path``: every rank writes
+        what it holds (``piper_runtime.checkpoint``), rank 0 also ``objects`` (data by key:
+        ``checkpoint_files.encode``); ``index.json`` is written last, by this process. Not
+        atomic by itself: the caller writes into a temporary directory and renames it.
 
         ``wait=False``: return once every rank has copied what it holds (its local plan);
         the ranks write their files on a thread of their own (``WRITER``) while the next
         steps run, and the returned ``PendingSave`` completes the checkpoint (``wait``)."""
-        from piper_runtime.checkpoint import plan_globally  # on first use: DCP's import is slow
+        from piper_runtime.checkpoint import plan_globally  # on first use, as the workers import it
 
         self._check_open()
         if self._writing is not None:
@@ -545,6 +545,7 @@ class Runtime:
                         err = ExecutionError(
                             f"rank {rank} failed during {what}:\n{exc}", ranks=(rank,), step=step
                         )
+                        err.__cause__ = cause  # what the rank raised: an OSError's errno, say (fit's restarts)
                     self._fail(err)
                 except RayActorError as exc:
                     self._fail(
@@ -649,7 +650,7 @@ class PendingStep:
 class PendingSave:
     """A checkpoint whose files the ranks are writing (``Runtime.save_checkpoint(wait=False)``):
     ``done()`` says whether every rank has finished, ``wait()`` waits for them and writes
-    ``.metadata``, which completes the DCP checkpoint. A rank that fails while writing fails
+    ``index.json``, which completes the checkpoint's data. A rank that fails while writing fails
     the runtime, as a failing step does (``ExecutionError``)."""
 
     def __init__(self, runtime: Runtime, path: str, metadata: Any, refs: list[Any]) -> None:

@@ -19,12 +19,16 @@ pruned). With ``Checkpoints(asynchronous=True)`` the ranks write each periodic c
 while the next steps run (the steps wait only for their copy of what they hold), and the
 loop completes it between steps once they are done; a failure meanwhile takes that one
 checkpoint with it. Every checkpoint is said to the sinks that have ``on_checkpoint``.
-Fault tolerance: ``max_restarts`` times, an ``ExecutionError`` (a worker died,
+Fault tolerance: ``max_restarts`` times, an ``ExecutionError`` that may pass (a worker died,
 raised, or did not answer within the step timeout; the runtime has torn every worker down)
 makes ``fit`` start new workers (``Trainer.restart``), reload the latest complete checkpoint
 (or, without one, go back to the state ``fit`` began with, when that was the start of
 training) and go on; the steps after that checkpoint are recomputed (``FitResult.restarts``
-says how many) and drop out of ``FitResult.steps``.
+says how many) and drop out of ``FitResult.steps``. It does not restart for a failure that
+would come back (``_why_final``): one that is not ``transient`` (a NaN, ``NumericalError``; a
+checkpoint the disk refuses for want of space or permission, ``StorageError``), or one that
+came back the same way at the same step after a restart (an exception of the model's code).
+The error it raises then says so and why.
 
 Stopping early (``stop``, a ``piper_train.stopping.StopRequest``; ``piper train`` sets one on
 SIGTERM): no further step is sent, the steps already sent finish, the last one is
@@ -37,12 +41,13 @@ import collections
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import attrs
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from piper_ir import CheckpointError, ExecutionError, NumericalError
+from piper_ir import CheckpointError, ExecutionError, NumericalError, StorageError
 from piper_runtime import PendingStep
 from piper_train import stopping
 from piper_train.batches import Batch, BatchStream
@@ -186,6 +191,7 @@ def fit(
     ended = False  # the data or the epochs ended
     abandoned: str | None = None  # how the workers failed after a stop was asked for: nothing more is saved
     writing: PendingCheckpoint | None = None  # a checkpoint the ranks are writing (``Checkpoints.asynchronous``)
+    last_failure: tuple[int, str] | None = None  # the step and the words of the failure restarted for last
     last_done = time.perf_counter()
 
     def complete_writing() -> None:
@@ -197,20 +203,25 @@ def fit(
             written.append(_complete(pending, checkpoints, sinks))
 
     def recover(err: ExecutionError, failed: int | None = None) -> None:
-        # A NaN is the model's, not the workers': replaying the same data would find it
-        # again (``on_nan`` says what to do with one), so it never restarts the workers.
+        # Only a failure that may pass restarts the workers (module doc, ``_why_final``).
         # Once a stop is asked for, the run ends without starting new workers (the machine
         # may be going away: a SIGTERM to every process of a job), with what is saved.
-        nonlocal ended, saved_at, abandoned, writing
+        nonlocal ended, saved_at, abandoned, writing, last_failure
         if writing is not None:  # its ranks are gone with the others: what they wrote is not a checkpoint
             writing.abandon()
             writing = None
         if stop and not isinstance(err, NumericalError):
             abandoned = abandoned or str(err).splitlines()[0]
             return
-        if len(restarts) >= max_restarts or isinstance(err, NumericalError):
+        failed = failed or state.step + 1
+        if len(restarts) >= max_restarts:
             raise err
-        failed, began = failed or state.step + 1, time.perf_counter()
+        failure = (failed, _signature(err))
+        why = _why_final(err, failed, repeated=failure == last_failure)
+        last_failure = failure
+        if why is not None:
+            raise _not_restarted(err, why) from err
+        began = time.perf_counter()
         source = checkpoints.latest() if checkpoints is not None else None
         if source is None and start is None:
             raise err
@@ -405,9 +416,10 @@ def _batch_iterator(data: object, seed: int) -> Iterator[Batch]:
 
 def _save(trainer: Trainer, checkpoints: Checkpoints, sinks: Sequence[Sink]) -> Path:
     """Write this step's checkpoint, tell the sinks that have ``on_checkpoint``, and prune old
-    ones. The driver's own file operations failing (the disk full, the folder gone) fail the
-    run like a worker's would (``ExecutionError``), not with a traceback; the checkpoints
-    before stay as they were."""
+    ones. A write the storage refuses for good (no space, no permission: on the driver or a
+    rank) fails the run with a ``StorageError`` that says so first; the driver's other file
+    errors (the folder gone) like a worker's would (``ExecutionError``), not with a traceback;
+    the checkpoints before stay as they were (``_fail_writing``)."""
     target = checkpoints.path(trainer.state.step)
     started = time.perf_counter()
     try:
@@ -415,8 +427,8 @@ def _save(trainer: Trainer, checkpoints: Checkpoints, sinks: Sequence[Sink]) -> 
         seconds = time.perf_counter() - started
         written = CheckpointMetrics(trainer.state.step, str(path), _bytes_under(path), seconds, seconds)
         prune(checkpoints.root, checkpoints.keep)
-    except OSError as err:
-        raise ExecutionError(f"writing checkpoint {target} failed: {err.strerror or err}") from err
+    except (OSError, ExecutionError) as err:
+        _fail_writing(err, target)
     _tell(sinks, written)
     return path
 
@@ -426,8 +438,8 @@ def _begin(trainer: Trainer, checkpoints: Checkpoints) -> PendingCheckpoint:
     target = checkpoints.path(trainer.state.step)
     try:
         return trainer.begin_checkpoint(target)
-    except OSError as err:
-        raise ExecutionError(f"writing checkpoint {target} failed: {err.strerror or err}") from err
+    except (OSError, ExecutionError) as err:
+        _fail_writing(err, target)
 
 
 def _complete(pending: PendingCheckpoint, checkpoints: Checkpoints, sinks: Sequence[Sink]) -> Path:
@@ -437,10 +449,68 @@ def _complete(pending: PendingCheckpoint, checkpoints: Checkpoints, sinks: Seque
         written = CheckpointMetrics(int(pending.manifest["step"]), str(path), _bytes_under(path),
                                     time.perf_counter() - pending.started, pending.staged_seconds)
         prune(checkpoints.root, checkpoints.keep)
-    except OSError as err:
-        raise ExecutionError(f"writing checkpoint {pending.path} failed: {err.strerror or err}") from err
+    except (OSError, ExecutionError) as err:
+        _fail_writing(err, pending.path)
     _tell(sinks, written)
     return path
+
+
+def _fail_writing(err: OSError | ExecutionError, target: Path) -> NoReturn:
+    """Raise what a failed checkpoint write is, the cause first: a ``StorageError`` ("no space
+    left on device writing checkpoint <target>") where the disk refused it on the driver or on
+    a rank, else an ``ExecutionError`` naming the checkpoint (the driver's other ``OSError``)
+    or ``err`` itself (a rank that failed otherwise)."""
+    cause = _os_error(err)
+    ranks = err.ranks if isinstance(err, ExecutionError) else ()
+    step = err.step if isinstance(err, ExecutionError) else None
+    final = None if cause is None else StorageError.of(cause, f"writing checkpoint {target}", ranks=ranks, step=step)
+    if final is not None:
+        raise final from err
+    if isinstance(err, ExecutionError):
+        raise err
+    raise ExecutionError(f"writing checkpoint {target} failed: {err.strerror or err}") from err
+
+
+def _os_error(err: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``err``: itself, or one it was raised from or while handling,
+    or a rank's (the ``cause`` of the Ray task error the runtime raised its error while
+    handling; looked up by name so that this module needs no ray)."""
+    seen: set[int] = set()
+    at: BaseException | None = err
+    while at is not None and id(at) not in seen:
+        seen.add(id(at))
+        worker = getattr(at, "cause", None)  # ray.exceptions.RayTaskError: what the worker raised
+        if isinstance(worker, OSError) and worker.errno is not None:
+            return worker
+        if isinstance(at, OSError) and at.errno is not None:
+            return at
+        at = at.__cause__ or at.__context__
+    return None
+
+
+def _signature(err: ExecutionError) -> str:
+    """A failure's words without what differs between workers (their ids, the traceback's
+    frames): its kind and the last line of its message, where a worker's exception is named."""
+    lines = [line for line in err.message.splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[-1].strip() if lines else ''}"
+
+
+def _why_final(err: ExecutionError, failed: int, *, repeated: bool) -> str | None:
+    """Why restarting would not get past ``err`` (``None``: it may)."""
+    if isinstance(err, NumericalError):
+        return "the same data gives the same NaN or Inf (on_nan says what to do with one)"
+    if isinstance(err, StorageError):
+        return "a full disk, a refused permission or a read-only filesystem stays so when the steps run again"
+    if not err.transient:
+        return f"{type(err).__name__} does not pass by running the steps again"
+    if repeated:
+        return f"it failed the same way at step {failed} after a restart, so it comes back each time"
+    return None
+
+
+def _not_restarted(err: ExecutionError, why: str) -> ExecutionError:
+    """``err`` with why ``fit`` did not restart for it, of the same kind."""
+    return type(err)(f"{err.message.rstrip()}\n  not restarted: {why}", nodes=err.nodes, ranks=err.ranks, step=err.step)
 
 
 def _tell(sinks: Sequence[Sink], written: CheckpointMetrics) -> None:

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from piper_train import bounds
+
 if TYPE_CHECKING:
     import torch
     from torch.optim import lr_scheduler
@@ -53,8 +55,8 @@ class LRSchedule:
             raise ValueError(f"the {self.name} schedule needs the number of steps it decays over (total_steps >= 1)")
         if self.name == "step" and (self.step_size is None or self.step_size < 1):
             raise ValueError("the step schedule needs a step size >= 1")
-        if self.min_lr < 0:
-            raise ValueError(f"the minimum learning rate must be >= 0, got {self.min_lr}")
+        bounds.check("min_lr", self.min_lr, minimum=0)
+        bounds.check("gamma", self.gamma, minimum=0, strict=True)
 
     def build(self, optimizer: torch.optim.Optimizer) -> lr_scheduler.LRScheduler:
         """The torch scheduler of this schedule on ``optimizer`` (whose lr is the peak)."""
@@ -90,6 +92,7 @@ class LearningRate:
     def __init__(self, lr: float, schedule: LRSchedule | None = None) -> None:
         import torch
 
+        bounds.check("lr", lr, minimum=0)
         self.schedule = schedule or LRSchedule()
         self._param = torch.zeros(1, requires_grad=True)
         self._optimizer = torch.optim.SGD([self._param], lr=lr)

@@ -48,7 +48,7 @@ from piper_runtime.accumulation import MIN_WEIGHT_BYTES
 from piper_runtime.batch import full_batch_shape
 from piper_runtime.checkpoint import read_objects
 from piper_scheduler import compile_program, forward_only
-from piper_train import stopping
+from piper_train import bounds, stopping
 from piper_train.checkpoints import (
     UNTRACED,
     PendingCheckpoint,
@@ -166,6 +166,14 @@ class Trainer:
         if optimizer is not None and not isinstance(optimizer, OptimizerSpec):
             raise TypeError(f"optimizer must be a piper_runtime.OptimizerSpec (OptimizerSpec('adamw', 1e-3)), got "
                             f"{type(optimizer).__name__} {optimizer!r}")
+        # Refused here, by name, before anything is captured or started: a NaN timeout would
+        # never come (a NaN learning rate: ``OptimizerSpec`` refuses it itself).
+        bounds.check("timeout_s", timeout_s, minimum=0, strict=True, maximum=bounds.MAX_TIMEOUT_S)
+        if step_timeout_s is not None:
+            bounds.check("step_timeout_s", step_timeout_s, minimum=0, strict=True, maximum=bounds.MAX_TIMEOUT_S)
+        for name, value in (("clip_grad_norm", clip_grad_norm), ("memory_budget_bytes", memory_budget_bytes)):
+            if value is not None:
+                bounds.check(name, value, minimum=0, strict=True)
         self.seed = seed
         captured = capture(model, example_inputs, example_targets, loss_fn, precision=precision)
         self.captured = captured

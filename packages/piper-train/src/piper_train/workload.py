@@ -23,7 +23,9 @@ by value (piper_runtime.user_code), not by import.
 from __future__ import annotations
 
 import importlib.util
+import io
 import sys
+import tokenize
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +51,7 @@ def load_factory(spec: str, *, batch_size: int | None = None, seed: int = 0) -> 
     path = Path(path_text)
     if not path_text or not name or not path.is_file():
         raise ValueError(f"model {spec!r}: expected an existing 'path/to/file.py:factory'")
+    _check_source(path, spec)
     module_name = f"piper_user_{path.stem}"
     folder = str(path.resolve().parent)
     if folder not in sys.path:
@@ -105,11 +108,34 @@ def load_factory(spec: str, *, batch_size: int | None = None, seed: int = 0) -> 
     return ModelSpec(spec, model, inputs_t, targets_t, loss_fn, train, 0, seed, held_out, data, batch_size)
 
 
+def _check_source(path: Path, spec: str) -> None:
+    """Refuse a file that is not Python text, naming it, before it runs: a binary file (Python
+    would say "source code string cannot contain null bytes" of no file), or bytes its
+    encoding (UTF-8 unless the file declares another, PEP 263) cannot decode, named by line."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"model {spec!r}: cannot read {path}: {err.strerror or err}") from None
+    if b"\0" in data:
+        line = data.count(b"\n", 0, data.index(b"\0")) + 1
+        raise ValueError(f"model {spec!r}: {path} is not Python source: a NUL byte at line {line} (a binary file?)")
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError as err:  # an unknown or contradictory encoding declaration
+        raise ValueError(f"model {spec!r}: {path}: {err.msg}") from None
+    try:
+        data.decode(encoding)
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ValueError(f"model {spec!r}: {path} is not {encoding} text: byte 0x{data[err.start]:02x} at line "
+                         f"{line} cannot be decoded (save it as UTF-8, or declare its encoding: PEP 263)") from None
+
+
 def user_failure(err: Exception, path: Path) -> str:
     """``err`` in a user's file as one line: its type and message, and where: the line of a
     ``SyntaxError``, else the last frame in ``path`` (and the frame that raised, if another)."""
     if isinstance(err, SyntaxError):
-        return f"{type(err).__name__} at {err.filename}:{err.lineno}: {err.msg}" + (
+        return f"{type(err).__name__} at {err.filename or path}:{err.lineno or '?'}: {err.msg}" + (
             f": {err.text.strip()}" if err.text else ""
         )
     frames = traceback.extract_tb(err.__traceback__)

@@ -18,12 +18,14 @@ take it, and the checks argparse cannot express.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from piper_directives import SCHEDULES
+from piper_train import bounds
 from piper_train.call_size import parse_steps_per_call
 from piper_train.cli.outputs import output_file
 from piper_train.metrics import dumps
@@ -85,14 +87,15 @@ def add_precision(p: argparse.ArgumentParser) -> None:
 
 
 def add_run(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--memory-budget-mb", type=float, default=None,
+    p.add_argument("--memory-budget-mb", type=finite_float, default=None,
                    help="fail at compile time if the estimated memory per GPU (per rank on the CPU) exceeds this "
                         "many MiB")
     p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw"], help="(default: adamw)")
     p.add_argument("--optimizer-impl", default="auto", choices=list(OPTIMIZER_IMPLEMENTATIONS),
                    help="which torch implementation updates the parameters; auto: the fused kernel for adam and "
                         "adamw, torch's default for sgd (default: auto)")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default: 3e-3 for adam/adamw, 0.05 for sgd)")
+    p.add_argument("--lr", type=finite_float, default=None,
+                   help="learning rate (default: 3e-3 for adam/adamw, 0.05 for sgd)")
     add_seed(p)
     add_precision(p)
     p.add_argument("--address", help="an existing Ray cluster's address (host:port of its head, as `ray start --head` "
@@ -106,7 +109,7 @@ def add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks-per-gpu", type=int, default=1,
                    help="ranks sharing one GPU with --backend cuda (e.g. a multi-rank strategy checked on one "
                         "GPU; they talk through host memory, not NCCL) (default: 1)")
-    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=finite_float, default=60.0, metavar="SECONDS",
                    help="a rank that makes no progress for this long stops the run (exit code 3), naming the rank, "
                         "the instruction it is stuck in and what its peers were doing (default: 60)")
 
@@ -116,13 +119,14 @@ def add_optimization(p: argparse.ArgumentParser) -> None:
                    help="learning-rate schedule after the warm-up (torch lr_scheduler; default: constant); cosine and "
                         "linear decay to --min-lr over the run")
     p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps to --lr (default: 0)")
-    p.add_argument("--min-lr", type=float, default=0.0, help="where cosine and linear decay end (default: 0)")
+    p.add_argument("--min-lr", type=finite_float, default=0.0, help="where cosine and linear decay end (default: 0)")
     p.add_argument("--lr-step-size", type=int, default=None, help="steps between decays of the step schedule")
-    p.add_argument("--lr-gamma", type=float, default=0.1, help="decay factor of the step schedule (default: 0.1)")
-    p.add_argument("--clip-grad-norm", type=float, default=None,
+    p.add_argument("--lr-gamma", type=finite_float, default=0.1,
+                   help="decay factor of the step schedule (default: 0.1)")
+    p.add_argument("--clip-grad-norm", type=finite_float, default=None,
                    help="clip the gradients to this global 2-norm before each update (over every parameter of "
                         "every rank, as torch.nn.utils.clip_grad_norm_ on one device)")
-    p.add_argument("--weight-decay", type=float, default=None,
+    p.add_argument("--weight-decay", type=finite_float, default=None,
                    help="weight decay of parameters with 2 or more dimensions; biases, norms and other 1-d "
                         "parameters never decay (default: the optimizer's, 0.01 for adamw, 0 otherwise)")
 
@@ -132,11 +136,39 @@ def add_summary(p: argparse.ArgumentParser) -> None:
 
 
 def add_simulation(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cost", default="F=1,B=2,W=1", help="per-phase costs, e.g. F=1,B=2,W=1,FB=2.5,loss=0 (FB: an "
-                   "overlapped F&B pair; default: F=1,B=2,W=1)")
+    p.add_argument("--cost", type=_costs, default="F=1,B=2,W=1",
+                   help="per-phase costs, e.g. F=1,B=2,W=1,FB=2.5,loss=0 (FB: an overlapped F&B pair; default: "
+                        "F=1,B=2,W=1)")
     p.add_argument("--json", action="store_true", help="print makespan, per-rank busy and idle time as JSON")
     p.add_argument("--png", type=output_file, help="write a Gantt chart of the simulated step (needs matplotlib)")
     p.add_argument("--trace", type=output_file, help="write a Chrome/Perfetto trace of the simulated step")
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: a finite number. ``float()`` also reads ``nan`` and ``inf``, which no
+    option means; refused here, argparse's usage error names the flag before anything runs
+    (how small a value may be is ``MINIMUMS``'s, checked by ``check_args``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _costs(text: str) -> str:
+    """``--cost``: as given, once every number in it is finite (``scheduling.costs`` reads the
+    rest of it, and refuses a negative cost or an unknown phase)."""
+    for item in text.split(","):
+        number = item.partition("=")[2]
+        try:
+            value = float(number)
+        except ValueError:
+            continue  # not a number at all: ``costs`` says what it expects
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite cost, got {item.strip()!r}")
+    return text
 
 
 def _recompute_every(text: str) -> int:
@@ -173,7 +205,7 @@ def _comma_list(kind: Callable[[str], object], choices: Sequence[object] | None 
 def add_tune(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, required=True, help="devices (ranks) to tune for")
     p.add_argument("--stages", type=int, help="annotated regions of a built-in model (default: 2 x --devices)")
-    p.add_argument("--memory-budget-mb", type=float, default=None,
+    p.add_argument("--memory-budget-mb", type=finite_float, default=None,
                    help="per-rank memory budget: strategies whose estimate exceeds it are pruned before simulation")
     p.add_argument("--microbatch-range", default="1-16",
                    help="microbatch counts to try: LO-HI (the powers of two between) or a list like 2,4,8 "
@@ -201,9 +233,9 @@ def add_tune(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="where profiles are cached (default: $PIPER_CACHE_DIR/tune or ~/.cache/piper/tune)")
     p.add_argument("--no-cache", action="store_true", help="profile again, and do not write the cache")
-    p.add_argument("--latency-us", type=float, help="link latency in microseconds (with --bandwidth-mbs: instead "
-                   "of measuring it)")
-    p.add_argument("--bandwidth-mbs", type=float, help="link bandwidth in MiB/s (with --latency-us)")
+    p.add_argument("--latency-us", type=finite_float,
+                   help="link latency in microseconds (with --bandwidth-mbs: instead of measuring it)")
+    p.add_argument("--bandwidth-mbs", type=finite_float, help="link bandwidth in MiB/s (with --latency-us)")
     p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw"],
                    help="the optimizer whose state the memory estimate counts (default: adamw)")
     add_seed(p)
@@ -255,7 +287,7 @@ def _add_train(p: argparse.ArgumentParser) -> None:
 
 
 def add_checkpoints(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint-dir", type=Path, help="write checkpoints here (torch.distributed.checkpoint format, "
+    p.add_argument("--checkpoint-dir", type=Path, help="write checkpoints here (safetensors and JSON: data only, "
                    "one step-NNNNNNNN directory each; on several nodes a filesystem every node shares)")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="checkpoint every N steps (default: 0, only at the end)")
@@ -273,16 +305,27 @@ def add_checkpoints(p: argparse.ArgumentParser) -> None:
 
 def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=Path, help="a checkpoint, or a --checkpoint-dir (its latest checkpoint)")
-    p.add_argument("--out", type=output_file, required=True, help="where to write the state_dict (torch.save)")
+    p.add_argument("--out", type=output_file, required=True,
+                   help="where to write the state_dict: a .safetensors file, or torch.save's format otherwise")
+
+
+def _add_convert(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", type=Path, help="a checkpoint written by an earlier Piper (torch distributed "
+                   "checkpoint: .metadata and pickled objects)")
+    p.add_argument("--out", type=Path, required=True,
+                   help="a checkpoint directory: the converted checkpoint goes into it under the same step name")
+    p.add_argument("--trust-pickles", action="store_true",
+                   help="required: reading the earlier format unpickles its files, which can run any code their "
+                        "author put there; say this only for a checkpoint you trust")
 
 
 def _add_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--eval-batches", type=int, default=0,
                    help="also compare the held-out loss of this many batches (forward only; default: 0)")
-    p.add_argument("--rtol", type=float, default=None,
+    p.add_argument("--rtol", type=finite_float, default=None,
                    help="relative tolerance (default: 1e-5; with --precision bf16 5e-2 of each tensor's largest entry: check.TOLERANCES)")
-    p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: 1e-6, bf16 1e-5)")
+    p.add_argument("--atol", type=finite_float, default=None, help="absolute tolerance (default: 1e-6, bf16 1e-5)")
 
 
 def _add_simulate(p: argparse.ArgumentParser) -> None:
@@ -319,6 +362,8 @@ SUBCOMMANDS: dict[str, tuple[str, tuple[Group, ...]]] = {
     "plan": ("compile a strategy to a program and save it as JSON", (add_pipeline, _add_plan_source, _add_plan_output)),
     "show": ("print a saved program as a rank x step grid, simulate it", (_add_program, add_simulation)),
     "export": ("write a checkpoint's model as a plain single-device state_dict", (_add_export,)),
+    "convert-checkpoint": ("convert a checkpoint of an earlier Piper (pickles) to the current format (data only)",
+                           (_add_convert,)),
     "tune": ("search strategies with the simulator and the memory estimate; write the best",
              (add_model, add_tune)),
 }
@@ -365,24 +410,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Every numeric option's smallest meaningful value, by its name in ``args``: (minimum, strict:
+#: above it, not at it). A count of things is at least 1, a count of steps or an amount at least
+#: 0; a time, a size, a rate or a factor is above 0. ``--seed`` (any integer) is the one not here.
+MINIMUMS: dict[str, tuple[float, bool]] = {
+    **dict.fromkeys(("pp", "microbatches", "steps", "dp", "tp", "ep", "epochs", "batch_size", "profile_step",
+                     "lr_step_size", "ranks_per_gpu", "devices", "stages", "top", "validate_steps", "profile_steps",
+                     "keep_checkpoints", "segments_per_stage"), (1, False)),
+    **dict.fromkeys(("warmup_steps", "eval_every", "eval_batches", "prefetch", "checkpoint_every", "max_restarts",
+                     "validate", "lr", "min_lr", "weight_decay", "rtol", "atol", "latency_us"), (0, False)),
+    **dict.fromkeys(("timeout", "memory_budget_mb", "clip_grad_norm", "lr_gamma", "bandwidth_mbs"), (0, True)),
+}
+#: The few whose larger values overflow where they are used (a deadline, a budget in bytes).
+MAXIMUMS: dict[str, float] = {"timeout": bounds.MAX_TIMEOUT_S, "memory_budget_mb": 1e12}  # MiB: about 1 EiB
+
+
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What argparse cannot check (a usage error, exit code 2, like argparse's own)."""
-    for name in ("rtol", "atol"):
-        if (getattr(args, name, 0) or 0) < 0:
-            parser.error(f"--{name} must be >= 0")
-    for name in ("pp", "microbatches", "steps", "dp", "tp", "ep", "epochs", "batch_size", "profile_step",
-                 "lr_step_size", "ranks_per_gpu", "devices", "stages", "top", "validate_steps", "profile_steps"):
+    for name, (minimum, strict) in MINIMUMS.items():
         value = getattr(args, name, None)
-        if value is not None and min(value if isinstance(value, list) else [value]) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("warmup_steps", "eval_every", "prefetch", "weight_decay", "min_lr", "eval_batches", "checkpoint_every",
-                 "max_restarts",
-                 "validate", "latency_us"):
-        value = getattr(args, name, None)
-        if value is not None and value < 0:
-            parser.error(f"--{name.replace('_', '-')} must be >= 0")
-    if getattr(args, "clip_grad_norm", None) is not None and not args.clip_grad_norm > 0:
-        parser.error("--clip-grad-norm must be > 0")
+        for each in value if isinstance(value, list) else [value]:  # a list: tune's --pp
+            wrong = None if each is None else bounds.problem(each, minimum=minimum, strict=strict,
+                                                             maximum=MAXIMUMS.get(name))
+            if wrong is not None:
+                parser.error(f"--{name.replace('_', '-')} {wrong}, got {each}")
     if getattr(args, "eval_every", 0) and getattr(args, "eval_batches", 1) < 1:
         parser.error("--eval-batches must be >= 1 with --eval-every")
     if getattr(args, "lr_schedule", None) == "step" and args.lr_step_size is None:
@@ -401,18 +452,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if isinstance(per_call, int) and per_call > 1 and getattr(args, "on_nan", None) == "skip-step":
         parser.error("--steps-per-call above 1 cannot be combined with --on-nan skip-step (a step is undone before "
                      "the next one runs)")
-    if getattr(args, "keep_checkpoints", 1) < 1:
-        parser.error("--keep-checkpoints must be >= 1")
     if getattr(args, "checkpoint_dir", None) is None:
         for name in ("resume", "checkpoint_every", "max_restarts", "checkpoint_async"):
             if getattr(args, name, None):
                 parser.error(f"--{name.replace('_', '-')} needs --checkpoint-dir")
-    if getattr(args, "timeout", 1.0) <= 0:
-        parser.error("--timeout must be > 0 (seconds)")
-    if getattr(args, "bandwidth_mbs", None) is not None and not args.bandwidth_mbs > 0:
-        parser.error("--bandwidth-mbs must be > 0")
-    if getattr(args, "memory_budget_mb", None) is not None and args.memory_budget_mb <= 0:
-        parser.error("--memory-budget-mb must be > 0")
 
 
 def say(args: argparse.Namespace, text: str) -> None:
