@@ -42,7 +42,7 @@ def test_a_successful_command_adds_its_outcome(capfd):
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["simulate", "--json", "--pp", "x"], "piper simulate: error: argument --pp: invalid int value: 'x'"),
-    (["train", "--json", "--timeout", "0"], "piper: error: --timeout must be > 0"),
+    (["train", "--json", "--timeout", "0"], "piper train: error: --timeout must be > 0"),
     (["--json"], "piper: error: the following arguments are required: command"),
 ])
 def test_a_usage_error_gets_a_document(capfd, argv, message):

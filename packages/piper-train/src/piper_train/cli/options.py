@@ -405,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (text, groups) in SUBCOMMANDS.items():
         command = sub.add_parser(name, help=text)
+        command.set_defaults(subparser=command)  # check_args's errors say "piper <command>: error: ..."
         for add in groups:
             add(command)
     return parser
@@ -426,7 +427,9 @@ MAXIMUMS: dict[str, float] = {"timeout": bounds.MAX_TIMEOUT_S, "memory_budget_mb
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """What argparse cannot check (a usage error, exit code 2, like argparse's own)."""
+    """What argparse cannot check (a usage error, exit code 2, like argparse's own, with the
+    subcommand's usage)."""
+    parser = getattr(args, "subparser", parser)
     for name, (minimum, strict) in MINIMUMS.items():
         value = getattr(args, name, None)
         for each in value if isinstance(value, list) else [value]:  # a list: tune's --pp
