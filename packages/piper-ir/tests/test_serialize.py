@@ -154,3 +154,41 @@ def test_each_class_is_inspected_once_however_many_values_it_has(monkeypatch: py
     monkeypatch.setattr(typing, "get_type_hints", lambda cls, *a, **k: looked_up.append(cls) or real(cls, *a, **k))
     assert from_json(text) == graph
     assert sorted(c.__name__ for c in looked_up) == ["Graph", "Node", "Tags"]
+
+
+@pytest.mark.parametrize("depth", [100_000, 10**6])
+def test_deep_nesting_is_a_serialization_error(depth: int) -> None:
+    """A file of brackets used to end in a ``RecursionError`` (a traceback from ``piper show``)."""
+    for text in ("[" * depth + "]" * depth, '{"a":' * depth + "1" + "}" * depth):
+        with pytest.raises(SerializationError, match="nested too deeply"):
+            from_json(text)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b'{"format": "piper-ir\xff\xfe"}', "not UTF-8 text: invalid start byte at byte 20"),
+        (b"\xff\xfe\x00garbage\x80\x81", "not UTF-8 text|not JSON"),  # read as UTF-16 (its BOM), or not
+        (bytes(range(256)), "not UTF-8 text|not JSON"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00", "not UTF-8 text|not JSON"),
+        (b"{\"format\": \"piper-ir\"}", "version None"),
+    ],
+)
+def test_bytes_that_are_not_a_document(data: bytes, message: str) -> None:
+    with pytest.raises(SerializationError, match=message):
+        from_json(data)
+    assert from_json(to_json(NODE).encode()) == NODE
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"tags": {"items": [[["PP"], 1]]}}, "invalid Node document|matches none|expected"),
+        ({"peers": {"a": 1}}, "expected a list"),
+        ({"devices": [[0]]}, "expected int"),
+        ({"kind": ["compute"]}, "invalid Node document"),
+    ],
+)
+def test_values_of_the_wrong_shape_are_serialization_errors(changes: dict, message: str) -> None:
+    with pytest.raises(SerializationError, match=message):
+        from_json(_with_value(**changes))

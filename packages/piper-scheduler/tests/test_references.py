@@ -41,17 +41,19 @@ PARAMS = (("w", TensorMeta((2, 2), "float32")), ("u", TensorMeta((4,), "float32"
 def _dp_program() -> Program:
     """Segment s0 on ranks 0 and 1, expert-parallel (expert weight ``w``) and data-parallel
     with ZeRO-1 for the rest: bucket b0 (``u`` and ``b``) reduce-scattered after the
-    backward and all-gathered after the step."""
+    backward and all-gathered after the step (events order the dp stream after compute)."""
 
     def plan(rank: int) -> RankPlan:
         return RankPlan(
             rank,
             [
                 Instruction("F.s0.mb0", NodeKind.COMPUTE, segment="s0", phase=Phase.F, microbatch=0),
-                Instruction("B.s0.mb0", NodeKind.COMPUTE, segment="s0", phase=Phase.B, microbatch=0),
-                Instruction("rs.b0", NodeKind.REDUCE_SCATTER, "dp", "s0", value="b0", communicator="dp:0-1", meta=FLAT),
-                Instruction("OPT.s0", NodeKind.OPTIMIZER, segment="s0", phase=Phase.OPT),
-                Instruction("ag.b0", NodeKind.ALL_GATHER, "dp", "s0", value="b0", communicator="dp:0-1", meta=FLAT),
+                Instruction("B.s0.mb0", NodeKind.COMPUTE, segment="s0", phase=Phase.B, microbatch=0, record="ev.B"),
+                Instruction("rs.b0", NodeKind.REDUCE_SCATTER, "dp", "s0", value="b0", communicator="dp:0-1", meta=FLAT,
+                            waits=("ev.B",), record="ev.rs"),
+                Instruction("OPT.s0", NodeKind.OPTIMIZER, segment="s0", phase=Phase.OPT, waits=("ev.rs",), record="ev.OPT"),
+                Instruction("ag.b0", NodeKind.ALL_GATHER, "dp", "s0", value="b0", communicator="dp:0-1", meta=FLAT,
+                            waits=("ev.OPT",)),
             ],
             replica=rank,
         )

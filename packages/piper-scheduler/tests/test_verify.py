@@ -85,12 +85,18 @@ def test_compiled_pipelines_verify(schedule: str | None, pp: int, mb: int) -> No
 
 
 def test_sound_hand_made_program_passes() -> None:
-    verify(
-        program(
-            [comp("a0"), send("a", 0, 1), send("a", 1, 1), allreduce("ar0")],
-            [recv("a", 0, 0), recv("a", 1, 0), comp("b0"), allreduce("ar0")],
-        )
+    """s0 on rank 0 writes ``a`` for both microbatches, s1 on rank 1 reads it; events order
+    the pp stream after the forwards and the forwards after the receives."""
+    two = Segment("s1", SegmentRole.STAGE, Tags(), ("a",), (), ())
+    sound = program(
+        [comp("f0", record="ev.f0"), send("a", 0, 1, waits=("ev.f0",)), comp("f1", 1, record="ev.f1"),
+         send("a", 1, 1, waits=("ev.f1",)), allreduce("ar0")],
+        [recv("a", 0, 0, record="ev.r0"), recv("a", 1, 0, record="ev.r1"),
+         attrs.evolve(comp("g0", waits=("ev.r0",)), segment="s1"),
+         attrs.evolve(comp("g1", 1, waits=("ev.r1",)), segment="s1"), allreduce("ar0")],
     )
+    s0 = attrs.evolve(sound.segments[0], outputs=("a",))
+    verify(attrs.evolve(sound, segments=(s0, two)))
 
 
 def test_swapped_receives_are_rejected() -> None:

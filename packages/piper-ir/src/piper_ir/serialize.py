@@ -176,12 +176,19 @@ def _fields(value: Any) -> Any:
     raise SerializationError(f"cannot encode {type(value).__name__} value {value!r}")
 
 
-def from_json(text: str) -> Any:
-    """Read a document written by ``to_json``; raises ``SerializationError`` on anything else."""
+def from_json(text: str | bytes) -> Any:
+    """Read a document written by ``to_json``; raises ``SerializationError`` on anything else
+    (not JSON, not UTF-8, nested deeper than the interpreter's recursion limit, another
+    format or version, a value whose fields have the wrong names or types)."""
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as err:
         raise SerializationError(f"not JSON: {err}") from None
+    except UnicodeDecodeError as err:  # bytes that are not UTF-8 (or UTF-16/32) text
+        raise SerializationError(f"not UTF-8 text: {err.reason} at byte {err.start}") from None
+    except RecursionError:
+        # A document of ``to_json`` nests a few levels; the C decoder gives up on thousands.
+        raise SerializationError("not a piper-ir document: JSON nested too deeply to read") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise SerializationError("not a piper-ir document (missing 'format': 'piper-ir')")
     version = doc.get("version")
@@ -193,5 +200,9 @@ def from_json(text: str) -> Any:
         raise SerializationError(f"unknown IR type {type_name!r}")
     try:
         return decode(cls, doc.get("value"))
-    except (TypeError, ValueError) as err:  # a bad enum member, a missing field, a converter
+    # A bad enum member, a missing field, a converter or validator refusing a value, an
+    # unhashable key: whatever the fields' own code raises on data of the wrong shape.
+    except (TypeError, ValueError, LookupError, AttributeError) as err:
         raise SerializationError(f"invalid {type_name} document: {err}") from None
+    except RecursionError:
+        raise SerializationError(f"invalid {type_name} document: nested too deeply to read") from None

@@ -1,4 +1,5 @@
-"""Prove a ``Program`` runs to completion before any process starts it.
+"""Prove a ``Program`` runs to completion, and computes what its graph asks, before any
+process starts it.
 
 Checks, in this order (the first failure raises):
 
@@ -16,7 +17,11 @@ Checks, in this order (the first failure raises):
 5. collectives: every member of a communicator issues the same collectives in the same order
    (``DeadlockError``); a tensor-parallel segment's compute counts as a collective on its
    group's communicator;
-6. progress: walking every rank's list with buffered SENDs, blocking RECVs and blocking
+6. what the plan computes (``piper_scheduler.semantics``): every pass once per replica and
+   every microbatch, each backward after its forward, every pass after what it reads, every
+   step after the gradients it steps, shapes as the values say (``SchedulingError`` naming
+   the rule);
+7. progress: walking every rank's list with buffered SENDs, blocking RECVs and blocking
    collectives finishes (``DeadlockError`` naming each stuck rank's blocked instruction).
 
 Every message names ranks, streams and instructions and shows the plans around the culprit.
@@ -38,10 +43,11 @@ from piper_scheduler.matching import (
     recv_partners,
 )
 from piper_scheduler.references import check_instructions, check_tables
+from piper_scheduler.semantics import check_semantics
 
 
 def verify(program: Program) -> None:
-    """Raise ``SchedulingError`` / ``DeadlockError`` unless ``program`` is sound; else None.
+    """Raise ``SchedulingError`` / ``DeadlockError`` unless ``program`` is sound (module doc); else None.
     Runs with the cyclic collector paused (``gc_paused``), as ``compile_program`` does: its
     tables grow with the program, and the collections they trigger walk all of it."""
     with gc_paused():
@@ -56,6 +62,7 @@ def _verify(program: Program) -> None:
     sends, recvs = p2p_sequences(program)
     _check_p2p(program, sends, recvs)
     _check_collectives(program)
+    check_semantics(program)
     _check_progress(program, recv_partners(sends, recvs))
 
 

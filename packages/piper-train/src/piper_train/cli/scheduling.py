@@ -10,14 +10,25 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from piper_directives import Strategy, strategy_to_torch_csv
 from piper_directives.synthetic import synthetic_graph
-from piper_ir import Graph, Program, from_json, graph_summary, program_text, to_json
+from piper_ir import (
+    Graph,
+    PiperError,
+    Program,
+    SerializationError,
+    from_json,
+    graph_summary,
+    program_text,
+    to_json,
+)
 from piper_memory import plan_memory
 from piper_scheduler import CostModel, compile_program, plot_gantt, simulate, to_chrome_trace, verify
-from piper_train.cli.options import print_json, say
+from piper_train.cli.document import emit
+from piper_train.cli.options import say
 from piper_train.cli.outputs import writing
 from piper_train.cli.request import StrategyRequest, model_regions, placed_regions, split_microbatches
 from piper_train.metrics import SCHEMA
@@ -96,7 +107,7 @@ def _report(args: argparse.Namespace, program: Program, what: str) -> int:
             plot_gantt(timeline, args.png, title=f"{what}: makespan {timeline.makespan:g}")
         say(args, f"wrote {args.png}")
     if args.json:
-        print_json(summary)
+        emit(args, summary)
         return 0
     say(args, f"{what}: makespan {timeline.makespan:g} (costs {args.cost})")
     say(args, "rank      busy      idle  bubble  peak activations")
@@ -195,16 +206,31 @@ def _capture(args: argparse.Namespace, regions: int) -> Graph:
     ).graph
 
 
+def _saved_program(path: Path, steps: _Steps) -> Program:
+    """The verified program saved in ``path``. Anything else is an error naming the file (exit
+    2): unreadable, not UTF-8 or not JSON (``from_json`` reads bytes), nested too deeply,
+    another IR value, fields of the wrong names or types, or a plan ``verify`` refuses."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err}") from None
+    try:
+        program = steps.timed(f"reading {path}", from_json, data)
+    except SerializationError as err:
+        raise SerializationError(f"{path}: {err.message}") from None
+    if not isinstance(program, Program):
+        raise ValueError(f"{path} holds a {type(program).__name__}, not a Program")
+    try:
+        steps.timed("verify", verify, program)
+    except PiperError as err:
+        raise type(err)(f"{path} does not verify: {err.message}", directive=err.directive, nodes=err.nodes,
+                        ranks=err.ranks, step=err.step) from None
+    return program
+
+
 def show_command(args: argparse.Namespace) -> int:
     steps = _Steps("show")
-    try:
-        text = args.program.read_text()
-    except OSError as err:
-        raise ValueError(f"cannot read {args.program}: {err}") from None
-    program = steps.timed(f"reading {args.program}", from_json, text)
-    if not isinstance(program, Program):
-        raise ValueError(f"{args.program} holds a {type(program).__name__}, not a Program")
-    steps.timed("verify", verify, program)
+    program = _saved_program(args.program, steps)
     counts: dict[str, int] = {}
     for plan in program.ranks:
         for ins in plan.instructions:
