@@ -33,3 +33,12 @@ def test_a_file_that_declares_its_encoding_runs(tmp_path) -> None:
     path.write_bytes(b'# -*- coding: latin-1 -*-\nNAME = "caf\xe9"\ndef f():\n    raise RuntimeError(NAME)\n')
     with pytest.raises(ValueError, match="the factory f\\(\\) raised RuntimeError: caf\u00e9"):
         load_factory(f"{path}:f")
+
+
+def test_a_strategy_file_that_is_not_utf8_is_named(tmp_path, capsys) -> None:
+    """``plan --model`` without ``--stages`` reads the strategy first to count its regions."""
+    path = tmp_path / "s.json"
+    path.write_bytes(b'{"directives": ["\xff"]}')
+    assert main(["plan", "--model", "mlp", "--strategy", str(path), "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"--strategy {path} is not UTF-8 text" in err and "Traceback" not in err

@@ -66,3 +66,15 @@ def test_gaps_start_at_the_latest_end_so_far() -> None:
     gaps, tail = gaps_and_tail(timings, 6.5)
     assert gaps == [0.5, 0.0, 0.25] and tail == 0.5
     assert gaps_and_tail([], 1.0) == ([], 1.0)
+
+
+@pytest.mark.parametrize("text", ["[1]", "{", "[" * 100_000 + "]" * 100_000, '{"compute": 3}', "\udcff"])
+def test_a_damaged_profile_cache_is_measured_again(tmp_path, text: str) -> None:
+    from piper_train.tuning.profiler import read_cached
+
+    said: list[str] = []
+    path = tmp_path / "p.json"
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    assert read_cached(path, said.append) is None
+    assert said == [f"profile: ignoring unreadable cache {path}"]
+    assert read_cached(tmp_path / "none.json", said.append) is None

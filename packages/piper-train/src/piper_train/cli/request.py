@@ -177,8 +177,8 @@ def model_regions(args: argparse.Namespace) -> int:
     if args.strategy is not None and args.strategy.suffix.lower() != ".csv":
         # A JSON program places its regions itself (``piper tune --out`` writes one per region).
         try:
-            return placed_regions(Strategy.from_json(args.strategy.read_text())) or args.pp
-        except (OSError, PiperError):
+            return placed_regions(Strategy.from_json(args.strategy.read_text(encoding="utf-8"))) or args.pp
+        except (OSError, ValueError, PiperError):  # ValueError: not UTF-8
             pass  # StrategyRequest.from_args reads it again and reports what is wrong
     if args.strategy is None:
         try:

@@ -286,13 +286,7 @@ class Profiler:
         self.measured = 0
         key = profile_key(name, captured, backend)
         self.path = cache_dir / f"{key}.json" if cache_dir is not None else None
-        profile = None
-        if self.path is not None and self.path.exists():
-            try:
-                profile = Profile.from_json(self.path.read_text())
-                self.log(f"profile: read {self.path}")
-            except (OSError, ValueError, TypeError, KeyError):
-                self.log(f"profile: ignoring unreadable cache {self.path}")
+        profile = read_cached(self.path, self.log) if self.path is not None else None
         if profile is None:
             cores = usable_cores() if backend == "cpu" and address is None else None
             profile = Profile(key, captured.batch_size, len(captured.graph.stage_segments()),
@@ -336,3 +330,17 @@ class Profiler:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(profile.to_json())
         tmp.replace(self.path)
+
+
+def read_cached(path: Path, log: Callable[[str], None]) -> Profile | None:
+    """The profile cached at ``path``; ``None`` when there is none, or when it cannot be read
+    whole (damaged, of another format, nested absurdly deep): measured again, never fatal."""
+    if not path.exists():
+        return None
+    try:
+        profile = Profile.from_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):  # any damage
+        log(f"profile: ignoring unreadable cache {path}")
+        return None
+    log(f"profile: read {path}")
+    return profile
