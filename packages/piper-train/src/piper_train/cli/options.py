@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from piper_directives import SCHEDULES
+from piper_scheduler import CostModel
 from piper_train import bounds
 from piper_train.call_size import parse_steps_per_call
 from piper_train.cli.outputs import output_file
@@ -158,16 +159,12 @@ def finite_float(text: str) -> float:
 
 
 def _costs(text: str) -> str:
-    """``--cost``: as given, once every number in it is finite (``scheduling.costs`` reads the
-    rest of it, and refuses a negative cost or an unknown phase)."""
-    for item in text.split(","):
-        number = item.partition("=")[2]
-        try:
-            value = float(number)
-        except ValueError:
-            continue  # not a number at all: ``costs`` says what it expects
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"expected a finite cost, got {item.strip()!r}")
+    """``--cost``: as given, once ``CostModel.parse`` (the one parser of the format) reads it:
+    a backward is one quantity however it is spelled (B, or BI and W), costs finite and >= 0."""
+    try:
+        CostModel.parse(text, source="--cost")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--cost: ")) from None
     return text
 
 

@@ -41,27 +41,11 @@ MAX_CELLS = 100_000
 SAY_AFTER_S = 1.0
 T = TypeVar("T")
 R = TypeVar("R")
-_COST_KEYS = {"F": "F", "B": "B", "BI": "BI", "BW": "BW", "W": "BW", "OPT": "OPT", "FB": "FB"}
 
 
 def costs(text: str) -> CostModel:
-    """``F=1,B=2,W=1[,BI=..][,OPT=..][,FB=..][,loss=0]`` as a CostModel; the loss is free unless
-    given. ``FB`` is an overlapped forward+backward pair (DualPipe's F&B)."""
-    fields: dict[str, float] = {}
-    loss = 0.0
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, val = item.partition("=")
-        try:
-            number = float(val)
-        except ValueError:
-            number = -1.0
-        if not sep or number < 0 or (key not in _COST_KEYS and key != "loss"):
-            raise ValueError(f"--cost: expected KEY=NUMBER with KEY in F, B, BI, BW (or W), OPT, FB, loss; got {item!r}")
-        if key == "loss":
-            loss = number
-        else:
-            fields[_COST_KEYS[key]] = number
-    return CostModel(**fields, overrides={"loss": {"F": loss, "B": loss, "BI": loss, "BW": loss}})
+    """``--cost`` as a ``CostModel`` (``CostModel.parse``: ``F=1,B=3,W=1`` derives ``BI=2``)."""
+    return CostModel.parse(text, source="--cost")
 
 
 def check_size(args: argparse.Namespace, regions: int | None = None, microbatches: int | None = None) -> None:
