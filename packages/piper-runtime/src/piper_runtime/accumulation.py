@@ -120,14 +120,15 @@ class WeightProducts:
         """Add every pending product into its weight's ``.grad``, in the order they came;
         call it under the rank's gradient lock."""
         pending, self.pending = self.pending, []
-        for weight, dy, x in pending:
-            acc = weight.grad
-            if acc is None:
-                weight.grad = dy.t().mm(x)  # what autograd would have stored
-            elif _accumulates_into(acc, dy, weight):
-                acc.addmm_(dy.t(), x)
-            else:
-                weight.grad = acc + dy.t().mm(x)
+        with torch.no_grad():  # a gradient, never a graph: the saved input may require grad
+            for weight, dy, x in pending:
+                acc = weight.grad
+                if acc is None:
+                    weight.grad = dy.t().mm(x)  # what autograd would have stored
+                elif _accumulates_into(acc, dy, weight):
+                    acc.addmm_(dy.t(), x)
+                else:
+                    weight.grad = acc + dy.t().mm(x)
 
 
 _deferred: WeightProducts | None = None  # where fused backwards leave their weight products now
