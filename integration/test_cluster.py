@@ -5,10 +5,8 @@ across two nodes: test_multinode.py.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import ipaddress
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,16 +15,9 @@ from piper_directives import Place, Shard, Split, Strategy, build_schedule, capt
 from piper_ir import ClusterError
 from piper_memory import plan_memory
 from piper_runtime.placement import affinity_units
+from piper_runtime.testing import listening
 from piper_scheduler import compile_program
 from piper_train.models import build_model
-
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location(
-    "rendezvous_tests", ROOT / "packages" / "piper-runtime" / "tests" / "test_rendezvous.py"
-)
-_rendezvous_tests = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_rendezvous_tests)
-listening = _rendezvous_tests.listening
 
 
 def _program(model: str, stages: int, strategy: Strategy):

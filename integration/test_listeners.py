@@ -10,7 +10,6 @@ tests: starting Ray is most of its cost.
 
 from __future__ import annotations
 
-import importlib.util
 import ipaddress
 import json
 import os
@@ -27,19 +26,13 @@ import attrs
 import pytest
 
 from piper_runtime.reaper import descendants
+from piper_runtime.testing import listening
 
 pytestmark = [
     pytest.mark.own_process,
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location(
-    "rendezvous_tests", ROOT / "packages" / "piper-runtime" / "tests" / "test_rendezvous.py"
-)
-_rendezvous_tests = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_rendezvous_tests)
-listening = _rendezvous_tests.listening
 TIMEOUT_S = 240
 
 

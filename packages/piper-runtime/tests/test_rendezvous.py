@@ -18,33 +18,7 @@ from piper_runtime.rendezvous import (
     open_listener,
     set_socket_interfaces,
 )
-
-
-def listening(pid: int | str = "self") -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket process ``pid`` listens on (/proc/net/tcp*)."""
-    import os
-
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    found = []
-    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in open(path).read().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                hexaddr, hexport = fields[1].split(":")
-                raw = bytes.fromhex(hexaddr)
-                # /proc prints each 32-bit word in host (little-endian) order
-                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-                addr = socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words)
-                found.append((addr, int(hexport, 16)))
-    return found
-
+from piper_runtime.testing import listening
 
 WILDCARDS = {"0.0.0.0", "::"}
 
