@@ -10,7 +10,13 @@ import torch
 from torch import nn
 
 from piper_ir import Instruction, NodeKind, Phase
-from piper_runtime.accumulation import WeightProducts, accumulate_in_products, deferring, has_fused_layers
+from piper_runtime.accumulation import (
+    WeightProducts,
+    accumulate_in_products,
+    deferring,
+    fused_weights,
+    has_fused_layers,
+)
 from piper_runtime.input_grads_first import deferral_windows
 from piper_runtime.streams import StreamLayout
 from piper_runtime.testing import compute, with_stream_events
@@ -117,7 +123,7 @@ def test_deferred_products_sum_bit_for_bit_as_undeferred(make) -> None:
         plain(x.clone().requires_grad_()).square().sum().backward()
         xd = x.clone().requires_grad_()
         before = {n: None if p.grad is None else p.grad.clone() for n, p in deferred.named_parameters()}
-        with deferring(products):
+        with deferring(products, fused_weights({"s": deferred})):
             deferred(xd).square().sum().backward()
         assert xd.grad is not None and len(products.pending) == layers
         for n, p in deferred.named_parameters():  # weights wait, biases do not
@@ -133,7 +139,7 @@ def test_outside_deferring_nothing_waits() -> None:
     model = _model()
     accumulate_in_products({"s": model}, [], min_bytes=0)
     products = WeightProducts()
-    with deferring(products):
+    with deferring(products, fused_weights({"s": model})):
         pass
     model(torch.randn(2, 6)).sum().backward()
     assert not products and all(p.grad is not None for p in model.parameters())
@@ -147,8 +153,23 @@ def test_settle_adds_into_an_existing_sum_in_place(dtype: torch.dtype) -> None:
     held = layer.weight.grad
     products = WeightProducts()
     x = torch.randn(4, 3, dtype=dtype)
-    with deferring(products):
+    with deferring(products, fused_weights({"s": layer})):
         layer(x).sum().backward()
     products.settle()
     assert layer.weight.grad is held
     torch.testing.assert_close(held, 1 + torch.ones(4, 2, dtype=dtype).t() @ x)
+
+
+def test_a_window_defers_only_its_own_ranks_products() -> None:
+    """Two ranks as threads of one process (the CUDA fakes, a local runtime): while one rank
+    defers its products, another rank's backward adds its own into ``.grad`` as usual."""
+    mine, other = _model(), _model(seed=1)
+    for model in (mine, other):
+        accumulate_in_products({"s": model}, [], min_bytes=0)
+    products = WeightProducts()
+    x = torch.randn(7, 6)
+    with deferring(products, fused_weights({"s": mine})):
+        other(x).square().sum().backward()  # the other rank's pass, meanwhile
+        mine(x).square().sum().backward()
+    assert all(p.grad is not None for p in other.parameters())
+    assert {id(w) for w, _, _ in products.pending} == {id(w) for w in fused_weights({"s": mine})}

@@ -48,9 +48,12 @@ computes its input gradient only and appends its weight product to ``products``
 in the same order per weight, so the sums are bit for bit those of the undeferred pass. A
 stage's last backward of a step, whose input gradient another rank waits for, sends it
 first and computes the weight products after (``piper_runtime.input_grads_first``). Which ``WeightProducts`` a backward
-appends to is one process-wide setting, not a thread's: on CUDA autograd runs ``backward``
-on a device thread of its own. Every backward pass of a rank runs under its gradient lock,
-so at most one pass defers at a time.
+appends to is set per weight (``deferring(products, weights)``), process-wide rather than per
+thread: on CUDA autograd runs ``backward`` on a device thread of its own. Every backward pass
+of a rank runs under its gradient lock, so at most one pass of a rank defers at a time; ranks
+that are threads of one process (the CUDA fakes) hold other weights, so one rank's window
+never takes another's products (a single process-wide setting did: a rank's unrelated
+backward then left its products in the other rank's list).
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def accumulate_in_products(
 
 def has_fused_layers(module: nn.Module) -> bool:
     """Whether ``accumulate_in_products`` gave some ``nn.Linear`` of ``module`` its backward."""
-    return any(isinstance(f := layer.__dict__.get("forward"), partial) and f.func is _forward for layer in module.modules())
+    return any(_is_fused(layer) for layer in module.modules())
 
 
 class WeightProducts:
@@ -131,22 +134,34 @@ class WeightProducts:
                     weight.grad = acc + dy.t().mm(x)
 
 
-_deferred: WeightProducts | None = None  # where fused backwards leave their weight products now
+_deferred: dict[int, WeightProducts] = {}  # id(weight) -> where its fused backward leaves its product now
 
 
 @contextmanager
-def deferring(products: WeightProducts | None) -> Iterator[None]:
-    """Within: fused layers' backwards leave their weight products in ``products`` (``None``:
-    they compute them as usual). Enter it under the rank's gradient lock (module doc)."""
-    global _deferred
+def deferring(products: WeightProducts | None, weights: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Within: the fused layers of ``weights`` (``fused_weights``: a rank's) leave their
+    weight products in ``products`` (``None``: they compute them as usual). Enter it under
+    the rank's gradient lock (module doc)."""
     if products is None:
         yield
         return
-    _deferred = products
+    keys = [id(w) for w in weights]
+    for key in keys:
+        _deferred[key] = products
     try:
         yield
     finally:
-        _deferred = None
+        for key in keys:
+            _deferred.pop(key, None)
+
+
+def fused_weights(modules: Mapping[str, nn.Module]) -> list[torch.Tensor]:
+    """The weights of the layers of ``modules`` that ``accumulate_in_products`` fused."""
+    return [layer.weight for module in modules.values() for layer in module.modules() if _is_fused(layer)]
+
+
+def _is_fused(layer: nn.Module) -> bool:
+    return isinstance(f := layer.__dict__.get("forward"), partial) and f.func is _forward
 
 
 def describe_fusion(layers: Mapping[int, int], min_bytes: int | None, input_grads_first: bool = False) -> str:
@@ -194,7 +209,7 @@ class _LinearAccumulating(torch.autograd.Function):
         if need_w:
             flat_x = x.reshape(-1, x.shape[-1])
             acc = weight.grad
-            deferred = _deferred
+            deferred = _deferred.get(id(weight))
             if deferred is not None:
                 deferred.pending.append((weight, dy, flat_x))  # ``WeightProducts.settle`` adds it
             elif acc is not None and _accumulates_into(acc, dy, weight):

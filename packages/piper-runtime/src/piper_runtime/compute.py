@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from piper_ir import Instruction, NodeKind, Phase, Program, Segment, SegmentRole, grad_name
-from piper_runtime.accumulation import deferring, has_fused_layers
+from piper_runtime.accumulation import deferring, fused_weights, has_fused_layers
 from piper_runtime.precision import cast_forward, dtype_of
 from piper_runtime.randomness import seeded
 from piper_runtime.state import StepState
@@ -132,6 +132,7 @@ class SegmentCompute:
         self.fused = {} if forward_only else fused_losses(program, instructions)
         self.fused_stages = {(stage, mb) for (_, mb), stage in self.fused.items()}
         self.deferred: frozenset[str] = frozenset()  # ids of the B instructions that defer (``defer``)
+        self._fused_weights: list[torch.Tensor] | None = None  # the rank's fused layers' (on first deferral)
 
     # -- input gradients first (``piper_runtime.input_grads_first``) ----------------------------
 
@@ -331,7 +332,9 @@ class SegmentCompute:
         ``WeightProducts`` if ``ins`` is in a window; an accounted step counts them."""
         if ins.id not in self.deferred:
             return nullcontext()
-        return _deferred_pass(st, self.sample if st.accounted else None)
+        if self._fused_weights is None:
+            self._fused_weights = fused_weights(self.modules)
+        return _deferred_pass(st, self._fused_weights, self.sample if st.accounted else None)
 
     def _fused_backward(self, ins: Instruction, stage: Segment, mb: int, st: StepState) -> None:
         """The loss's B and its stage's in one pass: from the scaled loss through the stage,
@@ -382,10 +385,11 @@ class SegmentCompute:
 
 
 @contextmanager
-def _deferred_pass(st: StepState, sample: Callable[[list[torch.Tensor]], None] | None) -> Iterator[None]:
-    """``deferring`` into the step's weight products for one pass, then (accounted steps) a
-    memory sample that counts what they hold."""
-    with deferring(st.weight_products):
+def _deferred_pass(st: StepState, weights: Sequence[torch.Tensor],
+                   sample: Callable[[list[torch.Tensor]], None] | None) -> Iterator[None]:
+    """``deferring`` the rank's fused ``weights``' products into the step's weight products
+    for one pass, then (accounted steps) a memory sample that counts what they hold."""
+    with deferring(st.weight_products, weights):
         yield
     if sample is not None and st.weight_products:
         sample(st.weight_products.tensors())
