@@ -3,7 +3,7 @@ then the time from a killed worker to training again, on new workers (no worker 
 
 1. ``--model`` (default ``lm``, the byte LM) under ``--schedule`` on ``--pp`` x ``--dp`` ranks
    with ZeRO ``--zero`` (default DualPipeV, PP=2 x DP=2, ZeRO-3) trains ``--steps`` steps with
-   AdamW and saves: bytes on disk (every rank's file and the metadata) and seconds to write.
+   AdamW and saves: bytes on disk (every rank's file, the index and the manifest) and seconds to write.
 2. A trainer under 1F1B on ``--pp`` x ``--dp`` ranks without ZeRO loads it (resharding):
    seconds to load.
 3. Restart: 1F1B on ``--pp`` ranks, ``--steps`` steps with a checkpoint every ``--every``;
