@@ -29,7 +29,6 @@ from piper_scheduler import CostModel
 from piper_train import bounds
 from piper_train.call_size import parse_steps_per_call
 from piper_train.cli.outputs import output_file
-from piper_train.metrics import dumps
 from piper_train.schedule import SCHEDULES as LR_SCHEDULES
 
 Group = Callable[[argparse.ArgumentParser], None]
@@ -461,8 +460,3 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 def say(args: argparse.Namespace, text: str) -> None:
     """Progress and reports: on stdout, or on stderr when ``--json`` owns stdout."""
     print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
-
-
-def print_json(summary: dict[str, Any]) -> None:
-    """``--json`` output: standard JSON (``piper_train.metrics.dumps``)."""
-    print(dumps(summary))
