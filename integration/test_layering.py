@@ -1,4 +1,4 @@
-"""The layering rules of DESIGN.md are enforced by ruff (``banned-api`` in each package's
+"""The layering rules of docs/design.md are enforced by ruff (``banned-api`` in each package's
 ruff.toml, run by ``nox -s lint``); this checks that configuration: an import the rules
 forbid is reported in exactly the files where it is forbidden.
 
