@@ -26,6 +26,7 @@ from piper_directives.schedules import (
     zb1p,
 )
 from piper_directives.shard import Shard, shard_all
+from piper_directives.shard_buckets import sharded_buckets
 from piper_directives.split import Split
 from piper_directives.split_backward import requested_splits, split_backward
 from piper_directives.strategy import DIRECTIVES, Directive, Strategy, apply_strategy
@@ -51,5 +52,5 @@ __all__ = [
     "Split", "Strategy", "annotate", "apply_strategy", "build_schedule", "capture", "data_parallel", "dualpipe",
     "dualpipev", "expert_parallel", "gpipe", "insert_communication", "interleaved_1f1b", "one_f_one_b",
     "parallelize", "place_all", "rank_actions", "recompute_all", "replicate_all", "requested_splits", "send_streams", "shard_all",
-    "shard_modules", "split_backward", "strategy_from_torch_csv", "strategy_to_torch_csv", "tensor_parallel", "written_at", "zb1p",
+    "shard_modules", "sharded_buckets", "split_backward", "strategy_from_torch_csv", "strategy_to_torch_csv", "tensor_parallel", "written_at", "zb1p",
 ]

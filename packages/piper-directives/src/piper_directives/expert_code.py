@@ -49,8 +49,8 @@ import torch
 import torch.fx
 from torch import nn
 
-from piper_directives.replicate import segment_buckets
 from piper_directives.segment_module import like
+from piper_directives.shard_buckets import sharded_buckets
 from piper_directives.shard_code import refuse_recompute
 from piper_ir import DirectiveError, Graph, ParamShard, SegmentRole, Sharding, ShardKind
 
@@ -164,7 +164,6 @@ def shard_experts(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph
     expert parameters out of the buckets, and the segment modules rewritten (module doc)."""
     out = dict(modules)
     records: list[Sharding] = []
-    experts_of: dict[str, set[str]] = {}
     for sh in graph.sharding:
         if sh.kind is not ShardKind.EP:
             records.append(sh)
@@ -178,7 +177,6 @@ def shard_experts(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph
         if count:
             refuse_recompute(seg, sh, "expert-parallel all-to-alls")
             out[sh.segment] = gm
-            experts_of[sh.segment] = {p.name for p in params}
         records.append(attrs.evolve(sh, params=params, collectives=count))
     if not any(r.collectives for r in records if r.kind is ShardKind.EP):
         raise DirectiveError(
@@ -187,7 +185,7 @@ def shard_experts(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph
             directive=next(sh.origin for sh in graph.sharding if sh.kind is ShardKind.EP),
         )
     graph = attrs.evolve(graph, sharding=tuple(records))
-    return attrs.evolve(graph, buckets=_buckets(graph, experts_of)), out
+    return attrs.evolve(graph, buckets=sharded_buckets(graph)), out
 
 
 def _rewrite(module: torch.fx.GraphModule, sh: Sharding) -> tuple[torch.fx.GraphModule, tuple[ParamShard, ...], int]:
@@ -265,21 +263,3 @@ def _num_experts(experts: nn.Module, name: str, sh: Sharding) -> int:
     return sizes.pop()
 
 
-def _buckets(graph: Graph, experts_of: Mapping[str, set[str]]) -> tuple:
-    """``graph.buckets`` with each expert-parallel segment's buckets rebuilt now that its
-    expert parameters are known (``replicate.segment_buckets``): the replicated weights over
-    the whole group, the experts, when the group is also data-parallel, over the ranks that
-    hold the same experts."""
-    if not experts_of:
-        return graph.buckets
-    replication = {r.segment: r for r in graph.replication}
-    sharding = {s.segment: s for s in graph.sharding}
-    out = [b for b in graph.buckets if b.segment not in experts_of]
-    for sid, names in experts_of.items():
-        rep = replication.get(sid)
-        if rep is None:
-            continue
-        seg = graph.segment_by_id[sid]
-        out.extend(segment_buckets(seg, rep, sharding[sid], frozenset(names)))
-    order = {s.id: i for i, s in enumerate(graph.segments)}
-    return tuple(sorted(out, key=lambda b: order[b.segment]))

@@ -56,8 +56,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from piper_directives.diagnose import describe
-from piper_directives.replicate import segment_buckets
 from piper_directives.segment_module import like
+from piper_directives.shard_buckets import sharded_buckets
 from piper_ir import DirectiveError, Graph, ParamShard, Segment, SegmentRole, Sharding, ShardKind
 
 COMM = "piper_tp"
@@ -178,7 +178,7 @@ def shard_modules(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph
             directive=graph.sharding[0].origin,
         )
     graph = attrs.evolve(graph, sharding=tuple(records))
-    return attrs.evolve(graph, buckets=_local_buckets(graph)), out
+    return attrs.evolve(graph, buckets=sharded_buckets(graph)), out
 
 
 def refuse_recompute(seg: Segment, sh: Sharding, what: str) -> None:
@@ -192,22 +192,6 @@ def refuse_recompute(seg: Segment, sh: Sharding, what: str) -> None:
             "regions, or do not shard this one",
             directive=sh.origin,
         )
-
-
-def _local_buckets(graph: Graph) -> tuple:
-    """``graph.buckets`` with the buckets of data x tensor parallel segments rebuilt on the
-    shard's sizes (``replicate.segment_buckets``), now that what is cut is known."""
-    replication = {r.segment: r for r in graph.replication}
-    sharding = {s.segment: s for s in graph.sharding if s.segment in replication}
-    if not sharding:
-        return graph.buckets
-    out = [b for b in graph.buckets if b.segment not in sharding]
-    for sid, sh in sharding.items():
-        seg = graph.segment_by_id[sid]
-        if seg.role is SegmentRole.STAGE:
-            out.extend(segment_buckets(seg, replication[sid], sh))
-    order = {s.id: i for i, s in enumerate(graph.segments)}
-    return tuple(sorted(out, key=lambda b: order[b.segment]))
 
 
 def _rewrite(module: torch.fx.GraphModule, sh: Sharding) -> tuple[torch.fx.GraphModule, tuple[ParamShard, ...], int]:

@@ -21,8 +21,8 @@ from pathlib import Path
 import attrs
 import ray
 
-from piper_directives import SCHEDULES, CapturedModel, capture, shard_modules
-from piper_ir import ClusterError, Graph, MemoryPlanError, PiperError, ShardKind
+from piper_directives import SCHEDULES, CapturedModel, capture, shard_modules, sharded_buckets
+from piper_ir import ClusterError, Graph, MemoryPlanError, PiperError
 from piper_runtime import OptimizerSpec, ensure_ray
 from piper_train.models import ModelSpec
 from piper_train.trainer import Trainer
@@ -232,18 +232,12 @@ class _Sharder:
         return out
 
     def _replay(self, graph: Graph) -> Graph:
-        from piper_directives.expert_code import _buckets as expert_buckets
-        from piper_directives.shard_code import _local_buckets
-
         records = []
         for sh in graph.sharding:
             params, collectives = self.known[(sh.segment, sh.kind, sh.degree)]
             records.append(attrs.evolve(sh, params=params, collectives=collectives))
         graph = attrs.evolve(graph, sharding=tuple(records))
-        if any(sh.kind is ShardKind.EP for sh in records):
-            experts = {sh.segment: {p.name for p in sh.params} for sh in records if sh.collectives}
-            return attrs.evolve(graph, buckets=expert_buckets(graph, experts))
-        return attrs.evolve(graph, buckets=_local_buckets(graph))
+        return attrs.evolve(graph, buckets=sharded_buckets(graph))
 
 
 @attrs.frozen
