@@ -117,7 +117,8 @@ def test_crafted_checkpoints_run_no_code_and_are_refused_by_name(tmp_path, capsy
         assert culprit in captured.err and "Traceback" not in captured.err, (name, captured.err)
         assert not marker.exists(), f"{name}: the checkpoint ran code"
         assert (root / "step-00000001").is_dir(), f"{name}: a refused checkpoint is never deleted"
-    assert "convert it once: piper convert-checkpoint" in _refusal(tmp_path / "legacy", capsys)
+    assert "Convert it once (read as data, through an allow-list): piper convert-checkpoint" in _refusal(
+        tmp_path / "legacy", capsys)
 
     # A pickle anywhere a reader never looks stays unread: the checkpoint still exports.
     (step / ".metadata").write_bytes(_pickled(marker))

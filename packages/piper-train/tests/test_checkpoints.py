@@ -123,7 +123,7 @@ def test_another_model_is_refused_naming_the_parameters(tmp_path) -> None:
         check_compatible(tmp_path, manifest, {"a.weight": (4, 2), "b.bias": (3,)}, "sgd")
 
 
-def _legacy_checkpoint(root, marker=None):
+def _legacy_checkpoint(root, payload=None):
     """A checkpoint as Piper wrote them before: a torch distributed checkpoint (pickled
     ``.metadata``, objects through ``torch.save``) and a version-1 manifest."""
     import random
@@ -137,6 +137,8 @@ def _legacy_checkpoint(root, marker=None):
              "train_state": {"step": 3, "samples": 12, "tokens": 0, "lr": {"lr": 0.1}, "data": None,
                              "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}},
              "rng.rank0": {"torch": torch.get_rng_state(), "cuda": None}}
+    if payload is not None:  # an object whose unpickling runs code: what a crafted checkpoint holds
+        state["train_state"]["data"] = payload
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
         dcp.save(state, storage_writer=FileSystemWriter(str(path)), no_dist=True,
@@ -146,21 +148,19 @@ def _legacy_checkpoint(root, marker=None):
     return path, state
 
 
-def test_an_earlier_checkpoint_is_refused_then_converted_when_trusted(tmp_path, capsys) -> None:
-    """The earlier format is never read on its own; ``piper convert-checkpoint --trust-pickles``
-    writes the same tensors and objects as data, which then export and read back."""
+def test_an_earlier_checkpoint_is_refused_then_converted_as_data(tmp_path, capsys) -> None:
+    """The earlier format is never loaded on its own; ``piper convert-checkpoint`` reads its
+    pickles as data and writes the same tensors and objects, which then export and read back."""
     from piper_runtime.checkpoint import read_model, read_objects
     from piper_train.cli import main
 
     source, state = _legacy_checkpoint(tmp_path / "old")
-    for command in (["export", str(source.parent), "--out", str(tmp_path / "m.pt")],
-                    ["convert-checkpoint", str(source), "--out", str(tmp_path / "new")]):
-        assert main(command) == 2
-        err = capsys.readouterr().err
-        assert str(source) in err and "pickle" in err and "Traceback" not in err
-    with pytest.raises(CheckpointError, match="convert it once"):
+    assert main(["export", str(source.parent), "--out", str(tmp_path / "m.pt")]) == 2
+    err = capsys.readouterr().err
+    assert str(source) in err and "pickle" in err and "Traceback" not in err
+    with pytest.raises(CheckpointError, match="Convert it once"):
         resolve(source.parent)
-    assert main(["convert-checkpoint", str(source), "--out", str(tmp_path / "new"), "--trust-pickles"]) == 0
+    assert main(["convert-checkpoint", str(source), "--out", str(tmp_path / "new")]) == 0
     converted = tmp_path / "new" / "step-00000003"
     assert resolve(tmp_path / "new") == converted and read_manifest(converted)["step"] == 3
     assert torch.equal(read_model(str(converted))["w"], state["model.w"])
@@ -174,6 +174,39 @@ def test_an_earlier_checkpoint_is_refused_then_converted_when_trusted(tmp_path, 
 
     assert torch.equal(load_file(tmp_path / "m.safetensors")["w"], state["model.w"])
     assert sorted(p.name for p in source.iterdir()) == sorted([".metadata", "__0_0.distcp", MANIFEST])  # untouched
+
+
+class _Payload:
+    """Unpickling this makes the directory ``marker``: what a crafted checkpoint would do."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.marker),))
+
+
+@pytest.mark.parametrize("where", [".metadata", "__0_0.distcp"])
+def test_converting_a_crafted_earlier_checkpoint_runs_nothing(tmp_path, capsys, where) -> None:
+    """A pickle payload as the metadata (a global outside the allow-list), or inside an object
+    item (``torch.load(weights_only=True)`` refuses it): exit 2 naming the file, no marker."""
+    import pickle
+
+    from piper_train.cli import main
+
+    marker = tmp_path / "marker"
+    if where == ".metadata":
+        source, _ = _legacy_checkpoint(tmp_path / "old")
+        (source / where).write_bytes(pickle.dumps(_Payload(marker)))
+    else:  # the train state's item, torch.save'd by DCP as it was written
+        source, _ = _legacy_checkpoint(tmp_path / "old", payload=_Payload(marker))
+    assert not marker.exists()
+    assert main(["convert-checkpoint", str(source), "--out", str(tmp_path / "new")]) == 2
+    err = capsys.readouterr().err
+    assert str(source / where) in err and "Traceback" not in err
+    assert "posix.mkdir" in err  # the global it asked for, refused
+    assert not marker.exists()
+    assert not (tmp_path / "new" / source.name).exists()
 
 
 def test_resume_names_the_newer_directories_it_passes_over(tmp_path) -> None:

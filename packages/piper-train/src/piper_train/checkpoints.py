@@ -128,8 +128,8 @@ def resolve(path: str | os.PathLike[str], purpose: str = "resume from") -> Path:
 def legacy_error(path: Path) -> CheckpointError:
     return CheckpointError(
         f"{path} was written by an earlier Piper as a torch distributed checkpoint, whose .metadata and objects "
-        "are pickles: reading one can run any code its author put there, so this Piper does not. If you trust "
-        f"where it came from, convert it once: piper convert-checkpoint {path} --trust-pickles"
+        "are pickles: torch's reader can run any code their author put there, so this Piper does not use it. "
+        f"Convert it once (read as data, through an allow-list): piper convert-checkpoint {path} --out DIR"
     )
 
 

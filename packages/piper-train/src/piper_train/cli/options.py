@@ -309,10 +309,8 @@ def _add_convert(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=Path, help="a checkpoint written by an earlier Piper (torch distributed "
                    "checkpoint: .metadata and pickled objects)")
     p.add_argument("--out", type=Path, required=True,
-                   help="a checkpoint directory: the converted checkpoint goes into it under the same step name")
-    p.add_argument("--trust-pickles", action="store_true",
-                   help="required: reading the earlier format unpickles its files, which can run any code their "
-                        "author put there; say this only for a checkpoint you trust")
+                   help="a checkpoint directory: the converted checkpoint goes into it under the same step name "
+                        "(the pickles are read as data: DCP's metadata classes only, torch.load(weights_only=True))")
 
 
 def _add_check(p: argparse.ArgumentParser) -> None:

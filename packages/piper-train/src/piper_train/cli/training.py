@@ -269,7 +269,7 @@ def export_command(args: argparse.Namespace) -> int:
 def convert_command(args: argparse.Namespace) -> int:
     from piper_train.legacy import convert
 
-    out = convert(args.checkpoint, args.out, trust_pickles=args.trust_pickles)
+    out = convert(args.checkpoint, args.out)
     print(f"piper convert-checkpoint: {args.checkpoint} -> {out}")
     return 0
 
