@@ -111,7 +111,7 @@ def test_a_checkpoint_reads_back_and_damage_is_named(tmp_path) -> None:
         "dtype", edit_index(lambda i: i["tensors"]["model.b"].update(dtype="F32")))
     assert "lies outside its shape" in damaged(
         "outside", edit_index(lambda i: i["tensors"]["model.w"]["chunks"][0].update(offsets=[3, 0])))
-    assert "overlap and leave part of it unwritten" in damaged("overlap", edit_index(overlap))
+    assert "model.w: its chunks leave part of it unwritten (they overlap" in damaged("overlap", edit_index(overlap))
     assert "not a Piper checkpoint file" in damaged(
         "foreign", lambda d: __import__("safetensors.torch").torch.save_file(
             {"x": torch.zeros(1)}, str(d / "rank-00001.safetensors")))

@@ -293,6 +293,26 @@ def _reason(err: BaseException) -> str:
     return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
+def assemble(shape: tuple[int, ...], dtype: torch.dtype, chunks: Iterable[tuple[tuple[int, ...], torch.Tensor]],
+             where: str) -> torch.Tensor:
+    """The tensor of ``shape`` whose boxes are ``chunks`` (offsets, tensor); ``CheckpointError``
+    naming ``where`` when a chunk lies outside it or the chunks leave part of it unwritten
+    (chunks that overlap leave a hole elsewhere)."""
+    out = torch.empty(shape, dtype=dtype)
+    seen = torch.zeros(shape, dtype=torch.bool)
+    for offsets, chunk in chunks:
+        if len(offsets) != len(shape) or chunk.dim() != len(shape) or any(
+                o + n > size for o, n, size in zip(offsets, chunk.shape, shape, strict=True)):
+            raise CheckpointError(f"{where}: a chunk at {list(offsets)} of {list(chunk.shape)} lies outside its "
+                                  f"shape {list(shape)}")
+        box = tuple(slice(o, o + n) for o, n in zip(offsets, chunk.shape, strict=True))
+        out[box] = chunk
+        seen[box] = True
+    if not bool(seen.all()):
+        raise CheckpointError(f"{where}: its chunks leave part of it unwritten (they overlap, or one is missing)")
+    return out
+
+
 # -- reading ---------------------------------------------------------------------------------
 
 
@@ -335,6 +355,11 @@ class Reader:
         return handle
 
     def _tensor(self, file: str, name: str, dtype: torch.dtype | None, shape: tuple[int, ...] | None) -> torch.Tensor:
+        return self._header(file, name, dtype, shape).get_tensor(name)
+
+    def _header(self, file: str, name: str, dtype: torch.dtype | None, shape: tuple[int, ...] | None) -> Any:
+        """The open ``file``, once tensor ``name`` is there with ``dtype`` and ``shape`` (where
+        given) in its header."""
         handle = self._file(file)
         where = self.directory / file
         if name not in handle.keys():
@@ -345,7 +370,7 @@ class Reader:
                     shape is not None and tuple(info.get_shape()) != shape):
                 raise CheckpointError(f"{where}: tensor {name!r} is {info.get_dtype()} {info.get_shape()}, the index "
                                       f"says {DTYPES.get(dtype, dtype)} {list(shape or ())}")
-        return handle.get_tensor(name)
+        return handle
 
     def check(self) -> None:
         """Every file the index names opens as a Piper safetensors file holding each chunk
@@ -354,14 +379,7 @@ class Reader:
         for key, entry in self.index.tensors.items():
             self._check_tiling(key, entry)
             for c in entry.chunks:
-                handle = self._file(c.file)
-                if c.name not in handle.keys():
-                    raise CheckpointError(f"{self.directory / c.file} has no tensor {c.name!r} (damaged, or from "
-                                          "another checkpoint)")
-                info = handle.get_slice(c.name)
-                if info.get_dtype() != DTYPES[entry.dtype] or tuple(info.get_shape()) != c.sizes:
-                    raise CheckpointError(f"{self.directory / c.file}: tensor {c.name!r} is {info.get_dtype()} "
-                                          f"{info.get_shape()}, the index says {DTYPES[entry.dtype]} {list(c.sizes)}")
+                self._header(c.file, c.name, entry.dtype, c.sizes)
         for key, o in self.index.objects.items():
             if o.file is not None:
                 self._file(o.file)
@@ -385,17 +403,8 @@ class Reader:
         if entry is None:
             raise CheckpointError(f"the checkpoint at {self.directory} has no tensor {key!r}")
         self._check_tiling(key, entry)
-        out = torch.empty(entry.shape, dtype=entry.dtype)
-        seen = torch.zeros(entry.shape, dtype=torch.bool)  # chunks that overlap leave a hole elsewhere
-        for c in entry.chunks:
-            chunk = self._tensor(c.file, c.name, entry.dtype, c.sizes)
-            box = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))
-            out[box] = chunk
-            seen[box] = True
-        if not bool(seen.all()):
-            raise CheckpointError(f"{self.directory / INDEX}: the chunks of {key} overlap and leave part of it "
-                                  "unwritten")
-        return out
+        chunks = ((c.offsets, self._tensor(c.file, c.name, entry.dtype, c.sizes)) for c in entry.chunks)
+        return assemble(entry.shape, entry.dtype, chunks, f"{self.directory / INDEX}: {key}")
 
     def object(self, key: str) -> Any:
         """The object ``key``, its tensors read back in place."""

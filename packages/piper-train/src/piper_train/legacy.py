@@ -26,6 +26,7 @@ import json
 import os
 import pathlib
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ import torch
 
 from piper_ir import CheckpointError
 from piper_runtime.checkpoint import SaveSide, finish, plan_globally
+from piper_runtime.checkpoint_files import assemble
 from piper_train.checkpoints import MANIFEST, is_legacy, write_atomically
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -132,23 +134,18 @@ def _read_metadata(file: Path) -> Any:
 
 
 def _assemble(source: Path, key: str, md: Any, items: list[tuple[Any, Any]]) -> torch.Tensor:
-    """Tensor ``key`` from its chunks; every element covered."""
+    """Tensor ``key`` from its chunks (``checkpoint_files.assemble``: every element covered)."""
     shape = tuple(md.size)
-    out = torch.empty(shape, dtype=md.properties.dtype)
-    seen = torch.zeros(shape, dtype=torch.bool)
-    for index, info in items:
-        chunk = _item(source, info)
-        offsets = tuple(index.offset) if index.offset is not None else (0,) * len(shape)
-        if not isinstance(chunk, torch.Tensor) or len(offsets) != len(shape) or chunk.dim() != len(shape):
-            raise CheckpointError(f"{source / info.relative_path}: a chunk of {key} is not a tensor of its rank")
-        box = tuple(slice(o, o + s) for o, s in zip(offsets, chunk.shape, strict=True))
-        if any(o + s > n for o, s, n in zip(offsets, chunk.shape, shape, strict=True)):
-            raise CheckpointError(f"{source / info.relative_path}: a chunk of {key} lies outside its shape {list(shape)}")
-        out[box] = chunk.to(out.dtype)
-        seen[box] = True
-    if not bool(seen.all()):
-        raise CheckpointError(f"{source / '.metadata'}: the chunks of {key} leave part of it unwritten")
-    return out
+
+    def chunks() -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
+        for index, info in items:
+            chunk = _item(source, info)
+            if not isinstance(chunk, torch.Tensor):
+                raise CheckpointError(f"{source / info.relative_path}: a chunk of {key} is not a tensor")
+            offsets = tuple(index.offset) if index.offset is not None else (0,) * len(shape)
+            yield offsets, chunk.to(md.properties.dtype)
+
+    return assemble(shape, md.properties.dtype, chunks(), f"{source / '.metadata'}: {key}")
 
 
 def _item(source: Path, info: Any) -> Any:
