@@ -6,7 +6,7 @@ rank reserves one; the ranks mostly wait on each other) and no GPU, so tests tha
 backend to be chosen run on the CPU backend wherever they run; the GPU tests make their own.
 Tests that need a cluster of several nodes start it in a process of their own
 (``integration/test_multinode.py``). Runtimes also reuse their workers
-(``PIPER_REUSE_WORKERS=1``, ``piper_runtime.pool``): starting a worker process costs seconds,
+(``PIPER_REUSE_WORKERS=1``, ``piper_runtime.driver.pool``): starting a worker process costs seconds,
 more than most tests' training. ``PIPER_REUSE_WORKERS=0 ./dev test`` runs every
 test on new workers.
 """
@@ -27,7 +27,7 @@ os.environ.setdefault("PIPER_REUSE_WORKERS", "1")
 def ray_cluster():
     import ray
 
-    from piper_runtime.cluster import INLINE_ENV
+    from piper_runtime.driver.cluster import INLINE_ENV
 
     started = False
     if not ray.is_initialized():

@@ -29,12 +29,12 @@ import torch
 from piper_directives import build_schedule, capture
 from piper_ir import NodeKind, Program
 from piper_memory import plan_memory
-from piper_runtime.accounting import MemorySampler
 from piper_runtime.backends.host import HostStreams
-from piper_runtime.executor import Executor
-from piper_runtime.memory import MemoryTracker
-from piper_runtime.state import ReadCounts, StepState
-from piper_runtime.transport import Transport
+from piper_runtime.rank.accounting import MemorySampler
+from piper_runtime.rank.executor import Executor
+from piper_runtime.rank.memory import MemoryTracker
+from piper_runtime.rank.state import ReadCounts, StepState
+from piper_runtime.rank.transport import Transport
 from piper_scheduler import compile_program
 from piper_train.models import build_model
 

@@ -1,7 +1,7 @@
 """One of the runtime's fusions on, against it off: the same model, schedule and workers.
 
 ``--fusion loss``: a loss's ``B`` run with the ``B`` of the stage that feeds it, in one
-pass, where the plan puts them one after the other (``piper_runtime.compute.fused_losses``;
+pass, where the plan puts them one after the other (``piper_runtime.rank.compute.fused_losses``;
 off: ``Trainer(..., fuse_loss_backward=False)``). ``--fusion grads``: each microbatch's
 ``nn.Linear`` weight gradient added into ``.grad`` by the matrix product that computes it
 for weights of ``--min-bytes`` or more (default ``MIN_WEIGHT_BYTES``, 1 MiB: the runtime's
@@ -9,7 +9,7 @@ default; off: ``grad_fusion_min_bytes=None``, autograd adds every one). ``--widt
 the ``stack`` model's residual blocks at ``d_model`` D and hidden width H instead of a
 built-in model (``--blocks`` of them, batch ``--batch`` x 32 positions). ``--fusion
 input-grads-first``: a stage's last backward of the step sends its input gradient before its
-fused layers' weight products are added (``piper_runtime.input_grads_first``; off: ``input_grads_first=False``,
+fused layers' weight products are added (``piper_runtime.rank.input_grads_first``; off: ``input_grads_first=False``,
 the products inside the pass; both with the ``grads`` fusion from ``--min-bytes``).
 
 This runs one model and schedule both ways, alternating rounds (fused, apart, apart, fused,
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from stepping import pipelined, trainer_arguments
 
 from piper_runtime import OptimizerSpec
-from piper_runtime.accumulation import MIN_WEIGHT_BYTES
+from piper_runtime.rank.accumulation import MIN_WEIGHT_BYTES
 from piper_train.models import ResidualStack, build_model
 from piper_train.trainer import Trainer
 

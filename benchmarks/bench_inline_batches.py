@@ -2,7 +2,7 @@
 
 Ray puts a call's argument above ``max_direct_call_object_size`` (100 KiB by default) into
 its object store, where the raylet creates, seals, pins and frees it; ``ensure_ray`` raises
-that limit (``piper_runtime.cluster.INLINE_ENV``) so a step's batches travel inside the call
+that limit (``piper_runtime.driver.cluster.INLINE_ENV``) so a step's batches travel inside the call
 to each worker. The setting is read when the driver starts Ray, so each round runs one fresh
 process per setting (alternating which goes first): a ``Trainer`` under ``fit`` (its
 automatic call sizes, as ``piper train`` runs, or ``--steps-per-call``), timing the steps

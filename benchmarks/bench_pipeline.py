@@ -27,7 +27,7 @@ accumulation off: the kernels torch's side calls), messages free, simulated on t
 program (``piper_scheduler.simulate``); with fewer cores than ranks, also at least the
 step's whole compute spread over the cores. No runtime beats it but by computing faster
 than alone or computing less: Piper's step can go below it where it adds weight gradients
-inside the matrix product (``piper_runtime.accumulation``: weights of 1 MiB or more, the
+inside the matrix product (``piper_runtime.rank.accumulation``: weights of 1 MiB or more, the
 ``stack`` model's). "piper/bound" is how far Piper's step is from it.
 
 The two sides alternate (torch, Piper, Piper, torch, ...) for ``--repeats`` rounds and each

@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--show", action="store_true", help="print the median step's time line")
     parser.add_argument("--input-grads-first", choices=("on", "off"), default="on",
                         help="a stage's last backward sends its input gradient before its weight products "
-                             "(piper_runtime.input_grads_first)")
+                             "(piper_runtime.rank.input_grads_first)")
     args = parser.parse_args()
     spec = build_model(args.model, stages=args.pp * (2 if args.schedule == "interleaved_1f1b" else 1))
     load = os.getloadavg()[0]

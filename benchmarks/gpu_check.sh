@@ -11,7 +11,7 @@
 #      a run resumed from a checkpoint with the fused AdamW, whose step count lives on the GPU)
 #      and the CPU tests of the backend's logic on fakes;
 #   2. `piper check --backend cuda` for 1f1b pp=2, 1f1b pp=2 on the `stack` model (whose 1 MiB
-#      weights add their gradients inside the matrix product: piper_runtime.accumulation),
+#      weights add their gradients inside the matrix product: piper_runtime.rank.accumulation),
 #      dualpipev pp=2, 1f1b pp=2 x dp=2 zero=3 and
 #      ep=2 (pp=2 x ep=2), against single-device training (ranks share GPUs when there are fewer
 #      GPUs than ranks: --ranks-per-gpu, host-staged transport between ranks of one GPU);

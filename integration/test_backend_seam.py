@@ -36,9 +36,9 @@ from piper_runtime import OptimizerSpec, RankWorker
 from piper_runtime.backends import HostEvent, register_backend, unregister_backend
 from piper_runtime.backends.fakes import MemoryCommunicator, MemoryWorld
 from piper_runtime.batch import batch_reads, check_batch, replica_slice
-from piper_runtime.memory import MemoryTracker
-from piper_runtime.merge import merge_outputs, merge_parameters
-from piper_runtime.streams import StreamLayout
+from piper_runtime.driver.merge import merge_outputs, merge_parameters
+from piper_runtime.rank.memory import MemoryTracker
+from piper_runtime.rank.streams import StreamLayout
 from piper_runtime.testing import on_every_rank
 from piper_scheduler import compile_program
 from piper_train.models import build_model

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from piper_runtime.pool import REUSE_ENV
+from piper_runtime.driver.pool import REUSE_ENV
 
 from .conftest import Done
 
@@ -394,7 +394,7 @@ def _alive(pids: dict[int, str]) -> list[str]:
 def test_a_sigkilled_driver_takes_the_embedded_clusters_processes_with_it():
     """Without the reaper, Ray's dashboard and runtime-env agents outlive a SIGKILLed driver
     by about a minute; with it, every process the driver started is gone within seconds."""
-    from piper_runtime.reaper import descendants
+    from piper_runtime.driver.reaper import descendants
 
     ray_tmp = tempfile.mkdtemp(prefix="piper-kill-")
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo",

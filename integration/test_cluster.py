@@ -14,7 +14,7 @@ import torch
 from piper_directives import Place, Shard, Split, Strategy, build_schedule, capture, shard_modules
 from piper_ir import ClusterError
 from piper_memory import plan_memory
-from piper_runtime.placement import affinity_units
+from piper_runtime.driver.placement import affinity_units
 from piper_runtime.testing import listening
 from piper_scheduler import compile_program
 from piper_train.models import build_model

@@ -30,7 +30,7 @@ from piper_runtime.backends.cuda import CudaBackend
 from piper_runtime.backends.fakes import FakeDevice, FakeNccl, MemoryWorld
 from piper_runtime.backends.gpu_plan import Transport
 from piper_runtime.batch import batch_reads, check_batch, replica_slice
-from piper_runtime.merge import merge_outputs, merge_parameters
+from piper_runtime.driver.merge import merge_outputs, merge_parameters
 from piper_runtime.testing import on_every_rank
 from piper_scheduler import compile_program
 from piper_train.models import build_model
@@ -151,7 +151,7 @@ def test_the_cuda_backend_on_fakes_matches_single_device_training(case: str) -> 
 def test_weight_products_after_the_input_gradients_send_on_device_streams(schedule: str) -> None:
     """Every ``nn.Linear`` fused (``grad_fusion_min_bytes=0``): the last backward of each stage
     that sends a gradient leaves its weight products until the send is issued
-    (``piper_runtime.input_grads_first``), on the lanes' device streams; single-device results."""
+    (``piper_runtime.rank.input_grads_first``), on the lanes' device streams; single-device results."""
     stages = 4 if schedule == "interleaved_1f1b" else 2
     workload = build_model("mlp", stages=stages, seed=11, dtype=torch.float64)
     workers = _run(workload, build_schedule(schedule, 2, 4, stages=stages), ["g0", "g1"], grad_fusion_min_bytes=0)

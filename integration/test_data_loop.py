@@ -17,7 +17,7 @@ import torch
 from piper_directives import build_schedule
 from piper_directives.synthetic import synthetic_graph
 from piper_runtime.batch import batch_reads, check_batch, from_wire, replica_slice
-from piper_runtime.runtime import _shipments
+from piper_runtime.driver.runtime import _shipments
 from piper_scheduler import compile_program
 from piper_train.cli import main
 

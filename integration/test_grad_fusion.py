@@ -1,4 +1,4 @@
-"""Weight gradients summed inside the matrix product (``piper_runtime.accumulation``) on the
+"""Weight gradients summed inside the matrix product (``piper_runtime.rank.accumulation``) on the
 Ray runtime, against single-device training.
 
 The built-in test models' weights are far below the runtime's 1 MiB threshold, so these
@@ -128,7 +128,7 @@ def _profiled_steps(workload: ModelSpec, strategy: Strategy, first: bool, steps:
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
 def test_the_last_input_gradients_go_before_the_weight_products(schedule):
-    """``piper_runtime.input_grads_first``: with it, the last backward of each stage that
+    """``piper_runtime.rank.input_grads_first``: with it, the last backward of each stage that
     sends a gradient is timed around its send (the weight products come after it); without,
     every send starts after its backward ends. Losses and gradients are bit for bit the same."""
     stages = 4 if schedule == "interleaved_1f1b" else 2

@@ -4,7 +4,7 @@ holds when SIGTERM ends it.
 The command runs from a stripped environment (``PATH`` and ``HOME``, as ``env -i`` leaves
 them, and a Ray temp folder of its own to find its processes by): the test session's settings
 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in the root conftest, in ``./dev``) hid that an
-embedded cluster listened on every interface (``piper_runtime.ray_env``). One run serves both
+embedded cluster listened on every interface (``piper_runtime.driver.ray_env``). One run serves both
 tests: starting Ray is most of its cost.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from piper_runtime.reaper import descendants
+from piper_runtime.driver.reaper import descendants
 from piper_runtime.testing import listening
 
 pytestmark = [

@@ -16,7 +16,7 @@ gradients, optimizer state) and in communication, and the measured model state m
 
 B is the one bucket whose full gradients exist at a time: from ZeRO-2 on the runtime
 reduce-scatters each bucket during the backward as soon as its gradients are complete
-(``piper_runtime.buckets``), so a segment's full gradients never exist all at once. The
+(``piper_runtime.rank.buckets``), so a segment's full gradients never exist all at once. The
 runtime counts ZeRO-3's gathered parameters as communication; the plan gathers a segment's
 buckets together for each chain of uses, so ZeRO-3's communication peak exceeds ZeRO-2's
 (same order, same buffers otherwise) by one segment's gathered buckets. Activations are printed, not asserted: without a profile the

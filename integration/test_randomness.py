@@ -11,7 +11,7 @@ from torch import nn
 from piper_directives import annotate, build_schedule
 from piper_directives import randomness as directives_randomness
 from piper_runtime import OptimizerSpec
-from piper_runtime import randomness as runtime_randomness
+from piper_runtime.rank import randomness as runtime_randomness
 from piper_train.check import reference_for
 from piper_train.models import ModelSpec
 from piper_train.trainer import Trainer

@@ -1,4 +1,4 @@
-"""Weight gradients summed inside the matrix product (``piper_runtime.accumulation``), against
+"""Weight gradients summed inside the matrix product (``piper_runtime.rank.accumulation``), against
 autograd's own accumulation: the same sums over microbatches, and the layers it must leave
 alone left alone."""
 
@@ -14,10 +14,10 @@ from torch import nn
 
 from piper_ir import Phase, Program
 from piper_runtime import OptimizerSpec
-from piper_runtime.accumulation import accumulate_in_products
-from piper_runtime.precision import cast_forward
+from piper_runtime.rank.accumulation import accumulate_in_products
+from piper_runtime.rank.precision import cast_forward
+from piper_runtime.rank.worker import RankWorker
 from piper_runtime.testing import MSE, TanhLinear, compute, one_rank_two_stages
-from piper_runtime.worker import RankWorker
 
 M = 4
 

@@ -22,7 +22,7 @@ from piper_runtime.backends import (
 )
 from piper_runtime.backends.cpu import shm_enabled
 from piper_runtime.backends.shm import shm_available
-from piper_runtime.cluster import worker_env
+from piper_runtime.driver.cluster import worker_env
 from piper_runtime.testing import free_port, ranks_as_processes
 
 

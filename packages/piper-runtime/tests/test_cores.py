@@ -1,4 +1,4 @@
-"""Binding ranks' step threads to cores of their own (``piper_runtime.cores``)."""
+"""Binding ranks' step threads to cores of their own (``piper_runtime.rank.cores``)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from piper_runtime import cores as cores_module
-from piper_runtime.cores import bind_this_thread, claim, core_slices, describe, host_cores, unclaimed
-from piper_runtime.pool import _answering
+from piper_runtime.driver.pool import _answering
+from piper_runtime.rank import cores as cores_module
+from piper_runtime.rank.cores import bind_this_thread, claim, core_slices, describe, host_cores, unclaimed
 
 linux_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
 

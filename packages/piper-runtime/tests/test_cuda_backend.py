@@ -28,7 +28,7 @@ from piper_runtime.backends.gpu_plan import (
 )
 from piper_runtime.backends.nccl import Channel, CupyNcclComm, NcclChannels, NcclGroup
 from piper_runtime.backends.staged import StagedCommunicator
-from piper_runtime.streams import run_streams
+from piper_runtime.rank.streams import run_streams
 from piper_runtime.testing import on_every_rank
 
 

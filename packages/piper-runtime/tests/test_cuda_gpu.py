@@ -25,7 +25,7 @@ def test_a_lane_waits_on_the_device_for_a_slow_producer() -> None:
     its event on the device and reads what was written (without the wait it reads zeros)."""
     from piper_ir import Instruction, NodeKind, Phase
     from piper_runtime.backends import CudaBackend
-    from piper_runtime.streams import run_streams
+    from piper_runtime.rank.streams import run_streams
 
     backend = CudaBackend()
     x = torch.zeros(1 << 20, device=backend.device)

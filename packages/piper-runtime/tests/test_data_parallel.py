@@ -41,9 +41,9 @@ from piper_ir import (
 )
 from piper_memory import zero_residency
 from piper_runtime import OptimizerSpec, Runtime
-from piper_runtime.memory import RankMemory
+from piper_runtime.rank.memory import RankMemory
+from piper_runtime.rank.worker import RankWorker
 from piper_runtime.testing import MSE, compute, tensor_meta, with_stream_events
-from piper_runtime.worker import RankWorker
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -198,7 +198,7 @@ def test_zero0_memory_matches_hand_count(ray_cluster) -> None:
     step 2 on, after ``B.loss.mb1`` (params + mb0's grads + state + activations).
 
     That is the plan's count, with each loss backward apart from its stage's
-    (``fuse_loss_backward=False``). Run fused (the default, ``piper_runtime.compute``), the
+    (``fuse_loss_backward=False``). Run fused (the default, ``piper_runtime.rank.compute``), the
     loss's backward goes through ``s0`` at once: ``grad:v:y`` never exists and ``v:y`` is
     gone when the pass ends, so only the activations' peak changes, and it is lower."""
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The early reduce-scatter of sharded gradients (``piper_runtime.buckets.EarlyReduceScatter``)
+"""The early reduce-scatter of sharded gradients (``piper_runtime.rank.buckets.EarlyReduceScatter``)
 in one process, on a one-rank communicator of the CPU backend (a reduce-scatter over one rank
 is the identity): buckets are issued during the backward, last bucket first, so the full
 gradients of both buckets never exist at once, and every reduced shard lands in the gradient
@@ -18,7 +18,7 @@ from torch import nn
 from piper_ir import Bucket
 from piper_memory import zero_residency
 from piper_runtime.backends import Communicator, CpuBackend
-from piper_runtime.buckets import BucketState, EarlyReduceScatter
+from piper_runtime.rank.buckets import BucketState, EarlyReduceScatter
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""A backward's input gradient sent before its weight products (``piper_runtime.input_grads_first``):
+"""A backward's input gradient sent before its weight products (``piper_runtime.rank.input_grads_first``):
 the windows found in a rank's plan, and deferred products that sum bit for bit as undeferred.
 Two ranks on Ray: ``integration/test_grad_fusion.py``."""
 
@@ -10,15 +10,15 @@ import torch
 from torch import nn
 
 from piper_ir import Instruction, NodeKind, Phase
-from piper_runtime.accumulation import (
+from piper_runtime.rank.accumulation import (
     WeightProducts,
     accumulate_in_products,
     deferring,
     fused_weights,
     has_fused_layers,
 )
-from piper_runtime.input_grads_first import deferral_windows
-from piper_runtime.streams import StreamLayout
+from piper_runtime.rank.input_grads_first import deferral_windows
+from piper_runtime.rank.streams import StreamLayout
 from piper_runtime.testing import compute, with_stream_events
 
 M = 4

@@ -1,4 +1,4 @@
-"""A loss's backward that takes its stage's backward along (``piper_runtime.compute``).
+"""A loss's backward that takes its stage's backward along (``piper_runtime.rank.compute``).
 
 Which pairs qualify is decided from the rank's plan (``fused_losses``); a fused run must give
 bit for bit the gradients and parameters of the same plan run unfused.
@@ -16,8 +16,9 @@ from torch import nn
 
 from piper_ir import Instruction, NodeKind, Phase, Program, Segment, SegmentRole, Tags
 from piper_runtime import OptimizerSpec
-from piper_runtime import compute as compute_module
-from piper_runtime.compute import fused_losses
+from piper_runtime.rank import compute as compute_module
+from piper_runtime.rank.compute import fused_losses
+from piper_runtime.rank.worker import RankWorker
 from piper_runtime.testing import (
     MSE,
     TanhLinear,
@@ -26,7 +27,6 @@ from piper_runtime.testing import (
     one_rank_two_stages,
     two_stage_segments,
 )
-from piper_runtime.worker import RankWorker
 
 M, BATCH, D_IN, D_HID, D_OUT = 4, 8, 3, 5, 2
 

@@ -15,15 +15,15 @@ import pytest
 import ray
 
 from piper_ir import ClusterError
-from piper_runtime import cluster
-from piper_runtime.cluster import (
+from piper_runtime.driver import cluster
+from piper_runtime.driver.cluster import (
     _keeping_sigterm_handler,
     check_address,
     choose_backend,
     requested_address,
     split_address,
 )
-from piper_runtime.placement import assign_ranks, check_resources
+from piper_runtime.driver.placement import assign_ranks, check_resources
 
 # -- which ranks go together (compiled programs: integration/test_cluster.py) ------------------
 

@@ -1,4 +1,4 @@
-"""``piper_runtime.ray_env``: an embedded cluster stays on loopback whatever the environment
+"""``piper_runtime.driver.ray_env``: an embedded cluster stays on loopback whatever the environment
 held, also in a program that imported Ray before Piper (the usual order, Piper first, with an
 environment that says nothing: integration/test_listeners.py)."""
 
@@ -9,8 +9,8 @@ import os
 import subprocess
 import sys
 
-from piper_runtime import ray_env
-from piper_runtime.ray_env import LOOPBACK_ENV
+from piper_runtime.driver import ray_env
+from piper_runtime.driver.ray_env import LOOPBACK_ENV
 
 RAY_FIRST = """
 import importlib.util, json, os, sys

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from piper_runtime import reaper
+from piper_runtime.driver import reaper
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

@@ -35,9 +35,9 @@ from piper_ir import (
     TensorMeta,
 )
 from piper_runtime import OptimizerSpec, Runtime, StepRequest, WorkerPool, shared_pool
-from piper_runtime.cluster import worker_env
-from piper_runtime.cores import claim, unclaimed
-from piper_runtime.pool import WorkerSpec
+from piper_runtime.driver.cluster import worker_env
+from piper_runtime.driver.pool import WorkerSpec
+from piper_runtime.rank.cores import claim, unclaimed
 from piper_runtime.testing import MSE, tensor_meta, two_stage_values, with_stream_events
 
 # The segment modules below live in this test module, which the workers cannot import.
@@ -355,7 +355,7 @@ def test_skip_step_leaves_parameters_and_optimizer_state_exactly_as_before(ray_c
     assert params.keys() == want.keys() and all(torch.equal(params[n], want[n]) for n in want)
 
 
-# -- reusing workers (piper_runtime.pool) --------------------------------------------------------
+# -- reusing workers (piper_runtime.driver.pool) --------------------------------------------------------
 
 
 class Meddler(Stage1):

@@ -1,4 +1,4 @@
-"""The threaded executor (``piper_runtime.streams``) on hand-built instruction lists, no torch
+"""The threaded executor (``piper_runtime.rank.streams``) on hand-built instruction lists, no torch
 work and no Ray: events order lanes, overlapped slots run side by side, failures and missing
 events are reported instead of hanging."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from piper_ir import Instruction, NodeKind, Phase
 from piper_runtime.backends import HostEvent
-from piper_runtime.streams import (
+from piper_runtime.rank.streams import (
     StreamLayout,
     assign_lanes,
     lanes_share_a_communicator,

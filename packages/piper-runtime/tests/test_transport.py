@@ -1,4 +1,4 @@
-"""Point-to-point instructions (``piper_runtime.transport``) on a recording communicator, no
+"""Point-to-point instructions (``piper_runtime.rank.transport``) on a recording communicator, no
 Ray and no process group: receives are posted ``Program.execution.recv_lookahead`` ahead,
 a receive hands its buffer over as the value, sends keep their tensor until the step ends."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from piper_ir import ExecutionOptions, Instruction, NodeKind, Phase, Program, RankPlan
-from piper_runtime.state import StepState
+from piper_runtime.rank.state import StepState
+from piper_runtime.rank.transport import Transport
 from piper_runtime.testing import compute, tensor_meta
-from piper_runtime.transport import Transport
 
 M = 4
 META = tensor_meta(2, 3)

@@ -10,8 +10,8 @@ from torch import nn
 
 from piper_ir import Bucket, Residency
 from piper_runtime import OptimizerSpec
-from piper_runtime.buckets import BucketState
-from piper_runtime.optimizers import _decay_runs
+from piper_runtime.rank.buckets import BucketState
+from piper_runtime.rank.optimizers import _decay_runs
 
 
 def test_groups_decay_matrices_only() -> None:

@@ -20,8 +20,8 @@ from piper_ir import (
     Program,
 )
 from piper_runtime import OptimizerSpec
+from piper_runtime.rank.worker import RankWorker
 from piper_runtime.testing import MSE, TanhLinear, compute, one_rank_two_stages
-from piper_runtime.worker import RankWorker
 
 M, BATCH, D_IN, D_HID, D_OUT = 2, 4, 3, 5, 2
 

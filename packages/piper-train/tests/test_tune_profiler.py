@@ -55,7 +55,7 @@ def test_the_cache_key_tells_shared_memory_from_gloo(monkeypatch: pytest.MonkeyP
 
 def test_gaps_start_at_the_latest_end_so_far() -> None:
     """A window's ``B`` is timed until its weight products are in, around the no-op ``B``
-    and the send inside it (``piper_runtime.input_grads_first``): the time its products take
+    and the send inside it (``piper_runtime.rank.input_grads_first``): the time its products take
     is the ``B``'s, not a gap before the next instruction."""
     timings = [
         InstructionTiming(1, "F", 0.0, 1.0),

@@ -7,7 +7,7 @@ module-level code refers to. A worker can import those by name only if they come
 installed distribution or the standard library. Everything else (the ``--model`` file, a
 module next to it, a test file, a script's own module) is *user code*: ``user_code_modules``
 names those modules, and the front door ships them by value with the pickled segments
-(piper_runtime.user_code). ``__main__`` is left out: pickling already sends it by value.
+(piper_runtime.driver.user_code). ``__main__`` is left out: pickling already sends it by value.
 """
 
 from __future__ import annotations

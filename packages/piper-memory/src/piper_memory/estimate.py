@@ -2,7 +2,7 @@
 
 ``estimate_memory`` replays each rank's sequential instruction order and tracks what a runtime
 that carries the plan out holds after every instruction (and inside each collective), in the
-categories ``piper_runtime.memory.RankMemory`` measures:
+categories ``piper_runtime.rank.memory.RankMemory`` measures:
 
 - *parameters*: the parameters of every segment the rank runs (a tied parameter once per
   rank, however many of its holders the rank runs: they share one tensor) (1/degree of each parameter a
@@ -13,7 +13,7 @@ categories ``piper_runtime.memory.RankMemory`` measures:
   full gradients are dropped at its reduce-scatter and its gradient shard lives from then
   until the step. Where its gradients live sharded (``Bucket.grads_home``, ZeRO 2/3) the
   runtime reduce-scatters each bucket during the pass as soon as its gradients are complete
-  (``piper_runtime.buckets``; last bucket first, at most
+  (``piper_runtime.rank.buckets``; last bucket first, at most
   ``Program.execution.reduce_scatters_in_flight`` reductions running, the rest finishing at
   their ``REDUCE_SCATTER``), so the full gradients of one bucket exist at a time. The pass's activations are taken as released when its buckets are
   reduced (exact with one bucket per segment, whose reduction starts as the pass ends; with
@@ -111,7 +111,7 @@ class MemoryEstimate:
         return max(self.total_bytes, self.peak_bytes)
 
     def categories(self) -> dict[str, int]:
-        """The peaks in ``piper_runtime.memory.RankMemory``'s categories (gathered parameters
+        """The peaks in ``piper_runtime.rank.memory.RankMemory``'s categories (gathered parameters
         are communication there, the full gradients awaiting reduction are gradients)."""
         return {
             "parameters": self.param_bytes,

@@ -2,17 +2,17 @@
 (``piper_runtime.backends``: CPU with gloo, CUDA with cupy streams and NCCL)."""
 
 # First: Ray reads what keeps an embedded cluster on loopback when it is imported (ray_env).
-from piper_runtime import ray_env as ray_env  # isort: skip
+from piper_runtime.driver import ray_env as ray_env  # isort: skip
 from piper_runtime._version import __version__ as __version__
 from piper_runtime.backends import Backend, register_backend, resolve_backend
 from piper_runtime.batch import check_batch, split_microbatches
-from piper_runtime.cluster import ensure_ray, shutdown
-from piper_runtime.memory import RankMemory
+from piper_runtime.driver.cluster import ensure_ray, shutdown
+from piper_runtime.driver.pool import WorkerPool, shared_pool
+from piper_runtime.driver.runtime import DEFAULT_TIMEOUT_S, PendingSave, PendingStep, Runtime, StepRequest
 from piper_runtime.optim import OptimizerSpec
-from piper_runtime.pool import WorkerPool, shared_pool
+from piper_runtime.rank.memory import RankMemory
+from piper_runtime.rank.worker import RankWorker
 from piper_runtime.results import InstructionTiming, StepOutput, StepResult
-from piper_runtime.runtime import DEFAULT_TIMEOUT_S, PendingSave, PendingStep, Runtime, StepRequest
-from piper_runtime.worker import RankWorker
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

@@ -86,7 +86,7 @@ class Progress:
         self._last = time.monotonic()
         self._done = 0
         # thread -> a stack of (index, waiting, since): a thread waiting for an instruction's
-        # events may carry out a lazy receive meanwhile (piper_runtime.streams).
+        # events may carry out a lazy receive meanwhile (piper_runtime.rank.streams).
         self._current: dict[int, list[tuple[int, bool, float]]] = {}
 
     def begin_step(self, step: int) -> None:

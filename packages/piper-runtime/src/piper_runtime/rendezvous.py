@@ -2,7 +2,7 @@
 
 - **Address.** All ranks on one node: ``127.0.0.1``, so nothing we open listens beyond
   loopback. Ranks on several nodes: the address Ray reports for the node hosting rank 0
-  (``piper_runtime.placement`` knows it); never a hard-coded loopback.
+  (``piper_runtime.driver.placement`` knows it); never a hard-coded loopback.
 - **Port.** Chosen *on rank 0's node*, by rank 0's own process (``open_listener``): it binds
   a socket to the address, outside the kernel's ephemeral range, listens at once and keeps
   it until its TCP store takes it over. Nothing can take the port in between (a port merely

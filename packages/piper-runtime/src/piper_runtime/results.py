@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from piper_runtime.memory import RankMemory
+from piper_runtime.rank.memory import RankMemory
 
 
 @attrs.frozen

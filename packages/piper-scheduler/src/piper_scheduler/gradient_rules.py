@@ -7,7 +7,7 @@
   reduces (its microbatch's, or all) and before the step; an all-gather after the step.
 - ``[gradients after reduce-scatter]``: a weight-gradient pass listed after a reduce-scatter
   of its segment's bucket waits for it (the reduce-scatter drops the full gradients the pass
-  would add to; the runtime relies on it, ``piper_runtime.compute``).
+  would add to; the runtime relies on it, ``piper_runtime.rank.compute``).
 - ``[gathered parameters]``: a pass of a segment whose bucket keeps its parameters sharded
   runs after the ``MATERIALIZE`` of that bucket listed last before it, with no ``FREE`` of
   it listed in between, and before the ``FREE`` listed next.

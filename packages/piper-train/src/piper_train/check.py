@@ -11,8 +11,8 @@ from piper_directives import Strategy
 from piper_directives.randomness import Randomness
 from piper_ir import ExecutionError, Program
 from piper_runtime import DEFAULT_TIMEOUT_S, OptimizerSpec
-from piper_runtime.accumulation import MIN_WEIGHT_BYTES
-from piper_runtime.worker import TORCH_THREADS
+from piper_runtime.rank.accumulation import MIN_WEIGHT_BYTES
+from piper_runtime.rank.worker import TORCH_THREADS
 from piper_train.models import ModelSpec
 from piper_train.reference import ReferenceTrainer
 from piper_train.schedule import LRSchedule

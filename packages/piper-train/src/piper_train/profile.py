@@ -3,7 +3,7 @@ activation profile ``piper_memory.estimate_memory(..., activation_bytes=...)`` t
 
 Without a profile the estimate counts a segment's outputs only (the IR does not describe a
 segment's interior), a lower bound that keeps its shape across schedules; a profile makes it
-match what the runtime holds (``piper_runtime.memory``): the distinct storages autograd saves
+match what the runtime holds (``piper_runtime.rank.memory``): the distinct storages autograd saves
 plus the forward's inputs and outputs, less parameters and the batch. A recomputed segment
 (``Segment.recompute``) is profiled the same way: its full forward is what its backward
 holds while it runs; the estimate counts only its inputs between the two passes.

@@ -44,9 +44,9 @@ from piper_runtime import (
     StepResult,
     WorkerPool,
 )
-from piper_runtime.accumulation import MIN_WEIGHT_BYTES
 from piper_runtime.batch import full_batch_shape
 from piper_runtime.checkpoint import read_objects
+from piper_runtime.rank.accumulation import MIN_WEIGHT_BYTES
 from piper_scheduler import compile_program, forward_only
 from piper_train import bounds, stopping
 from piper_train.checkpoints import (
@@ -92,23 +92,23 @@ class Trainer:
     it is per GPU, so with ``ranks_per_gpu`` N each rank may use 1/N of it.
     ``threads=False`` runs each rank's plan sequentially instead of one thread per stream;
     ``fuse_loss_backward=False`` keeps each loss's backward apart from its stage's (a profile
-    then times every segment alone; ``piper_runtime.compute``). ``grad_fusion_min_bytes``:
+    then times every segment alone; ``piper_runtime.rank.compute``). ``grad_fusion_min_bytes``:
     ``nn.Linear`` weights of at least this many bytes (1 MiB) have each microbatch's gradient
-    added into ``.grad`` by the matrix product that computes it (``piper_runtime.accumulation``;
+    added into ``.grad`` by the matrix product that computes it (``piper_runtime.rank.accumulation``;
     ``None``: autograd adds every one); ``input_grads_first=False`` computes those products
-    before a backward's input gradient is sent, not after (``piper_runtime.input_grads_first``).
+    before a backward's input gradient is sent, not after (``piper_runtime.rank.input_grads_first``).
     ``bind_cores=False`` leaves
     the ranks' threads to the operating system instead of binding each rank to cores of its
-    own where a host has a core per rank (``piper_runtime.cores``).
+    own where a host has a core per rank (``piper_runtime.rank.cores``).
     ``seed``: what random numbers (dropout) are drawn from, per (region, microbatch, step,
-    replica), so every strategy draws the same masks (``piper_runtime.randomness``);
+    replica), so every strategy draws the same masks (``piper_runtime.rank.randomness``);
     ``precision`` (``"bf16"``): compute in that dtype on fp32 master weights, gradients and
     optimizer state (``piper_directives.precision``). ``captured`` is the ``CapturedModel``.
 
     ``backend``: ``"cpu"``, ``"cuda"``, or ``None`` to choose: ``cuda`` when the Ray cluster has
     a GPU for every rank (a share of one with ``ranks_per_gpu``) and the CUDA backend can run
     there, else ``cpu``; the choice and why go to ``log``. ``placement``: ``"pack"`` (ranks on
-    as few nodes as possible) or ``"spread"`` (``piper_runtime.placement``).
+    as few nodes as possible) or ``"spread"`` (``piper_runtime.driver.placement``).
     ``timeout_s``: a rank that makes no progress for this long fails the step with
     ``piper_ir.HangError`` naming it, its instruction and what its peers were doing;
     ``step_timeout_s`` (default: none) also bounds a whole step. ``on_nan``: ``"stop"``

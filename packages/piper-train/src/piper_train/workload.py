@@ -17,7 +17,7 @@ number of pipeline ranks).
 
 The file runs as a script would: its directory is put first on ``sys.path`` (if it is not
 there yet), so it can import modules next to it. The workers get the file and those modules
-by value (piper_runtime.user_code), not by import.
+by value (piper_runtime.driver.user_code), not by import.
 """
 
 from __future__ import annotations

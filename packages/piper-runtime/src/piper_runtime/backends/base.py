@@ -16,12 +16,12 @@ a thread-to-stream binding itself: it asks one ``Backend`` for
   the (sender, receiver) pairs that will exchange point-to-point messages on it, so a backend
   can set up per-pair resources once, here). The executor makes one
   per program ``Communicator`` and direction, and one per device group of the early
-  reduce-scatters (``piper_runtime.comms``); tensor- and expert-parallel modules get theirs
+  reduce-scatters (``piper_runtime.rank.comms``); tensor- and expert-parallel modules get theirs
   from there. A ``Communicator`` carries point-to-point sends and receives (asynchronous,
   ``Work`` handles) and the collectives: all-reduce, reduce-scatter (also started
   asynchronously), all-gather, all-to-all with uneven splits;
 - memory accounting: ``memory_tracker(rank)`` is what counts the bytes of the tensors the
-  worker holds (``piper_runtime.memory``; a CUDA backend may add the allocator's figures).
+  worker holds (``piper_runtime.rank.memory``; a CUDA backend may add the allocator's figures).
 
 Tensors that cross streams. A device backend whose lanes are separate device streams must
 keep a tensor's memory from being reused while another stream's work on it is pending (CUDA:
@@ -46,7 +46,7 @@ from typing import Protocol
 
 import torch
 
-from piper_runtime.memory import MemoryTracker
+from piper_runtime.rank.memory import MemoryTracker
 
 
 class Work(Protocol):
@@ -75,7 +75,7 @@ class Event(Protocol):
 
 
 class Streams(Protocol):
-    """Lanes and events: what ``piper_runtime.streams.run_streams`` needs of a backend."""
+    """Lanes and events: what ``piper_runtime.rank.streams.run_streams`` needs of a backend."""
 
     def event(self, name: str) -> Event:
         """A new, unrecorded event."""
@@ -154,7 +154,7 @@ class Backend(Streams, Protocol):
         ...
 
     def memory_tracker(self, rank: int) -> MemoryTracker:
-        """What counts the bytes the worker holds (``piper_runtime.memory``)."""
+        """What counts the bytes the worker holds (``piper_runtime.rank.memory``)."""
         ...
 
     def shutdown(self) -> None:

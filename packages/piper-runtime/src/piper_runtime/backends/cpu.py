@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from piper_runtime.backends.host import HostStreams
 from piper_runtime.backends.shm import SHM_DIR, ShmReceiver, ShmSender, open_channels, shm_available
-from piper_runtime.memory import MemoryTracker
+from piper_runtime.rank.memory import MemoryTracker
 from piper_runtime.rendezvous import make_store, set_socket_interfaces
 
 # The non-deprecated names of the flat collectives (torch >= 2.13), else the older ones.

@@ -43,7 +43,7 @@ from piper_runtime.backends.device_streams import DeviceStreams, LaneEvent
 from piper_runtime.backends.gpu_plan import Transport, channel_transports, group_transport
 from piper_runtime.backends.nccl import Channel, CupyNccl, NcclChannels, NcclGroup, NcclLibrary
 from piper_runtime.backends.staged import StagedCommunicator
-from piper_runtime.memory import MemoryTracker, RankMemory
+from piper_runtime.rank.memory import MemoryTracker, RankMemory
 
 INSTALL_HINT = "pip install 'piper-runtime[cuda]' (cupy-cuda12x)"
 

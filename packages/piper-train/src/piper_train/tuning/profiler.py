@@ -127,7 +127,7 @@ def measure(
     strategy = parallelize(build_schedule(schedule, 1, microbatches, stages=regions or spec.stages),
                            tp=degree if variant.startswith("tp") else 1, ep=degree if variant.startswith("ep") else 1)
     driver, results = [], []
-    # Unfused: the loss's backward would otherwise carry its stage's (piper_runtime.compute),
+    # Unfused: the loss's backward would otherwise carry its stage's (piper_runtime.rank.compute),
     # and each region's time is what the search needs.
     with Trainer(spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn, strategy,
                  optimizer=optimizer or OptimizerSpec(), backend=backend, address=address,
@@ -168,7 +168,7 @@ def measure(
 def gaps_and_tail(timings: Sequence[InstructionTiming], worker_seconds: float) -> tuple[list[float], float]:
     """One rank's idle gaps between instructions timed in order of start, and its time after
     the last end. An instruction may enclose the next ones (a ``B`` is timed until its weight
-    products are in, after the sends of its window: ``piper_runtime.input_grads_first``), so
+    products are in, after the sends of its window: ``piper_runtime.rank.input_grads_first``), so
     a gap starts at the latest end so far, not at the previous instruction's."""
     gaps: list[float] = []
     reach = timings[0].end if timings else 0.0
@@ -232,7 +232,7 @@ def ping_pong(reps: int = 10, timeout_s: float = 120.0) -> tuple[float, float]:
     with the environment the runtime's ranks get (Ray must be initialised)."""
     import ray
 
-    from piper_runtime.cluster import worker_env
+    from piper_runtime.driver.cluster import worker_env
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,8 +10,8 @@ runs the backward towards the segment's parameters on that retained graph, accum
 their ``.grad`` and releasing the graph. No custom autograd function is needed in the model.
 
 Every forward draws its random numbers for (segment, microbatch, step, replica)
-(``piper_runtime.randomness``) and, with ``Program.precision``, a stage segment computes on
-cast copies of its parameters (``piper_runtime.precision``). A segment marked
+(``piper_runtime.rank.randomness``) and, with ``Program.precision``, a stage segment computes on
+cast copies of its parameters (``piper_runtime.rank.precision``). A segment marked
 ``Segment.recompute`` runs its forward without autograd and keeps only its inputs; its
 ``B``/``BI`` first runs the forward again with autograd under the same key and casts, so the
 outputs, and the gradients, are the same as without recomputation.
@@ -36,8 +36,8 @@ autograd engine call, a detached boundary and one gradient tensor per microbatch
 fused (a profiled run; ``benchmarks/bench_fusion.py --fusion loss`` times whole steps both ways).
 ``profile=True`` shows the stage's work inside the loss's ``B``.
 
-A ``B`` inside a window of ``piper_runtime.input_grads_first`` (``defer``) leaves the weight
-products of its fused layers (``piper_runtime.accumulation``) in the step's
+A ``B`` inside a window of ``piper_runtime.rank.input_grads_first`` (``defer``) leaves the weight
+products of its fused layers (``piper_runtime.rank.accumulation``) in the step's
 ``WeightProducts``; ``settle`` adds them into ``.grad`` once the window's sends are posted.
 
 ``forward_only`` (a plan without backward passes: an evaluation step) runs forwards without
@@ -56,10 +56,10 @@ import torch
 from torch import nn
 
 from piper_ir import Instruction, NodeKind, Phase, Program, Segment, SegmentRole, grad_name
-from piper_runtime.accumulation import deferring, fused_weights, has_fused_layers
-from piper_runtime.precision import cast_forward, dtype_of
-from piper_runtime.randomness import seeded
-from piper_runtime.state import StepState
+from piper_runtime.rank.accumulation import deferring, fused_weights, has_fused_layers
+from piper_runtime.rank.precision import cast_forward, dtype_of
+from piper_runtime.rank.randomness import seeded
+from piper_runtime.rank.state import StepState
 
 COMPUTE_PHASES = frozenset({Phase.F, Phase.B, Phase.BI, Phase.BW})
 
@@ -134,7 +134,7 @@ class SegmentCompute:
         self.deferred: frozenset[str] = frozenset()  # ids of the B instructions that defer (``defer``)
         self._fused_weights: list[torch.Tensor] | None = None  # the rank's fused layers' (on first deferral)
 
-    # -- input gradients first (``piper_runtime.input_grads_first``) ----------------------------
+    # -- input gradients first (``piper_runtime.rank.input_grads_first``) ----------------------------
 
     def defers(self, ins: Instruction) -> bool:
         """Whether ``ins``'s backward pass runs through layers whose weight products can wait."""

@@ -1,6 +1,6 @@
 """The executor: runs one rank's instruction list once, with a handler per instruction kind.
 
-By default each logical stream runs on a lane of its own (``piper_runtime.streams``, with the
+By default each logical stream runs on a lane of its own (``piper_runtime.rank.streams``, with the
 backend's lanes and events), so communication proceeds while compute runs and the two chunks
 of an overlapped slot run side by side. With ``threads=False`` (or when a collective
 communicator is used by two lanes) it walks the list sequentially in one lane, where the
@@ -15,7 +15,7 @@ the worker's traceback. Each instruction's start and end go to a ``Progress`` re
 the driver's watchdog reads while a step is in flight. The executor knows instruction kinds and the backend protocol only:
 what each kind does is its handler's business, the hardware is the backend's.
 
-``windows`` (``piper_runtime.input_grads_first``): after the last instruction of each window
+``windows`` (``piper_runtime.rank.input_grads_first``): after the last instruction of each window
 the executor calls ``settle``, inside that instruction; a profiled step times the window's
 first ``B`` from its start to the end of the settling, so its time stays the whole pass's.
 """
@@ -27,12 +27,12 @@ import traceback
 from collections.abc import Callable, Mapping
 
 from piper_ir import ExecutionError, Instruction, NodeKind, RankPlan
-from piper_runtime.accounting import MemorySampler, keeps_model_state
 from piper_runtime.backends.base import Streams
 from piper_runtime.progress import Progress
+from piper_runtime.rank.accounting import MemorySampler, keeps_model_state
+from piper_runtime.rank.state import ReadCounts, StepState
+from piper_runtime.rank.streams import StreamLayout, run_streams
 from piper_runtime.results import InstructionTiming
-from piper_runtime.state import ReadCounts, StepState
-from piper_runtime.streams import StreamLayout, run_streams
 
 Handler = Callable[[Instruction, StepState], None]
 

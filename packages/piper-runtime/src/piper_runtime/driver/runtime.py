@@ -8,7 +8,7 @@ when every rank is on one node, else the address Ray reports for rank 0's node, 
 that rank 0's own process opens and keeps for its TCP store.
 
 Workers are started for the runtime and killed by ``shutdown``, unless the runtime reuses
-workers (``reuse_workers``, ``piper_runtime.pool``): then it takes them from a pool and a
+workers (``reuse_workers``, ``piper_runtime.driver.pool``): then it takes them from a pool and a
 clean ``shutdown`` resets them and gives them back. A failed run's workers, and those of a
 runtime shut down while a call was still in flight, are killed all the same.
 
@@ -43,21 +43,29 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from torch import nn
 
 from piper_ir import ClusterError, ExecutionError, HangError, NumericalError, PiperError, Program
-from piper_runtime.accumulation import MIN_WEIGHT_BYTES, describe_fusion
 from piper_runtime.backends import backend_factory, cuda_missing
 from piper_runtime.batch import batch_reads, check_batch, replica_slice, to_wire
-from piper_runtime.cluster import choose_backend, ensure_ray, worker_env
-from piper_runtime.cores import core_slices, describe
-from piper_runtime.merge import merge_outputs, merge_parameters
+from piper_runtime.driver.cluster import choose_backend, ensure_ray, worker_env
+from piper_runtime.driver.merge import merge_outputs, merge_parameters
+from piper_runtime.driver.placement import Placement, check_resources, place_ranks
+from piper_runtime.driver.pool import (
+    MONITOR,
+    WRITER,
+    WorkerPool,
+    WorkerSpec,
+    kill_workers,
+    pool_for,
+    worker_actor,
+)
+from piper_runtime.driver.user_code import ship_by_value
 from piper_runtime.numerics import check_on_nan, first_nonfinite
 from piper_runtime.optim import OptimizerSpec
-from piper_runtime.placement import Placement, check_resources, place_ranks
-from piper_runtime.pool import MONITOR, WRITER, WorkerPool, WorkerSpec, kill_workers, pool_for, worker_actor
-from piper_runtime.precision import compute_inputs
 from piper_runtime.progress import RankProgress, hang_report
+from piper_runtime.rank.accumulation import MIN_WEIGHT_BYTES, describe_fusion
+from piper_runtime.rank.cores import core_slices, describe
+from piper_runtime.rank.precision import compute_inputs
 from piper_runtime.rendezvous import LOOPBACK
 from piper_runtime.results import StepOutput, StepResult
-from piper_runtime.user_code import ship_by_value
 
 _INLINE_BYTES = 64 * 1024  # below this, batch tensors go inline with each call
 _RESET_TIMEOUT_S = 30.0
@@ -82,22 +90,22 @@ class Runtime:
     the runtime is garbage collected or the interpreter exits. ``threads`` runs each rank's
     logical streams on threads of their own (the default); ``False`` walks each rank's plan
     sequentially, the same plan on one stream. ``fuse_loss_backward=False`` runs every loss
-    backward apart from its stage's (``piper_runtime.compute``): the same results, and a
+    backward apart from its stage's (``piper_runtime.rank.compute``): the same results, and a
     profile that times each segment alone. ``grad_fusion_min_bytes``: ``nn.Linear`` weights
     of at least this many bytes have each microbatch's gradient added into ``.grad`` by the
-    matrix product that computes it (``piper_runtime.accumulation``; ``None``: autograd adds
+    matrix product that computes it (``piper_runtime.rank.accumulation``; ``None``: autograd adds
     every one). ``input_grads_first``: a stage's last backward of the step, whose input
     gradient another rank waits for, sends it before those layers add their weight products
-    (``piper_runtime.input_grads_first``; the same gradients, bit for bit). ``bind_cores``:
+    (``piper_runtime.rank.input_grads_first``; the same gradients, bit for bit). ``bind_cores``:
     where a host has a free core per rank (one no other job's rank claims), bind each rank's
     step threads to cores of its own
-    (``piper_runtime.cores``; ``log`` hears which); ``False`` leaves them to the operating
+    (``piper_runtime.rank.cores``; ``log`` hears which); ``False`` leaves them to the operating
     system.
 
     ``backend``: a registered backend name, or ``None`` to choose (``cuda`` when the cluster
     has a GPU for every rank and the CUDA backend can run there, else ``cpu``; the choice and
     why are in ``backend_reason``, and ``log`` hears it). ``placement``: ``"pack"`` or
-    ``"spread"`` (``piper_runtime.placement``); each rank reserves ``cpus_per_rank`` CPUs and,
+    ``"spread"`` (``piper_runtime.driver.placement``); each rank reserves ``cpus_per_rank`` CPUs and,
     on a GPU backend, ``1 / ranks_per_gpu`` of a GPU (``ranks_per_gpu`` > 1 shares GPUs).
     A cluster too small for the program, or an unreachable ``address``, raises
     ``piper_ir.ClusterError`` before any actor starts.
@@ -120,10 +128,10 @@ class Runtime:
     on several nodes the runtime places new workers as usual.
 
     ``seed``: every forward draws its random numbers for (seed, segment, microbatch, step,
-    replica) (``piper_runtime.randomness``), the steps counted from 0 by this runtime.
+    replica) (``piper_runtime.rank.randomness``), the steps counted from 0 by this runtime.
     ``by_value``: names of imported modules the segment modules refer to that a worker cannot
     import (the user's own code, ``CapturedModel.user_modules``): their code travels with the
-    modules (``piper_runtime.user_code``).
+    modules (``piper_runtime.driver.user_code``).
     """
 
     def __init__(

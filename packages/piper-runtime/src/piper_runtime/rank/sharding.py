@@ -6,7 +6,7 @@ collectives to communicators, reading back the time spent in them.
 by its own piece (before buckets and optimizers see it), and hands every submodule that has a
 ``bind_communicator`` method (piper-directives' ``TensorParallelComm``/``ExpertParallelComm``)
 the communicators of its own shard group: the forward one and the one for backward passes
-(``piper_runtime.comms``). Those modules call the communicator's ``all_reduce`` /
+(``piper_runtime.rank.comms``). Those modules call the communicator's ``all_reduce`` /
 ``all_to_all`` and never ``torch.distributed``; they record the seconds each call took in
 ``collective_times``, which ``collective_seconds`` sums per step.
 """
@@ -21,7 +21,7 @@ from torch import nn
 
 from piper_ir import ExecutionError, Program, ShardKind
 from piper_memory.store import shard_tensor
-from piper_runtime.comms import Communicators
+from piper_runtime.rank.comms import Communicators
 
 
 def cut_parameters(program: Program, rank: int, modules: Mapping[str, nn.Module]) -> None:

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from piper_ir import ExecutionError, Instruction, NormTerm, Program
-from piper_runtime.comms import Communicators
-from piper_runtime.data_parallel import DataParallel
-from piper_runtime.state import StepState
+from piper_runtime.rank.comms import Communicators
+from piper_runtime.rank.data_parallel import DataParallel
+from piper_runtime.rank.state import StepState
 
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 

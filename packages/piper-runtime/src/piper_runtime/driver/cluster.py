@@ -3,8 +3,8 @@
 - ``ensure_ray``: reuse an initialised Ray, connect to ``address`` (checked first: an
   address nothing answers on fails within ``CONNECT_TIMEOUT_S`` with the address in the
   message; Ray itself would retry for minutes), or start an embedded single-node cluster
-  bound to 127.0.0.1 (every port of it: ``piper_runtime.ray_env``; checked once it runs),
-  whose processes die with this one (``piper_runtime.reaper``, also when this process is
+  bound to 127.0.0.1 (every port of it: ``piper_runtime.driver.ray_env``; checked once it runs),
+  whose processes die with this one (``piper_runtime.driver.reaper``, also when this process is
   SIGKILLed). Either way the driver first sets ``INLINE_ENV``: a step's
   batches travel inside the call to each worker, not through Ray's object store. A SIGTERM
   handler the program installed stays its own (``_keeping_sigterm_handler``).
@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import ray
 
 from piper_ir import ClusterError
-from piper_runtime import ray_env, reaper
+from piper_runtime.driver import ray_env, reaper
 from piper_runtime.rendezvous import LOOPBACK, SOCKET_ENV, is_loopback
 
 # Environment every Piper worker gets, and what it gets from the driver's where set there.

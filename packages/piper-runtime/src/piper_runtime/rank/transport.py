@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from piper_ir import Instruction, NodeKind, Program, RankPlan, is_grad
-from piper_runtime.comms import Communicators
-from piper_runtime.state import StepState
+from piper_runtime.rank.comms import Communicators
+from piper_runtime.rank.state import StepState
 
 
 class Transport:

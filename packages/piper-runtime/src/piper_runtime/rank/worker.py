@@ -16,11 +16,11 @@ parts that each do one job:
 
 ``run_step`` feeds one batch through the executor and returns the rank's ``StepOutput``
 (``run_steps``: several, in one call).
-``reset`` forgets the run, so a ``piper_runtime.pool.WorkerPool`` can hand the actor to the
+``reset`` forgets the run, so a ``piper_runtime.driver.pool.WorkerPool`` can hand the actor to the
 next runtime as if it had just started.
 
 ``load_forward`` adds a second, forward-only program of the same world (an evaluation step,
-``piper_runtime.evaluation``); ``run_forward`` runs it and returns the losses.
+``piper_runtime.rank.evaluation``); ``run_forward`` runs it and returns the losses.
 
 Parameter gradients are read or replaced only under one lock (``grads_lock``) that backward
 passes, the optimizer, bucket operations and memory accounting take: autograd writes
@@ -47,29 +47,34 @@ import torch
 from torch import nn
 
 from piper_ir import BUCKET_KINDS, ExecutionError, NodeKind, Program
-from piper_runtime.accounting import MemorySampler
-from piper_runtime.accumulation import MIN_WEIGHT_BYTES, accumulate_in_products
 from piper_runtime.backends import Backend, BackendFactory, backend_factory
 from piper_runtime.batch import from_wire, split_microbatches
-from piper_runtime.comms import Communicators
-from piper_runtime.compute import COMPUTE_PHASES, SegmentCompute
-from piper_runtime.cores import CoreClaim, bind_this_thread, claim, host_cores, thread_cores, unclaimed
-from piper_runtime.data_parallel import DataParallel
-from piper_runtime.evaluation import ForwardStep
-from piper_runtime.executor import Executor
-from piper_runtime.grad_norm import GradNorm
-from piper_runtime.input_grads_first import deferral_windows
 from piper_runtime.numerics import StateBackup
 from piper_runtime.optim import OptimizerSpec
-from piper_runtime.optimizers import Optimizers
 from piper_runtime.progress import Progress, RankProgress
+from piper_runtime.rank.accounting import MemorySampler
+from piper_runtime.rank.accumulation import MIN_WEIGHT_BYTES, accumulate_in_products
+from piper_runtime.rank.comms import Communicators
+from piper_runtime.rank.compute import COMPUTE_PHASES, SegmentCompute
+from piper_runtime.rank.cores import CoreClaim, bind_this_thread, claim, host_cores, thread_cores, unclaimed
+from piper_runtime.rank.data_parallel import DataParallel
+from piper_runtime.rank.evaluation import ForwardStep
+from piper_runtime.rank.executor import Executor
+from piper_runtime.rank.grad_norm import GradNorm
+from piper_runtime.rank.input_grads_first import deferral_windows
+from piper_runtime.rank.optimizers import Optimizers
+from piper_runtime.rank.sharding import (
+    bind_collectives,
+    collective_seconds,
+    cut_parameters,
+    unbucketed_experts,
+)
+from piper_runtime.rank.state import ReadCounts, StepState
+from piper_runtime.rank.streams import StreamLayout, lanes_share_a_communicator
+from piper_runtime.rank.ties import alias_tied
+from piper_runtime.rank.transport import Transport
 from piper_runtime.rendezvous import open_listener
 from piper_runtime.results import StepOutput
-from piper_runtime.sharding import bind_collectives, collective_seconds, cut_parameters, unbucketed_experts
-from piper_runtime.state import ReadCounts, StepState
-from piper_runtime.streams import StreamLayout, lanes_share_a_communicator
-from piper_runtime.ties import alias_tied
-from piper_runtime.transport import Transport
 
 if TYPE_CHECKING:
     from piper_runtime.checkpoint import SaveSide
@@ -121,7 +126,7 @@ class RankWorker:
 
     def host(self) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
         """This worker's host, as the machine's name and the cores it gives its workers (the
-        ranks of one host share those: ``piper_runtime.cores``); then the cores no other job
+        ranks of one host share those: ``piper_runtime.rank.cores``); then the cores no other job
         claims now, and those it does."""
         cores = host_cores()
         free = unclaimed(cores)
@@ -165,17 +170,17 @@ class RankWorker:
         collective, an event); ``threads``: one thread per stream (else one sequential walk
         of the plan); ``backup``: keep the state from before each step, for ``restore``;
         ``fuse_loss_backward``: run a loss's ``B`` together with its stage's where the plan
-        allows (``piper_runtime.compute``; off: each segment's time alone in a profile);
+        allows (``piper_runtime.rank.compute``; off: each segment's time alone in a profile);
         ``grad_fusion_min_bytes``: ``nn.Linear`` weights of this many bytes or more sum
-        their microbatches' gradients inside the matrix product (``piper_runtime.accumulation``;
+        their microbatches' gradients inside the matrix product (``piper_runtime.rank.accumulation``;
         ``None``: none do); ``input_grads_first``: a stage's last backward of the step
         posts the send of its input gradient before those layers add their weight products
-        (``piper_runtime.input_grads_first``; off: they add them during the pass);
+        (``piper_runtime.rank.input_grads_first``; off: they add them during the pass);
         ``cores``: claim these and bind the thread that runs steps to them
-        (``piper_runtime.cores``; empty, or claimed by another job meanwhile: every core of
+        (``piper_runtime.rank.cores``; empty, or claimed by another job meanwhile: every core of
         the host); returns the cores it is bound to and how many layers the gradient fusion
         took. ``seed``:
-        what every forward's random numbers are drawn from (``piper_runtime.randomness``;
+        what every forward's random numbers are drawn from (``piper_runtime.rank.randomness``;
         ``Runtime`` always gives one). ``None`` leaves the process's generators as they are,
         with no lock: for a backend that runs several ranks in one process, whose forwards
         wait on each other inside collectives while a seeded forward holds the process's
@@ -291,7 +296,7 @@ class RankWorker:
 
     def load_forward(self, program: Program) -> None:
         """Keep ``program``, a forward-only step of the same world, for ``run_forward``
-        (``piper_runtime.evaluation``)."""
+        (``piper_runtime.rank.evaluation``)."""
         _check_supported(self.rank, program.plan(self.rank).instructions)
         self._forward = ForwardStep(
             program, self.rank, self._modules, self._comms, self._data_parallel, self._grads_lock, self._sampler,

@@ -17,8 +17,8 @@ import torch
 
 from piper_ir import ExecutionError, Program
 from piper_memory.store import BucketLayout, unshard_tensors
+from piper_runtime.rank.ties import untie
 from piper_runtime.results import StepOutput, StepResult
-from piper_runtime.ties import untie
 
 
 def merge_parameters(

@@ -16,16 +16,16 @@ import torch
 from torch import nn
 
 from piper_ir import BUCKET_KINDS, ExecutionError, NodeKind, Phase, Program
-from piper_runtime.accounting import MemorySampler
 from piper_runtime.backends import Backend
-from piper_runtime.comms import Communicators
-from piper_runtime.compute import SegmentCompute
-from piper_runtime.data_parallel import DataParallel
-from piper_runtime.executor import Executor
+from piper_runtime.rank.accounting import MemorySampler
+from piper_runtime.rank.comms import Communicators
+from piper_runtime.rank.compute import SegmentCompute
+from piper_runtime.rank.data_parallel import DataParallel
+from piper_runtime.rank.executor import Executor
+from piper_runtime.rank.state import ReadCounts, StepState
+from piper_runtime.rank.streams import lanes_share_a_communicator
+from piper_runtime.rank.transport import Transport
 from piper_runtime.results import StepOutput
-from piper_runtime.state import ReadCounts, StepState
-from piper_runtime.streams import lanes_share_a_communicator
-from piper_runtime.transport import Transport
 
 
 class ForwardStep:

@@ -1,4 +1,4 @@
-"""What one rank holds, by category, handed to its ``MemoryTracker`` (``piper_runtime.memory``).
+"""What one rank holds, by category, handed to its ``MemoryTracker`` (``piper_runtime.rank.memory``).
 
 Accounting is opt-in per step (``begin(..., active=True)``, the worker's ``memory``
 argument): listing what a rank holds after every instruction cost more than the bookkeeping
@@ -35,12 +35,12 @@ import torch
 from torch import nn
 
 from piper_ir import Instruction, NodeKind, Phase
-from piper_runtime.memory import MemoryTracker
-from piper_runtime.state import StepState
+from piper_runtime.rank.memory import MemoryTracker
+from piper_runtime.rank.state import StepState
 
 if TYPE_CHECKING:  # what it reads; the worker wires them
-    from piper_runtime.data_parallel import DataParallel
-    from piper_runtime.optimizers import Optimizers
+    from piper_runtime.rank.data_parallel import DataParallel
+    from piper_runtime.rank.optimizers import Optimizers
 
 
 def keeps_model_state(ins: Instruction) -> bool:

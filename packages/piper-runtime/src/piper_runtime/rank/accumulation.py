@@ -47,7 +47,7 @@ computes its input gradient only and appends its weight product to ``products``
 (``WeightProducts``), which ``settle`` later adds into ``.grad`` with the same kernel and
 in the same order per weight, so the sums are bit for bit those of the undeferred pass. A
 stage's last backward of a step, whose input gradient another rank waits for, sends it
-first and computes the weight products after (``piper_runtime.input_grads_first``). Which ``WeightProducts`` a backward
+first and computes the weight products after (``piper_runtime.rank.input_grads_first``). Which ``WeightProducts`` a backward
 appends to is set per weight (``deferring(products, weights)``), process-wide rather than per
 thread: on CUDA autograd runs ``backward`` on a device thread of its own. Every backward pass
 of a rank runs under its gradient lock, so at most one pass of a rank defers at a time; ranks

@@ -12,7 +12,7 @@ order on every rank (a group is created by every rank of the world, member or no
    backward passes, so an overlapped forward and backward running on two threads never
    share a group;
 3. one per device group of buckets whose gradients live sharded, for the early
-   reduce-scatters issued from gradient hooks (``piper_runtime.buckets``), in bucket order.
+   reduce-scatters issued from gradient hooks (``piper_runtime.rank.buckets``), in bucket order.
 
 Two threads never issue collectives on one communicator: the plan's collectives run on the
 lane of their stream (``streams.lanes_share_a_communicator`` falls back to one sequential
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from piper_ir import NodeKind, Program, Residency, ShardKind
 from piper_runtime.backends.base import Backend, Communicator
-from piper_runtime.buckets import bucket_group
+from piper_runtime.rank.buckets import bucket_group
 
 
 def channels(program: Program) -> dict[str, tuple[tuple[int, int], ...]]:

@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import ray
 
-from piper_runtime.worker import RankWorker
+from piper_runtime.rank.worker import RankWorker
 
 REUSE_ENV = "PIPER_REUSE_WORKERS"  # "1": runtimes use the shared pool unless told otherwise
 _PING_TIMEOUT_S = 10.0

@@ -2,7 +2,7 @@
 
 Ray's own fate-sharing stops most of its processes when the driver dies, but its dashboard
 and runtime-env agents notice late and then spend a minute trying to report to the dead GCS
-(measured: 64 s; docs/reliability.md). When ``piper_runtime.cluster.ensure_ray`` starts the
+(measured: 64 s; docs/reliability.md). When ``piper_runtime.driver.cluster.ensure_ray`` starts the
 embedded cluster (never when it connects to someone else's), it starts this watcher as a
 process of its own session (a bare interpreter running this file: it starts in milliseconds,
 importing neither torch nor Ray), holding the write end of a pipe whose read end is the
@@ -105,7 +105,7 @@ def start() -> None:
     read, write = os.pipe()  # neither end is inherited by Ray's later children
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
-        # The file itself, without site packages: ``-m piper_runtime.reaper`` would import
+        # The file itself, without site packages: ``-m piper_runtime.driver.reaper`` would import
         # the package (torch, ray) first, seconds during which the watcher watches nothing.
         pid = os.posix_spawn(
             sys.executable,

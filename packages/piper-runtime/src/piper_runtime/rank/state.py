@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from piper_ir import Instruction, NodeKind, Phase, Program, grad_name
-from piper_runtime.accumulation import WeightProducts
+from piper_runtime.rank.accumulation import WeightProducts
 
 Key = tuple[str, int]  # (value name, microbatch)
 

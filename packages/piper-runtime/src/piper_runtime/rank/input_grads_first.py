@@ -5,7 +5,7 @@ gradient to the previous stage, which waits for it. Autograd computes that gradi
 first layer's input gradient comes out of the pass's final node, after every weight product.
 So where the last ``B`` of a stage in the step runs through layers whose weight products can
 be left for later (``nn.Linear`` layers with the fused backward of
-``piper_runtime.accumulation``), the runtime computes the pass with those products deferred,
+``piper_runtime.rank.accumulation``), the runtime computes the pass with those products deferred,
 posts the sends that follow it, and only then adds the products into ``.grad``
 (``WeightProducts.settle``). The previous stage starts its last backward one weight-gradient
 pass sooner: in 1F1B at pp=2 the last microbatch's gradient
@@ -24,7 +24,7 @@ ones only, 0.95x (``benchmarks/bench_fusion.py --fusion input-grads-first``, 6 r
 
 A *window* is a ``B`` (not part of an overlapped slot) and the instructions that follow it on
 the same thread, while they are ``SEND``s or the ``B`` of a stage whose pass the first one
-already ran (a fused loss backward, ``piper_runtime.compute``); the products settle right
+already ran (a fused loss backward, ``piper_runtime.rank.compute``); the products settle right
 after the window's last ``SEND``, inside that instruction, before anything else of the thread
 runs. Nothing in a window reads ``.grad``, and the per-weight order of the sums is unchanged,
 so the gradients are bit for bit those of the undeferred run. A window needs at least one
@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from piper_ir import Instruction, NodeKind, Phase
-from piper_runtime.streams import StreamLayout
+from piper_runtime.rank.streams import StreamLayout
 
 
 def deferral_windows(

@@ -33,9 +33,9 @@ from torch import nn
 
 from piper_ir import ExecutionError, Instruction, NodeKind, Program, Residency
 from piper_memory.store import accumulate_grad
-from piper_runtime.buckets import BucketState, EarlyReduceScatter, bucket_group
-from piper_runtime.comms import Communicators
-from piper_runtime.state import StepState
+from piper_runtime.rank.buckets import BucketState, EarlyReduceScatter, bucket_group
+from piper_runtime.rank.comms import Communicators
+from piper_runtime.rank.state import StepState
 
 Sample = Callable[..., None]  # (step state, *live buffers) -> None: a memory sample
 

@@ -29,11 +29,11 @@ from torch import nn
 
 from piper_ir import Instruction, Program, SegmentRole
 from piper_runtime.backends.base import used_on_this_lane
-from piper_runtime.buckets import BucketState
-from piper_runtime.data_parallel import DataParallel
 from piper_runtime.numerics import nonfinite_grad
 from piper_runtime.optim import OptimizerSpec
-from piper_runtime.state import StepState
+from piper_runtime.rank.buckets import BucketState
+from piper_runtime.rank.data_parallel import DataParallel
+from piper_runtime.rank.state import StepState
 
 Piece = tuple[nn.Parameter, nn.Parameter, int, int]  # (piece, its shard, start, stop in the shard)
 
