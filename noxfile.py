@@ -32,7 +32,7 @@ nox.options.default_venv_backend = "none"
 nox.options.sessions = ["lint", "tests"]
 
 ROOT = Path(__file__).parent
-PACKAGES = ["ir", "directives", "scheduler", "memory", "runtime", "train"]
+PACKAGES = ["ir", "semantics", "directives", "scheduler", "memory", "runtime", "train"]
 PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--import-mode=importlib"]
 
 

@@ -24,6 +24,16 @@ CASES = [
     ("ir", "from piper_scheduler import verify", True),
     ("ir", "from piper_memory.plan import plan_memory", True),
     ("ir", "import attrs", False),
+    ("ir", "from piper_semantics.randomness import seeded", True),
+    # piper_semantics: torch and piper_ir only, below the directives and the runtime that both use it
+    ("semantics", "import torch", False),
+    ("semantics", "from piper_ir import rng_seed", False),
+    ("semantics", "import ray", True),
+    ("semantics", "from piper_directives import Place", True),
+    ("semantics", "from piper_scheduler import verify", True),
+    ("semantics", "from piper_memory import plan_memory", True),
+    ("semantics", "from piper_runtime.rank.compute import Executor", True),
+    ("semantics", "from piper_train import Trainer", True),
     # piper_scheduler: no torch, no ray, no other package but piper_ir
     ("scheduler", "import torch.nn", True),
     ("scheduler", "import ray", True),
@@ -31,21 +41,25 @@ CASES = [
     ("scheduler", "from piper_memory import plan_memory", True),
     ("scheduler", "from piper_runtime import Runtime", True),
     ("scheduler", "from piper_ir import Program", False),
+    ("scheduler", "from piper_semantics.precision import cast_forward", True),
     # piper_runtime: never the directives, the scheduler or the front door; ray and torch are its own
     ("runtime", "from piper_directives import Place", True),
     ("runtime", "from piper_scheduler import verify", True),
     ("runtime", "from piper_train import Trainer", True),
     ("runtime", "import ray", False),
     ("runtime", "from piper_memory.store import shard_tensor", False),
+    ("runtime", "from piper_semantics.randomness import seeded", False),
     # piper_memory: torch only in store.py
     ("memory", "import torch", True),
     ("memory", "from piper_scheduler import verify", True),
     ("memory", "import ray", True),
+    ("memory", "from piper_semantics.precision import cast_forward", True),
     # piper_directives: no ray, no scheduler, memory or runtime
     ("directives", "import ray", True),
     ("directives", "from piper_scheduler import compile_program", True),
     ("directives", "from piper_memory import plan_memory", True),
     ("directives", "import torch", False),
+    ("directives", "from piper_semantics.precision import cast_forward", False),
     # piper_train, the front door, composes everything
     ("train", "import ray", False),
     ("train", "from piper_scheduler import compile_program", False),
@@ -89,6 +103,6 @@ def test_memory_store_may_import_torch() -> None:
     assert not _banned("packages/piper-memory/src/piper_memory/store.py", "import torch")
 
 
-@pytest.mark.parametrize("package", ["scheduler", "memory", "directives"])
+@pytest.mark.parametrize("package", ["scheduler", "memory", "directives", "semantics"])
 def test_tests_may_import_what_their_test_extra_declares(package: str) -> None:
     assert not _banned(TESTS.format(package), "import torch")

@@ -1,6 +1,7 @@
 """Randomness (item 3 of issue 10): every forward draws for (seed, region, microbatch, step,
 replica), so a strategy draws single-device training's dropout masks, while different
-microbatches, steps, replicas and seeds still draw different ones."""
+microbatches, steps, replicas and seeds still draw different ones. Both sides draw through
+the one ``piper_semantics.randomness.seeded`` (its own tests: packages/piper-semantics)."""
 
 from __future__ import annotations
 
@@ -9,27 +10,10 @@ import torch
 from torch import nn
 
 from piper_directives import annotate, build_schedule
-from piper_directives import randomness as directives_randomness
 from piper_runtime import OptimizerSpec
-from piper_runtime.rank import randomness as runtime_randomness
 from piper_train.check import reference_for
 from piper_train.models import ModelSpec
 from piper_train.trainer import Trainer
-
-
-def test_the_runtime_draws_what_single_device_training_draws():
-    """piper-runtime may not import piper-directives: each has ``seeded``; they must agree."""
-    for key in (("s0", 0, 0, 0), ("s3", 2, 5, 1), ("loss", 1, 0, 0)):
-        with runtime_randomness.seeded(7, *key):
-            a = torch.rand(5)
-        with directives_randomness.seeded(7, *key):
-            b = torch.rand(5)
-        assert torch.equal(a, b)
-    with runtime_randomness.seeded(7, "s0", 0, 0):
-        a = torch.rand(5)
-    with runtime_randomness.seeded(8, "s0", 0, 0):
-        b = torch.rand(5)
-    assert not torch.equal(a, b)
 
 
 class Dropped(nn.Module):

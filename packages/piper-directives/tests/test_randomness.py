@@ -1,39 +1,14 @@
-"""``seeded`` / ``seeded_regions``: random numbers as a function of (seed, segment,
-microbatch, step, shard), leaving the global random stream alone."""
+"""``seeded_regions``: single-device training reseeds where each captured segment starts,
+drawing what ``seeded`` draws for that segment (``seeded`` itself, the one rule both sides
+use, is tested in packages/piper-semantics)."""
 
 from __future__ import annotations
-
-import itertools
 
 import torch
 import torch.nn.functional as F
 
 from piper_directives import annotate
 from piper_directives.randomness import seeded, seeded_regions
-from piper_ir import rng_seed
-
-
-def _mask(seed=0, segment="s0", microbatch=0, step=0, shard=0) -> torch.Tensor:
-    with seeded(seed, segment, microbatch, step, shard):
-        return F.dropout(torch.ones(64), 0.5)
-
-
-def test_every_key_field_changes_the_seed_and_the_masks():
-    keys = list(itertools.product((0, 1), ("s0", "s1"), (0, 1), (0, 1), (0, 1)))
-    seeds = {rng_seed(*k) for k in keys}
-    assert len(seeds) == len(keys) and all(0 <= s < 2**63 for s in seeds)
-    masks = {tuple(_mask(*k).tolist()) for k in keys}
-    assert len(masks) == len(keys)
-
-
-def test_the_same_key_gives_the_same_mask_and_the_global_stream_is_untouched():
-    torch.manual_seed(5)
-    expected = torch.rand(4)
-    torch.manual_seed(5)
-    first = _mask(microbatch=3, step=2)
-    assert torch.equal(torch.rand(4), expected)  # as if nothing had been drawn
-    assert torch.equal(_mask(microbatch=3, step=2), first)
-    assert rng_seed(7, "loss", 1, 2, 3) == rng_seed(7, "loss", 1, 2, 3)
 
 
 def _two_regions(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

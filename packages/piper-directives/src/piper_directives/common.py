@@ -25,7 +25,9 @@ JsonObject = dict[str, Any]
 
 # Piper's packages: a frame of their code is never where a user wrote a directive. (A user's
 # ``--model`` file is imported as ``piper_user_<name>``, which is the user's code.)
-_PIPER_PACKAGES = ("piper_ir", "piper_directives", "piper_scheduler", "piper_runtime", "piper_memory", "piper_train")
+_PIPER_PACKAGES = (
+    "piper_ir", "piper_semantics", "piper_directives", "piper_scheduler", "piper_runtime", "piper_memory", "piper_train",
+)
 _WRITTEN_AT: ContextVar[str | None] = ContextVar("piper_directives_written_at", default=None)
 
 

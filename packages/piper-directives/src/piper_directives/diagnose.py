@@ -15,14 +15,18 @@ from types import TracebackType
 import torch
 import torch.fx
 
+import piper_semantics
 from piper_ir import CaptureError
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _PACKAGE_DIR = os.path.dirname(__file__)
+# Capture runs the user's code through piper_semantics (cast_forward): its frames are ours too.
+_SEMANTICS_DIR = os.path.dirname(piper_semantics.__file__)
+_OURS = (_TORCH_DIR, _PACKAGE_DIR, _SEMANTICS_DIR)
 
 
 def _is_ours(filename: str) -> bool:
-    return filename.startswith(_TORCH_DIR) or filename.startswith(_PACKAGE_DIR) or filename.startswith("<")
+    return filename.startswith(_OURS) or filename.startswith("<")
 
 
 def _frame_text(filename: str, lineno: int | None, code: str | None) -> str:
@@ -47,7 +51,7 @@ def describe(node: torch.fx.Node) -> str:
     where = ""
     lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").strip().splitlines()]
     for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File ") and _TORCH_DIR not in lines[i] and _PACKAGE_DIR not in lines[i]:
+        if lines[i].startswith("File ") and not any(d in lines[i] for d in _OURS):
             code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
             where = f" at {lines[i]}" + (f": {code}" if code else "")
             break

@@ -1,27 +1,22 @@
 """Explicit precision (``--precision bf16``): compute in a low dtype, keep fp32 master state.
 
-The parameters stay in their own (master) dtype: the optimizer, its state, gradient
-accumulation over microbatches, data-parallel reductions and ZeRO shards all see fp32. Each
-forward runs the module on *cast copies* of its floating parameters and buffers
-(``cast_forward``, via ``torch.func.functional_call``: nothing in the module changes, so a
-runtime may use it from several threads); autograd casts their gradients back to the master
-dtype. Floating batch inputs are cast once where the batch is read, and the loss is computed
-in the master dtype from outputs cast up (``LossModule(master=...)``), the usual mixed
-precision recipe. Values segments exchange are in the compute dtype (``capture`` records
-them so), which halves pipeline traffic.
-
-``PrecisionModel`` applies the same recipe to a whole model for single-device training, so
-the reference runs exactly the operations the captured segments run, in the same dtypes.
+The recipe itself (``cast_forward``, the input and output casts, dtype names) is
+``piper_semantics.precision``, the one the runtime's segments run too; its names are
+re-exported here. This module adds what capture and single-device training need on top:
+``precision_of`` (a ``Precision`` from a user's name for it) and ``PrecisionModel``, the
+recipe applied to a whole model, so the reference runs exactly the operations the captured
+segments run, in the same dtypes.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from piper_ir import CaptureError, Precision
+from piper_semantics.precision import cast_forward, cast_inputs, dtype_name, torch_dtype, upcast
+
+__all__ = ["PrecisionModel", "cast_forward", "cast_inputs", "dtype_name", "precision_of", "torch_dtype", "upcast"]
 
 _NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32", "fp64": "float64", "float64": "float64"}
@@ -34,44 +29,6 @@ def precision_of(name: str, master: torch.dtype) -> Precision:
     if compute is None:
         raise CaptureError(f"unknown precision {name!r}; use one of bf16, fp16, fp32")
     return Precision(compute=compute, master=dtype_name(master))
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype")
-    return dtype
-
-
-def cast_forward(module: nn.Module, args: Sequence[object], compute: torch.dtype) -> object:
-    """``module(*args)`` with every floating parameter and buffer cast to ``compute``.
-
-    Gradients reach the original (master) parameters through the casts, in their dtype.
-    ``args`` are passed as they are: values between segments already have the compute dtype,
-    and batch inputs are cast where the batch is read (``cast_inputs``).
-    """
-    # One cast copy per *name*, tied names included: each use of a tied parameter casts its
-    # gradient back to the master dtype on its own, as it does when its holders are separate
-    # segments (a shared bf16 copy would sum the uses' gradients in bf16 first).
-    state = {
-        name: t.to(compute) if t.is_floating_point() else t
-        for name, t in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
-    }
-    return torch.func.functional_call(module, state, tuple(args), strict=False, tie_weights=False)
-
-
-def cast_inputs(tensors: Sequence[torch.Tensor], compute: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Floating batch inputs in the compute dtype; integer ones (token ids) unchanged."""
-    return tuple(t.to(compute) if t.is_floating_point() else t for t in tensors)
-
-
-def upcast(tensors: Sequence[torch.Tensor], master: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Floating model outputs in the master dtype, for the loss."""
-    return tuple(t.to(master) if t.is_floating_point() else t for t in tensors)
 
 
 class PrecisionModel(nn.Module):

@@ -1,32 +1,19 @@
 """Randomness as a function of (seed, segment, microbatch, step): the same dropout masks under
 every strategy as in single-device training.
 
-A strategy runs a segment's forward for one microbatch wherever and whenever its schedule
-says, so a global random stream would hand each (segment, microbatch) different numbers under
-different strategies. Instead each forward draws from a generator seeded by
-``piper_ir.rng_seed(seed, segment, microbatch, step, shard)`` (pure Python, so a runtime
-computes the same number without importing this package):
-
-- a runtime runs every forward (and a recomputed forward, which must redraw the same masks)
-  the way ``seeded(...)`` does: fork the generators, seed them with ``rng_seed``, restore
-  them (piper-runtime may not import this package, hence the seed function in piper-ir);
-- single-device training (piper_train.reference) runs the user's own model under
-  ``seeded_regions(...)``, which reseeds at the region boundary where each captured segment
-  starts (``CapturedModel.runs`` maps boundaries to segment ids) and draws nothing else
-  differently;
-- ``shard`` is the data-parallel replica's shard of the microbatch (0 without data
-  parallelism): a replica draws its own shard's masks, so single-device training must run a
-  microbatch as the same shards to draw the same masks.
-
-Masks are equal on the same device type (CPU and CUDA generators differ). The generators are
-process-wide, so ``seeded`` holds a lock: two seeded forwards of one process never interleave
-(a runtime overlapping a forward with a backward is unaffected: backward draws nothing).
+The rule, and ``seeded`` (one segment's forward on one microbatch, as the runtime runs every
+forward), is ``piper_semantics.randomness``; ``seeded`` is re-exported here. Single-device
+training (piper_train.reference) runs the user's own model under ``seeded_regions(...)``,
+which reseeds exactly as ``seeded`` does at the region boundary where each captured segment
+starts (``CapturedModel.runs`` maps boundaries to segment ids) and draws nothing else
+differently. ``shard`` is the data-parallel replica's shard of the microbatch (0 without
+data parallelism): a replica draws its own shard's masks, so single-device training must run
+a microbatch as the same shards to draw the same masks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
@@ -35,33 +22,9 @@ import torch
 
 from piper_directives.annotate import on_boundaries
 from piper_ir import rng_seed
+from piper_semantics.randomness import forked, reseed, seeded
 
-_LOCK = threading.RLock()
-
-
-def _reseed(value: int, device: torch.device | None) -> None:
-    torch.default_generator.manual_seed(value)
-    if device is not None and device.type == "cuda":
-        torch.cuda.default_generators[device.index or 0].manual_seed(value)
-
-
-@contextmanager
-def _forked(device: torch.device | None) -> Iterator[None]:
-    cuda = [device] if device is not None and device.type == "cuda" else []
-    with _LOCK, torch.random.fork_rng(devices=cuda, device_type="cuda"):
-        yield
-
-
-@contextmanager
-def seeded(
-    seed: int, segment: str, microbatch: int, step: int, shard: int = 0, device: torch.device | None = None
-) -> Iterator[None]:
-    """Run the body (one segment's forward on one microbatch) with the CPU generator (and
-    ``device``'s, if it is a CUDA device) seeded for this key; the generators' previous
-    states are restored afterwards, so code outside sees no difference."""
-    with _forked(device):
-        _reseed(rng_seed(seed, segment, microbatch, step, shard), device)
-        yield
+__all__ = ["Randomness", "seeded", "seeded_regions"]
 
 
 @contextmanager
@@ -84,9 +47,9 @@ def seeded_regions(
         crossed += 1
         segment = runs.get(crossed)
         if segment is not None:
-            _reseed(rng_seed(seed, segment, microbatch, step, shard), device)
+            reseed(rng_seed(seed, segment, microbatch, step, shard), device)
 
-    with _forked(device), on_boundaries(boundary):
+    with forked(device), on_boundaries(boundary):
         yield
 
 

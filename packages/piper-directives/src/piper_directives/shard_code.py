@@ -26,7 +26,7 @@ communication: replicated over it), so an embedding or a head in a region of its
 beside sharded blocks. Dropout (any random draw) on the cut activations between a pair's
 Linears is refused: no rank could draw one device's mask for its piece; dropout on whole
 activations draws one device's masks (every rank of a group draws the same, for its
-data-parallel shard: ``piper_runtime.rank.randomness``).
+data-parallel shard: ``piper_semantics.randomness``).
 
 Errors (``DirectiveError`` naming the ``Shard``): a TP degree that does not divide the heads or
 the hidden size, a column output reshaped another way, dropout inside a pair, a recomputed

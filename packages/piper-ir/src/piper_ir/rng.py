@@ -4,8 +4,8 @@ segment's forward draws from, whoever runs it.
 A runtime seeds its generator with ``rng_seed(...)`` around every forward of segment
 ``segment`` on microbatch ``microbatch`` of step ``step`` (counted from 0), data-parallel
 shard ``shard`` (the replica's index; 0 without data parallelism), and around a recomputed
-forward with the same key; single-device training reseeds with the same values where each
-segment starts (piper_directives.randomness). Then every strategy draws the dropout masks
+forward with the same key (``piper_semantics.randomness.seeded``); single-device training
+reseeds with the same values where each segment starts (piper_directives.randomness). Then every strategy draws the dropout masks
 single-device training draws. Pure Python, so every package computes the same number.
 """
 
