@@ -13,7 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from piper_directives import Order, Place, Replicate, Shard, Split, build_schedule, one_f_one_b, parallelize
+from piper_directives import (
+    DegreeError,
+    Order,
+    Place,
+    Replicate,
+    Shard,
+    Split,
+    build_schedule,
+    check_degrees,
+    expert_parallel,
+    one_f_one_b,
+    parallelize,
+)
 from piper_ir import MB, DirectiveError, Filter, ShardKind
 
 GOLDEN = Path(__file__).parent / "golden" / "parallelize.txt"
@@ -103,14 +115,42 @@ def test_every_device_holds_a_region() -> None:
         ({"tp": 2, "ep": 2}, "tensor and expert parallelism in one strategy are not supported yet"),
         ({"tp": 0}, "parallelize: tp must be a positive int, got 0"),
         ({"ep": True}, "parallelize: ep must be a positive int, got True"),
-        ({"zero": 1}, "data_parallel: ZeRO-1 shards over data-parallel replicas; it needs dp >= 2"),
-        ({"tp": 2, "zero": 1}, "data_parallel: ZeRO-1 shards over data-parallel replicas; it needs dp >= 2"),
-        ({"dp": 0}, "data_parallel: dp must be a positive int, got 0"),
+        ({"zero": 1}, "parallelize: ZeRO-1 shards over data-parallel replicas; it needs dp >= 2"),
+        ({"tp": 2, "zero": 1}, "parallelize: ZeRO-1 shards over data-parallel replicas; it needs dp >= 2"),
+        ({"dp": 0}, "parallelize: dp must be a positive int, got 0"),
     ],
 )
 def test_errors(kwargs: dict, message: str) -> None:
     with pytest.raises(DirectiveError, match=message.replace("(", r"\(")):
         parallelize(one_f_one_b(2, 2), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "options"),
+    [
+        ({"tp": 2, "ep": 2}, ("tp", "ep")),
+        ({"zero": 1}, ("zero", "dp")),
+        ({"zero": 1, "tp": 2}, ("zero", "dp")),
+        ({"dp": 0}, ("dp",)),
+        ({"dp": 2, "zero": 4}, ("zero",)),
+    ],
+)
+def test_degree_errors_name_the_options_at_fault(kwargs: dict, options: tuple[str, ...]) -> None:
+    """``options`` is what the piper command turns into its flags (``--zero``/``--dp``)."""
+    with pytest.raises(DegreeError) as err:
+        check_degrees(**kwargs)
+    assert err.value.options == options
+    assert not err.value.message.startswith(":")  # no caller, no prefix
+
+
+def test_zero_without_replicas_is_one_rule_for_every_entry() -> None:
+    """parallelize, data_parallel (through build_schedule) and expert_parallel refuse it alike."""
+    needs = "ZeRO-2 shards over data-parallel replicas; it needs dp >= 2 (or ep >= 2"
+    for call in (lambda: parallelize(one_f_one_b(2, 2), zero=2),
+                 lambda: expert_parallel(one_f_one_b(2, 2), 1, zero=2)):
+        with pytest.raises(DegreeError, match=needs.replace("(", r"\(")):
+            call()
+    assert parallelize(one_f_one_b(2, 2), ep=2, zero=2).of(Replicate)  # the expert group is data-parallel
 
 
 def test_identity_without_parallelism() -> None:

@@ -28,7 +28,7 @@ def _file(tmp_path: Path, strategy: Strategy) -> str:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["check", "--zero", "2"], "--zero shards over data-parallel replicas"),
+        (["check", "--zero", "2"], "--zero 2 with --dp 1: ZeRO-2 shards over data-parallel replicas"),
         (["train", "--dp", "0"], "--dp must be >= 1"),
         (["check", "--dp", "2", "--zero", "4"], "invalid choice: 4"),
         (["check", "--memory-budget-mb", "0"], "--memory-budget-mb must be > 0"),
@@ -80,7 +80,7 @@ def test_tp_composes_with_a_schedule_and_a_strategy_file(tmp_path: Path) -> None
     ("argv", "message"),
     [
         (["check", "--tp", "0"], "--tp must be >= 1"),
-        (["train", "--tp", "2", "--zero", "1"], "--zero shards over data-parallel replicas"),
+        (["train", "--tp", "2", "--zero", "1"], "--zero 1 with --dp 1: ZeRO-1 shards over data-parallel replicas"),
     ],
 )
 def test_bad_tp_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -104,8 +104,8 @@ def test_ep_composes_with_a_schedule_and_a_strategy_file(tmp_path: Path) -> None
     ("argv", "message"),
     [
         (["check", "--ep", "0"], "--ep must be >= 1"),
-        (["train", "--ep", "2", "--tp", "2"], "--ep with --tp (tensor and expert parallelism in one strategy) "
-                                              "is not supported yet"),
+        (["train", "--ep", "2", "--tp", "2"], "--tp 2 with --ep 2: tensor and expert parallelism in one strategy "
+                                              "are not supported yet"),
         (["check", "--recompute", "all", "--tp", "2"], "--recompute with --tp or --ep: recomputing a tensor- or "
                                                        "expert-parallel region"),
         (["train", "--recompute", "0"], "expected none, all or a region interval N >= 1; got '0'"),

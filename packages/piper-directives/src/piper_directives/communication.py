@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import attrs
 
-from piper_ir import DirectiveError, Edge, Graph, Node, NodeKind
+from piper_ir import DirectiveError, Edge, Graph, Node, NodeKind, transfer_ids
 
 
 def insert_communication(graph: Graph, streams: dict[str, str]) -> Graph:
@@ -46,9 +46,7 @@ def insert_communication(graph: Graph, streams: dict[str, str]) -> Graph:
             )
         key = (e.value, src.microbatch, s_devs, d_devs)
         if key not in pairs:
-            mb = "" if src.microbatch is None else f".mb{src.microbatch}"
-            ends = f"{'_'.join(map(str, s_devs))}-{'_'.join(map(str, d_devs))}"
-            sid, rid = f"send.{e.value}{mb}.{ends}", f"recv.{e.value}{mb}.{ends}"
+            sid, rid = transfer_ids(e.value, src.microbatch, s_devs, d_devs)
             stream = streams.get(src.segment or "", "pp")
             common = dict(value=e.value, microbatch=src.microbatch, tags=src.tags, stream=stream)
             nodes.append(Node(sid, NodeKind.SEND, devices=s_devs, peers=d_devs, **common))

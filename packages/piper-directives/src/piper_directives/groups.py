@@ -11,7 +11,19 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
-from piper_ir import MB, PASS, DirectiveError, Filter, Graph, Node, NodeKind, Phase, Segment, SegmentRole
+from piper_ir import (
+    MB,
+    PASS,
+    DirectiveError,
+    Filter,
+    Graph,
+    Node,
+    NodeKind,
+    Phase,
+    Segment,
+    SegmentRole,
+    compute_id,
+)
 
 
 class OnGroup(Protocol):
@@ -29,7 +41,7 @@ def segment_matches(flt: Filter, seg: Segment) -> bool:
     is placed whole). The loss segment is matched only by name (``{"SEG": "loss"}``)."""
     if seg.role is SegmentRole.LOSS and dict(flt.items).get("SEG") != seg.id:
         return False
-    probe = Node(f"F.{seg.id}", NodeKind.COMPUTE, seg.id, Phase.F, tags=seg.tags)
+    probe = Node(compute_id(Phase.F, seg.id), NodeKind.COMPUTE, seg.id, Phase.F, tags=seg.tags)
     return Filter(tuple((k, v) for k, v in flt.items if k not in (PASS, MB))).matches(probe)
 
 
@@ -66,6 +78,6 @@ def segments_on_group(graph: Graph, directive: OnGroup, group: dict[str, tuple[i
                 f"segment {seg.id} ({seg.tags}) is placed on {list(placed)}, but {kind} names "
                 f"{list(directive.devices)}; the devices must be the placement group, in the same order",
                 directive=str(directive),
-                nodes=[f"F.{seg.id}"],
+                nodes=[compute_id(Phase.F, seg.id)],
             )
         yield seg

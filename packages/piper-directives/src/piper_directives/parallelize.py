@@ -11,10 +11,15 @@ Device layout, with ``pp`` pipeline ranks and ``k`` = tp or ep (1 without either
 ``r`` of data-parallel replica ``j`` runs on devices ``(r + j * pp) * k + t`` for ``t < k``.
 ``--pp 2 --dp 2 --tp 2`` is 8 devices, stage 0 on (0, 1) and (4, 5), stage 1 on (2, 3) and
 (6, 7). The building blocks, ``data_parallel``, ``tensor_parallel`` and ``expert_parallel``,
-each do one rewrite and are public for strategies composed by hand.
+each do one rewrite and are public for strategies composed by hand. ``check_degrees`` holds
+the rules on the degrees themselves, once, for all of them and for front ends that check
+their options before composing anything (the ``piper`` command).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
@@ -22,9 +27,44 @@ from piper_directives.common import written_at_or
 from piper_directives.groups import segment_group
 from piper_directives.place import Place
 from piper_directives.replicate import DEFAULT_BUCKET_MB, Replicate
-from piper_directives.shard import Shard
+from piper_directives.shard import Shard, mixed_kinds_problem
 from piper_directives.strategy import Directive, Strategy
 from piper_ir import MB, DirectiveError, Filter, ShardKind
+
+
+class DegreeError(DirectiveError):
+    """A degree or ZeRO level ``check_degrees`` refuses. ``options`` names the keywords at
+    fault (``("zero", "dp")``), so a front end can name them in its own spelling (the
+    ``piper`` command's ``--zero``/``--dp``) without restating the rule. ``fields``: those of
+    ``PiperError`` (an unpickled copy comes back through them, without ``options``)."""
+
+    def __init__(self, message: str, *, options: Sequence[str] = (), **fields: Any) -> None:
+        self.options = tuple(options)
+        super().__init__(message, **fields)
+
+
+def check_degrees(caller: str | None = None, *, dp: int = 1, zero: int = 0, tp: int = 1, ep: int = 1) -> None:
+    """The one statement of the rules on parallelism degrees, which ``parallelize`` and its
+    building blocks apply and the ``piper`` command relies on: each degree a positive int,
+    ``zero`` a ZeRO level (0-3) with replicas to shard over (``dp >= 2``, or ``ep >= 2``: an
+    expert-parallel group is data-parallel for its non-expert weights), and not tensor and
+    expert parallelism at once (``mixed_kinds_problem``). ``caller`` prefixes the message
+    (the function the user called). Raises ``DegreeError``."""
+    prefix = f"{caller}: " if caller else ""
+    for what, v in (("dp", dp), ("tp", tp), ("ep", ep)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise DegreeError(f"{prefix}{what} must be a positive int, got {v!r}", options=(what,))
+    if isinstance(zero, bool) or not isinstance(zero, int) or zero not in (0, 1, 2, 3):
+        raise DegreeError(f"{prefix}zero must be one of 0, 1, 2, 3, got {zero!r}", options=("zero",))
+    mixed = mixed_kinds_problem(kind for kind, v in ((ShardKind.TP, tp), (ShardKind.EP, ep)) if v > 1)
+    if mixed is not None:
+        raise DegreeError(prefix + mixed, options=("tp", "ep"))
+    if zero and dp < 2 and ep < 2:
+        raise DegreeError(
+            f"{prefix}ZeRO-{zero} shards over data-parallel replicas; it needs dp >= 2 (or ep >= 2, whose "
+            "group is data-parallel for the non-expert weights)",
+            options=("zero", "dp"),
+        )
 
 
 def parallelize(pipeline: Strategy, *, dp: int = 1, zero: int = 0, tp: int = 1, ep: int = 1) -> Strategy:
@@ -32,12 +72,7 @@ def parallelize(pipeline: Strategy, *, dp: int = 1, zero: int = 0, tp: int = 1, 
     Shard) over ``dp`` data-parallel replicas with ZeRO level ``zero``, each stage of each
     replica tensor-parallel over ``tp`` or expert-parallel over ``ep`` adjacent devices
     (module doc for the layout). With every degree 1 and ``zero=0``, ``pipeline`` itself."""
-    for what, v in (("tp", tp), ("ep", ep)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise DirectiveError(f"parallelize: {what} must be a positive int, got {v!r}")
-    if tp > 1 and ep > 1:
-        # shard_all refuses both kinds in one strategy; say so before building one.
-        raise DirectiveError("parallelize: tensor and expert parallelism in one strategy are not supported yet")
+    check_degrees("parallelize", dp=dp, zero=zero, tp=tp, ep=ep)
     if ep > 1 and dp == 1:
         # An expert-parallel group is data-parallel for everything but the experts by itself
         # (the batch is cut among its ranks), so ZeRO applies to it without data-parallel
@@ -68,16 +103,8 @@ def data_parallel(strategy: Strategy, dp: int, zero: int = 0, *, bucket_mb: floa
     placed per microbatch set on several ranks (``MB`` in the filter, DualPipe's mirrored
     replicas) gets one ``Replicate`` over the union of its groups.
     """
-    for what, v in (("dp", dp), ("zero", zero)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise DirectiveError(f"data_parallel: {what} must be an int, got {v!r}")
-    if dp < 1:
-        raise DirectiveError(f"data_parallel: dp must be a positive int, got {dp!r}")
-    if zero not in (0, 1, 2, 3):
-        raise DirectiveError(f"data_parallel: zero must be one of 0, 1, 2, 3, got {zero!r}")
+    check_degrees("data_parallel", dp=dp, zero=zero)
     if dp == 1:
-        if zero:
-            raise DirectiveError(f"data_parallel: ZeRO-{zero} shards over data-parallel replicas; it needs dp >= 2")
         return strategy
     places = [d for d in strategy.directives if isinstance(d, Place)]
     for place in places:
@@ -135,11 +162,8 @@ def expert_parallel(strategy: Strategy, ep: int, *, zero: int | None = None) -> 
 def _shard_every_stage(
     strategy: Strategy, degree: int, kind: ShardKind, name: str, *, zero: int | None = None
 ) -> Strategy:
-    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-        raise DirectiveError(f"{name}: {kind} must be a positive int, got {degree!r}")
+    check_degrees(name, zero=zero or 0, **{str(kind.value): degree})
     if degree == 1:
-        if zero:
-            raise DirectiveError(f"{name}: ZeRO-{zero} shards over replicas; it needs {kind} >= 2")
         return strategy
     has_replicate = any(isinstance(d, Replicate) for d in strategy.directives)
     if zero is not None and has_replicate:

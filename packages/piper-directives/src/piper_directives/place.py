@@ -30,7 +30,7 @@ from piper_directives.common import (
     user_location,
 )
 from piper_directives.groups import segment_group, segment_matches
-from piper_ir import MB, DirectiveError, Filter, Graph, Node, NodeKind, Segment
+from piper_ir import MB, DirectiveError, Filter, Graph, Node, NodeKind, Phase, Segment, compute_id
 
 # (segment, microbatch) -> what it maps to; microbatch None stands for every microbatch.
 Key = tuple[str, int | None]
@@ -86,7 +86,7 @@ def place_all(graph: Graph, places: Sequence[Place]) -> Graph:
         )
         raise DirectiveError(
             f"{len(unplaced)} annotated region(s) are not placed by any Place directive: {names}",
-            nodes=[f"F.{s.id}" for s, _ in unplaced],
+            nodes=[compute_id(Phase.F, s.id) for s, _ in unplaced],
         )
     loss = graph.loss_segment()
     for mb in mbs:
@@ -199,7 +199,7 @@ def _group_of(group: dict[Key, tuple[int, ...]], seg: str, mb: int | None) -> tu
 
 def _loss_group(graph: Graph, group: dict[Key, tuple[int, ...]], loss: str, mb: int | None) -> tuple[int, ...]:
     """The loss of microbatch ``mb`` goes where the model's outputs of ``mb`` are produced."""
-    fwd = f"F.{loss}" if mb is None else f"F.{loss}.mb{mb}"
+    fwd = compute_id(Phase.F, loss, mb)
     producers = {
         e.src for e in graph.predecessors.get(fwd, ()) if e.value and not e.value.startswith("target:")
     }

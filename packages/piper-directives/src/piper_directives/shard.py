@@ -30,7 +30,7 @@ until then ``params`` is empty.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 import attrs
@@ -44,7 +44,7 @@ from piper_directives.common import (
     user_location,
 )
 from piper_directives.groups import OnGroup, placement_groups, segments_on_group
-from piper_ir import DirectiveError, Filter, Graph, SegmentRole, Sharding, ShardKind
+from piper_ir import DirectiveError, Filter, Graph, Phase, SegmentRole, Sharding, ShardKind, compute_id
 
 
 def _to_kind(value: object) -> object:
@@ -107,6 +107,15 @@ class Shard:
                       "devices": devices_from_json(item["devices"], where)}, where=where)
 
 
+def mixed_kinds_problem(kinds: Iterable[ShardKind]) -> str | None:
+    """Why Shards of these kinds cannot share one strategy, or None. The one statement of
+    the rule: ``shard_all`` applies it to a strategy's Shards, ``check_degrees`` to the
+    ``tp``/``ep`` degrees asked of ``parallelize`` (before a strategy is built)."""
+    if len(set(kinds)) > 1:
+        return "tensor and expert parallelism in one strategy are not supported yet"
+    return None
+
+
 def shard_all(graph: Graph, shards: Sequence[Shard], replicated: Sequence[OnGroup] = ()) -> Graph:
     """Record ``Graph.sharding`` for ``shards`` (module doc); ``replicated`` are the
     strategy's ``Replicate`` directives, refused on a tensor-parallel group without
@@ -114,10 +123,9 @@ def shard_all(graph: Graph, shards: Sequence[Shard], replicated: Sequence[OnGrou
     if not shards:
         return graph
     kinds = {s.kind for s in shards}
-    if len(kinds) > 1:
-        raise DirectiveError(
-            "tensor and expert parallelism in one strategy are not supported yet", directive=str(shards[0])
-        )
+    mixed = mixed_kinds_problem(kinds)
+    if mixed is not None:
+        raise DirectiveError(mixed, directive=str(shards[0]))
     degrees = {s.degree for s in shards}
     if len(degrees) > 1:
         raise DirectiveError(
@@ -145,7 +153,7 @@ def shard_all(graph: Graph, shards: Sequence[Shard], replicated: Sequence[OnGrou
                 "groups are tensor-parallel; shard every multi-device group (data x tensor parallelism: "
                 "Shard(..., degree=k) over the whole group, plus a Replicate for the ZeRO level)",
                 directive=str(shards[0]),
-                nodes=[f"F.{seg.id}"],
+                nodes=[compute_id(Phase.F, seg.id)],
             )
     pure = {s.devices for s in chosen.values() if s.degree == len(s.devices)}
     for rep in replicated:

@@ -13,7 +13,7 @@ from typing import ClassVar
 import attrs
 
 from piper_directives.common import JsonObject, user_location
-from piper_ir import DirectiveError, Edge, Graph, Node, NodeKind, Value
+from piper_ir import DirectiveError, Edge, Graph, Node, NodeKind, Value, microbatch_id
 
 
 @attrs.frozen
@@ -55,15 +55,15 @@ class Split:
         nodes: list[Node] = []
         for n in graph.nodes:
             if n.id in per_mb:
-                nodes.extend(attrs.evolve(n, id=f"{n.id}.mb{i}", microbatch=i) for i in range(m))
+                nodes.extend(attrs.evolve(n, id=microbatch_id(n.id, i), microbatch=i) for i in range(m))
             else:
                 nodes.append(n)
         edges: list[Edge] = []
         for e in graph.edges:
             src_split, dst_split = e.src in per_mb, e.dst in per_mb
             for i in range(m):
-                src = f"{e.src}.mb{i}" if src_split else e.src
-                dst = f"{e.dst}.mb{i}" if dst_split else e.dst
+                src = microbatch_id(e.src, i) if src_split else e.src
+                dst = microbatch_id(e.dst, i) if dst_split else e.dst
                 edges.append(attrs.evolve(e, src=src, dst=dst))
                 if not (src_split or dst_split):
                     break

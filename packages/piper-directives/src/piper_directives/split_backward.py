@@ -30,7 +30,18 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 
 from piper_directives.order import Order, bucket_nodes, candidates
-from piper_ir import PASS, DirectiveError, Edge, EdgeKind, Filter, Graph, Node, NodeKind, Phase
+from piper_ir import (
+    PASS,
+    DirectiveError,
+    Edge,
+    EdgeKind,
+    Filter,
+    Graph,
+    Node,
+    NodeKind,
+    Phase,
+    backward_halves,
+)
 
 _HALVES = (Phase.BI.value, Phase.BW.value)
 _MATCHED = frozenset((*_HALVES, Phase.B.value))  # the passes requested_splits looks at
@@ -88,13 +99,6 @@ def _chunk(graph: Graph, node_id: str) -> str:
     return f"the backward of segment {n.segment} ({n.tags}) for microbatch {n.microbatch} ({node_id})"
 
 
-def half_id(node_id: str, phase: Phase) -> str:
-    """``B.s1.mb0`` -> ``BI.s1.mb0`` / ``BW.s1.mb0``."""
-    if node_id.startswith("B."):
-        return f"{phase.value}.{node_id[2:]}"
-    return f"{phase.value}.{node_id}"
-
-
 def split_backward(graph: Graph, nodes: Iterable[str] | Mapping[str, str]) -> Graph:
     """Replace each listed ``B`` node by ``BI -> BW`` (see the module docstring)."""
     origins = dict(nodes) if isinstance(nodes, Mapping) else dict.fromkeys(nodes, "split_backward")
@@ -106,7 +110,7 @@ def split_backward(graph: Graph, nodes: Iterable[str] | Mapping[str, str]) -> Gr
         n = by_id.get(nid)
         if n is None or n.kind is not NodeKind.COMPUTE or n.phase is not Phase.B:
             raise DirectiveError(f"{nid} is not a fused backward (B) node; only those can be split", nodes=[nid])
-        pair = (half_id(nid, Phase.BI), half_id(nid, Phase.BW))
+        pair = backward_halves(nid)
         clash = [h for h in pair if h in by_id]
         if clash:
             raise DirectiveError(f"cannot split {nid}: node {clash[0]} already exists", nodes=[nid, clash[0]])

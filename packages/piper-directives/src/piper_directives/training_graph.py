@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from piper_ir import Edge, Graph, Node, NodeKind, Phase, Segment, Value, grad_name
+from piper_ir import Edge, Graph, Node, NodeKind, Phase, Segment, Value, compute_id, grad_name
 
 
 def training_graph(
@@ -21,20 +21,22 @@ def training_graph(
     nodes: list[Node] = []
     edges: list[Edge] = []
     for seg in segments:
-        nodes.append(Node(f"F.{seg.id}", NodeKind.COMPUTE, seg.id, Phase.F, tags=seg.tags))
-        nodes.append(Node(f"B.{seg.id}", NodeKind.COMPUTE, seg.id, Phase.B, tags=seg.tags))
-        edges.append(Edge(f"F.{seg.id}", f"B.{seg.id}"))
+        fwd, bwd = compute_id(Phase.F, seg.id), compute_id(Phase.B, seg.id)
+        nodes.append(Node(fwd, NodeKind.COMPUTE, seg.id, Phase.F, tags=seg.tags))
+        nodes.append(Node(bwd, NodeKind.COMPUTE, seg.id, Phase.B, tags=seg.tags))
+        edges.append(Edge(fwd, bwd))
         if seg.params:
-            nodes.append(Node(f"OPT.{seg.id}", NodeKind.OPTIMIZER, seg.id, Phase.OPT, tags=seg.tags))
-            edges.append(Edge(f"B.{seg.id}", f"OPT.{seg.id}"))
+            opt = compute_id(Phase.OPT, seg.id)
+            nodes.append(Node(opt, NodeKind.OPTIMIZER, seg.id, Phase.OPT, tags=seg.tags))
+            edges.append(Edge(bwd, opt))
     for seg in segments:
         for v in dict.fromkeys(seg.inputs):  # a value read twice is one edge
             src = producer.get(v)
             if src is None:
                 continue  # a batch value: read from the batch, no producer node
-            edges.append(Edge(f"F.{src}", f"F.{seg.id}", value=v))
+            edges.append(Edge(compute_id(Phase.F, src), compute_id(Phase.F, seg.id), value=v))
             if meta[v].requires_grad:
-                edges.append(Edge(f"B.{seg.id}", f"B.{src}", value=grad_name(v)))
+                edges.append(Edge(compute_id(Phase.B, seg.id), compute_id(Phase.B, src), value=grad_name(v)))
     return Graph(
         segments=tuple(segments),
         values=tuple(values),

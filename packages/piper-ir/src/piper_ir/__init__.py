@@ -53,7 +53,19 @@ from piper_ir.graph import (
     Tie,
     Value,
 )
-from piper_ir.names import GRAD_PREFIX, grad_name, grad_of, is_grad
+from piper_ir.names import (
+    EVENT_PREFIX,
+    GRAD_PREFIX,
+    MICROBATCH_INFIX,
+    backward_halves,
+    compute_id,
+    event_id,
+    grad_name,
+    grad_of,
+    is_grad,
+    microbatch_id,
+    transfer_ids,
+)
 from piper_ir.program import Communicator, ExecutionOptions, Instruction, Program, RankPlan
 from piper_ir.rng import rng_seed
 from piper_ir.serialize import from_json, to_json
@@ -71,4 +83,5 @@ __all__ = [
     "TensorMeta", "Tie", "ValidationError", "Value", "critical_path", "cycle_error", "find_cycle", "format_instruction",
     "format_listing", "from_json", "gc_paused", "graph_summary", "is_acyclic", "parse_instruction", "parse_listing",
     "program_text", "rank_orders", "reachable", "rng_seed", "to_json", "topological_order", "validate",
+    "EVENT_PREFIX", "MICROBATCH_INFIX", "backward_halves", "compute_id", "event_id", "microbatch_id", "transfer_ids",
 ]

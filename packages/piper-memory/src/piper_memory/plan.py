@@ -67,6 +67,7 @@ from piper_ir import (
     Phase,
     Replication,
     Residency,
+    compute_id,
     rank_orders,
     validate,
 )
@@ -257,7 +258,7 @@ class _Builder:
         for unit in family:
             grads, opts = self._holder_nodes(unit)
             passes[unit.owner] = (grads, opts)
-            owner_opt = f"OPT.{unit.owner}"
+            owner_opt = compute_id(Phase.OPT, unit.owner)
             if len(unit.holders) > 1:
                 for g in grads:
                     self._after(g.id, owner_opt, "tied holders share one tensor, stepped by its owner")

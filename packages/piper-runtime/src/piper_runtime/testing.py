@@ -26,6 +26,8 @@ from piper_ir import (
     Tags,
     TensorMeta,
     Value,
+    compute_id,
+    event_id,
 )
 
 
@@ -39,11 +41,11 @@ def with_stream_events(instructions: Sequence[Instruction]) -> list[Instruction]
     for ins in instructions:
         for stream, nid in latest.items():
             if stream != ins.stream:
-                waits.setdefault(ins.id, []).append(f"ev.{nid}")
+                waits.setdefault(ins.id, []).append(event_id(nid))
                 recorded.add(nid)
         latest[ins.stream] = ins.id
     return [
-        attrs.evolve(ins, waits=tuple(waits.get(ins.id, ())), record=f"ev.{ins.id}" if ins.id in recorded else None)
+        attrs.evolve(ins, waits=tuple(waits.get(ins.id, ())), record=event_id(ins.id) if ins.id in recorded else None)
         for ins in instructions
     ]
 
@@ -57,8 +59,7 @@ def compute(segment: str, phase: Phase, microbatch: int | None = None) -> Instru
     """A compute (or, for ``Phase.OPT``, optimizer) instruction with the compiler's id style,
     ``<phase>.<segment>[.mb<i>]``."""
     kind = NodeKind.OPTIMIZER if phase is Phase.OPT else NodeKind.COMPUTE
-    ident = f"{phase.value}.{segment}" + ("" if microbatch is None else f".mb{microbatch}")
-    return Instruction(ident, kind, segment=segment, phase=phase, microbatch=microbatch)
+    return Instruction(compute_id(phase, segment, microbatch), kind, segment=segment, phase=phase, microbatch=microbatch)
 
 
 class TanhLinear(nn.Module):

@@ -52,6 +52,7 @@ from piper_ir import (
     ShardKind,
     TensorMeta,
     cycle_error,
+    event_id,
     gc_paused,
     is_acyclic,
     rank_orders,
@@ -407,7 +408,7 @@ def _rank_plan(
         stream = nodes[nid].stream
         for e in predecessors[nid]:
             if e.src in here and nodes[e.src].stream != stream:
-                ev = f"ev.{e.src}"
+                ev = event_id(e.src)
                 recorded.add(e.src)
                 bucket = waits.setdefault(nid, [])
                 if ev not in bucket:
@@ -474,7 +475,7 @@ def _instruction(
         communicator=communicator,
         meta=meta,
         waits=tuple(waits),
-        record=f"ev.{n.id}" if record else None,
+        record=event_id(n.id) if record else None,
         overlap=overlap,
     )
 

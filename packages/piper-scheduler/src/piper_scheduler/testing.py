@@ -20,7 +20,9 @@ from piper_ir import (
     Tags,
     TensorMeta,
     Value,
+    compute_id,
     grad_name,
+    transfer_ids,
 )
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -107,8 +109,7 @@ def pipeline_graph(
     def compute(seg: str, phase: Phase, mb: int | None, dev: int) -> str:
         tags = Tags.of(PP=int(seg[1:])) if seg != "loss" else Tags()
         kind = NodeKind.OPTIMIZER if phase is Phase.OPT else NodeKind.COMPUTE
-        suffix = "" if mb is None else f".mb{mb}"
-        nid = f"{phase.value}.{seg}{suffix}"
+        nid = compute_id(phase, seg, mb)
         nodes.append(Node(nid, kind, segment=seg, phase=phase, microbatch=mb, tags=tags, devices=(dev,)))
         return nid
 
@@ -116,8 +117,7 @@ def pipeline_graph(
         if src_dev == dst_dev:
             edges.append(Edge(src, dst, EdgeKind.DATA, value))
             return
-        sid = f"send.{value}.mb{mb}.{src_dev}-{dst_dev}"
-        rid = f"recv.{value}.mb{mb}.{src_dev}-{dst_dev}"
+        sid, rid = transfer_ids(value, mb, (src_dev,), (dst_dev,))
         common = dict(value=value, microbatch=mb, tags=tags, stream=stream)
         nodes.append(Node(sid, NodeKind.SEND, devices=(src_dev,), peers=(dst_dev,), **common))
         nodes.append(Node(rid, NodeKind.RECV, devices=(dst_dev,), peers=(src_dev,), **common))
@@ -146,14 +146,11 @@ def pipeline_graph(
             flow(bwd[i], bwd[i - 1], grad_name(f"v:s{i - 1}"), mb, i, i - 1, Tags.of(PP=i))
     for i in range(pp):
         opt = compute(f"s{i}", Phase.OPT, None, i)
-        edges.extend(Edge(f"B.s{i}.mb{mb}", opt, EdgeKind.DATA) for mb in range(m))
+        edges.extend(Edge(compute_id(Phase.B, f"s{i}", mb), opt, EdgeKind.DATA) for mb in range(m))
 
     if schedule is not None:
         for rank in range(pp):
-            ids = [
-                f"{phase.value}.{seg}" + ("" if mb is None else f".mb{mb}")
-                for seg, phase, mb in schedule_order(pp, m, schedule, rank)
-            ]
+            ids = [compute_id(phase, seg, mb) for seg, phase, mb in schedule_order(pp, m, schedule, rank)]
             origin = f"Order({schedule}) at piper_scheduler/testing.py"
             edges.extend(
                 Edge(a, b, EdgeKind.TEMPORAL, origin=origin) for a, b in zip(ids, ids[1:], strict=False)

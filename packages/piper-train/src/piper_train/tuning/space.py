@@ -28,7 +28,17 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from piper_directives import SCHEDULES, Order, Place, Recompute, Strategy, build_schedule, parallelize
+from piper_directives import (
+    SCHEDULES,
+    DegreeError,
+    Order,
+    Place,
+    Recompute,
+    Strategy,
+    build_schedule,
+    check_degrees,
+    parallelize,
+)
 from piper_ir import DirectiveError, Filter
 
 #: Schedule stages per pipeline rank (virtual stages for interleaved 1F1B and DualPipeV).
@@ -214,7 +224,9 @@ def enumerate_space(
     out: list[Candidate] = []
     for pp, dp, tp, ep in factorizations(devices, kinds, pps):
         for zero in zeros:
-            if zero and dp < 2 and ep < 2:
+            try:  # piper-directives' rule: ZeRO needs replicas to shard over (dp or ep >= 2)
+                check_degrees(dp=dp, zero=zero, tp=tp, ep=ep)
+            except DegreeError:
                 continue
             for schedule in schedules:
                 chunks = pp * CHUNKS_PER_RANK[schedule]
