@@ -1,8 +1,16 @@
-"""Fixtures shared by the integration tests (the Ray cluster fixture is in the root conftest)."""
+"""Fixtures shared by the integration tests (the Ray cluster fixture is in the root conftest).
+
+Runtimes: the integration tests run on the ``local`` runtime (every rank a thread of this
+process: no worker processes to start), which computes what the ``ray`` runtime computes,
+bit for bit (``test_runtimes.py`` holds the two equal on every schedule and parallelism).
+Tests of what only Ray does (actors killed, placement groups, worker pools, several nodes)
+are marked ``ray`` and run on it. ``PIPER_RUNTIME=ray ./dev test`` runs every test on Ray.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 
 import attrs
 import pytest
@@ -10,6 +18,16 @@ import ray
 import torch
 
 from piper_train.cli import main
+
+_CHOSEN = os.environ.get("PIPER_RUNTIME")  # what the whole run asked for, if anything
+
+
+@pytest.fixture(autouse=True)
+def runtime(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The runtime this test's runs start by default (``PIPER_RUNTIME``; module doc)."""
+    name = "ray" if request.node.get_closest_marker("ray") else _CHOSEN or "local"
+    monkeypatch.setenv("PIPER_RUNTIME", name)
+    yield name
 
 
 @attrs.frozen

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from piper_directives import Place, Shard, Split, Strategy, build_schedule, capture, shard_modules
 from piper_ir import Program
 from piper_memory import plan_memory
-from piper_runtime import OptimizerSpec, RankWorker
+from piper_runtime import OptimizerSpec, RankSetup, RankWorker
 from piper_runtime.backends import HostEvent, register_backend, unregister_backend
 from piper_runtime.backends.fakes import MemoryCommunicator, MemoryWorld
 from piper_runtime.batch import batch_reads, check_batch, replica_slice
@@ -135,7 +135,8 @@ def _run(workload, strategy: Strategy, backend: str, steps: int = 2) -> tuple[Pr
 
     def setup(rank: int) -> None:
         mine = {s: copy.deepcopy(modules[s]) for s in program.plan(rank).segments()}  # as Ray would ship
-        workers[rank].setup(rank, program.world_size, "in-process", port, program, mine, optimizer, backend, TIMEOUT_S)
+        workers[rank].setup(rank, program.world_size, "in-process", port, program, mine, optimizer, backend,
+                            RankSetup(wait_s=TIMEOUT_S, seed=None))
 
     on_every_rank(program.world_size, setup)
     for step in range(steps):

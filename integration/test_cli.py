@@ -164,6 +164,7 @@ def test_a_script_that_never_closes_its_trainer_exits_and_leaves_nothing_behind(
 
 
 @pytest.mark.own_process
+@pytest.mark.ray
 @pytest.mark.parametrize("after", ["captured", "backend"])  # as Ray starts; as the workers are set up
 def test_sigterm_while_workers_start_ends_the_command_with_143_and_no_traceback(after):
     """Ray replaces SIGTERM's handler in ``ray.init`` and turns a handler's exception inside
@@ -176,6 +177,7 @@ def test_sigterm_while_workers_start_ends_the_command_with_143_and_no_traceback(
 
 
 @pytest.mark.own_process
+@pytest.mark.ray
 def test_an_interrupted_run_exits_with_130_and_stops_its_workers():
     done = piper_process("train", "--model", "mlp", "--pp", "2", "--steps", "100000", interrupt_after="step ")
     assert done.returncode == 130, done.stdout + done.stderr
@@ -308,6 +310,7 @@ def test_regions_not_divisible_by_ranks(piper, pp):
 
 
 @pytest.mark.own_process
+@pytest.mark.ray
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without a GPU")
 def test_cuda_without_a_gpu_is_refused_naming_what_is_missing():
     # A process of its own: in-process, the tests' Ray cluster is already up.
@@ -318,6 +321,7 @@ def test_cuda_without_a_gpu_is_refused_naming_what_is_missing():
 
 
 @pytest.mark.own_process
+@pytest.mark.ray
 def test_an_unreachable_address_is_refused_naming_it():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))  # bound but not listening: nothing answers there
@@ -333,6 +337,7 @@ def test_ranks_per_gpu_must_be_positive(piper):
     assert done.returncode == 2 and "--ranks-per-gpu must be >= 1" in done.stderr
 
 
+@pytest.mark.ray
 def test_train_says_which_backend_it_chose(piper):
     done = piper("train", "--model", "mlp", "--schedule", "gpipe", "--pp", "2", "--microbatches", "2", "--steps", "1",
                  "--placement", "spread", "--no-bind-cores")
@@ -341,6 +346,7 @@ def test_train_says_which_backend_it_chose(piper):
     assert "cores: not bound (bind_cores=False)" in done.stdout  # bound by default: test_runtime.py
 
 
+@pytest.mark.ray
 def test_a_hung_rank_stops_the_run_with_exit_code_3_naming_it(piper):
     """Region 1's forward never returns on rank 1: within the 3 s bound (plus the watchdog's
     look), the run stops naming rank 1, the instruction, and rank 0 waiting for it."""
@@ -390,6 +396,7 @@ def _alive(pids: dict[int, str]) -> list[str]:
 
 
 @pytest.mark.own_process
+@pytest.mark.ray
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_sigkilled_driver_takes_the_embedded_clusters_processes_with_it():
     """Without the reaper, Ray's dashboard and runtime-env agents outlive a SIGKILLed driver

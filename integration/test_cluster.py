@@ -50,6 +50,7 @@ def test_tensor_parallel_groups_are_units() -> None:
 # -- a real run ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.ray
 def test_a_run_listens_on_loopback_only_and_reserves_a_bundle_per_rank(ray_cluster) -> None:
     """Every socket the run opened (the store on rank 0, gloo's pairs) listens on a loopback
     address, none on 0.0.0.0 or ::. A Ray worker listens on a wildcard address by itself (its
@@ -85,6 +86,7 @@ def _loopback(address: str) -> bool:
     return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
 
 
+@pytest.mark.ray
 def test_a_cluster_with_fewer_cpus_than_ranks_is_refused_before_anything_is_reserved(ray_cluster) -> None:
     import ray
 
@@ -100,6 +102,7 @@ def test_a_cluster_with_fewer_cpus_than_ranks_is_refused_before_anything_is_rese
     assert len(ray.util.placement_group_table()) == groups
 
 
+@pytest.mark.ray
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_cuda_on_a_machine_without_a_gpu_is_refused_before_ray_starts(monkeypatch) -> None:
     import ray

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from piper_directives import Place, Shard, Split, Strategy, build_schedule, capture, shard_modules
 from piper_memory import plan_memory
-from piper_runtime import OptimizerSpec, RankWorker
+from piper_runtime import ExecutionOptions, OptimizerSpec, RankSetup, RankWorker
 from piper_runtime.backends.cuda import CudaBackend
 from piper_runtime.backends.fakes import FakeDevice, FakeNccl, MemoryWorld
 from piper_runtime.backends.gpu_plan import Transport
@@ -50,7 +50,7 @@ def _restore_process_settings() -> Iterator[None]:
 
 def _run(workload, strategy: Strategy, gpus: list[str], steps: int = 2, **options: object) -> list[RankWorker]:
     """Train ``steps`` steps with rank r on fake GPU ``gpus[r]``; compare with one device.
-    ``options``: more of ``RankWorker.setup``'s."""
+    ``options``: ``ExecutionOptions``' fields."""
     captured = capture(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn)
     graph, modules = shard_modules(strategy.apply(captured.graph), captured.modules)
     program = compile_program(plan_memory(graph))
@@ -68,8 +68,8 @@ def _run(workload, strategy: Strategy, gpus: list[str], steps: int = 2, **option
         def factory() -> CudaBackend:
             return CudaBackend(FakeDevice(gpus[rank]), FakeNccl(world), join=lambda r, *_: world_host(r))
 
-        workers[rank].setup(rank, program.world_size, "in-process", key, program, mine, optimizer, factory, TIMEOUT_S,
-                            **options)
+        setup = RankSetup(ExecutionOptions(**options), wait_s=TIMEOUT_S, seed=None)
+        workers[rank].setup(rank, program.world_size, "in-process", key, program, mine, optimizer, factory, setup)
 
     def world_host(rank: int):
         from piper_runtime.backends.fakes import MemoryHost

@@ -95,7 +95,7 @@ def test_each_rank_receives_only_its_replicas_shard_of_what_it_reads() -> None:
     names = {r: batch_reads(program, r) for r in range(program.world_size)}
     assert names == {0: ("input:0",), 2: ("input:0",), 1: ("target:0",), 3: ("target:0",)}
     x, y = torch.randn(8, 4), torch.randn(8, 4)
-    shipped = _shipments(program, names, check_batch(program, (x,), (y,)))
+    shipped = _shipments(program, names, check_batch(program, (x,), (y,)), lambda value: value)
     for rank, held in enumerate(shipped):
         replica = program.plan(rank).replica
         (name, wired), = held.items()

@@ -29,6 +29,7 @@ from piper_runtime.driver.reaper import descendants
 from piper_runtime.testing import listening
 
 pytestmark = [
+    pytest.mark.ray,
     pytest.mark.own_process,
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
 ]

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "integration" / "fixtures" / "multinode.py"
-pytestmark = pytest.mark.own_process
+pytestmark = [pytest.mark.own_process, pytest.mark.ray]
 
 
 def test_pp2_dp2_across_two_nodes_matches_single_device_training() -> None:

@@ -17,7 +17,7 @@ from piper_train.models import build_model
 from piper_train.reference import ReferenceTrainer
 from piper_train.trainer import Trainer
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.ray]
 SGD = OptimizerSpec("sgd", 0.05, {"momentum": 0.9})
 
 

@@ -55,8 +55,8 @@ def main() -> None:
             arrow(ax, (x - gap, y + h / 2), (x, y + h / 2))
     compile_x = 0.2 + 3 * (w + gap)
     ends = [
-        ("run", "piper-runtime", "runtime.py  worker.py  executor.py\nbackends/: cpu (gloo), cuda (cupy, NCCL)",
-         "losses, gradients, parameters (Ray actors)", 3.4, 5.2),
+        ("run", "piper-runtime", "driver/: Runtime over Ray | local | torchrun\nrank/: worker, executor  backends/: cpu, local, cuda",
+         "losses, gradients, parameters (any runtime)", 3.4, 5.2),
         ("simulate", "piper-scheduler", "simulate.py  costs.py  timeline.py", "timeline, step time, idle per rank",
          9.0, 3.8),
     ]

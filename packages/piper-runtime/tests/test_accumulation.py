@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from piper_ir import Phase, Program
-from piper_runtime import OptimizerSpec
+from piper_runtime import ExecutionOptions, OptimizerSpec, RankSetup
 from piper_runtime.rank.accumulation import accumulate_in_products
 from piper_runtime.rank.precision import cast_forward
 from piper_runtime.rank.worker import RankWorker
@@ -158,8 +158,9 @@ def test_a_worker_fuses_whole_backwards_only_and_matches_autograd(fuse: bool) ->
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     worker = RankWorker()
     try:
-        worker.setup(0, 1, "127.0.0.1", _port(), _program(), modules, OptimizerSpec("sgd", lr=0.1),
-                     grad_fusion_min_bytes=0 if fuse else None)
+        execution = ExecutionOptions(grad_fusion_min_bytes=0 if fuse else None)
+        worker.setup(0, 1, "127.0.0.1", _port(), _program(), modules, OptimizerSpec("sgd", lr=0.1), "cpu",
+                     RankSetup(execution))
         assert ("forward" in vars(worker._modules["s0"].l0)) is fuse and worker.fused_layers == int(fuse)
         assert "forward" not in vars(worker._modules["s1"].l1)
         for step in range(2):

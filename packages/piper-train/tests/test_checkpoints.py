@@ -20,6 +20,7 @@ from piper_ir import CheckpointError
 from piper_train.checkpoints import (
     MANIFEST,
     abandoned,
+    begin_atomically,
     check_compatible,
     complete_checkpoints,
     latest_checkpoint,
@@ -99,6 +100,34 @@ def test_prune_removes_what_dead_writers_of_this_host_left(tmp_path) -> None:
     _write(tmp_path, 2)
     assert prune(tmp_path, 2) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([p.name for p in kept] + ["step-00000002"])
+
+
+def test_a_launched_jobs_processes_share_one_temporary_directory(tmp_path) -> None:
+    """Under torchrun every process writes its rank's files into one temporary directory, which
+    all name alike (``writer``: the coordinator's process); only the coordinator writes the
+    manifest and renames, and what a dead coordinator left is the next prune's to remove."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    writer = f"{int(dead.stdout)}@{socket.gethostname()}-0123abcd"
+    target = tmp_path / "step-00000003"
+
+    def rank_file(rank: int):
+        return lambda tmp: (tmp / f"rank-{rank:05d}.safetensors").write_bytes(b"data")
+
+    assert write_atomically(target, rank_file(1), {"step": 3}, writer=writer, coordinator=False) == target
+    assert not target.exists()  # a peer's part is written, nothing is renamed
+
+    def coordinator_files(tmp) -> None:
+        rank_file(0)(tmp)
+        (tmp / "index.json").write_bytes(b"{}")
+
+    write_atomically(target, coordinator_files, {"step": 3}, writer=writer)
+    assert sorted(p.name for p in target.iterdir()) == [
+        "index.json", MANIFEST, "rank-00000.safetensors", "rank-00001.safetensors"]
+    assert latest_checkpoint(tmp_path) == target
+    left = begin_atomically(tmp_path / "step-00000004", writer)  # its coordinator died while writing it
+    assert left == begin_atomically(tmp_path / "step-00000004", writer)  # every process finds the same
+    assert abandoned(tmp_path) == [left]
 
 
 def test_nothing_to_resume_and_bad_manifests_are_named(tmp_path) -> None:

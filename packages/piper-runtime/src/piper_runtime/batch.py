@@ -14,7 +14,7 @@ the worker, every step. Tensors NumPy cannot hold (bfloat16, devices) travel as 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -127,3 +127,24 @@ def batch_reads(program: Program, rank: int) -> tuple[str, ...]:
             if n in batch:
                 reads.setdefault(n, None)
     return tuple(reads)
+
+
+def received_microbatches(
+    program: Program, batch: Mapping[str, Any], device: torch.device
+) -> dict[str, tuple[torch.Tensor, ...]]:
+    """What a rank received of a batch (``to_wire`` values, or Ray object refs to them, which
+    are fetched), on ``device``, each value split into ``program``'s microbatches."""
+    return {
+        name: split_microbatches(
+            from_wire(_fetched(value)).to(device), program.value_by_name[name].meta, program.microbatches
+        )
+        for name, value in batch.items()
+    }
+
+
+def _fetched(value: Any) -> Any:
+    if isinstance(value, torch.Tensor | np.ndarray):
+        return value
+    import ray  # a reference: only when running under Ray
+
+    return ray.get(value, timeout=300)

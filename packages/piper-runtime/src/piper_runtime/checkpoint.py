@@ -45,17 +45,28 @@ from torch import nn
 from piper_ir import CheckpointError, ExecutionError, Program
 from piper_runtime.checkpoint_files import (
     BY_NAME,
+    INDEX,
     Chunk,
     Index,
     ObjectEntry,
     Reader,
     TensorEntry,
+    assemble,
     chunk_name,
     dtype_name,
     encode,
     rank_file,
     write_safetensors,
 )
+
+# The checkpoint format's API, a public submodule of piper-runtime (its names read as
+# ``checkpoint.check``, ``checkpoint.finish``): the front door reads, checks and (converting
+# the earlier format) writes checkpoints through these, the file layer's ``INDEX`` and
+# ``assemble`` included, and nothing else of the package's checkpoint code.
+__all__ = [
+    "INDEX", "MODEL", "OPTIM", "Cut", "Index", "LocalPlan", "RankState", "SaveSide", "assemble", "check", "cuts_of",
+    "finish", "flat_boxes", "plan_globally", "read_model", "read_objects",
+]
 
 MODEL = "model."
 OPTIM = "optim."

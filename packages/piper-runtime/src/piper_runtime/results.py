@@ -1,11 +1,30 @@
-"""What a step returns: per-rank ``StepOutput`` (from a worker) and the merged ``StepResult``."""
+"""What a rank is asked to step (``RankStep``) and what a step returns: per-rank ``StepOutput``
+(from a worker) and the merged ``StepResult``."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import torch
 
 from piper_runtime.rank.memory import RankMemory
+
+
+@attrs.frozen
+class RankStep:
+    """One training step as a rank receives it: ``batch`` maps the batch values the rank reads
+    to whole-batch tensors (or Ray object refs to them); ``keep_grads`` returns gradient
+    copies; ``profile`` records when each instruction started and ended; ``lr`` is the
+    learning rate of this step's updates (``None``: the one of the step before); ``memory``
+    accounts the rank's memory over the step, at a cost per instruction."""
+
+    batch: Mapping[str, Any]
+    keep_grads: bool = False
+    profile: bool = False
+    lr: float | None = None
+    memory: bool = False
 
 
 @attrs.frozen

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
 
-from piper_directives import Strategy
-from piper_directives.randomness import Randomness
+from piper_directives import Randomness, Strategy
 from piper_ir import ExecutionError, Program
-from piper_runtime import DEFAULT_TIMEOUT_S, OptimizerSpec
-from piper_runtime.rank.accumulation import MIN_WEIGHT_BYTES
-from piper_runtime.rank.worker import TORCH_THREADS
+from piper_runtime import TORCH_THREADS, OptimizerSpec, RunOptions
 from piper_train.models import ModelSpec
 from piper_train.reference import ReferenceTrainer
 from piper_train.schedule import LRSchedule
@@ -103,30 +101,24 @@ def run_check(
     optimizer: OptimizerSpec | None = None,
     rtol: float = 1e-5,
     atol: float = 1e-6,
-    address: str | None = None,
+    options: RunOptions | None = None,
     log: Callable[[str], None] = lambda _: None,
     memory_budget_bytes: int | None = None,
-    threads: bool = True,
-    seed: int = 0,
     precision: str | None = None,
-    backend: str | None = None,
-    placement: str = "pack",
-    ranks_per_gpu: int = 1,
     lr_schedule: LRSchedule | None = None,
     clip_grad_norm: float | None = None,
     eval_batches: int = 0,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    grad_fusion_min_bytes: int | None = MIN_WEIGHT_BYTES,
+    **settings: Any,
 ) -> CheckReport:
     """Train ``steps`` steps both ways; compare every microbatch loss, every gradient (after
     clipping), the learning rate (with ``lr_schedule``) and the gradient norm (with
     ``clip_grad_norm``) of every step, after the last step every parameter and, with
     ``eval_batches``, the held-out loss of that many batches of ``workload.eval_batches``
-    (forward only, in eval mode: dropout off). ``threads=False`` runs the plans
-    sequentially; ``backend``, ``placement``, ``ranks_per_gpu``, ``timeout_s`` and
-    ``grad_fusion_min_bytes`` as for ``Trainer``. ``seed`` and ``precision`` go to the
-    ``Trainer``; single-device training draws the same random numbers and computes in the
-    same precision (``reference_for``)."""
+    (forward only, in eval mode: dropout off). ``options`` and flat ``settings`` (``runtime=``,
+    ``threads=``, ``seed=``, ...) as for ``Trainer``; ``precision`` too. Single-device training
+    draws the same random numbers and computes in the same precision (``reference_for``)."""
+    options = RunOptions.build(options, **settings)
+    seed = options.seed
     optimizer = optimizer or OptimizerSpec()
     diffs: list[Difference] = []
     norms: list[float] = []
@@ -134,10 +126,8 @@ def run_check(
     scaled = precision not in (None, "fp32")  # low precision: differences judged per tensor (``_diff``)
     with Trainer(
         workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
-        optimizer=optimizer, address=address, memory_budget_bytes=memory_budget_bytes, log=log,
-        threads=threads, seed=seed, precision=precision, backend=backend, placement=placement,
-        ranks_per_gpu=ranks_per_gpu, lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm, timeout_s=timeout_s,
-        grad_fusion_min_bytes=grad_fusion_min_bytes,
+        optimizer=optimizer, options=options, memory_budget_bytes=memory_budget_bytes, log=log,
+        precision=precision, lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm,
     ) as trainer:
         reference = reference_for(trainer, workload, optimizer, seed, lr_schedule, clip_grad_norm)
         whole = _whole_batch(reference, *workload.batches(0), rtol, atol, scaled, log)

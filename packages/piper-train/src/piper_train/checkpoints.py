@@ -10,6 +10,11 @@ while writing leaves a ``.tmp-`` directory that nothing reads, never a checkpoin
 complete. A rename never replaces an existing checkpoint, and older checkpoints are deleted
 (beyond the newest ``keep``) only after a new one is complete; so are the temporary directories
 a writer of this host left when it died (their names say which process wrote them).
+
+Under torchrun every process of the job writes its rank's files into one temporary directory,
+whose name all derive alike (``writer``: the coordinator's process, ``Runtime.writer``); only
+the coordinator (rank 0) writes the index and manifest, renames, and prunes, once every rank's
+files are written (the gather of the ranks' writes is that barrier).
 """
 
 from __future__ import annotations
@@ -29,8 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from piper_ir import CheckpointError
-from piper_runtime.checkpoint import check, read_model, read_objects
-from piper_runtime.checkpoint_files import INDEX
+from piper_runtime.checkpoint import INDEX, check, read_model, read_objects
 
 FORMAT = "piper-checkpoint"
 # 1: torch.distributed.checkpoint files (pickles: refused, ``LEGACY``); 2: safetensors and JSON.
@@ -186,25 +190,35 @@ def check_compatible(path: Path, manifest: Mapping[str, Any], params: Mapping[st
         )
 
 
-def write_atomically(path: Path, write: Callable[[Path], None], manifest: Mapping[str, Any]) -> Path:
+def write_atomically(path: Path, write: Callable[[Path], None], manifest: Mapping[str, Any], *,
+                     writer: str | None = None, coordinator: bool = True) -> Path:
     """Write a checkpoint to ``path`` (which must not exist): ``write(tmp)`` fills a fresh
     temporary sibling, the manifest goes in last, then one rename makes it visible. On any
-    failure the temporary directory is removed and nothing else is touched."""
-    tmp = begin_atomically(path)
+    failure the temporary directory is removed and nothing else is touched. ``writer``,
+    ``coordinator``: the processes of a launched job share the temporary directory, and only
+    the coordinator completes (or removes) it (module doc)."""
+    tmp = begin_atomically(path, writer)
     try:
         write(tmp)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if coordinator:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return complete_atomically(tmp, path, manifest)
+    return complete_atomically(tmp, path, manifest) if coordinator else path
 
 
-def begin_atomically(path: Path) -> Path:
+def begin_atomically(path: Path, writer: str | None = None) -> Path:
     """The fresh temporary sibling a checkpoint to ``path`` is written into (``CheckpointError``
-    when ``path`` exists: a checkpoint is never overwritten)."""
+    when ``path`` exists: a checkpoint is never overwritten). ``writer``: the name every process
+    of a launched job gives it (``<pid>@<host>-<8 hex>`` of the coordinator), made by whichever
+    comes first."""
     if path.exists():
         raise CheckpointError(f"{path} already exists: a checkpoint is never overwritten")
     path.parent.mkdir(parents=True, exist_ok=True)
+    if writer is not None:
+        tmp = path.parent / f".tmp-{path.name}-{writer}"
+        tmp.mkdir(exist_ok=True)
+        return tmp
     tmp = path.parent / f".tmp-{path.name}-{_writer()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     return tmp
@@ -241,15 +255,17 @@ class PendingCheckpoint:
     goes on (``Trainer.begin_checkpoint``): ``done()`` says whether ``finish`` would return at
     once; ``finish()`` waits, writes the manifest and renames, returning ``path``; ``abandon()``
     (after the workers failed) removes the temporary directory. ``staged_seconds``: how long
-    the steps waited for it (the ranks copying what they hold)."""
+    the steps waited for it (the ranks copying what they hold). ``coordinator``: whether this
+    process completes and removes it (not a launched job's other processes: module doc)."""
 
     def __init__(self, path: Path, tmp: Path, manifest: Mapping[str, Any], writing: Writing,
-                 staged_seconds: float) -> None:
+                 staged_seconds: float, coordinator: bool = True) -> None:
         self.path = path
         self.tmp = tmp
         self.manifest = dict(manifest)
         self.writing = writing
         self.staged_seconds = staged_seconds
+        self.coordinator = coordinator
         self.started = time.perf_counter() - staged_seconds
 
     def done(self) -> bool:
@@ -259,13 +275,15 @@ class PendingCheckpoint:
         try:
             self.writing.wait(timeout_s)
         except BaseException:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            if self.coordinator:
+                shutil.rmtree(self.tmp, ignore_errors=True)
             raise
-        return complete_atomically(self.tmp, self.path, self.manifest)
+        return complete_atomically(self.tmp, self.path, self.manifest) if self.coordinator else self.path
 
     def abandon(self) -> None:
         self.writing.abandon()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.coordinator:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def prune(root: Path, keep: int) -> list[Path]:

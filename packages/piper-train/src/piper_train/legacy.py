@@ -33,8 +33,7 @@ from typing import Any
 import torch
 
 from piper_ir import CheckpointError
-from piper_runtime.checkpoint import SaveSide, finish, plan_globally
-from piper_runtime.checkpoint_files import assemble
+from piper_runtime.checkpoint import SaveSide, assemble, finish, plan_globally
 from piper_train.checkpoints import MANIFEST, is_legacy, write_atomically
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"

@@ -48,7 +48,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from piper_ir import CheckpointError, ExecutionError, NumericalError, StorageError
-from piper_runtime import PendingStep
+from piper_runtime import PendingStep, StepResult
 from piper_train import stopping
 from piper_train.batches import Batch, BatchStream
 from piper_train.call_size import AUTO, CallSize
@@ -148,196 +148,249 @@ def fit(
     ``stop``: once it is set, no further step is sent; the steps already sent finish (at most
     one call beyond the one computing, each bounded by the step timeout), the last is
     checkpointed with ``checkpoints``, and the result's ``stopped`` is the request's reason."""
-    if steps is None and epochs is None:
-        raise ValueError("fit needs steps or epochs")
-    if eval_every and held_out is None:
-        raise ValueError("evaluation every few steps needs held-out batches")
-    if max_restarts < 0:
-        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
-    if memory_every < 1:
-        raise ValueError(f"memory_every must be >= 1, got {memory_every}")
-    undoable = trainer.runtime.on_nan == "skip-step"
-    if isinstance(steps_per_call, int) and steps_per_call > 1 and undoable:
-        raise ValueError("steps_per_call > 1 cannot be combined with on_nan='skip-step' (a step is undone before "
-                         "the next one runs)")
-    call_size = CallSize(steps_per_call, single=undoable)  # ValueError for a size below 1
-    data = _batch_iterator(data, trainer.seed)
-    state = trainer.state
-    state.data = data if hasattr(data, "state_dict") else None  # type: ignore[assignment]
-    if checkpoints is not None:
+    return TrainingRun(
+        trainer, data, steps=steps, epochs=epochs, held_out=held_out, eval_every=eval_every,
+        eval_batches=eval_batches, sinks=sinks, profile_step=profile_step, checkpoints=checkpoints, resume=resume,
+        max_restarts=max_restarts, memory_every=memory_every, steps_per_call=steps_per_call, stop=stop,
+    ).run()
+
+
+class TrainingRun:
+    """One ``fit`` call: its options, where it stands and what it has produced so far, with
+    one method per part of the loop (sending calls, taking in a step's result, evaluating and
+    checkpointing, recovering from a failure) instead of closures sharing ``nonlocal`` state.
+    Building one checks the options and prepares the trainer (attaches the data, resumes from
+    a checkpoint); ``run`` trains (``fit`` documents the behaviour)."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        data: Iterator[Batch] | Iterable[Batch] | DataLoader,
+        *,
+        steps: int | None,
+        epochs: int | None,
+        held_out: Callable[[int], Batch] | None,
+        eval_every: int,
+        eval_batches: int,
+        sinks: Sequence[Sink],
+        profile_step: int | None,
+        checkpoints: Checkpoints | None,
+        resume: bool,
+        max_restarts: int,
+        memory_every: int,
+        steps_per_call: int | str,
+        stop: StopRequest | None,
+    ) -> None:
+        if steps is None and epochs is None:
+            raise ValueError("fit needs steps or epochs")
+        if eval_every and held_out is None:
+            raise ValueError("evaluation every few steps needs held-out batches")
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        if memory_every < 1:
+            raise ValueError(f"memory_every must be >= 1, got {memory_every}")
+        self.call_size = _call_size(steps_per_call, undoable=trainer.runtime.on_nan == "skip-step")
+        self.trainer = trainer
+        self.steps, self.epochs = steps, epochs
+        self.held_out, self.eval_every, self.eval_batches = held_out, eval_every, eval_batches
+        self.sinks, self.profile_step, self.memory_every = sinks, profile_step, memory_every
+        self.checkpoints, self.max_restarts, self.stop = checkpoints, max_restarts, stop
+        self.data = _batch_iterator(data, trainer.seed)
+        self.state = state = trainer.state
+        state.data = self.data if hasattr(self.data, "state_dict") else None  # type: ignore[assignment]
+        self._open_checkpoints(resume)
+        # Where a restart goes back to when no checkpoint is written yet: only the very start.
+        self.start = state.state_dict() if state.step == 0 and state.data is not None else None
+        self.in_epochs = _epoch_steps(self.data, epochs)  # the last step of the epochs, when the data knows its length
+        self.total = steps if steps is not None else self.in_epochs
+        self.history: list[StepMetrics] = []
+        self.evals: list[EvalMetrics] = []
+        self.paces: list[float] = []
+        self.sizes: list[int] = []  # of the calls sent
+        self.restarts: list[Restart] = []
+        self.written: list[Path] = []
+        self.saved_at = state.step if resume else -1
+        self.peaks: tuple[int, ...] = ()
+        self.inflight: collections.deque[_Flight] = collections.deque()  # sent, results not in yet; oldest first
+        self.ended = False  # the data or the epochs ended
+        self.abandoned: str | None = None  # how the workers failed after a stop was asked for: nothing more is saved
+        self.writing: PendingCheckpoint | None = None  # a checkpoint the ranks are writing (asynchronous)
+        self.last_failure: tuple[int, str] | None = None  # the step and the words of the failure restarted for last
+        self.last_done = time.perf_counter()
+
+    def _open_checkpoints(self, resume: bool) -> None:
+        """Resume from the latest checkpoint, or refuse a root that holds another run's."""
+        checkpoints = self.checkpoints
+        if checkpoints is None:
+            if resume:
+                raise ValueError("resume needs a checkpoint directory")
+            return
         latest = checkpoints.latest()
         if resume:
-            trainer.load_checkpoint(checkpoints.root)
+            self.trainer.load_checkpoint(checkpoints.root)
         elif latest is not None:
             raise CheckpointError(
                 f"{checkpoints.root} already holds checkpoints (the latest: {latest.name}); resume from them, "
                 "or choose another checkpoint directory (no checkpoint of another run is overwritten)"
             )
-    elif resume:
-        raise ValueError("resume needs a checkpoint directory")
-    # Where a restart goes back to when no checkpoint is written yet: only the very start.
-    start = state.state_dict() if state.step == 0 and state.data is not None else None
-    in_epochs = _epoch_steps(data, epochs)  # the last step of the epochs, when the data knows its length
-    total = steps if steps is not None else in_epochs
-    history: list[StepMetrics] = []
-    evals: list[EvalMetrics] = []
-    paces: list[float] = []
-    sizes: list[int] = []  # of the calls sent
-    restarts: list[Restart] = []
-    written: list[Path] = []
-    saved_at = state.step if resume else -1
-    peaks: tuple[int, ...] = ()
-    inflight: collections.deque[_Flight] = collections.deque()  # sent, results not in yet; oldest first
-    ended = False  # the data or the epochs ended
-    abandoned: str | None = None  # how the workers failed after a stop was asked for: nothing more is saved
-    writing: PendingCheckpoint | None = None  # a checkpoint the ranks are writing (``Checkpoints.asynchronous``)
-    last_failure: tuple[int, str] | None = None  # the step and the words of the failure restarted for last
-    last_done = time.perf_counter()
 
-    def complete_writing() -> None:
+    def run(self) -> FitResult:
+        """Train to the end (``fit``) and say what happened."""
+        while True:
+            stopping.raise_if_interrupted()  # a Ctrl-C whose exception was lost (``piper_train.stopping``)
+            if self._collect_writing() or self._send_ahead():
+                continue
+            if not self.inflight:
+                if self._wind_up():
+                    break
+                continue
+            self._take(self.inflight.popleft())
+        return self._result()
+
+    def _collect_writing(self) -> bool:
+        """Complete an asynchronous checkpoint the ranks have finished writing; whether it
+        failed (then the run has recovered and the loop starts over)."""
+        if self.writing is None or not self.writing.done():
+            return False
+        try:
+            self._complete_writing()
+        except ExecutionError as err:
+            self._recover(err)
+            self.inflight.clear()
+            return True
+        return False
+
+    def _complete_writing(self) -> None:
         """Wait for the checkpoint being written and complete it (``ExecutionError`` when it
         fails: the checkpoints before it stay as they were)."""
-        nonlocal writing
-        pending, writing = writing, None
+        pending, self.writing = self.writing, None
         if pending is not None:
-            written.append(_complete(pending, checkpoints, sinks))
+            assert self.checkpoints is not None  # only they start one
+            self.written.append(_complete(pending, self.checkpoints, self.sinks))
 
-    def recover(err: ExecutionError, failed: int | None = None) -> None:
-        # Only a failure that may pass restarts the workers (module doc, ``_why_final``).
-        # Once a stop is asked for, the run ends without starting new workers (the machine
-        # may be going away: a SIGTERM to every process of a job), with what is saved.
-        nonlocal ended, saved_at, abandoned, writing, last_failure
-        if writing is not None:  # its ranks are gone with the others: what they wrote is not a checkpoint
-            writing.abandon()
-            writing = None
-        if stop and not isinstance(err, NumericalError):
-            abandoned = abandoned or str(err).splitlines()[0]
-            return
-        failed = failed or state.step + 1
-        if len(restarts) >= max_restarts:
-            raise err
-        failure = (failed, _signature(err))
-        why = _why_final(err, failed, repeated=failure == last_failure)
-        last_failure = failure
-        if why is not None:
-            raise _not_restarted(err, why) from err
-        began = time.perf_counter()
-        source = checkpoints.latest() if checkpoints is not None else None
-        if source is None and start is None:
-            raise err
-        trainer.restart()
-        if source is not None:
-            trainer.load_checkpoint(source)
-            saved_at = state.step  # that checkpoint is this state: not written again at the end
-        else:
-            state.load_state_dict(start)
-        ended = False  # the data is back where the state was
-        restarts.append(Restart(failed, state.step, failed - 1 - state.step, time.perf_counter() - began,
-                                str(err).splitlines()[0]))
-        del history[sum(1 for m in history if m.step <= state.step):]
-        del evals[sum(1 for e in evals if e.step <= state.step):]
+    def _send_ahead(self) -> bool:
+        """Keep one call in flight ahead of the one whose results come in next, unless the
+        newest step sent must be followed by quiet workers; whether a call went."""
+        inflight = self.inflight
+        calls = {id(f.call) for f in inflight}
+        if (len(calls) >= 2 or (inflight and self._quiet_after(inflight[-1].step))
+                or (self.steps is not None and self.state.step >= self.steps) or self.stop):
+            return False
+        sent = self._send()
+        inflight.extend(sent)
+        return bool(sent)
 
-    def quiet_after(step: int) -> bool:
+    def _quiet_after(self, step: int) -> bool:
         """Whether the workers must be idle after ``step`` (no step sent ahead of it)."""
-        evaluating = bool(eval_every) and step % eval_every == 0 and held_out is not None
+        evaluating = bool(self.eval_every) and step % self.eval_every == 0 and self.held_out is not None
+        checkpoints = self.checkpoints
         saving = checkpoints is not None and bool(checkpoints.every) and step % checkpoints.every == 0
         return evaluating or saving
 
-    def send() -> list[_Flight]:
-        """Draw up to ``call_size.next()`` batches, as far as the next step after which the
-        workers must be quiet, and send them in one call; their flights."""
-        nonlocal ended
-        drawn: list[tuple[Batch, int, float]] = []  # (batch, epoch, seconds waited for it)
-        limit = call_size.next()
-        nbytes = 0
-        while not ended and len(drawn) < limit:
-            number = state.step + 1 + len(drawn)
-            if (steps is not None and number > steps) or (in_epochs is not None and number > in_epochs):
-                # Not even drawn: the data's position stays at the end of the last epoch, so a
-                # run resumed with more epochs starts the next one at its first batch.
-                ended = ended or (in_epochs is not None and number > in_epochs)
-                break
-            t0 = time.perf_counter()
-            try:
-                batch = next(data)
-                epoch = _epoch(data)
-                ended = epochs is not None and epoch >= epochs
-            except StopIteration:
-                ended = True
-            if ended:
-                break
-            drawn.append((batch, epoch, time.perf_counter() - t0))
-            nbytes += _batch_bytes(batch)
-            if quiet_after(number) or call_size.full(nbytes):
-                break
+    def _send(self) -> list[_Flight]:
+        """Draw the next call's batches and send them in one call; their flights."""
+        drawn = self._draw()
         if not drawn:
             return []
-        numbers = range(state.step + 1, state.step + 1 + len(drawn))
-        pendings = trainer.submit_steps(
+        first = self.state.step + 1
+        numbers = range(first, first + len(drawn))
+        pendings = self.trainer.submit_steps(
             [batch for batch, _, _ in drawn],
-            profile=[n == profile_step for n in numbers],
-            memory=[n <= 2 or n % memory_every == 0 for n in numbers],
+            profile=[n == self.profile_step for n in numbers],
+            memory=[n <= 2 or n % self.memory_every == 0 for n in numbers],
         )
         call = _Call(time.perf_counter(), len(drawn))
-        sizes.append(len(drawn))
+        self.sizes.append(len(drawn))
         return [
             _Flight(n, pending, epoch, waited, call, batch_tokens(tuple(batch[0])))
             for n, pending, (batch, epoch, waited) in zip(numbers, pendings, drawn, strict=True)
         ]
 
-    while True:
-        stopping.raise_if_interrupted()  # a Ctrl-C whose exception was lost (``piper_train.stopping``)
-        if writing is not None and writing.done():
+    def _draw(self) -> list[tuple[Batch, int, float]]:
+        """Up to ``call_size.next()`` batches, as far as the next step after which the workers
+        must be quiet: each with its epoch and the seconds waited for it. Sets ``ended`` when
+        the data or the epochs end."""
+        drawn: list[tuple[Batch, int, float]] = []
+        limit = self.call_size.next()
+        agree = getattr(self.trainer.runtime, "agree", None)
+        if self.call_size.auto and agree is not None:  # by the clock: under torchrun rank 0's size holds in all
+            limit = agree(limit)
+        nbytes = 0
+        while not self.ended and len(drawn) < limit:
+            number = self.state.step + 1 + len(drawn)
+            if (self.steps is not None and number > self.steps) or (self.in_epochs is not None
+                                                                     and number > self.in_epochs):
+                # Not even drawn: the data's position stays at the end of the last epoch, so a
+                # run resumed with more epochs starts the next one at its first batch.
+                self.ended = self.ended or (self.in_epochs is not None and number > self.in_epochs)
+                break
+            t0 = time.perf_counter()
             try:
-                complete_writing()
-            except ExecutionError as err:
-                recover(err)
-                inflight.clear()
-                continue
-        # Keep one call in flight ahead of the one whose results come in next, unless the
-        # newest step sent must be followed by quiet workers.
-        calls = {id(f.call) for f in inflight}
-        if (len(calls) < 2 and not (inflight and quiet_after(inflight[-1].step))
-                and not (steps is not None and state.step >= steps) and not stop):
-            sent = send()
-            if sent:
-                inflight.extend(sent)
-                continue
-        if not inflight:
-            # Done (the step count reached, the data or the epochs ended, a stop asked
-            # for): the last checkpoint first, which a failure while writing it sends back
-            # to the one before.
-            try:
-                complete_writing()
-                if checkpoints is None or saved_at == state.step or state.step == 0 or abandoned is not None:
-                    break
-                written.append(_save(trainer, checkpoints, sinks))
-                saved_at = state.step
-            except ExecutionError as err:
-                recover(err)
-            continue
-        flight = inflight.popleft()
+                batch = next(self.data)
+                epoch = _epoch(self.data)
+                self.ended = self.epochs is not None and epoch >= self.epochs
+            except StopIteration:
+                self.ended = True
+            if self.ended:
+                break
+            drawn.append((batch, epoch, time.perf_counter() - t0))
+            nbytes += _batch_bytes(batch)
+            if self._quiet_after(number) or self.call_size.full(nbytes):
+                break
+        return drawn
+
+    def _wind_up(self) -> bool:
+        """Nothing in flight and nothing more to send (the step count reached, the data or the
+        epochs ended, a stop asked for): write the last checkpoint, which a failure while
+        writing it sends back to the one before; whether the run is over."""
+        checkpoints = self.checkpoints
+        try:
+            self._complete_writing()
+            if (checkpoints is None or self.saved_at == self.state.step or self.state.step == 0
+                    or self.abandoned is not None):
+                return True
+            self.written.append(_save(self.trainer, checkpoints, self.sinks))
+            self.saved_at = self.state.step
+        except ExecutionError as err:
+            self._recover(err)
+        return False
+
+    def _take(self, flight: _Flight) -> None:
+        """The oldest step's result: its metrics to the sinks, then what follows that step
+        (an evaluation, a checkpoint). A failure restarts (``_recover``) and drops the steps
+        sent after it."""
         try:
             result = flight.pending.result()
         except ExecutionError as err:
             # In a call of several steps the error names the one that failed.
-            recover(err, err.step if err.step is not None and err.step > flight.step else flight.step)
-            inflight.clear()  # the steps sent after the one that failed go with it
-            last_done = time.perf_counter()
-            continue
-        call = flight.call
-        if call.seconds_per_step is None:  # the call's first result: all of its results are in
-            t2 = time.perf_counter()
-            call.seconds_per_step = (t2 - max(call.submitted, last_done)) / call.steps
-            last_done = t2
-            call_size.observe(call.seconds_per_step, call.steps)
-        seconds = call.seconds_per_step
+            self._recover(err, err.step if err.step is not None and err.step > flight.step else flight.step)
+            self.inflight.clear()  # the steps sent after the one that failed go with it
+            self.last_done = time.perf_counter()
+            return
+        metrics = self._metrics(flight, result)
+        self.history.append(metrics)
+        for sink in self.sinks:
+            sink.on_step(metrics, result)
+        try:
+            self._evaluate_and_save(flight.step)
+        except ExecutionError as err:
+            self._recover(err)
+            self.inflight.clear()
+        if self._quiet_after(flight.step):
+            self.last_done = time.perf_counter()
+
+    def _metrics(self, flight: _Flight, result: StepResult) -> StepMetrics:
+        """``StepMetrics`` of a step: its call's time per step, the pace so far (for the ETA)
+        and the latest accounted memory peaks."""
+        seconds = self._seconds_per_step(flight.call)
+        paces = self.paces
         paces.append(seconds + flight.data_seconds)
         # The first step includes warm-up (threads, communicators): leave it out of the pace.
         pace = sum(paces[1:]) / len(paces[1:]) if len(paces) > 1 else paces[0]
         if result.memory:
-            peaks = tuple(m.total for m in result.memory)
-        metrics = StepMetrics(
+            self.peaks = tuple(m.total for m in result.memory)
+        total = self.total
+        return StepMetrics(
             step=flight.step,
             epoch=flight.epoch,
             loss=result.loss,
@@ -345,39 +398,101 @@ def fit(
             grad_norm=result.grad_norm,
             step_seconds=seconds,
             data_seconds=flight.data_seconds,
-            samples_per_s=trainer.batch_size / seconds,
+            samples_per_s=self.trainer.batch_size / seconds,
             tokens_per_s=flight.tokens / seconds if flight.tokens else None,
-            peak_memory_bytes=peaks,
+            peak_memory_bytes=self.peaks,
             eta_seconds=pace * (total - flight.step) if total is not None else None,
             total_steps=total,
             nonfinite=result.nonfinite,
             skipped=result.skipped,
         )
-        history.append(metrics)
-        for sink in sinks:
-            sink.on_step(metrics, result)
-        try:
-            if eval_every and flight.step % eval_every == 0 and held_out is not None:
-                ev = evaluate(trainer, held_out, eval_batches)
-                evals.append(ev)
-                for sink in sinks:
-                    sink.on_eval(ev)
-            if checkpoints is not None and checkpoints.every and flight.step % checkpoints.every == 0:
-                if checkpoints.asynchronous:
-                    complete_writing()  # one at a time
-                    writing = _begin(trainer, checkpoints)
-                else:
-                    written.append(_save(trainer, checkpoints, sinks))
-                saved_at = state.step
-        except ExecutionError as err:
-            recover(err)
-            inflight.clear()
-        if quiet_after(flight.step):
-            last_done = time.perf_counter()
-    # A stop asked for once the run had nothing left to do changed nothing.
-    finished = ended or any(last is not None and state.step >= last for last in (steps, in_epochs))
-    return FitResult(tuple(history), tuple(evals), tuple(restarts), tuple(written), tuple(sizes),
-                     stop.reason if stop and not finished else None, abandoned)
+
+    def _seconds_per_step(self, call: _Call) -> float:
+        """A call's time per step, measured at its first result (all of its results are in
+        then): from when the workers could start it (its submission, or the previous call's
+        end) to now, over its steps; the call size learns from it."""
+        if call.seconds_per_step is None:
+            now = time.perf_counter()
+            call.seconds_per_step = (now - max(call.submitted, self.last_done)) / call.steps
+            self.last_done = now
+            self.call_size.observe(call.seconds_per_step, call.steps)
+        return call.seconds_per_step
+
+    def _evaluate_and_save(self, step: int) -> None:
+        """Evaluate the held-out batches and checkpoint after ``step``, where they are due."""
+        if self.eval_every and step % self.eval_every == 0 and self.held_out is not None:
+            ev = evaluate(self.trainer, self.held_out, self.eval_batches)
+            self.evals.append(ev)
+            for sink in self.sinks:
+                sink.on_eval(ev)
+        checkpoints = self.checkpoints
+        if checkpoints is not None and checkpoints.every and step % checkpoints.every == 0:
+            if checkpoints.asynchronous:
+                self._complete_writing()  # one at a time
+                self.writing = _begin(self.trainer, checkpoints)
+            else:
+                self.written.append(_save(self.trainer, checkpoints, self.sinks))
+            self.saved_at = self.state.step
+
+    def _recover(self, err: ExecutionError, failed: int | None = None) -> None:
+        """After ``err``: restart and go back to the latest checkpoint (or the start), or raise
+        ``err`` (saying why it is not restarted for). Only a failure that may pass restarts
+        the workers (module doc, ``_why_final``). Once a stop is asked for, the run ends
+        without starting new workers (the machine may be going away: a SIGTERM to every
+        process of a job), with what is saved."""
+        if self.writing is not None:  # its ranks are gone with the others: what they wrote is not a checkpoint
+            self.writing.abandon()
+            self.writing = None
+        if self.stop and not isinstance(err, NumericalError):
+            self.abandoned = self.abandoned or str(err).splitlines()[0]
+            return
+        failed = failed or self.state.step + 1
+        if len(self.restarts) >= self.max_restarts:
+            raise err
+        failure = (failed, _signature(err))
+        why = _why_final(err, failed, repeated=failure == self.last_failure)
+        self.last_failure = failure
+        if why is not None:
+            raise _not_restarted(err, why) from err
+        self._restart(err, failed)
+
+    def _restart(self, err: ExecutionError, failed: int) -> None:
+        """New workers, the latest checkpoint (or the start) reloaded, the lost steps' metrics
+        dropped; raises ``err`` when there is nothing to go back to."""
+        began = time.perf_counter()
+        source = self.checkpoints.latest() if self.checkpoints is not None else None
+        if source is None and self.start is None:
+            raise err
+        state = self.state
+        self.trainer.restart()
+        if source is not None:
+            self.trainer.load_checkpoint(source)
+            self.saved_at = state.step  # that checkpoint is this state: not written again at the end
+        else:
+            state.load_state_dict(self.start)
+        self.ended = False  # the data is back where the state was
+        self.restarts.append(Restart(failed, state.step, failed - 1 - state.step, time.perf_counter() - began,
+                                     str(err).splitlines()[0]))
+        del self.history[sum(1 for m in self.history if m.step <= state.step):]
+        del self.evals[sum(1 for e in self.evals if e.step <= state.step):]
+
+    def _result(self) -> FitResult:
+        # A stop asked for once the run had nothing left to do changed nothing.
+        finished = self.ended or any(last is not None and self.state.step >= last
+                                     for last in (self.steps, self.in_epochs))
+        stop = self.stop
+        return FitResult(tuple(self.history), tuple(self.evals), tuple(self.restarts), tuple(self.written),
+                         tuple(self.sizes), stop.reason if stop and not finished else None, self.abandoned)
+
+
+def _call_size(steps_per_call: int | str, *, undoable: bool) -> CallSize:
+    """The ``CallSize`` of ``steps_per_call``: one step per call where a step may be undone
+    (``on_nan="skip-step"``, ``undoable``), which refuses a number above 1; ``ValueError`` for
+    a size below 1."""
+    if isinstance(steps_per_call, int) and steps_per_call > 1 and undoable:
+        raise ValueError("steps_per_call > 1 cannot be combined with on_nan='skip-step' (a step is undone "
+                         "before the next one runs)")
+    return CallSize(steps_per_call, single=undoable)
 
 
 @attrs.define
@@ -426,7 +541,8 @@ def _save(trainer: Trainer, checkpoints: Checkpoints, sinks: Sequence[Sink]) -> 
         path = trainer.save_checkpoint(target)
         seconds = time.perf_counter() - started
         written = CheckpointMetrics(trainer.state.step, str(path), _bytes_under(path), seconds, seconds)
-        prune(checkpoints.root, checkpoints.keep)
+        if getattr(trainer, "coordinator", True):  # under torchrun rank 0's process alone deletes
+            prune(checkpoints.root, checkpoints.keep)
     except (OSError, ExecutionError) as err:
         _fail_writing(err, target)
     _tell(sinks, written)
@@ -448,7 +564,8 @@ def _complete(pending: PendingCheckpoint, checkpoints: Checkpoints, sinks: Seque
         path = pending.finish()
         written = CheckpointMetrics(int(pending.manifest["step"]), str(path), _bytes_under(path),
                                     time.perf_counter() - pending.started, pending.staged_seconds)
-        prune(checkpoints.root, checkpoints.keep)
+        if pending.coordinator:
+            prune(checkpoints.root, checkpoints.keep)
     except (OSError, ExecutionError) as err:
         _fail_writing(err, pending.path)
     _tell(sinks, written)

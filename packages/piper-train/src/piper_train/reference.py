@@ -9,9 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 import attrs
 import torch
 
-from piper_directives.capturing import Tensors, as_tensors
-from piper_directives.precision import PrecisionModel
-from piper_directives.randomness import Randomness
+from piper_directives import PrecisionModel, Randomness, Tensors, as_tensors
 from piper_ir import Precision
 from piper_runtime import OptimizerSpec
 from piper_train.schedule import LRSchedule

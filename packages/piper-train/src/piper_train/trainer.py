@@ -3,7 +3,8 @@
 ``Trainer`` composes the packages: capture (piper-directives) -> strategy -> tensor-parallel
 rewrite of sharded segments' code (``shard_modules``) -> memory planning
 (piper-memory: ZeRO reductions, gathers and frees; the gradient norm when clipping) ->
-compile and verify (piper-scheduler) -> execute on Ray (piper-runtime). Everything in
+compile and verify (piper-scheduler) -> execute on a runtime (piper-runtime: Ray actors,
+threads of this process, or the ranks ``torchrun``/``srun`` launched; ``runtime=``). Everything in
 between is a ``piper_ir`` value, available as ``trainer.graph`` and ``trainer.program``.
 
 The training-loop basics: the driver owns the learning-rate schedule (``TrainState.lr``) and
@@ -21,6 +22,7 @@ strategy, and loading one runs no code from it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -31,22 +33,20 @@ from typing import Any
 
 import torch
 
-from piper_directives import Strategy, build_schedule, capture, shard_modules
-from piper_directives.capturing import Tensors, as_tensors
+from piper_directives import Strategy, Tensors, as_tensors, build_schedule, capture, shard_modules
 from piper_ir import DirectiveError, Graph, Program, to_json
 from piper_memory import add_grad_norm, check_budget, plan_memory
 from piper_runtime import (
-    DEFAULT_TIMEOUT_S,
     OptimizerSpec,
     PendingStep,
-    Runtime,
+    RunOptions,
     StepRequest,
     StepResult,
-    WorkerPool,
+    TrainingRuntime,
+    full_batch_shape,
+    start_runtime,
 )
-from piper_runtime.batch import full_batch_shape
 from piper_runtime.checkpoint import read_objects
-from piper_runtime.rank.accumulation import MIN_WEIGHT_BYTES
 from piper_scheduler import compile_program, forward_only
 from piper_train import bounds, stopping
 from piper_train.checkpoints import (
@@ -81,7 +81,7 @@ def pipeline_stages(graph: Graph, tag: str = "PP") -> int:
 
 
 class Trainer:
-    """Trains ``model`` with ``strategy`` on a local or given Ray cluster.
+    """Trains ``model`` with ``strategy`` on the runtime ``options.cluster.runtime`` names (Ray by default).
 
     ``strategy`` is a ``Strategy`` (for example ``piper_directives.one_f_one_b(2, 4)``) or a
     callable taking the number of annotated stages and returning one. The model's parameters
@@ -90,33 +90,17 @@ class Trainer:
     ``memory_budget_bytes``: when given, compile fails with ``MemoryPlanError`` (before any
     worker starts) if a rank's estimated memory (``piper_memory.estimate_memory``) exceeds it;
     it is per GPU, so with ``ranks_per_gpu`` N each rank may use 1/N of it.
-    ``threads=False`` runs each rank's plan sequentially instead of one thread per stream;
-    ``fuse_loss_backward=False`` keeps each loss's backward apart from its stage's (a profile
-    then times every segment alone; ``piper_runtime.rank.compute``). ``grad_fusion_min_bytes``:
-    ``nn.Linear`` weights of at least this many bytes (1 MiB) have each microbatch's gradient
-    added into ``.grad`` by the matrix product that computes it (``piper_runtime.rank.accumulation``;
-    ``None``: autograd adds every one); ``input_grads_first=False`` computes those products
-    before a backward's input gradient is sent, not after (``piper_runtime.rank.input_grads_first``).
-    ``bind_cores=False`` leaves
-    the ranks' threads to the operating system instead of binding each rank to cores of its
-    own where a host has a core per rank (``piper_runtime.rank.cores``).
-    ``seed``: what random numbers (dropout) are drawn from, per (region, microbatch, step,
-    replica), so every strategy draws the same masks (``piper_runtime.rank.randomness``);
+    ``options`` (``piper_runtime.RunOptions``) says how the ranks run: ``execution`` (threads
+    per stream, gradient fusion, core binding), ``faults`` (the hung-rank bound ``timeout_s``,
+    ``step_timeout_s``, what a NaN does: ``on_nan``), ``cluster`` (the ``runtime``: ``"ray"``,
+    ``"local"`` for every rank a thread of this process, ``"torchrun"`` for a launched job, or
+    one a package adds by entry point; a Ray ``address``, ``backend``, ``placement``,
+    ``ranks_per_gpu``, ``reuse_workers``) and the ``seed`` every forward's random numbers
+    derive from, per (region, microbatch, step, replica), so every strategy draws the same
+    masks. Flat ``settings`` (``runtime="local"``, ``timeout_s=5``, ...) set single fields of it
+    (``RunOptions.build``); an unknown name is a ``TypeError``.
     ``precision`` (``"bf16"``): compute in that dtype on fp32 master weights, gradients and
-    optimizer state (``piper_directives.precision``). ``captured`` is the ``CapturedModel``.
-
-    ``backend``: ``"cpu"``, ``"cuda"``, or ``None`` to choose: ``cuda`` when the Ray cluster has
-    a GPU for every rank (a share of one with ``ranks_per_gpu``) and the CUDA backend can run
-    there, else ``cpu``; the choice and why go to ``log``. ``placement``: ``"pack"`` (ranks on
-    as few nodes as possible) or ``"spread"`` (``piper_runtime.driver.placement``).
-    ``timeout_s``: a rank that makes no progress for this long fails the step with
-    ``piper_ir.HangError`` naming it, its instruction and what its peers were doing;
-    ``step_timeout_s`` (default: none) also bounds a whole step. ``on_nan``: ``"stop"``
-    (``piper_ir.NumericalError`` at the first NaN/Inf loss or gradient), ``"skip-step"`` (undo
-    that step: parameters and optimizer state exactly as before it) or ``"continue"``
-    (``piper_runtime.numerics``; ``StepResult.nonfinite`` and ``skipped`` say what happened). ``reuse_workers`` is ``Runtime``'s: ``True`` (or a ``piper_runtime.WorkerPool``) takes the
-    Ray workers from a pool and gives them back at ``close``; ``None`` follows
-    ``PIPER_REUSE_WORKERS``.
+    optimizer state (``piper_semantics.precision``). ``captured`` is the ``CapturedModel``.
 
     ``lr_schedule``: the learning rate of each step (``optimizer.lr`` is the peak; default
     constant). ``clip_grad_norm``: clip the gradients to this global 2-norm before every
@@ -134,26 +118,14 @@ class Trainer:
         strategy: Strategy | Callable[[int], Strategy],
         *,
         optimizer: OptimizerSpec | None = None,
-        address: str | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        step_timeout_s: float | None = None,
-        on_nan: str = "stop",
+        options: RunOptions | None = None,
         memory_budget_bytes: int | None = None,
         log: Callable[[str], None] | None = None,
-        threads: bool = True,
-        fuse_loss_backward: bool = True,
-        grad_fusion_min_bytes: int | None = MIN_WEIGHT_BYTES,
-        input_grads_first: bool = True,
-        bind_cores: bool = True,
-        seed: int = 0,
         precision: str | None = None,
-        backend: str | None = None,
-        placement: str = "pack",
-        ranks_per_gpu: int = 1,
-        reuse_workers: bool | WorkerPool | None = None,
         lr_schedule: LRSchedule | None = None,
         clip_grad_norm: float | None = None,
         measure_grad_norm: bool = False,
+        **settings: Any,
     ) -> None:
         say = log or (lambda _: None)
         started = time.perf_counter()
@@ -168,9 +140,15 @@ class Trainer:
                             f"{type(optimizer).__name__} {optimizer!r}")
         # Refused here, by name, before anything is captured or started: a NaN timeout would
         # never come (a NaN learning rate: ``OptimizerSpec`` refuses it itself).
-        bounds.check("timeout_s", timeout_s, minimum=0, strict=True, maximum=bounds.MAX_TIMEOUT_S)
-        if step_timeout_s is not None:
-            bounds.check("step_timeout_s", step_timeout_s, minimum=0, strict=True, maximum=bounds.MAX_TIMEOUT_S)
+        for name in ("timeout_s", "step_timeout_s"):
+            if settings.get(name) is not None:
+                bounds.check(name, settings[name], minimum=0, strict=True, maximum=bounds.MAX_TIMEOUT_S)
+        try:
+            self.run_options = run_options = RunOptions.build(options, **settings)
+        except TypeError as exc:
+            raise TypeError(f"Trainer: {exc}") from None
+        seed = run_options.seed
+        ranks_per_gpu = run_options.cluster.ranks_per_gpu
         for name, value in (("clip_grad_norm", clip_grad_norm), ("memory_budget_bytes", memory_budget_bytes)):
             if value is not None:
                 bounds.check(name, value, minimum=0, strict=True)
@@ -208,29 +186,14 @@ class Trainer:
         say(
             f"captured {len(self.graph.stage_segments())} regions, compiled and verified "
             f"{self.program.world_size} rank plans in {self.compile_seconds:.2f} s; "
-            f"starting {self.program.world_size} Ray workers"
+            f"starting {self.program.world_size} ranks (runtime {run_options.cluster.runtime!r})"
         )
         self._modules = modules
-        self._runtime_options: dict[str, Any] = dict(
-            optimizer=optimizer,
-            address=address,
-            timeout_s=timeout_s,
-            step_timeout_s=step_timeout_s,
-            on_nan=on_nan,
-            threads=threads,
-            fuse_loss_backward=fuse_loss_backward,
-            grad_fusion_min_bytes=grad_fusion_min_bytes,
-            input_grads_first=input_grads_first,
-            bind_cores=bind_cores,
-            seed=seed,
-            by_value=captured.user_modules,  # the model file, its neighbours: by value to the workers
-            backend=backend,
-            placement=placement,
-            ranks_per_gpu=ranks_per_gpu,
-            log=say,
-            reuse_workers=reuse_workers,
+        # The model file and its neighbours travel by value to the workers.
+        self._start = functools.partial(
+            start_runtime, self.program, modules, optimizer, run_options, log=say, by_value=captured.user_modules
         )
-        self.runtime = Runtime(self.program, modules, **self._runtime_options)
+        self.runtime: TrainingRuntime = self._start()
         try:
             stopping.raise_if_interrupted()  # a Ctrl-C while the workers started, should Ray have dropped it
         except KeyboardInterrupt:
@@ -366,7 +329,8 @@ class Trainer:
         (which must not exist), atomically: into a temporary sibling, renamed when complete."""
         path = Path(path)
         state = {"train_state": self.state.state_dict(), UNTRACED: dict(self.untraced)}
-        return write_atomically(path, lambda tmp: self.runtime.save_checkpoint(str(tmp), state), self._manifest())
+        return write_atomically(path, lambda tmp: self.runtime.save_checkpoint(str(tmp), state), self._manifest(),
+                                writer=self.writer, coordinator=self.coordinator)
 
     def begin_checkpoint(self, path: str | os.PathLike[str]) -> PendingCheckpoint:
         """``save_checkpoint`` that returns once the ranks have copied what they hold (the
@@ -377,14 +341,28 @@ class Trainer:
         started = time.perf_counter()
         state = {"train_state": self.state.state_dict(), UNTRACED: dict(self.untraced)}
         manifest = self._manifest()
-        tmp = begin_atomically(path)
+        tmp = begin_atomically(path, self.writer)
         try:
             writing = self.runtime.save_checkpoint(str(tmp), state, wait=False)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if self.coordinator:
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
         assert writing is not None
-        return PendingCheckpoint(path, tmp, manifest, writing, time.perf_counter() - started)
+        return PendingCheckpoint(path, tmp, manifest, writing, time.perf_counter() - started, self.coordinator)
+
+    @property
+    def coordinator(self) -> bool:
+        """Whether this process writes what the run writes once (a checkpoint's manifest and
+        rename, metrics, reports): under torchrun rank 0's alone, where every process runs
+        this trainer (``Runtime.coordinator``); always elsewhere."""
+        return bool(getattr(self.runtime, "coordinator", True))
+
+    @property
+    def writer(self) -> str | None:
+        """The name every process of a launched job gives a checkpoint's temporary directory
+        (``Runtime.writer``); ``None`` where one process drives every rank."""
+        return getattr(self.runtime, "writer", None)
 
     def _manifest(self) -> dict[str, Any]:
         """What a checkpoint's ``piper.json`` says of this run, now."""
@@ -425,7 +403,7 @@ class Trainer:
         """Replace the workers (after a failure, which has torn them down already) by new
         ones holding the model as it was given; ``load_checkpoint`` then brings them forward."""
         self.runtime.shutdown()
-        self.runtime = Runtime(self.program, self._modules, **self._runtime_options)
+        self.runtime = self._start()
         stopping.raise_if_interrupted()
         if self.eval_program is not None:
             self.runtime.load_forward(self.eval_program)

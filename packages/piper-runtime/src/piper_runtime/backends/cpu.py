@@ -25,26 +25,24 @@ that do not see one ``/dev/shm`` after all): logged as a warning on that rank.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from piper_runtime.backends.host import HostStreams
 from piper_runtime.backends.shm import SHM_DIR, ShmReceiver, ShmSender, open_channels, shm_available
 from piper_runtime.rank.memory import MemoryTracker
 from piper_runtime.rendezvous import make_store, set_socket_interfaces
-
-# The non-deprecated names of the flat collectives (torch >= 2.13), else the older ones.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 SHM_DISABLE_ENV = "PIPER_SHM_DISABLE"
 
@@ -67,7 +65,11 @@ def shm_enabled() -> bool:
 class GlooCommunicator:
     """A ``Communicator`` on one gloo process group (``piper_runtime.backends.base``); its
     point-to-point messages to ``senders``' peers and from ``receivers``' go through
-    shared-memory channels instead (module doc)."""
+    shared-memory channels instead (module doc). Calls go to the group object itself, as
+    ``torch.distributed``'s functions do (the same gloo operations, so the same sums), with
+    peers as group ranks: a group made outside the default world works alike
+    (``piper_runtime.backends.local``). ``waiting``: what every wait runs under (the local
+    backend lets a seeded forward's peers in meanwhile)."""
 
     def __init__(
         self,
@@ -76,24 +78,31 @@ class GlooCommunicator:
         tag: int,
         senders: dict[int, ShmSender] | None = None,
         receivers: dict[int, ShmReceiver] | None = None,
+        waiting: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
     ) -> None:
         self.group = group
         self.ranks = tuple(ranks)
         self.tag = tag
         self.senders = senders or {}
         self.receivers = receivers or {}
+        self._members = sorted(self.ranks)  # a group's ranks are its members' order
+        self._waiting = waiting
+
+    def _run(self, work: Any) -> None:
+        with self._waiting():
+            work.wait()
 
     def send(self, tensor: torch.Tensor, peer: int) -> Any:
         channel = self.senders.get(peer)
         if channel is not None:
             return channel.send(tensor)
-        return dist.isend(tensor, dst=peer, group=self.group, tag=self.tag)
+        return _Waited(self.group.send([tensor], self._members.index(peer), self.tag), self._waiting)
 
     def recv(self, tensor: torch.Tensor, peer: int) -> Any:
         channel = self.receivers.get(peer)
         if channel is not None:
             return channel.recv(tensor)
-        return dist.irecv(tensor, src=peer, group=self.group, tag=self.tag)
+        return _Waited(self.group.recv([tensor], self._members.index(peer), self.tag), self._waiting)
 
     def close(self) -> None:
         """Close the shared-memory channels (the gloo group goes with the world)."""
@@ -102,16 +111,20 @@ class GlooCommunicator:
         self.senders, self.receivers = {}, {}
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor, group=self.group)
+        opts = c10d.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._run(self.group.allreduce([tensor], opts))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        _reduce_scatter(output, input, group=self.group)
+        self._run(self.start_reduce_scatter(output, input))
 
     def start_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Any:
-        return _reduce_scatter(output, input, group=self.group, async_op=True)
+        opts = c10d.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        return _Waited(self.group.reduce_scatter_single(output, input, opts), self._waiting)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        _all_gather(output, input, group=self.group)
+        self._run(self.group.all_gather_single(output, input, c10d.AllgatherOptions()))
 
     def all_to_all(
         self,
@@ -120,9 +133,24 @@ class GlooCommunicator:
         output_splits: Sequence[int] | None = None,
         input_splits: Sequence[int] | None = None,
     ) -> None:
-        out_splits = None if output_splits is None else list(output_splits)
-        in_splits = None if input_splits is None else list(input_splits)
-        dist.all_to_all_single(output, input, out_splits, in_splits, group=self.group)
+        out_splits = [] if output_splits is None else list(output_splits)
+        in_splits = [] if input_splits is None else list(input_splits)
+        self._run(self.group.all_to_all_single(output, input, out_splits, in_splits, c10d.AllToAllOptions()))
+
+
+class _Waited:
+    """A gloo ``Work`` whose ``wait`` runs under the communicator's ``waiting``."""
+
+    def __init__(self, work: Any, waiting: Callable[[], AbstractContextManager[object]]) -> None:
+        self._work = work
+        self._waiting = waiting
+
+    def wait(self) -> None:
+        with self._waiting():
+            self._work.wait()
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
 
 
 def all_agree(ok: bool, group: Any) -> bool:

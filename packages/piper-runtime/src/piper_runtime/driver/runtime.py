@@ -1,137 +1,108 @@
-"""``Runtime``: one Ray actor per rank executing a ``Program``, driven from this process.
+"""``Runtime``: the driver of a ``Program``'s ranks, whatever starts them.
 
-Start-up: connect to Ray (``cluster``), pick the backend, reserve one placement-group
-bundle per rank (``placement``: policy ``pack`` or ``spread``, fails fast when the cluster is
-too small), start the actors in their bundles (or, reusing workers on a one-node cluster,
-take them from a ``WorkerPool``: ``pool``), then rendezvous (``rendezvous``): loopback
-when every rank is on one node, else the address Ray reports for rank 0's node, with a port
-that rank 0's own process opens and keeps for its TCP store.
+The ranks are ``RankWorker``s reached through ``Ranks`` (``piper_runtime.driver.ranks``):
+Ray actors (``ray``: ``ray_ranks``), threads of this process (``local``), or, under a
+launcher, this process's own rank (``torchrun``: ``spmd_ranks``). Everything else is here,
+once: start-up (rendezvous, core binding, each rank's setup), steps in flight, gathering
+answers in rank order, the watchdog, evaluation, checkpoints, merging results.
 
-Workers are started for the runtime and killed by ``shutdown``, unless the runtime reuses
-workers (``reuse_workers``, ``piper_runtime.driver.pool``): then it takes them from a pool and a
-clean ``shutdown`` resets them and gives them back. A failed run's workers, and those of a
-runtime shut down while a call was still in flight, are killed all the same.
-
-Failure policy: whatever goes wrong on a worker (an exception, a dead actor, no answer
-before the timeout) tears every actor down first, so no rank is left blocked in a receive,
-and then raises ``piper_ir.ExecutionError`` naming the ranks (and, for an exception, the
-instruction and the worker's traceback).
+Failure policy: whatever goes wrong on a rank (an exception, a dead worker, no answer
+before the timeout) ends every rank first, so none is left blocked in a receive, and then
+raises ``piper_ir.ExecutionError`` naming the ranks (and, for an exception, the instruction
+and the rank's traceback). A clean ``shutdown`` of pooled Ray workers gives them back to the
+pool (``piper_runtime.driver.pool``).
 
 Hung ranks: while a step is in flight, once it has run for ``timeout_s``, the driver reads
 every unfinished rank's progress (``piper_runtime.progress``) every ``_WATCH_INTERVAL_S``;
 when some rank has made no progress for ``timeout_s`` (60 s by default) the step fails with
 ``HangError``: which rank is stuck in which instruction, for how long, and what its peers
 were doing. A step that keeps making progress may run as long as it needs (unless
-``step_timeout_s`` bounds it). On the workers, every single wait (a receive, a collective,
-an event) is bounded too, at ``worker_timeout(timeout_s)``, longer than the watchdog's bound
-so that the driver's report, which names the culprit, comes first.
+``step_timeout_s`` bounds it). On the ranks, every single wait (a receive, a collective,
+an event) is bounded too, at ``FaultOptions.worker_timeout()``, longer than the watchdog's
+bound so that the driver's report, which names the culprit, comes first.
 """
 
 from __future__ import annotations
 
 import collections
-import os
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
-import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from torch import nn
 
 from piper_ir import ClusterError, ExecutionError, HangError, NumericalError, PiperError, Program
-from piper_runtime.backends import backend_factory, cuda_missing
 from piper_runtime.batch import batch_reads, check_batch, replica_slice, to_wire
-from piper_runtime.driver.cluster import choose_backend, ensure_ray, worker_env
 from piper_runtime.driver.merge import merge_outputs, merge_parameters
-from piper_runtime.driver.placement import Placement, check_resources, place_ranks
-from piper_runtime.driver.pool import (
-    MONITOR,
-    WRITER,
-    WorkerPool,
-    WorkerSpec,
-    kill_workers,
-    pool_for,
-    worker_actor,
-)
-from piper_runtime.driver.user_code import ship_by_value
-from piper_runtime.numerics import check_on_nan, first_nonfinite
+from piper_runtime.driver.ranks import RankFailure, Ranks, ThreadRanks
+from piper_runtime.numerics import first_nonfinite
 from piper_runtime.optim import OptimizerSpec
+from piper_runtime.options import DEFAULT_TIMEOUT_S, FaultOptions, RankSetup, RunOptions
 from piper_runtime.progress import RankProgress, hang_report
-from piper_runtime.rank.accumulation import MIN_WEIGHT_BYTES, describe_fusion
+from piper_runtime.rank.accumulation import describe_fusion
 from piper_runtime.rank.cores import core_slices, describe
 from piper_runtime.rank.precision import compute_inputs
-from piper_runtime.rendezvous import LOOPBACK
-from piper_runtime.results import StepOutput, StepResult
+from piper_runtime.results import RankStep, StepOutput, StepResult
+
+__all__ = ["DEFAULT_TIMEOUT_S", "PendingSave", "PendingStep", "Runtime", "StepRequest", "start_ranks"]
 
 _INLINE_BYTES = 64 * 1024  # below this, batch tensors go inline with each call
-_RESET_TIMEOUT_S = 30.0
-DEFAULT_TIMEOUT_S = 60.0  # no progress on a rank for this long: the step fails (HangError)
 _WATCH_INTERVAL_S = 1.0  # how often the watchdog reads progress, once a step ran for timeout_s
 _PROGRESS_ANSWER_S = 5.0  # a rank that does not say what it does within this is reported silent
 
 
 def worker_timeout(timeout_s: float) -> float:
-    """The bound on any single wait inside a worker for a run with watchdog bound
-    ``timeout_s``: twice that plus a margin (and at least a minute, the join's bound), so
-    the driver's watchdog, which names the culprit, fires first."""
-    return max(60.0, 2 * timeout_s + 10.0)
+    """``FaultOptions.worker_timeout`` for a watchdog bound of ``timeout_s``."""
+    return FaultOptions(timeout_s=timeout_s).worker_timeout()
+
+
+BUILT_IN = ("ray", "local", "torchrun")
+
+
+def start_ranks(
+    program: Program, options: RunOptions, log: Callable[[str], None] | None, by_value: Sequence[str]
+) -> Ranks:
+    """The ranks of ``program``, started as ``options.cluster.runtime`` says (a built-in name)."""
+    kind = options.cluster.runtime
+    if kind == "local":
+        return ThreadRanks(program, options, log, by_value)
+    if kind == "ray":
+        from piper_runtime.driver.ray_ranks import RayRanks  # Ray only where asked for
+
+        return RayRanks(program, options, log, by_value)
+    if kind == "torchrun":
+        from piper_runtime.driver.spmd_ranks import SpmdRanks
+
+        return SpmdRanks(program, options, log, by_value)
+    raise ClusterError(f"unknown runtime {kind!r}; the built-in ones are {', '.join(BUILT_IN)}")
 
 
 class Runtime:
-    """Executes ``program`` on ``program.world_size`` Ray actors.
+    """Executes ``program`` on ``program.world_size`` ranks, started as ``options.cluster.runtime``
+    says: ``ray`` (one Ray actor per rank), ``local`` (every rank a thread of this process) or
+    ``torchrun`` (this process is one rank of a launched job); ``piper_runtime.runtimes``
+    starts a runtime by name, third-party ones included.
 
     ``modules`` maps segment ids to the ``nn.Module`` running each segment (see
     docs/ir-conventions.md, section 6); each rank receives only the modules of the segments
-    in its plan. Use as a context manager, or call ``shutdown``; actors are also killed when
-    the runtime is garbage collected or the interpreter exits. ``threads`` runs each rank's
-    logical streams on threads of their own (the default); ``False`` walks each rank's plan
-    sequentially, the same plan on one stream. ``fuse_loss_backward=False`` runs every loss
-    backward apart from its stage's (``piper_runtime.rank.compute``): the same results, and a
-    profile that times each segment alone. ``grad_fusion_min_bytes``: ``nn.Linear`` weights
-    of at least this many bytes have each microbatch's gradient added into ``.grad`` by the
-    matrix product that computes it (``piper_runtime.rank.accumulation``; ``None``: autograd adds
-    every one). ``input_grads_first``: a stage's last backward of the step, whose input
-    gradient another rank waits for, sends it before those layers add their weight products
-    (``piper_runtime.rank.input_grads_first``; the same gradients, bit for bit). ``bind_cores``:
-    where a host has a free core per rank (one no other job's rank claims), bind each rank's
-    step threads to cores of its own
-    (``piper_runtime.rank.cores``; ``log`` hears which); ``False`` leaves them to the operating
-    system.
+    in its plan. ``options`` (``piper_runtime.options.RunOptions``; flat ``settings`` such as
+    ``timeout_s=`` or ``threads=`` are routed to their concern by ``RunOptions.build``) says
+    how ranks run their plans, what bounds the run, what a NaN does and where ranks run. Use
+    as a context manager, or call ``shutdown``; ranks are also ended when the runtime is
+    garbage collected or the interpreter exits.
 
-    ``backend``: a registered backend name, or ``None`` to choose (``cuda`` when the cluster
-    has a GPU for every rank and the CUDA backend can run there, else ``cpu``; the choice and
-    why are in ``backend_reason``, and ``log`` hears it). ``placement``: ``"pack"`` or
-    ``"spread"`` (``piper_runtime.driver.placement``); each rank reserves ``cpus_per_rank`` CPUs and,
-    on a GPU backend, ``1 / ranks_per_gpu`` of a GPU (``ranks_per_gpu`` > 1 shares GPUs).
-    A cluster too small for the program, or an unreachable ``address``, raises
-    ``piper_ir.ClusterError`` before any actor starts.
-
-    ``timeout_s``: a rank that makes no progress (starts or ends no instruction) for this
-    long during a step fails the step with ``piper_ir.HangError`` naming it (module doc);
-    ``step_timeout_s``, when given, also bounds each step's whole duration.
-
-    ``on_nan``: what a NaN or Inf loss or gradient does (``piper_runtime.numerics``):
-    ``"stop"`` raises ``piper_ir.NumericalError`` naming the step, microbatch and rank where
-    it first appeared; ``"skip-step"`` undoes the step on every rank (parameters and
-    optimizer state exactly as before it; each worker keeps a copy of that state);
-    ``"continue"`` keeps the step. ``StepResult.nonfinite`` says what was found.
-
-    ``reuse_workers``: ``True`` takes workers from the process's shared ``WorkerPool`` and
-    gives them back on a clean ``shutdown``; a ``WorkerPool`` uses that pool; ``False``
-    starts new workers and kills them at the end; ``None`` (the default) reuses only when
-    the environment says ``PIPER_REUSE_WORKERS=1``. Reuse applies on a one-node cluster
-    (pooled workers reserve no placement-group bundle, and the rendezvous is on loopback);
-    on several nodes the runtime places new workers as usual.
-
+    A cluster too small for the program, or an unreachable address, raises
+    ``piper_ir.ClusterError`` before any rank starts. A rank that makes no progress for
+    ``faults.timeout_s`` during a step fails it with ``piper_ir.HangError`` naming it (module
+    doc); ``faults.on_nan``: ``"stop"`` raises ``piper_ir.NumericalError`` naming the step,
+    microbatch and rank where a NaN or Inf first appeared; ``"skip-step"`` undoes the step on
+    every rank; ``"continue"`` keeps it (``StepResult.nonfinite`` says what was found).
     ``seed``: every forward draws its random numbers for (seed, segment, microbatch, step,
-    replica) (``piper_runtime.rank.randomness``), the steps counted from 0 by this runtime.
-    ``by_value``: names of imported modules the segment modules refer to that a worker cannot
-    import (the user's own code, ``CapturedModel.user_modules``): their code travels with the
-    modules (``piper_runtime.driver.user_code``).
+    replica), the steps counted from 0 by this runtime. ``by_value``: names of imported
+    modules the segment modules refer to that a worker cannot import (the user's own code,
+    ``CapturedModel.user_modules``): their code travels with the modules.
     """
 
     def __init__(
@@ -139,41 +110,22 @@ class Runtime:
         program: Program,
         modules: Mapping[str, nn.Module],
         optimizer: OptimizerSpec | None = None,
+        options: RunOptions | None = None,
         *,
-        address: str | None = None,
-        backend: str | None = "cpu",
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        step_timeout_s: float | None = None,
-        on_nan: str = "stop",
-        setup_timeout_s: float = 120.0,
-        threads: bool = True,
-        fuse_loss_backward: bool = True,
-        grad_fusion_min_bytes: int | None = MIN_WEIGHT_BYTES,
-        input_grads_first: bool = True,
-        bind_cores: bool = True,
-        placement: str = "pack",
-        ranks_per_gpu: int = 1,
-        cpus_per_rank: float = 1.0,
         log: Callable[[str], None] | None = None,
-        reuse_workers: bool | WorkerPool | None = None,
-        seed: int = 0,
         by_value: Sequence[str] = (),
+        **settings: Any,
     ) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        options = RunOptions.build(options, **settings)
+        self.options = options
         self.program = program
-        self.on_nan = check_on_nan(on_nan)
-        self.timeout_s = timeout_s
-        self.step_timeout_s = step_timeout_s
-        self._workers: list[Any] = []
+        self.on_nan = options.faults.on_nan
+        self.timeout_s = options.faults.timeout_s
+        self.step_timeout_s = options.faults.step_timeout_s
         self._steps = 0
         self._in_flight = False  # a call was sent and its answers not all gathered
         self._writing: PendingSave | None = None  # a checkpoint whose files the ranks are writing
         self._pending: collections.deque[PendingStep] = collections.deque()  # submitted, not gathered
-        if backend is not None:
-            backend_factory(backend)  # an unknown name fails before anything starts
-        if ranks_per_gpu < 1:
-            raise ValueError(f"ranks_per_gpu must be >= 1, got {ranks_per_gpu!r}")
         self._forward: Program | None = None  # the evaluation step (``load_forward``)
         self._forward_names: dict[int, tuple[str, ...]] = {}
         needed = {s for plan in program.ranks for s in plan.segments()}
@@ -184,67 +136,36 @@ class Runtime:
             raise ValueError(
                 f"program has {len(program.ranks)} rank plans for world size {program.world_size}"
             )
-
-        if backend == "cuda" and address is None and not ray.is_initialized():
-            # The embedded cluster would run on this machine: no need to start it to know.
-            lacking = cuda_missing()
-            if lacking:
-                raise ClusterError(f"backend 'cuda' needs a GPU for each rank, and this machine has none usable: {lacking}")
-        # The embedded cluster gets a logical CPU per rank even on a smaller machine: ranks
-        # mostly wait on each other.
-        ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(program.world_size * cpus_per_rank + 0.999)))
-        ship_by_value(by_value)  # before anything is pickled for the workers
-        self.backend_name, self.backend_reason = choose_backend(backend, program.world_size, 1.0 / ranks_per_gpu)
-        if log is not None:
-            log(self.backend_reason)
-        # Built here too, unconnected: it says what a rank needs. Workers get the factory
-        # itself, so a backend registered in this process only works too.
-        factory = backend_factory(self.backend_name)
-        self._backend = factory()
-        gpus_per_rank = self._backend.gpus_per_rank / ranks_per_gpu
-        self._pool = pool_for(reuse_workers) if _one_node() else None
-        self._spec = WorkerSpec.of(self.backend_name, gpus_per_rank, worker_env())
-        self.placement: Placement | None = None
-        if self._pool is not None:
-            # Pooled workers reserve no bundle, but a cluster too small is refused all the same.
-            check_resources(program.world_size, cpus_per_rank, gpus_per_rank, ray.cluster_resources(), self.backend_name)
-            self._workers = self._pool.acquire(program.world_size, self._spec)
-            # Kills the actors on failure, garbage collection or interpreter exit, whichever
-            # first (a clean shutdown into the pool detaches it instead).
-            self._finalizer = weakref.finalize(self, kill_workers, list(self._workers))
-            address0 = LOOPBACK
-        else:
-            self.placement = place_ranks(
-                program,
-                cpus_per_rank=cpus_per_rank,
-                gpus_per_rank=gpus_per_rank,
-                policy=placement,
-                backend=self.backend_name,
-                timeout_s=min(setup_timeout_s, 30.0),
-            )
-            env = {"env_vars": worker_env()}
-            self._workers = [
-                worker_actor(max_restarts=0, runtime_env=env, **self.placement.actor_options(rank)).remote()
-                for rank in range(program.world_size)
-            ]
-            # Kills the actors and releases their reservation on shutdown, garbage collection
-            # or interpreter exit, whichever first.
-            self._finalizer = weakref.finalize(self, _kill, list(self._workers), self.placement)
-            address0 = self.placement.rendezvous_address
+        self._ranks: Ranks = start_ranks(program, options, log, by_value)
+        self.backend_name, self.backend_reason = self._ranks.backend_name, self._ranks.backend_reason
+        # Whether this process writes what the run writes once (``Ranks.coordinator``: under
+        # torchrun every process drives, rank 0's alone writes); the name all give a checkpoint's
+        # temporary directory (``Ranks.writer``; None: one driver).
+        self.coordinator: bool = getattr(self._ranks, "coordinator", True)
+        self.writer: str | None = getattr(self._ranks, "writer", None)
+        self.placement = getattr(self._ranks, "placement", None)
         self._batch_names = {r: batch_reads(program, r) for r in range(program.world_size)}
-
+        setup_timeout_s = options.faults.setup_timeout_s
+        execution = options.execution
+        address0 = self._ranks.address
         # Rank 0's process opens the port on its own node and keeps it for its TCP store.
-        (port,) = self._gather([self._workers[0].open_rendezvous.remote(address0)], setup_timeout_s, "rendezvous")
+        (port,) = self._gather([self._ranks.call(0, "open_rendezvous", address0)], setup_timeout_s, "rendezvous")
         self.rendezvous = (address0, port)
         cores: dict[int, tuple[int, ...]] = {}
         claimed: dict[str, tuple[int, ...]] = {}  # by host name: cores other jobs hold
+        bind_cores = execution.bind_cores and self._ranks.binds_cores
         if bind_cores:
-            hosts = self._gather([w.host.remote() for w in self._workers], setup_timeout_s, "setup")
+            hosts = self._gather(self._each("host"), setup_timeout_s, "setup")
             cores = core_slices([(host, free) for host, free, _ in hosts])
             claimed = {host.partition("/")[0]: held for host, _, held in hosts}
-        program_ref = ray.put(program)
+        program_ref = self._ranks.share(program)
+        setup = RankSetup(
+            execution, options.faults.worker_timeout(), options.seed, options.faults.on_nan == "skip-step"
+        )
         calls = [
-            w.setup.remote(
+            self._ranks.call(
+                rank,
+                "setup",
                 rank,
                 program.world_size,
                 address0,
@@ -252,25 +173,35 @@ class Runtime:
                 program_ref,
                 {s: modules[s] for s in program.plan(rank).segments()},
                 optimizer or OptimizerSpec(),
-                factory,
-                worker_timeout(timeout_s),
-                threads,
-                seed,
-                on_nan == "skip-step",
-                fuse_loss_backward=fuse_loss_backward,
-                cores=cores.get(rank, ()),
-                grad_fusion_min_bytes=grad_fusion_min_bytes,
-                input_grads_first=input_grads_first,
+                self._ranks.factory,
+                attrs.evolve(setup, cores=cores.get(rank, ())),
             )
-            for rank, w in enumerate(self._workers)
+            for rank in range(program.world_size)
         ]
         answers = self._gather(calls, setup_timeout_s, "setup")
         if log is not None:  # what each rank holds: a core another job claimed meanwhile is not bound
             bound = {r: c for r, (c, _) in enumerate(answers) if c}
-            log(describe(bound, program.world_size, bind_cores, claimed, planned=cores))
+            if self._ranks.binds_cores:
+                log(describe(bound, program.world_size, bind_cores, claimed, planned=cores))
             fused = {r: n for r, (_, n) in enumerate(answers) if n}
             if fused:
-                log(describe_fusion(fused, grad_fusion_min_bytes, input_grads_first))
+                log(describe_fusion(fused, execution.grad_fusion_min_bytes, execution.input_grads_first))
+
+    @property
+    def _workers(self) -> list[Any]:
+        """The ranks' workers (Ray actor handles, or ``RankWorker``s of this process): for tests."""
+        return list(getattr(self._ranks, "workers", []))
+
+    def agree(self, value: Any) -> Any:
+        """The coordinator's ``value``, in every process of a launched job, where each runs this
+        driver (``spmd_ranks``): what a process decides by its clock (how many steps go in a
+        call) must be the same in all, or their calls would differ. ``value`` itself elsewhere."""
+        agree = getattr(self._ranks, "agree", None)
+        return value if agree is None else agree(value)
+
+    def _each(self, method: str, *args: Any, group: str | None = None) -> list[Any]:
+        """``method(*args)`` called on every rank, in rank order."""
+        return [self._ranks.call(rank, method, *args, group=group) for rank in range(self.program.world_size)]
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -335,13 +266,15 @@ class Runtime:
         shipments = []
         for r in requests:
             batch = check_batch(program, compute_inputs(program.precision, r.inputs), r.targets)
-            shipments.append(_shipments(program, self._batch_names, batch))
+            shipments.append(_shipments(program, self._batch_names, batch, self._ranks.share))
         if self.on_nan == "skip-step" and self._pending:
             # Undoing a step restores the state from before it: no later step may have run.
             self._collect()
         call = _Call([
-            w.run_steps.remote([(shipped[rank], *r.options()) for r, shipped in zip(requests, shipments, strict=True)])
-            for rank, w in enumerate(self._workers)
+            self._ranks.call(rank, "run_steps", [
+                r.for_rank(shipped[rank]) for r, shipped in zip(requests, shipments, strict=True)
+            ])
+            for rank in range(program.world_size)
         ], len(requests))
         pendings = []
         for index, r in enumerate(requests):
@@ -371,7 +304,7 @@ class Runtime:
                 ))
             skipped = found is not None and self.on_nan == "skip-step"
             if skipped:  # no step runs ahead under skip-step (``submit``): the backup is this step's
-                self._gather([w.restore.remote() for w in self._workers], 60.0, "restore")
+                self._gather(self._each("restore"), 60.0, "restore")
             result = merge_outputs(outputs, self.program, head.keep_grads)
             result = attrs.evolve(result, nonfinite=found, skipped=skipped)
             head.done = result if head.lr is None else attrs.evolve(result, lr=head.lr)
@@ -389,8 +322,7 @@ class Runtime:
             )
         self._forward = program
         self._forward_names = {r: batch_reads(program, r) for r in range(program.world_size)}
-        ref = ray.put(program)
-        self._gather([w.load_forward.remote(ref) for w in self._workers], 60.0, "load_forward")
+        self._gather(self._each("load_forward", self._ranks.share(program)), 60.0, "load_forward")
 
     def evaluate(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> StepResult:
         """Run the program of ``load_forward`` on a whole batch, the modules in eval mode: no
@@ -401,9 +333,10 @@ class Runtime:
         if program is None:
             raise ExecutionError("no forward-only program: call load_forward first")
         shipments = _shipments(
-            program, self._forward_names, check_batch(program, compute_inputs(program.precision, inputs), targets)
+            program, self._forward_names, check_batch(program, compute_inputs(program.precision, inputs), targets),
+            self._ranks.share,
         )
-        calls = [w.run_forward.remote(shipments[rank]) for rank, w in enumerate(self._workers)]
+        calls = [self._ranks.call(rank, "run_forward", shipments[rank]) for rank in range(program.world_size)]
         outputs: list[StepOutput] = self._gather(calls, self.step_timeout_s, "evaluate")
         return merge_outputs(outputs, program, False)
 
@@ -412,8 +345,8 @@ class Runtime:
         every submitted step)."""
         self._check_open()
         self._collect()
-        per_rank = self._gather([w.parameters.remote() for w in self._workers], 60.0, "parameters")
-        shards = self._gather([w.parameter_shards.remote() for w in self._workers], 60.0, "parameters")
+        per_rank = self._gather(self._each("parameters"), 60.0, "parameters")
+        shards = self._gather(self._each("parameter_shards"), 60.0, "parameters")
         return merge_parameters(self.program, per_rank, shards)
 
     def save_checkpoint(
@@ -421,8 +354,9 @@ class Runtime:
     ) -> PendingSave | None:
         """Write a checkpoint into the (new, empty) directory ``path``: every rank writes
         what it holds (``piper_runtime.checkpoint``), rank 0 also ``objects`` (data by key:
-        ``checkpoint_files.encode``); ``index.json`` is written last, by this process. Not
-        atomic by itself: the caller writes into a temporary directory and renames it.
+        ``checkpoint_files.encode``); ``index.json`` is written last, by this process (by the
+        coordinator alone under torchrun, once every rank's files are written). Not atomic by
+        itself: the caller writes into a temporary directory and renames it.
 
         ``wait=False``: return once every rank has copied what it holds (its local plan);
         the ranks write their files on a thread of their own (``WRITER``) while the next
@@ -435,12 +369,12 @@ class Runtime:
         self._collect()  # after every submitted step
         extra = dict(objects or {})
         plans = self._gather(
-            [w.checkpoint_plan.remote(path, extra if rank == 0 else {}) for rank, w in enumerate(self._workers)],
+            [self._ranks.call(rank, "checkpoint_plan", path, extra if rank == 0 else {})
+             for rank in range(self.program.world_size)],
             timeout_s, "checkpoint",
         )
         plans, metadata = plan_globally(path, plans)
-        refs = [w.checkpoint_write.options(concurrency_group=WRITER).remote(plan)
-                for w, plan in zip(self._workers, plans, strict=True)]
+        refs = [self._ranks.call(rank, "checkpoint_write", plan, group="writer") for rank, plan in enumerate(plans)]
         pending = self._writing = PendingSave(self, path, metadata, refs)
         if not wait:
             return pending
@@ -453,32 +387,22 @@ class Runtime:
         each rank also restores its generators (only for a checkpoint of this very program)."""
         self._check_open()
         self._collect()
-        self._gather([w.load_checkpoint.remote(path, step, rng) for w in self._workers], timeout_s, "load checkpoint")
+        self._gather(self._each("load_checkpoint", path, step, rng), timeout_s, "load checkpoint")
         self._steps = step
 
     def worker_pids(self) -> list[int]:
         """The process id of each rank's worker, in rank order."""
         self._check_open()
-        return self._gather([w.ping.remote() for w in self._workers], 30.0, "ping")
+        return self._gather(self._each("ping"), 30.0, "ping")
 
     def shutdown(self) -> None:
-        """Stop the workers (leaving the process group first), or, when reusing workers,
-        reset them and give them back to the pool. Safe to call more than once."""
-        if not self._finalizer.alive:
-            return
-        if self._pool is not None and not self._in_flight and self._writing is None and self._reset_workers():
-            self._finalizer.detach()
-            workers, self._workers = self._workers, []  # the pool's now, maybe another runtime's
-            self._pool.release(workers, self._spec)
-            return
-        try:
-            ray.wait([w.shutdown.remote() for w in self._workers], num_returns=len(self._workers), timeout=10)
-        finally:
-            self._finalizer()
+        """End the ranks (leaving the process group first), or, when reusing workers, reset
+        them and give them back to the pool. Safe to call more than once."""
+        self._ranks.close(clean=not self._in_flight and self._writing is None)
 
     @property
     def closed(self) -> bool:
-        return not self._workers or not self._finalizer.alive
+        return self._ranks.closed
 
     def __enter__(self) -> Runtime:
         return self
@@ -491,18 +415,6 @@ class Runtime:
     def _check_open(self) -> None:
         if self.closed:
             raise ExecutionError("the runtime is shut down (after shutdown() or an earlier failure)")
-
-    def _reset_workers(self) -> bool:
-        """Reset every worker for reuse; whether all of them answered in time."""
-        refs = [w.reset.remote() for w in self._workers]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_RESET_TIMEOUT_S)
-        if len(ready) < len(refs):
-            return False
-        try:
-            ray.get(refs, timeout=_RESET_TIMEOUT_S)
-        except Exception:  # a worker that cannot forget its run is not reused
-            return False
-        return True
 
     def _gather(
         self, refs: list[Any], timeout_s: float | None, what: str, step: int | None = None, watch: bool = False
@@ -523,7 +435,7 @@ class Runtime:
                 # No rank can have been idle for timeout_s before the step ran that long.
                 look = max(started + self.timeout_s - now, _WATCH_INTERVAL_S)
                 wait_s = look if wait_s is None else min(wait_s, look)
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
+            ready = self._ranks.wait(list(pending), wait_s)
             if not ready and deadline is not None and time.monotonic() >= deadline:
                 ranks = sorted(pending.values())
                 if watch:  # a call may run several steps: the one the ranks are in
@@ -538,31 +450,9 @@ class Runtime:
             for ref in ready:
                 rank = pending.pop(ref)
                 try:
-                    results[rank] = ray.get(ref, timeout=10)
-                except RayTaskError as exc:
-                    cause = exc.cause
-                    if isinstance(cause, PiperError):
-                        # An ExecutionError subclass (HangError, NumericalError) keeps its type.
-                        kind = type(cause) if isinstance(cause, ExecutionError) else ExecutionError
-                        # A call may run several steps: the worker's count says which one failed.
-                        failed = cause.step if what == "step" and cause.step is not None else step
-                        err = kind(
-                            cause.message, ranks=cause.ranks or (rank,), nodes=cause.nodes, step=failed
-                        )
-                    else:
-                        err = ExecutionError(
-                            f"rank {rank} failed during {what}:\n{exc}", ranks=(rank,), step=step
-                        )
-                        err.__cause__ = cause  # what the rank raised: an OSError's errno, say (fit's restarts)
-                    self._fail(err)
-                except RayActorError as exc:
-                    self._fail(
-                        ExecutionError(f"rank {rank} died during {what}: {exc}", ranks=(rank,), step=step)
-                    )
-                except GetTimeoutError:
-                    self._fail(
-                        ExecutionError(f"{what}: rank {rank} did not answer", ranks=(rank,), step=step)
-                    )
+                    results[rank] = self._ranks.get(ref, rank)
+                except RankFailure as failure:
+                    self._fail(_failure_error(failure, rank, what, step))
         self._in_flight = bool(self._pending)  # submitted steps not gathered yet
         return [results[r] for r in range(len(refs))]
 
@@ -570,13 +460,13 @@ class Runtime:
         """What each of ``ranks`` says it is doing; and the ranks that did not answer within
         ``_PROGRESS_ANSWER_S`` (silent). A dead rank, or one that cannot say, is in neither:
         the step's own answer says what happened to it."""
-        calls = {rank: self._workers[rank].progress.options(concurrency_group=MONITOR).remote() for rank in ranks}
-        ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=_PROGRESS_ANSWER_S)
+        calls = {rank: self._ranks.call(rank, "progress", group="monitor") for rank in ranks}
+        ready = self._ranks.wait(list(calls.values()), _PROGRESS_ANSWER_S, every=True)
         answered: dict[int, RankProgress] = {}
         for rank, ref in calls.items():
             if ref in ready:
                 try:
-                    snapshot = ray.get(ref, timeout=1)
+                    snapshot = self._ranks.get(ref, rank)
                 except Exception:
                     snapshot = None
                 if snapshot is not None:
@@ -602,7 +492,7 @@ class Runtime:
         self._fail(HangError(f"step {step}: {message}", ranks=(rank,), nodes=(node,) if node else (), step=step))
 
     def _fail(self, err: ExecutionError) -> None:
-        self._finalizer()  # kill every actor: peers may be blocked in a receive from the culprit
+        self._ranks.kill()  # end every rank: peers may be blocked in a receive from the culprit
         raise err
 
 
@@ -617,9 +507,9 @@ class StepRequest:
     lr: float | None = None
     memory: bool = False
 
-    def options(self) -> tuple[bool, bool, float | None, bool]:
-        """``RankWorker.run_step``'s arguments after the batch."""
-        return self.keep_grads, self.profile, self.lr, self.memory
+    def for_rank(self, batch: Mapping[str, Any]) -> RankStep:
+        """This step as a rank receives it, with ``batch``, the rank's share of it."""
+        return RankStep(batch, self.keep_grads, self.profile, self.lr, self.memory)
 
 
 class _Call:
@@ -670,7 +560,7 @@ class PendingSave:
 
     def done(self) -> bool:
         """Whether every rank's files are written (or a rank failed): ``wait`` will not block."""
-        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        ready = self.runtime._ranks.wait(self.refs, 0, every=True)
         return len(ready) == len(self.refs)
 
     def wait(self, timeout_s: float = 300.0) -> None:
@@ -684,7 +574,8 @@ class PendingSave:
             self.finished = True
             if self.runtime._writing is self:
                 self.runtime._writing = None
-        finish(self.path, self.metadata, results)
+        if self.runtime.coordinator:  # every rank's files are written: the gather was the barrier
+            finish(self.path, self.metadata, results)
 
     def abandon(self) -> None:
         """Give the checkpoint up without waiting (the runtime failed: its ranks are gone)."""
@@ -693,18 +584,16 @@ class PendingSave:
             self.runtime._writing = None
 
 
-def _one_node() -> bool:
-    """Whether the Ray cluster this process is connected to has a single live node."""
-    return sum(1 for n in ray.nodes() if n.get("Alive")) == 1
-
-
 def _shipments(
-    program: Program, names: Mapping[int, Sequence[str]], batch: Mapping[str, torch.Tensor]
+    program: Program,
+    names: Mapping[int, Sequence[str]],
+    batch: Mapping[str, torch.Tensor],
+    share: Callable[[Any], Any],
 ) -> list[dict[str, Any]]:
     """What each rank receives of a checked batch: only the batch values it reads
     (``batch_reads``), and with data parallelism only its replica's shards of them. Small
     tensors travel inline with the call (Ray stores large ones in its object store by
-    itself); an explicit ray.put pays off only for a large slice that several ranks read (an
+    itself); an explicit ``share`` (``ray.put``) pays off only for a large slice that several ranks read (an
     object-store round trip on every step). Tensors travel as ``batch.to_wire`` makes them."""
     slices: dict[tuple[str, int], torch.Tensor] = {}
     readers: dict[tuple[str, int], int] = {}
@@ -717,7 +606,7 @@ def _shipments(
                 slices[key] = replica_slice(batch[n], meta, program.microbatches, program.replicas, replica)
             readers[key] = readers.get(key, 0) + 1
     refs = {
-        key: ray.put(to_wire(t)) if readers[key] > 1 and t.nbytes > _INLINE_BYTES else to_wire(t)
+        key: share(to_wire(t)) if readers[key] > 1 and t.nbytes > _INLINE_BYTES else to_wire(t)
         for key, t in slices.items()
     }
     return [
@@ -725,7 +614,19 @@ def _shipments(
     ]
 
 
-def _kill(workers: list[Any], placement: Placement | None = None) -> None:
-    kill_workers(workers)
-    if placement is not None:
-        placement.release()
+def _failure_error(failure: RankFailure, rank: int, what: str, step: int | None) -> ExecutionError:
+    """What the driver raises for a call on ``rank`` that did not return."""
+    if failure.how == "died":
+        return ExecutionError(f"rank {rank} died during {what}: {failure.text}", ranks=(rank,), step=step)
+    if failure.how == "silent":
+        return ExecutionError(f"{what}: rank {rank} did not answer", ranks=(rank,), step=step)
+    cause = failure.cause
+    if isinstance(cause, PiperError):
+        # An ExecutionError subclass (HangError, NumericalError) keeps its type.
+        kind = type(cause) if isinstance(cause, ExecutionError) else ExecutionError
+        # A call may run several steps: the worker's count says which one failed.
+        failed = cause.step if what == "step" and cause.step is not None else step
+        return kind(cause.message, ranks=cause.ranks or (rank,), nodes=cause.nodes, step=failed)
+    err = ExecutionError(f"rank {rank} failed during {what}:\n{failure.text}", ranks=(rank,), step=step)
+    err.__cause__ = cause  # what the rank raised: an OSError's errno, say (fit's restarts)
+    return err

@@ -67,9 +67,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from piper_ir import Instruction, NodeKind, Phase
+from piper_runtime.options import MIN_WEIGHT_BYTES
 
 SPLIT_PHASES = (Phase.BI, Phase.BW)
-MIN_WEIGHT_BYTES = 2**20  # the smallest weight fused (module doc)
 
 
 def accumulate_in_products(

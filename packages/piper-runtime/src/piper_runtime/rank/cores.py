@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
 import tempfile
+import threading
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
@@ -158,6 +160,54 @@ def _open(core: int, directory: Path | None) -> int:
     directory = directory or claims_dir()
     directory.mkdir(mode=0o700, exist_ok=True)
     return os.open(directory / f"cpu{core}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
+def host_report() -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """This host, as the machine's name and the cores it gives its workers (the ranks of one
+    host share those); then the cores no other job claims now, and those it does."""
+    cores = host_cores()
+    free = unclaimed(cores)
+    return f"{socket.gethostname()}/{','.join(map(str, cores))}", free, tuple(c for c in cores if c not in free)
+
+
+class StepCores:
+    """The cores the thread that runs a worker's steps is bound to, with this process's claim
+    on them. Ray may run a worker's calls on another thread than its setup's: ``follow`` binds
+    the calling thread too."""
+
+    def __init__(self) -> None:
+        self.cores: tuple[int, ...] = ()
+        self._claim: CoreClaim | None = None
+        self._thread: int | None = None
+
+    def take(self, cores: Sequence[int]) -> None:
+        """Claim ``cores`` and bind the calling thread to them (nothing, if empty or another
+        job claimed them meanwhile, or the operating system refuses)."""
+        self.release()
+        self._claim = claim(cores) if cores else None
+        if self._claim is not None:
+            self._bind(self._claim.cores)
+
+    def follow(self) -> None:
+        if self.cores and self._thread != threading.get_ident():
+            self._bind(self.cores)
+
+    def release(self) -> None:
+        """Unbind (the next run decides anew) and give up the claim (other jobs may have them)."""
+        if self.cores:
+            bind_this_thread(None)
+            self.cores = ()
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
+
+    def _bind(self, cores: tuple[int, ...]) -> None:
+        bound = bind_this_thread(cores)
+        self.cores = cores if bound else ()
+        self._thread = threading.get_ident()
+        if not bound and self._claim is not None:
+            self._claim.release()
+            self._claim = None
 
 
 def describe(

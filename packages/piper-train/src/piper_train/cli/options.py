@@ -6,7 +6,7 @@ take it, and the checks argparse cannot express.
 | model | --model (default lm), --batch-size | train, check |
 | pipeline | --schedule, --strategy, --pp, --stages, --microbatches | train, check, simulate, plan |
 | parallelism | --dp, --zero, --tp, --ep, --recompute | train, check |
-| run | --memory-budget-mb, --optimizer, --optimizer-impl, --lr, --seed, --precision, --address, --backend, --placement, --ranks-per-gpu, --timeout | train, check |
+| run | --memory-budget-mb, --optimizer, --optimizer-impl, --lr, --seed, --precision, --runtime, --address, --backend, --placement, --ranks-per-gpu, --timeout | train, check |
 | optimization | --lr-schedule, --warmup-steps, --min-lr, --lr-step-size, --lr-gamma, --clip-grad-norm, --weight-decay | train, check |
 | summary | --json (a machine-readable summary; standard JSON: a NaN or infinite number is written as the string "NaN", "Infinity" or "-Infinity") | train, check |
 | length, evaluation, metrics | --steps, --epochs, --eval-every, --eval-batches, --metrics, --tensorboard, --profile-step, --steps-per-call, --on-nan, ... | train |
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from piper_directives import SCHEDULES
+from piper_directives import SCHEDULES, DegreeError, check_degrees
 from piper_scheduler import CostModel
 from piper_train import bounds
 from piper_train.call_size import parse_steps_per_call
@@ -98,6 +98,11 @@ def add_run(p: argparse.ArgumentParser) -> None:
                    help="learning rate (default: 3e-3 for adam/adamw, 0.05 for sgd)")
     add_seed(p)
     add_precision(p)
+    p.add_argument("--runtime", default=None, metavar="NAME",
+                   help="what runs the ranks: ray (one Ray actor per rank, on an embedded or --address cluster), "
+                        "local (every rank a thread of this process: no Ray, a debugger steps through ranks; CPU "
+                        "only), torchrun (this process is one rank of a job `torchrun`/`srun` launched), or one a "
+                        "package adds (entry point group piper.runtimes) (default: $PIPER_RUNTIME, else ray)")
     p.add_argument("--address", help="an existing Ray cluster's address (host:port of its head, as `ray start --head` "
                    "prints; or 'auto'); default: RAY_ADDRESS where set, else start an embedded local cluster")
     p.add_argument("--backend", choices=["cpu", "cuda"], default=None,
@@ -440,11 +445,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--recompute with --tp or --ep: recomputing a tensor- or expert-parallel region (its "
                      "forward's collectives issued again in its backward) is not supported yet; a --strategy "
                      "file can Recompute the regions it does not Shard")
-    if getattr(args, "ep", 1) > 1 and getattr(args, "tp", 1) > 1:
-        parser.error("--ep with --tp (tensor and expert parallelism in one strategy) is not supported yet")
-    if getattr(args, "zero", 0) and getattr(args, "dp", 1) < 2 and getattr(args, "ep", 1) < 2:
-        parser.error("--zero shards over data-parallel replicas: it needs --dp 2 or more (or --ep 2 or more, "
-                     "whose group is data-parallel for the non-expert weights)")
+    check_parallelism(parser, args)
+    check_runtime(parser, args)
     per_call = getattr(args, "steps_per_call", 1)
     if isinstance(per_call, int) and per_call > 1 and getattr(args, "on_nan", None) == "skip-step":
         parser.error("--steps-per-call above 1 cannot be combined with --on-nan skip-step (a step is undone before "
@@ -453,6 +455,35 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         for name in ("resume", "checkpoint_every", "max_restarts", "checkpoint_async"):
             if getattr(args, name, None):
                 parser.error(f"--{name.replace('_', '-')} needs --checkpoint-dir")
+
+
+def check_runtime(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--runtime``: one this installation has, with the options it can honour."""
+    if not hasattr(args, "runtime"):
+        return
+    from piper_runtime import default_runtime, runtime_names  # only for commands that run ranks
+
+    runtime = args.runtime = args.runtime or default_runtime()
+    known = runtime_names()
+    if runtime not in known:
+        parser.error(f"--runtime {runtime}: no such runtime here; this installation has {', '.join(known)}")
+    if runtime == "local" and getattr(args, "backend", None) == "cuda":
+        parser.error("--runtime local with --backend cuda: the local runtime runs every rank as a thread of this "
+                     "process on the CPU; use --runtime ray or torchrun for GPUs")
+    if runtime != "ray" and getattr(args, "address", None):
+        parser.error(f"--address with --runtime {runtime}: only the ray runtime joins a Ray cluster")
+
+
+def check_parallelism(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--dp/--zero/--tp/--ep`` against piper-directives' own rules (``check_degrees``, which
+    ``parallelize`` applies later): refused now, before anything runs, as a usage error that
+    names the flags at fault (``DegreeError.options``) with their values."""
+    degrees = {name: getattr(args, name, default) for name, default in (("dp", 1), ("zero", 0), ("tp", 1), ("ep", 1))}
+    try:
+        check_degrees(**degrees)
+    except DegreeError as err:
+        flags = " with ".join(f"--{name} {degrees[name]}" for name in err.options)
+        parser.error(f"{flags}: {err.message}" if flags else err.message)
 
 
 def say(args: argparse.Namespace, text: str) -> None:

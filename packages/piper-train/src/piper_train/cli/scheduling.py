@@ -13,8 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from piper_directives import Strategy, strategy_to_torch_csv
-from piper_directives.synthetic import synthetic_graph
+from piper_directives import Strategy, strategy_to_torch_csv, synthetic_graph
 from piper_ir import (
     Graph,
     PiperError,

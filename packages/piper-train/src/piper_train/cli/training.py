@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -13,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from piper_ir import CheckpointError
-from piper_runtime import OptimizerSpec, StepResult
+from piper_runtime import (
+    ClusterOptions,
+    ExecutionOptions,
+    FaultOptions,
+    OptimizerSpec,
+    RunOptions,
+    StepResult,
+)
 from piper_train.batches import Prefetcher
 from piper_train.check import TOLERANCES, run_check
 from piper_train.checkpoints import (
@@ -25,8 +33,8 @@ from piper_train.checkpoints import (
     save_atomically,
     skipped_newer,
 )
-from piper_train.cli.document import emit, fail
-from piper_train.cli.options import say
+from piper_train.cli.document import Document, emit, fail
+from piper_train.cli.options import say as _say
 from piper_train.cli.outputs import writable_folder, writing
 from piper_train.cli.request import StrategyRequest, model_regions
 from piper_train.loop import Restart, fit
@@ -50,6 +58,33 @@ from piper_train.workload import load_workload
 DEFAULT_STEPS = 20
 
 
+def say(args: argparse.Namespace, text: str) -> None:
+    """``options.say``, except in a torchrun job's processes but rank 0's (``_spmd``)."""
+    if not getattr(args, "quiet", False):
+        _say(args, text)
+
+
+def _spmd(args: argparse.Namespace) -> None:
+    """Under ``--runtime torchrun`` every process runs the command (docs/torchrun.md): all but
+    rank 0's stay quiet (no progress, metrics, profile or ``--json`` document; errors still
+    go to stderr). ``piper train`` also refuses Piper's own restarts there (torchrun's
+    ``--max-restarts`` starts the processes again) and, in a restarted attempt, resumes from
+    the latest checkpoint in ``--checkpoint-dir`` by itself (this job's own)."""
+    if args.runtime != "torchrun":
+        return
+    if os.environ.get("RANK", "0") not in ("", "0"):  # torchrun's variables (the runtime checks them all)
+        args.quiet = True
+        if isinstance(getattr(args, "document", None), Document):
+            args.document.quiet = True
+    if getattr(args, "max_restarts", 0):
+        raise ValueError("--max-restarts with --runtime torchrun: torchrun restarts the job's processes (its own "
+                         "--max-restarts), and each attempt after the first resumes from the latest checkpoint in "
+                         "--checkpoint-dir by itself")
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+    if restarted and getattr(args, "checkpoint_dir", None) is not None:
+        args.resume = Checkpoints(args.checkpoint_dir).latest() is not None
+
+
 def _budget(args: argparse.Namespace) -> int | None:
     return None if args.memory_budget_mb is None else int(args.memory_budget_mb * 2**20)
 
@@ -59,6 +94,17 @@ def _optimizer(args: argparse.Namespace) -> OptimizerSpec:
     spec = OptimizerSpec(args.optimizer, lr)
     decay = args.weight_decay if args.weight_decay is not None else spec.default_weight_decay
     return OptimizerSpec(args.optimizer, lr, weight_decay=decay, implementation=args.optimizer_impl)
+
+
+def _run_options(args: argparse.Namespace) -> RunOptions:
+    """The run's options (``piper_runtime.RunOptions``), from the ``run`` group's flags."""
+    return RunOptions(
+        execution=ExecutionOptions(bind_cores=not getattr(args, "no_bind_cores", False)),
+        faults=FaultOptions(timeout_s=args.timeout, on_nan=getattr(args, "on_nan", "stop")),
+        cluster=ClusterOptions(runtime=args.runtime, address=args.address, backend=args.backend,
+                               placement=args.placement, ranks_per_gpu=args.ranks_per_gpu),
+        seed=args.seed,
+    )
 
 
 def _schedule(args: argparse.Namespace, total: int | None) -> LRSchedule:
@@ -83,6 +129,7 @@ def _describe(args: argparse.Namespace, request: StrategyRequest) -> str:
 
 
 def train_command(args: argparse.Namespace) -> int:
+    _spmd(args)
     workload = _load(args)
     stream = workload.stream()
     if args.epochs is not None and stream.kind == "function":
@@ -144,23 +191,24 @@ def train_command(args: argparse.Namespace) -> int:
         stack.push(record.on_exit(args))  # a run that fails or is interrupted: its document so far
         trainer = stack.enter_context(Trainer(
             workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
-            request.for_trainer(), optimizer=_optimizer(args), address=args.address,
+            request.for_trainer(), optimizer=_optimizer(args), options=_run_options(args),
             memory_budget_bytes=_budget(args), log=lambda text: say(args, text),
             lr_schedule=_schedule(args, total), clip_grad_norm=args.clip_grad_norm,
-            measure_grad_norm=args.log_grad_norm, backend=args.backend, placement=args.placement,
-            ranks_per_gpu=args.ranks_per_gpu, seed=args.seed, precision=args.precision,
-            timeout_s=args.timeout, on_nan=args.on_nan, bind_cores=not args.no_bind_cores,
+            measure_grad_norm=args.log_grad_norm, precision=args.precision,
         ))
         record.trainer = trainer
         say(args, f"workers up after {time.perf_counter() - started:.1f} s")
-        if args.profile_step is not None:
+        if args.profile_step is not None and trainer.coordinator:
             profile = ProfileWriter(args.profile_step, args.profile_dir, trainer.program, lambda s: say(args, s))
             stack.callback(profile.close)  # waits for its chart
             sinks.append(profile)
         data = Prefetcher(stream, args.prefetch) if args.prefetch else stream
         if args.prefetch:
             stack.callback(data.close)
-        with stopping_on_sigterm(StopRequest()) as stop:
+        # Under torchrun a SIGTERM ends the process at once: it comes from torchrun's agent (a peer
+        # failed, or the job is cancelled), and a last checkpoint would need every rank.
+        with (stopping_on_sigterm(StopRequest()) if args.runtime != "torchrun"
+              else contextlib.nullcontext(None)) as stop:
             run = fit(trainer, data, steps=steps, epochs=args.epochs, held_out=workload.eval_batches,
                       eval_every=args.eval_every, eval_batches=args.eval_batches, sinks=sinks,
                       profile_step=args.profile_step, checkpoints=checkpoints, resume=args.resume,
@@ -211,7 +259,9 @@ def _summary(args: argparse.Namespace, trainer: Trainer | None, history: Sequenc
         "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
         "mean_step_seconds": sum(steady) / len(steady) if steady else None,
         "compile_seconds": trainer.compile_seconds if trainer is not None else None,
-        "peak_memory_bytes": [max(per_rank) for per_rank in zip(*(m.peak_memory_bytes for m in history), strict=True)],
+        # (a resumed run's steps before its first accounted one carry no peaks)
+        "peak_memory_bytes": [max(per_rank) for per_rank in zip(
+            *(m.peak_memory_bytes for m in history if m.peak_memory_bytes), strict=True)],
         "first_step": history[0].step if history else None,
         "checkpoints": [str(p) for p in checkpoints],
         "restarts": [{"failed_step": r.failed_step, "resumed_from": r.resumed_from, "recomputed": r.recomputed,
@@ -277,6 +327,8 @@ def convert_command(args: argparse.Namespace) -> int:
 def _sinks(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[Sink]:
     """Where the steps' metrics go (the profile writer, which needs the program, comes
     later); each is closed when the run ends."""
+    if getattr(args, "quiet", False):  # a torchrun job's process but rank 0's (``_spmd``)
+        return []
     stream = sys.stderr if args.json else sys.stdout
     sinks: list[Sink] = [Progress(stream, bar=False if args.no_progress_bar else None)]
     if args.metrics is not None:
@@ -309,6 +361,7 @@ class _NonFinite:
 
 
 def check_command(args: argparse.Namespace) -> int:
+    _spmd(args)
     workload = _load(args)
     if args.eval_batches and workload.eval_batches is None:
         raise ValueError(f"--eval-batches: model {args.model} has no held-out data (a factory returns it as eval_data)")
@@ -318,12 +371,10 @@ def check_command(args: argparse.Namespace) -> int:
     args.rtol = rtol if args.rtol is None else args.rtol
     args.atol = atol if args.atol is None else args.atol
     report = run_check(workload, request.for_trainer(), steps=args.steps,
-                       optimizer=_optimizer(args), rtol=args.rtol, atol=args.atol, address=args.address,
-                       log=lambda s: say(args, s), memory_budget_bytes=_budget(args), backend=args.backend,
-                       placement=args.placement, ranks_per_gpu=args.ranks_per_gpu,
+                       optimizer=_optimizer(args), rtol=args.rtol, atol=args.atol, options=_run_options(args),
+                       log=lambda s: say(args, s), memory_budget_bytes=_budget(args),
                        lr_schedule=_schedule(args, args.steps), clip_grad_norm=args.clip_grad_norm,
-                       eval_batches=args.eval_batches, seed=args.seed, precision=args.precision,
-                       timeout_s=args.timeout)
+                       eval_batches=args.eval_batches, precision=args.precision)
     quantities = ["loss", "grad", "param"] + [w for w in ("grad_norm", "eval") if any(
         d.what == w for d in report.differences)]
     rows = {what: report.worst(what) for what in quantities}

@@ -43,7 +43,7 @@ import torch
 
 from piper_directives import CapturedModel, build_schedule, parallelize
 from piper_ir import NodeKind
-from piper_runtime import InstructionTiming, OptimizerSpec
+from piper_runtime import InstructionTiming, OptimizerSpec, shm_enabled, worker_env
 from piper_runtime.backends import Communicator
 from piper_train.models import ModelSpec
 from piper_train.profile import forward_kept_bytes
@@ -70,8 +70,6 @@ def profile_key(name: str, captured: CapturedModel, backend: str) -> str:
     """The cache key: the model's name, its graph's structure and shapes (segments, their
     parameters and values; not the code), the backend (and on the CPU, whether messages go
     through shared memory), torch and the core count."""
-    from piper_runtime.backends.cpu import shm_enabled
-
     g = captured.graph
     transport = "shm" if backend == "cpu" and shm_enabled() else "gloo"
     shape = [PROFILE_FORMAT, name, backend, transport, torch.__version__, usable_cores(), list(g.inputs),
@@ -231,8 +229,6 @@ def ping_pong(reps: int = 10, timeout_s: float = 120.0) -> tuple[float, float]:
     """(latency in s, bandwidth in bytes/s) between two ranks on this host, each a Ray actor
     with the environment the runtime's ranks get (Ray must be initialised)."""
     import ray
-
-    from piper_runtime.driver.cluster import worker_env
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
