@@ -10,6 +10,9 @@
 - **Store.** torch's ``TCPStore`` alone listens on every interface (``::``) whatever host it
   is given. ``make_store`` hands it the socket above (``master_listen_fd``), so the store
   listens on that one address only; backends pass the store to ``init_process_group(store=)``.
+  Under a launcher that already serves a store (torchrun's agent: ``driver.spmd_ranks``), the
+  runtime ``attach_store``s that address and port first: then every rank, rank 0 included, is
+  a client there, in a namespace of the launch's own, and nothing is opened here.
 - **Interfaces.** gloo and NCCL bind their own sockets to an interface named by
   ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``. ``set_socket_interfaces`` sets them, unless the
   user did, to the interface owning this rank's address: loopback (``lo``) on one node, else
@@ -35,6 +38,7 @@ PORTS_FROM = 20000  # above Ray's worker ports (10002-19999), below the ephemera
 SOCKET_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 _LISTENERS: dict[tuple[str, int], socket.socket] = {}  # opened here, not yet taken by a store
+_ATTACHED: dict[tuple[str, int], str] = {}  # served by a launcher: every rank a client, under this prefix
 _LOCK = threading.Lock()
 
 
@@ -101,12 +105,25 @@ def close_listeners() -> None:
         s.close()
 
 
+def attach_store(address: str, port: int, prefix: str) -> None:
+    """Say that a launcher serves the store at ``address:port`` (torchrun's agent): from now on
+    ``make_store`` connects every rank there as a client, its keys under ``prefix`` (a launch
+    and a runtime of its own: the store outlives both)."""
+    with _LOCK:
+        _ATTACHED[(address, port)] = prefix
+
+
 def make_store(rank: int, world_size: int, address: str, port: int, timeout_s: float) -> Any:
     """The world's TCP store: on rank 0 a server listening on ``address`` only (on the socket
-    ``open_listener`` kept, or one bound here), elsewhere a client of it."""
+    ``open_listener`` kept, or one bound here), elsewhere a client of it; where a launcher
+    serves it (``attach_store``), a client on every rank."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
+    with _LOCK:
+        prefix = _ATTACHED.get((address, port))
+    if prefix is not None:
+        return dist.PrefixStore(prefix, dist.TCPStore(address, port, world_size, False, timeout=timeout))
     if rank != 0:
         return dist.TCPStore(address, port, world_size, False, timeout=timeout)
     with _LOCK:

@@ -65,6 +65,7 @@ class Document:
         self.command: str | None = None
         self.body: dict[str, Any] = {}
         self.error: str | None = None
+        self.quiet = False  # a torchrun job's process but rank 0's: rank 0 writes the document
 
     def fail(self, message: str) -> None:
         """Why the command did not end well; the first reason given is kept."""
@@ -72,6 +73,8 @@ class Document:
             self.error = strip_ansi(message)
 
     def write(self, stream: TextIO, exit_code: int) -> None:
+        if self.quiet:
+            return
         body = {"schema": SCHEMA, "command": self.command, **self.body}
         body.update(ok=exit_code == 0, exit_code=exit_code, error=self.error)
         stream.write(dumps(body) + "\n")

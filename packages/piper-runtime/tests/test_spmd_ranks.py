@@ -1,0 +1,143 @@
+"""``SpmdRanks`` (the ``torchrun`` runtime) without torchrun: two of them in one process, each one
+rank of a two-rank job, meet at a TCPStore this test serves as torchrun's agent would. What is
+tested is the line between them: a call on the own rank runs here and is published, a peer's
+is read from the store and deleted once read; exceptions, drivers that diverged, the watchdog's
+progress, agreement and a run one process ended. Joining a process group needs a process per
+rank: integration/test_torchrun.py launches torchrun for that."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import datetime
+import os
+import uuid
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from piper_ir import ClusterError, ExecutionError
+from piper_runtime.driver.ranks import RankFailure
+from piper_runtime.driver.spmd_ranks import Launch, SpmdRanks, choose_backend
+from piper_runtime.options import RunOptions
+from piper_runtime.rendezvous import LOOPBACK, attach_store, free_port, make_store
+
+AGENT = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+@pytest.fixture
+def agent() -> Iterator[tuple[Any, int]]:
+    """A store served as torchrun's agent serves one: the ranks are clients."""
+    port = free_port()
+    store = dist.TCPStore(LOOPBACK, port, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    yield store, port
+    del store
+
+
+@pytest.fixture
+def pair(agent: tuple[Any, int]) -> Iterator[list[SpmdRanks]]:
+    """Ranks 0 and 1 of one launch, as two processes would start them (they meet at start)."""
+    _, port = agent
+    run = uuid.uuid4().hex
+    launches = [Launch(r, 2, r, LOOPBACK, port, run, 0) for r in range(2)]
+    with cf.ThreadPoolExecutor(2) as pool:
+        pair = list(pool.map(lambda launch: SpmdRanks(SimpleNamespace(world_size=2), RunOptions(), None, (),
+                                                      launch=launch), launches))
+    yield pair
+    for ranks in pair:
+        ranks.close(clean=True)
+
+
+def _both(pair: list[SpmdRanks], rank: int, method: str, *args: Any) -> list[Any]:
+    """Each process's call of ``method`` on ``rank``, as both drivers make it."""
+    return [ranks.call(rank, method, *args) for ranks in pair]
+
+
+def test_each_process_runs_its_own_rank_and_reads_the_peers(pair: list[SpmdRanks]) -> None:
+    a, b = pair
+    assert (a.coordinator, b.coordinator) == (True, False)
+    assert a.writer == b.writer and a.writer.startswith(f"{os.getpid()}@")  # rank 0's process names it
+    calls = [_both(pair, rank, "ping") for rank in (0, 1)]  # in one order in every process
+    for p, ranks in enumerate(pair):
+        handles = [calls[0][p], calls[1][p]]
+        assert ranks.wait(handles, 10, every=True) == sorted(handles, key=lambda h: h is not calls[p][p])  # own first
+        assert [ranks.get(h, r) for r, h in enumerate(handles)] == [os.getpid(), os.getpid()]
+    # Each outcome was read by its one peer, which deleted it.
+    assert not any(a._store.check([key]) for key in ("calls/0/0", "calls/0/0/reads", "calls/0/1", "calls/0/1/reads"))
+
+
+def test_an_exception_reaches_every_process_with_its_type(pair: list[SpmdRanks]) -> None:
+    handles = _both(pair, 1, "restore")  # a worker that was not set up with a backup raises
+    for ranks, handle in zip(pair, handles, strict=True):
+        ranks.wait([handle], 10)
+        with pytest.raises(RankFailure) as failure:
+            ranks.get(handle, 1)
+        assert failure.value.how == "raised" and isinstance(failure.value.cause, ExecutionError)
+        assert "restore without a backup" in failure.value.text
+
+
+def test_drivers_that_diverged_are_named(pair: list[SpmdRanks]) -> None:
+    a, b = pair
+    a.call(0, "ping")
+    handle = b.call(0, "cores")  # process 1's driver made another call than process 0's
+    b.wait([handle], 10)
+    with pytest.raises(RankFailure, match="drivers diverged: this one's call was cores, the process of rank 0 "
+                                          "answered ping"):
+        b.get(handle, 0)
+
+
+def test_each_process_watches_its_own_rank(pair: list[SpmdRanks]) -> None:
+    a, _ = pair
+    peer = a.call(1, "progress", group="monitor")
+    assert a.wait([peer], 0) == [peer] and a.get(peer, 1) is None  # cannot say, at once
+    own = a.call(0, "progress", group="monitor")
+    a.wait([own], 10)
+    assert a.get(own, 0) is None  # the own worker answered: not set up yet
+
+
+def test_every_process_takes_the_coordinators_decision(pair: list[SpmdRanks]) -> None:
+    a, b = pair
+    assert a.agree(3) == 3
+    assert b.agree(7) == 3
+    assert [a.agree("x"), b.agree("y")] == ["x", "x"]
+
+
+def test_a_run_one_process_ended_fails_the_others_waits(pair: list[SpmdRanks]) -> None:
+    a, b = pair
+    handle = b.call(0, "ping")  # process 0 never makes this call: its run failed
+    a.kill()
+    assert b.wait([handle], 10) == [handle]
+    with pytest.raises(RankFailure, match="the process of rank 0 ended the run") as failure:
+        b.get(handle, 0)
+    assert failure.value.how == "died"
+
+
+def test_a_process_not_launched_by_torchrun_is_told_how(agent: tuple[Any, int]) -> None:
+    with pytest.raises(ClusterError, match="RANK, WORLD_SIZE.*not set.*torchrun --nproc-per-node"):
+        Launch.from_env({})
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": LOOPBACK, "MASTER_PORT": "1"}
+    with pytest.raises(ClusterError, match="TORCHELASTIC_USE_AGENT_STORE"):
+        Launch.from_env(env)
+    assert Launch.from_env({**env, **AGENT}) == Launch(0, 2, 0, LOOPBACK, 1)
+
+
+def test_a_world_of_another_size_names_both_numbers() -> None:
+    with pytest.raises(ClusterError, match=r"4 ranks, but torchrun launched WORLD_SIZE=2 processes: pp\*dp\*tp\*ep "
+                                           "must equal --nproc-per-node x nodes"):
+        SpmdRanks(SimpleNamespace(world_size=4), RunOptions(), None, (), launch=Launch(0, 2, 0, LOOPBACK, 1))
+
+
+def test_backends_of_one_process_per_rank() -> None:
+    assert choose_backend("cpu", 0)[0] == "cpu"
+    with pytest.raises(ClusterError, match="one rank per process"):
+        choose_backend("local", 0)
+
+
+def test_every_rank_is_a_client_of_a_store_a_launcher_serves(agent: tuple[Any, int]) -> None:
+    server, port = agent
+    attach_store(LOOPBACK, port, "job/world")
+    store = make_store(0, 2, LOOPBACK, port, 10.0)  # rank 0 too: the launcher's store is there already
+    store.set("k", "v")
+    assert server.get("job/world/k") == b"v"
