@@ -22,11 +22,13 @@ and step through a pipeline rank by rank; ranks run on the CPU only (backend ``l
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import copy
 import queue
 import sys
 import threading
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -123,11 +125,12 @@ class ThreadRanks:
             log(self.backend_reason)
         self.factory = backend_factory("local")
         self._process = ProcessSettings.read()  # what the ranks' setup changes, put back at the end
-        self._lanes = [{lane: _Lane(f"piper-rank{rank}-{lane or 'calls'}") for lane in LANES}
+        self._lanes = [{lane: Lane(f"piper-rank{rank}-{lane or 'calls'}") for lane in LANES}
                        for rank in range(program.world_size)]
         self.workers = [RankWorker(own_process=False) for _ in range(program.world_size)]
-        self._closed = False
         self._world = new_world()  # the key of this run's in-process store
+        # Ends the ranks on kill, close, garbage collection or interpreter exit, whichever first.
+        self._finalizer = weakref.finalize(self, _end, self.workers, self._lanes, self._world, self._process)
 
     @property
     def world_size(self) -> int:
@@ -135,10 +138,10 @@ class ThreadRanks:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return not self._finalizer.alive
 
     def call(self, rank: int, method: str, *args: Any, group: str | None = None) -> cf.Future:
-        if self._closed:
+        if self.closed:
             raise RuntimeError("the local ranks are closed")
         if method == "open_rendezvous":  # no network: the run's in-process store
             done: cf.Future = cf.Future()
@@ -169,40 +172,35 @@ class ThreadRanks:
             raise RankFailure("raised", text, exc) from None
 
     def kill(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for worker in self.workers:
-            abort = getattr(worker.backend, "abort", None)
-            if abort is not None:
-                abort()
-        self._stop()
-        forget_world(self._world)
+        self._finalizer()
 
     def close(self, clean: bool) -> None:
-        if self._closed:
-            return
-        if not clean:
-            self.kill()
-            return
-        self._closed = True
-        for rank, worker in enumerate(self.workers):
-            self._lanes[rank][None].submit(worker.shutdown).result(timeout=30)
-        forget_world(self._world)
-        self._stop()
-
-    def _stop(self) -> None:
-        for lanes in self._lanes:
-            for lane in lanes.values():
-                lane.stop()
-        sys.setswitchinterval(self._process.switch_interval)
-        torch.set_num_threads(self._process.threads)
+        if clean and not self.closed:
+            for rank, worker in enumerate(self.workers):  # leave the world as a worker process would
+                self._lanes[rank][None].submit(worker.shutdown).result(timeout=30)
+        self._finalizer()
 
 
-class _Lane:
-    """One daemon thread running calls in the order submitted: a rank stuck for good (a hung
-    forward the watchdog reported) must not keep the interpreter from exiting, as an
-    executor's thread would."""
+def _end(workers: list[RankWorker], lanes: list[dict[str | None, Lane]], world: int,
+         process: ProcessSettings) -> None:
+    """Abort every rank's groups (a rank blocked in a wait gets an error at once), stop the
+    lanes, drop the run's store, and put back what the ranks' setup changed in the process."""
+    for worker in workers:
+        abort = getattr(worker.backend, "abort", None)
+        if abort is not None:
+            abort()
+    for per_rank in lanes:
+        for lane in per_rank.values():
+            lane.stop()
+    forget_world(world)
+    sys.setswitchinterval(process.switch_interval)
+    torch.set_num_threads(process.threads)
+
+
+class Lane:
+    """One daemon thread running calls one at a time, in the order submitted: a rank stuck for
+    good (a hung forward the watchdog reported, a receive from a peer that died) must not keep
+    the interpreter from exiting, as an executor's thread would (they are joined at exit)."""
 
     def __init__(self, name: str) -> None:
         self._calls: queue.SimpleQueue[tuple[cf.Future, Callable[[], Any]] | None] = queue.SimpleQueue()
@@ -214,8 +212,12 @@ class _Lane:
         return future
 
     def stop(self) -> None:
-        """End the thread once the calls already submitted have run (or at once, if it is
-        stuck in one: it is a daemon)."""
+        """Cancel the calls not started; the thread ends after the one running, if that returns."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                item = self._calls.get_nowait()
+                if item is not None:
+                    item[0].cancel()
         self._calls.put(None)
 
     def _run(self) -> None:

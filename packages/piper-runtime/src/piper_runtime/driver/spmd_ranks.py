@@ -42,9 +42,7 @@ import itertools
 import json
 import os
 import pickle
-import queue
 import socket
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -57,7 +55,7 @@ import torch.distributed as dist
 
 from piper_ir import ClusterError, ExecutionError, Program
 from piper_runtime.backends import Backend, BackendFactory, backend_factory
-from piper_runtime.driver.ranks import LANES, RankFailure
+from piper_runtime.driver.ranks import LANES, Lane, RankFailure
 from piper_runtime.options import RunOptions
 from piper_runtime.rank.worker import RankWorker
 from piper_runtime.rendezvous import attach_store
@@ -186,7 +184,7 @@ class SpmdRanks:
         self.writer = self._hello(namespace, options.faults.setup_timeout_s)
         self._sequence: dict[tuple[int, str | None], Iterator[int]] = collections.defaultdict(itertools.count)
         self._agreements = itertools.count()
-        self._lanes = {lane: _Lane(f"piper-rank{launch.rank}-{lane or 'calls'}") for lane in LANES}
+        self._lanes = {lane: Lane(f"piper-rank{launch.rank}-{lane or 'calls'}") for lane in LANES}
         # Made on its own thread: a worker made on the main thread would take its signals.
         self.worker: RankWorker = self._lanes[None].submit(RankWorker).result()
 
@@ -354,39 +352,6 @@ class SpmdRanks:
     def _stop(self) -> None:
         for lane in self._lanes.values():
             lane.stop()
-
-
-class _Lane:
-    """One thread running calls one at a time, in the order sent; a daemon, so a call blocked
-    for good (a receive from a peer that died) does not keep the process from exiting, as a
-    ``ThreadPoolExecutor``'s thread would (they are joined at exit)."""
-
-    def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue[tuple[cf.Future, Callable[[], Any]] | None] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name=name, daemon=True).start()
-
-    def submit(self, fn: Callable[[], Any]) -> cf.Future:
-        future: cf.Future = cf.Future()
-        self._calls.put((future, fn))
-        return future
-
-    def _serve(self) -> None:
-        while (item := self._calls.get()) is not None:
-            future, fn = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:  # the caller's to see
-                    future.set_exception(exc)
-
-    def stop(self) -> None:
-        """Cancel the calls not started; the thread ends after the one running, if that returns."""
-        with contextlib.suppress(queue.Empty):
-            while True:
-                item = self._calls.get_nowait()
-                if item is not None:
-                    item[0].cancel()
-        self._calls.put(None)
 
 
 @attrs.define(eq=False)
