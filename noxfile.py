@@ -55,19 +55,20 @@ for _name in PACKAGES:
 
 @nox.session(venv_backend="none")
 def integration(session: nox.Session) -> None:
-    """Strategies on the Ray runtime against single-device training.
+    """Strategies on the runtimes against single-device training.
 
     Two pytest runs side by side, each test in exactly one of them: the tests marked
-    ``own_process`` (the command, or a cluster of two nodes, started as a process of its own:
-    mostly waiting for Ray to start and stop) and the rest (the session's shared Ray cluster).
-    The second, the longer, prints as it runs; the first's output is printed whole when it
-    ends."""
-    _run_all(session, _integration_jobs(session.posargs), show=True, live="shared Ray")
+    ``own_process`` (the command, torchrun, or a cluster of two nodes, started as processes of
+    their own: mostly waiting for them to start and stop) and the rest, in this process (on
+    the local runtime, and those marked ``ray`` on the session's shared Ray cluster:
+    integration/conftest.py). The second, the longer, prints as it runs; the first's output is
+    printed whole when it ends."""
+    _run_all(session, _integration_jobs(session.posargs), show=True, live="in process")
 
 
 def _integration_jobs(args: list[str]) -> list[tuple[str, list[Command]]]:
     """``integration``'s two pytest runs, the longer first."""
-    runs = [("shared Ray", "not own_process"), ("own_process", "own_process")]
+    runs = [("in process", "not own_process"), ("own_process", "own_process")]
     return [
         (label, [Command([*PYTEST, "-q", "-m", marks, "integration", *args], ok=(0, 5))])
         for label, marks in runs
@@ -77,20 +78,20 @@ def _integration_jobs(args: list[str]) -> list[tuple[str, list[Command]]]:
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """Every test once, as ``standalone`` and ``integration`` run them, but their pytest runs
-    in one queue, two at a time, the longest first: the integration tests on the session's
-    shared Ray cluster (the longest run), then the runtime package's tests and the
+    in one queue, two at a time, the longest first: the integration tests run in this process
+    (the longest run), then the runtime package's tests and the
     ``own_process`` integration tests (both mostly waiting on Ray workers and timeouts), then
     the other packages' (computing). Run one after the other, the two sessions left a core
     idle while each one's longest run ended alone: the clean-clone suite took 6 min 22 s that
     way and 6 min 5 s queued, one run each on 2 cores minutes apart (this machine's speed
     moves a run by a minute: the same code took 7 min 6 s and 7 min 12 s later the same
-    night). The shared-Ray run prints as it runs, every other one whole when it ends."""
+    night). The in-process run prints as it runs, every other one whole when it ends."""
     started = time.monotonic()
     standalone_jobs, report = _standalone_jobs(session, PACKAGES)
     by_label = dict(standalone_jobs)
     integration = _integration_jobs([])
     order = [integration[0], ("piper-runtime", by_label.pop("piper-runtime")), integration[1], *by_label.items()]
-    ran = _run_all(session, order, show=True, live="shared Ray")
+    ran = _run_all(session, order, show=True, live="in process")
     report({label: seconds for label, seconds in ran.items() if label.startswith("piper-")}, started)
     session.log("integration: " + "; ".join(f"{label} {ran[label]:.0f} s" for label, _ in integration))
 
