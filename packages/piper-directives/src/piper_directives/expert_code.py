@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import copy
 import operator
-import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -49,6 +48,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from piper_directives.collective_code import GroupCollectives
 from piper_directives.segment_module import like
 from piper_directives.shard_buckets import sharded_buckets
 from piper_directives.shard_code import refuse_recompute
@@ -72,28 +72,14 @@ class AllToAll(Protocol):
         ...
 
 
-class ExpertParallelComm(nn.Module):
-    """The all-to-alls of one expert-parallel group. Unbound (the default) it is one rank
-    holding every expert: dispatch and combine are identities."""
+class ExpertParallelComm(GroupCollectives[AllToAll]):
+    """The all-to-alls of one expert-parallel group (the ``ep`` group's communicators).
+    Unbound (the default) it is one rank holding every expert: dispatch and combine are
+    identities."""
 
     def __init__(self, degree: int, num_experts: int) -> None:
-        super().__init__()
-        self.degree = degree
+        super().__init__(degree)
         self.num_experts = num_experts
-        self.comm: AllToAll | None = None
-        self.backward_comm: AllToAll | None = None
-        self.collective_times: list[float] = []  # seconds of each all-to-all (runtime reads)
-
-    @property
-    def bound(self) -> bool:
-        return self.comm is not None
-
-    def bind_communicator(self, comm: AllToAll, backward_comm: AllToAll | None = None) -> None:
-        """Called by the runtime with the communicator of the segment's ``ep`` group and the
-        one for the all-to-alls of backward passes (default: the same), so a forward and a
-        backward running at once on two threads never share one."""
-        self.comm = comm
-        self.backward_comm = comm if backward_comm is None else backward_comm
 
     def forward(self, op: str, *args: torch.Tensor) -> tuple[torch.Tensor, ...] | torch.Tensor:
         if op == "dispatch":
@@ -112,9 +98,7 @@ class ExpertParallelComm(nn.Module):
         # Exchange per-expert counts first: rank r learns how many tokens each rank sends
         # to each of its experts, hence its receive splits and the ids of what arrives.
         received = torch.empty_like(counts)
-        start = time.perf_counter()
-        self.comm.all_to_all(received, counts.contiguous())
-        self.collective_times.append(time.perf_counter() - start)
+        self.timed(self.comm.all_to_all, received, counts.contiguous())
         send = counts.view(n, local).sum(1)
         per_source = received.view(n, local)  # [source rank, local expert]
         recv = per_source.sum(1)
@@ -128,12 +112,6 @@ class ExpertParallelComm(nn.Module):
             return y
         return _AllToAll.apply(y, recv.tolist(), send.tolist(), self)[restore]
 
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["comm"], state["backward_comm"] = None, None  # communicators never travel
-        state["collective_times"] = []
-        return state
-
 
 class _AllToAll(torch.autograd.Function):
     """An all-to-all with uneven splits; backward is the reverse all-to-all, on
@@ -145,17 +123,13 @@ class _AllToAll(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.comm = send, recv, comm
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        start = time.perf_counter()
-        comm.comm.all_to_all(out, x.contiguous(), recv, send)
-        comm.collective_times.append(time.perf_counter() - start)
+        comm.timed(comm.comm.all_to_all, out, x.contiguous(), recv, send)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        start = time.perf_counter()
-        ctx.comm.backward_comm.all_to_all(out, grad.contiguous(), ctx.send, ctx.recv)
-        ctx.comm.collective_times.append(time.perf_counter() - start)
+        ctx.comm.timed(ctx.comm.backward_comm.all_to_all, out, grad.contiguous(), ctx.send, ctx.recv)
         return out, None, None, None
 
 

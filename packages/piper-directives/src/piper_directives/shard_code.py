@@ -45,7 +45,6 @@ from __future__ import annotations
 import copy
 import math
 import operator
-import time
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -55,6 +54,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from piper_directives.collective_code import GroupCollectives
 from piper_directives.diagnose import describe
 from piper_directives.segment_module import like
 from piper_directives.shard_buckets import sharded_buckets
@@ -72,45 +72,19 @@ class AllReduce(Protocol):
         ...
 
 
-class TensorParallelComm(nn.Module):
-    """The communicators a tensor-parallel segment's collectives run on; unbound (the
-    default) it is the identity, as for one rank holding everything."""
-
-    def __init__(self, degree: int) -> None:
-        super().__init__()
-        self.degree = degree
-        self.comm: AllReduce | None = None
-        self.backward_comm: AllReduce | None = None
-        self.collective_times: list[float] = []  # seconds of each all-reduce (runtime reads)
-
-    @property
-    def bound(self) -> bool:
-        return self.comm is not None
-
-    def bind_communicator(self, comm: AllReduce, backward_comm: AllReduce | None = None) -> None:
-        """Called by the runtime with the communicator of the segment's ``tp`` group and the
-        one for the collectives of backward passes (default: the same), so a forward and a
-        backward running at once on two threads never share one."""
-        self.comm = comm
-        self.backward_comm = comm if backward_comm is None else backward_comm
+class TensorParallelComm(GroupCollectives[AllReduce]):
+    """The communicators a tensor-parallel segment's collectives run on (the ``tp`` group's);
+    unbound (the default) it is the identity, as for one rank holding everything."""
 
     def all_reduce(self, t: torch.Tensor, backward: bool = False) -> torch.Tensor:
         if self.comm is None:
             return t
         t = t.contiguous().clone()
-        start = time.perf_counter()
-        (self.backward_comm if backward else self.comm).all_reduce(t)
-        self.collective_times.append(time.perf_counter() - start)
+        self.timed((self.backward_comm if backward else self.comm).all_reduce, t)
         return t
 
     def forward(self, x: torch.Tensor, op: str) -> torch.Tensor:
         return (_CopyToGroup if op == "f" else _ReduceFromGroup).apply(x, self)
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["comm"], state["backward_comm"] = None, None  # communicators never travel
-        state["collective_times"] = []
-        return state
 
 
 class _CopyToGroup(torch.autograd.Function):
