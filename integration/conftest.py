@@ -4,7 +4,7 @@ Runtimes: the integration tests run on the ``local`` runtime (every rank a threa
 process: no worker processes to start), which computes what the ``ray`` runtime computes,
 bit for bit (``test_runtimes.py`` holds the two equal on every schedule and parallelism).
 Tests of what only Ray does (actors killed, placement groups, worker pools, several nodes)
-are marked ``ray`` and run on it. ``PIPER_RUNTIME=ray ./dev test`` runs every test on Ray.
+are marked ``ray`` and run on it. ``PIPER_RUNTIME=ray ./dev test`` puts the others on Ray too.
 """
 
 from __future__ import annotations
