@@ -307,16 +307,19 @@ def test_a_hung_rank_is_named_with_its_instruction_and_its_peers(ray_cluster, ru
     with pytest.raises(HangError) as info:
         rt.submit_steps([StepRequest(*((t,) for t in _batch(step))) for step in range(2)])[0].result()
     err = info.value
-    assert err.ranks == (1,) and err.nodes == ("F.s1.mb0",) and err.step == 2
-    assert str(err).startswith("step 2: ")
     text = str(err)
-    assert "rank 1 is stuck: no progress for" in text and "in compute F.s1.mb0 (s1:F0), microbatch 0" in text
-    # Rank 0 sent its activations and waits for the first gradient from rank 1; on the local
-    # runtime it may wait to start its next forward instead, as the forwards of one process
-    # take turns with its random generator (piper_semantics.randomness), which rank 1 holds.
-    waits = ["in recv recv.grad:v:h.mb0.1-0 (RECV grad:v:h#0 <-1), microbatch 0, from rank 1"]
-    waits += ["in compute F.s0.mb"] if runtime == "local" else []
-    assert any(f"rank 0: {w}" in text for w in waits), text
+    assert err.step == 2 and text.startswith("step 2: ")
+    if runtime == "local":
+        # The forwards of one process take turns with its random generator
+        # (piper_semantics.randomness), which rank 1 holds: rank 0, waiting for it at its next
+        # forward, looks as stuck in compute as rank 1, and the report may blame either
+        # (docs/runtimes.md). Rank 1's forward is named all the same.
+        assert err.ranks in ((0,), (1,)) and "rank 1" in text and "F.s1.mb0 (s1:F0), microbatch 0" in text
+    else:
+        assert err.ranks == (1,) and err.nodes == ("F.s1.mb0",)
+        assert "rank 1 is stuck: no progress for" in text and "in compute F.s1.mb0 (s1:F0), microbatch 0" in text
+        # Rank 0 sent its activations and waits for the first gradient from rank 1.
+        assert "rank 0: in recv recv.grad:v:h.mb0.1-0 (RECV grad:v:h#0 <-1), microbatch 0, from rank 1" in text
     assert rt.closed
     for w in workers if runtime == "ray" else ():  # a local rank's thread sleeps on, a daemon
         assert _dies(w)
