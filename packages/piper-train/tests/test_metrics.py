@@ -22,6 +22,7 @@ from piper_train.metrics import (
     Progress,
     StepMetrics,
     TensorBoardWriter,
+    WandbWriter,
     dumps,
 )
 from piper_train.schedule import LearningRate, LRSchedule
@@ -108,6 +109,56 @@ def test_tensorboard_scalars(tmp_path) -> None:
     assert {"train/loss", "train/lr", "train/grad_norm", "eval/loss", "train/peak_memory_mib/rank1"} <= tags
     assert "train/tokens_per_s" not in tags
     assert events.Scalars("train/peak_memory_mib/rank1")[0].value == 2.0
+
+
+class _Wandb:
+    """What ``WandbWriter`` calls of the ``wandb`` module, recorded."""
+
+    class Settings:
+        def __init__(self, **kwargs: object) -> None:
+            self.kwargs = kwargs
+
+    def __init__(self) -> None:
+        self.inits: list[dict] = []
+        self.logged: list[tuple[dict, int]] = []
+        self.finished = 0
+
+    def init(self, **kwargs: object) -> _Wandb:
+        self.inits.append(kwargs)
+        return self
+
+    def log(self, values: dict, step: int) -> None:
+        self.logged.append((values, step))
+
+    def finish(self) -> None:
+        self.finished += 1
+
+
+def test_wandb_gets_the_jsonl_records_at_their_steps() -> None:
+    wandb = _Wandb()
+    writer = WandbWriter("piper/run-1", {"schedule": "1f1b", "pp": 2}, wandb=wandb)
+    writer.on_step(STEP, StepResult((0.5,), 0.5))
+    writer.on_eval(EvalMetrics(3, 0.25, 2, 0.1))
+    writer.on_checkpoint(CheckpointMetrics(3, "ck/step-00000003", 5 * 2**20, 0.4, 0.1))
+    writer.close()
+    (init,) = wandb.inits
+    assert (init["project"], init["name"], init["config"]) == ("piper", "run-1", {"schedule": "1f1b", "pp": 2})
+    assert init["settings"].kwargs == {"console": "off"}  # stdout stays Piper's (--json)
+    (step, at), (ev, eval_at), (ck, ck_at) = wandb.logged
+    assert at == eval_at == ck_at == 3
+    assert math.isnan(step["train/loss"]) and step["train/grad_norm"] == math.inf  # as they are
+    assert step["train/lr"] == 1e-3 and step["train/tokens_per_s"] == 51200.0
+    assert step["train/peak_memory_mib/rank1"] == 3.0 and "train/step" not in step
+    assert ev == {"eval/loss": 0.25, "eval/batches": 2, "eval/seconds": 0.1}
+    assert ck == {"checkpoint/bytes": 5 * 2**20, "checkpoint/seconds": 0.4, "checkpoint/waited_seconds": 0.1}
+    assert wandb.finished == 1
+    assert WandbWriter("piper", {}, wandb=wandb) and wandb.inits[-1]["name"] is None
+
+
+def test_wandb_without_its_package_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import fails
+    with pytest.raises(ValueError, match=r"--wandb p/r: the wandb package is not installed"):
+        WandbWriter("p/r", {})
 
 
 def test_train_state_round_trips_step_schedule_data_and_rng() -> None:

@@ -16,7 +16,7 @@ from torch import nn
 
 from piper_runtime import OptimizerSpec
 from piper_train import bounds, cli
-from piper_train.cli.options import MAXIMUMS, MINIMUMS, build_parser, finite_float
+from piper_train.cli.options import MAXIMUMS, MINIMUMS, build_parser, finite_float, wandb_target
 from piper_train.cli.outputs import output_file
 from piper_train.schedule import LearningRate, LRSchedule
 from piper_train.trainer import Trainer
@@ -34,7 +34,7 @@ def _numeric_options() -> list[tuple[str, argparse.Action]]:
         (name, action)
         for name, parser in commands.items()
         for action in parser._actions
-        if action.option_strings and action.type not in (None, Path, output_file)
+        if action.option_strings and action.type not in (None, Path, output_file, wandb_target)  # texts
     ]
 
 

@@ -12,8 +12,14 @@ without ``on_checkpoint`` is not told of checkpoints):
   ``train/grad_norm``, ``train/step_seconds``, ``train/samples_per_s``, ``train/tokens_per_s``,
   ``train/peak_memory_mib/rank<r>``, ``eval/loss``, ``checkpoint/seconds``); needs the
   ``tensorboard`` package;
+- ``WandbWriter``: the JSONL records to a Weights & Biases run (``step/...``, ``eval/...``,
+  ``checkpoint/...`` as ``wandb.log`` keys at the training step, ``train/peak_memory_mib/rank<r>``,
+  the run's options as its config); ``WANDB_MODE=offline`` and ``WANDB_DIR`` are wandb's own;
+  needs the ``wandb`` package (``piper-train[wandb]``);
 - ``ProfileWriter``: the measured timeline of one step as a Chrome/Perfetto trace and a
   Gantt PNG (``piper_scheduler.measured_timeline``, ``to_chrome_trace``, ``plot_gantt``).
+
+Only the driver's process writes (under torchrun, rank 0's: the others have no sinks).
 """
 
 from __future__ import annotations
@@ -269,6 +275,51 @@ class TensorBoardWriter:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class WandbWriter:
+    """A Weights & Biases run receiving what ``JsonlWriter`` writes (module doc). ``target`` is
+    ``PROJECT`` or ``PROJECT/RUN`` (the run's display name); ``config``: the run's options.
+    ``wandb``: the module (tests give a stand-in); imported here when not given."""
+
+    def __init__(self, target: str, config: dict[str, Any], wandb: Any = None) -> None:
+        project, _, name = target.partition("/")
+        if wandb is None:
+            try:
+                import wandb
+            except ImportError:
+                raise ValueError(
+                    f"--wandb {target}: the wandb package is not installed (pip install 'piper-train[wandb]')"
+                ) from None
+        # console="off": wandb would otherwise wrap this process's stdout (``--json`` promises
+        # one document there) to upload it.
+        self.run = wandb.init(project=project, name=name or None, config=json_safe(config),
+                              settings=wandb.Settings(console="off"))
+
+    def on_step(self, metrics: StepMetrics, result: StepResult) -> None:
+        values = _numbers("train", metrics)
+        values.update({f"train/peak_memory_mib/rank{r}": peak / MIB for r, peak in enumerate(metrics.peak_memory_bytes)})
+        if metrics.nonfinite is not None:
+            values["train/nonfinite"] = 1
+        self.run.log(values, step=metrics.step)
+
+    def on_eval(self, metrics: EvalMetrics) -> None:
+        self.run.log(_numbers("eval", metrics), step=metrics.step)
+
+    def on_checkpoint(self, metrics: CheckpointMetrics) -> None:
+        self.run.log(_numbers("checkpoint", metrics), step=metrics.step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _numbers(prefix: str, figures: Any) -> dict[str, float]:
+    """The numeric fields of ``figures`` (an attrs instance) under ``prefix/``, but its step (the
+    log's own); NaN and infinities as they are (W&B plots them as such)."""
+    return {
+        f"{prefix}/{key}": value for key, value in attrs.asdict(figures).items()
+        if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)
+    }
 
 
 class ProfileWriter:

@@ -9,7 +9,7 @@ take it, and the checks argparse cannot express.
 | run | --memory-budget-mb, --optimizer, --optimizer-impl, --lr, --seed, --precision, --runtime, --address, --backend, --placement, --ranks-per-gpu, --timeout | train, check |
 | optimization | --lr-schedule, --warmup-steps, --min-lr, --lr-step-size, --lr-gamma, --clip-grad-norm, --weight-decay | train, check |
 | summary | --json (a machine-readable summary; standard JSON: a NaN or infinite number is written as the string "NaN", "Infinity" or "-Infinity") | train, check |
-| length, evaluation, metrics | --steps, --epochs, --eval-every, --eval-batches, --metrics, --tensorboard, --profile-step, --steps-per-call, --on-nan, ... | train |
+| length, evaluation, metrics | --steps, --epochs, --eval-every, --eval-batches, --metrics, --tensorboard, --wandb, --profile-step, --steps-per-call, --on-nan, ... | train |
 | checkpoints | --checkpoint-dir, --checkpoint-every, --keep-checkpoints, --checkpoint-async, --resume, --max-restarts | train |
 | simulation | --cost, --json, --png, --trace | simulate, show |
 | tune | --devices, --stages, --memory-budget-mb, --microbatch-range, --schedules, --zero-levels, --recompute, --top, --out, --validate, ... | tune |
@@ -254,6 +254,14 @@ def _steps_per_call(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be a number >= 1 or auto, got {text!r}") from None
 
 
+def wandb_target(text: str) -> str:
+    """``PROJECT`` or ``PROJECT/RUN``, each part non-empty."""
+    project, slash, run = text.partition("/")
+    if not project.strip() or (slash and (not run.strip() or "/" in run)):
+        raise argparse.ArgumentTypeError(f"expected PROJECT or PROJECT/RUN, got {text!r}")
+    return text
+
+
 def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="training steps (default: 20, unless --epochs is given)")
     p.add_argument("--epochs", type=int, default=None, help="passes over the model's data (with --steps: whichever "
@@ -265,6 +273,9 @@ def _add_train(p: argparse.ArgumentParser) -> None:
                    "each when its step starts; default: 2)")
     p.add_argument("--metrics", type=output_file, help="write one JSON object per step and evaluation to this .jsonl file")
     p.add_argument("--tensorboard", type=Path, help="write TensorBoard scalars to this directory (needs tensorboard)")
+    p.add_argument("--wandb", type=wandb_target, metavar="PROJECT[/RUN]",
+                   help="log the --metrics records and the run's options to a Weights & Biases run (needs wandb: "
+                        "pip install 'piper-train[wandb]'; WANDB_MODE=offline writes it locally, under WANDB_DIR)")
     p.add_argument("--profile-step", type=int, help="write the measured timeline of this step (1-based) as a "
                    "Chrome/Perfetto trace and a Gantt PNG")
     p.add_argument("--profile-dir", type=Path, default=Path("."), help="where --profile-step writes (default: .)")

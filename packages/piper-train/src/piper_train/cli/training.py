@@ -48,6 +48,7 @@ from piper_train.metrics import (
     Sink,
     StepMetrics,
     TensorBoardWriter,
+    WandbWriter,
 )
 from piper_train.models import MODELS, ModelSpec
 from piper_train.schedule import LRSchedule
@@ -335,9 +336,18 @@ def _sinks(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[Sink]:
         sinks.append(JsonlWriter(args.metrics))
     if args.tensorboard is not None:
         sinks.append(TensorBoardWriter(args.tensorboard))
+    if args.wandb is not None:
+        sinks.append(WandbWriter(args.wandb, run_config(args)))
     for sink in sinks:
         stack.callback(sink.close)
     return sinks
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The command's options as plain values (a sink's record of how the run was started)."""
+    skip = {"func", "subparser", "document", "quiet"}
+    return {k: v if isinstance(v, bool | int | float | str | type(None)) else str(v)
+            for k, v in sorted(vars(args).items()) if k not in skip}
 
 
 class _NonFinite:
