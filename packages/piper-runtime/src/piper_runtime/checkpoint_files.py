@@ -17,6 +17,7 @@ file is a ``CheckpointError`` naming it, never a traceback and never a partial t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from piper_ir import CheckpointError
@@ -87,13 +89,17 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> int:
 # -- objects: JSON trees, tensors beside them -----------------------------------------------
 
 
-def encode(value: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
+def encode(
+    value: Any, prefix: str, records: Mapping[str, type] | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """``value`` (None, bool, int, finite or not float, str, list, tuple, dict, tensor, nested)
     as a JSON tree whose containers and tensors are tagged (``{"list": [...]}``,
     ``{"tensor": name}``, ...), and its tensors by name (``prefix``-ed, for a safetensors file).
-    Anything else is a ``TypeError`` naming where it sits: a checkpoint holds no objects that
-    only a program could rebuild."""
+    ``records``: attrs or dataclass types that may appear too, by name (``{"record": [name,
+    fields]}``; a checkpoint allows none). Anything else is a ``TypeError`` naming where it
+    sits: no object that only a program could rebuild."""
     tensors: dict[str, torch.Tensor] = {}
+    names = {cls: name for name, cls in (records or {}).items()}
 
     def enc(v: Any, where: str) -> Any:
         if v is None or isinstance(v, (bool, str)):
@@ -110,14 +116,17 @@ def encode(value: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
             return {type(v).__name__: [enc(x, f"{where}[{i}]") for i, x in enumerate(v)]}
         if isinstance(v, dict):
             return {"dict": [[enc(k, f"{where} key"), enc(x, f"{where}[{k!r}]")] for k, x in v.items()]}
+        if type(v) in names:
+            return {"record": [names[type(v)], enc(_fields(v), f"{where}.")]}
         raise TypeError(f"a checkpoint object holds only data; {prefix.rstrip('/')}{where} is a {type(v).__name__}")
 
     return enc(value, ""), tensors
 
 
-def decode(tree: Any, tensor: Any, where: str) -> Any:
-    """The value ``encode`` made ``tree`` of; ``tensor(name)`` gives a tensor it names.
-    ``CheckpointError`` naming ``where`` for anything ``encode`` never writes."""
+def decode(tree: Any, tensor: Any, where: str, records: Mapping[str, type] | None = None) -> Any:
+    """The value ``encode`` made ``tree`` of; ``tensor(name)`` gives a tensor it names;
+    ``records`` the record types it may build, by name (none unless given). ``CheckpointError``
+    naming ``where`` for anything ``encode`` never writes."""
 
     def dec(t: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -137,9 +146,23 @@ def decode(tree: Any, tensor: Any, where: str) -> Any:
                 return float(body)
             if tag == "int" and isinstance(body, str) and body.lstrip("-").isdigit() and len(body) < 400:
                 return int(body)
+            if tag == "record" and isinstance(body, list) and len(body) == 2 and body[0] in (records or {}):
+                fields = dec(body[1], depth + 1)
+                if isinstance(fields, dict) and all(isinstance(k, str) for k in fields):
+                    try:
+                        return records[body[0]](**fields)  # type: ignore[index]
+                    except TypeError as err:
+                        raise CheckpointError(f"{where}: a {body[0]} record does not fit: {err}") from None
         raise CheckpointError(f"{where}: not a value a Piper checkpoint writes ({_excerpt(t)})")
 
     return dec(tree, 0)
+
+
+def _fields(record: Any) -> dict[str, Any]:
+    """An attrs or dataclass instance's fields by name (what its constructor takes back)."""
+    if attrs.has(type(record)):
+        return {f.name: getattr(record, f.name) for f in attrs.fields(type(record))}
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
 
 
 def _hashable(key: Any, where: str) -> Any:

@@ -183,26 +183,22 @@ class CpuBackend(HostStreams):
             return
         set_socket_interfaces(master_addr, ("GLOO_SOCKET_IFNAME",))
         self._timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group(
-            "gloo",
-            store=make_store(rank, world_size, master_addr, master_port, timeout_s),
-            rank=rank,
-            world_size=world_size,
-            timeout=self._timeout,
-        )
+        store = make_store(rank, world_size, master_addr, master_port, timeout_s)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=self._timeout)
         self._rank = rank
-        self._join_hosts(rank, world_size)
+        self._join_hosts(dist.PrefixStore("piper/hosts", store), rank, world_size)
 
-    def _join_hosts(self, rank: int, world_size: int) -> None:
+    def _join_hosts(self, store: Any, rank: int, world_size: int) -> None:
         """Learn which ranks share a host, and a prefix for this world's files (every rank
-        decides alike: a rank that cannot use shared memory opts the whole world out)."""
-        mine = host_identity() if shm_enabled() else ""
-        hosts: list[Any] = [None] * world_size
-        dist.all_gather_object(hosts, mine)
-        prefix = [f"piper-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}" if rank == 0 else None]
-        dist.broadcast_object_list(prefix, src=0)
-        self._hosts = tuple(hosts) if all(hosts) else ()
-        self._prefix = str(prefix[0])
+        decides alike: a rank that cannot use shared memory opts the whole world out). Plain
+        strings through the world's store (torch's ``all_gather_object`` would unpickle what
+        peers send)."""
+        store.set(f"host/{rank}", host_identity() if shm_enabled() else "")
+        if rank == 0:
+            store.set("prefix", f"piper-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}")
+        hosts = tuple(store.get(f"host/{r}").decode() for r in range(world_size))  # waits, bounded by the store
+        self._hosts = hosts if all(hosts) else ()
+        self._prefix = store.get("prefix").decode()
 
     def _same_host(self, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         if not self._hosts:

@@ -26,9 +26,9 @@ lane, as ``ThreadRanks``), on the ``cpu`` backend or, where this process has a u
 - **Shared files.** Only the coordinator (rank 0) writes what the job writes once (a
   checkpoint's index, manifest and rename, metrics, the ``--json`` document); ``writer`` names
   the temporary directory every process writes its rank's checkpoint files into.
-- **Trust.** Outcomes are pickles between the processes of one job, through the job's own store,
-  as torch's ``all_gather_object`` sends its objects: whoever can write to that store can join
-  the job's process groups already (docs/torchrun.md).
+- **Trust.** Outcomes travel as data (``outcomes``: a JSON tree and a safetensors buffer,
+  rebuilding only the records a rank returns), never as pickles: whoever can write to the
+  job's store can send wrong numbers, not run code here (docs/torchrun.md).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ import hashlib
 import itertools
 import json
 import os
-import pickle
 import socket
 import time
 import traceback
@@ -55,6 +54,7 @@ import torch.distributed as dist
 
 from piper_ir import ClusterError, ExecutionError, Program
 from piper_runtime.backends import Backend, BackendFactory, backend_factory
+from piper_runtime.driver.outcomes import Outcome, unpack
 from piper_runtime.driver.ranks import LANES, Lane, RankFailure
 from piper_runtime.options import RunOptions
 from piper_runtime.rank.worker import RankWorker
@@ -224,7 +224,7 @@ class SpmdRanks:
             if rank != self.rank:
                 return _Answered(None)
             monitored = getattr(self.worker, method)
-            return _Own(self._lanes[group].submit(lambda: monitored(*args)), method, pickled=False)
+            return _Own(self._lanes[group].submit(lambda: monitored(*args)), method, published=False)
         key = f"{group or 'calls'}/{next(self._sequence[(rank, group)])}/{rank}"
         if rank != self.rank:
             return _Peer(rank, key, method)
@@ -232,13 +232,13 @@ class SpmdRanks:
         args = copy.deepcopy(args, kept)
         bound = getattr(self.worker, method)
 
-        def run() -> bytes:
-            blob = _outcome(method, lambda: bound(*args))
+        def run() -> Outcome:
+            outcome = Outcome(method, lambda: bound(*args))
             if self._readers:
-                self._store.set(key, blob)
-            return blob
+                self._store.set(key, outcome.pack())
+            return outcome
 
-        return _Own(self._lanes[group].submit(run), method, pickled=True)
+        return _Own(self._lanes[group].submit(run), method, published=True)
 
     def share(self, value: Any) -> Any:
         return value
@@ -302,12 +302,12 @@ class SpmdRanks:
                 raise RankFailure("died", "its call was cancelled (the run was torn down)") from None
             except Exception as exc:
                 raise RankFailure("raised", "".join(traceback.format_exception(exc)), exc) from None
-            return _open(result, handle.method, rank) if handle.pickled else result
+            return copy.deepcopy(result.result(rank)) if handle.published else result  # as a peer gets its own
         if handle.failure is not None:
             raise handle.failure
         if handle.blob is None:
             raise RankFailure("silent", "did not answer")
-        return _open(handle.blob, handle.method, rank)
+        return unpack(handle.blob, handle.method, rank)
 
     def agree(self, value: Any) -> Any:
         """The coordinator's ``value``, in every process (module doc); each process must ask
@@ -316,7 +316,7 @@ class SpmdRanks:
             return value
         key = f"agree/{next(self._agreements)}"
         if self.coordinator:
-            self._store.set(key, _outcome("agree", lambda: value))
+            self._store.set(key, Outcome("agree", lambda: value).pack())
             return value
         handle = _Peer(0, key, "agree")
         self.wait([handle], None)
@@ -364,11 +364,12 @@ class _Answered:
 
 @attrs.define(eq=False)
 class _Own:
-    """A call on this process's rank: the future of its outcome (``pickled``: as published)."""
+    """A call on this process's rank: the future of its ``Outcome`` (``published``: the call's
+    peers read it; else the future's value is the call's own)."""
 
     future: cf.Future
     method: str
-    pickled: bool
+    published: bool
 
     @property
     def ready(self) -> bool:
@@ -388,34 +389,6 @@ class _Peer:
     @property
     def ready(self) -> bool:
         return self.blob is not None or self.failure is not None
-
-
-def _outcome(method: str, run: Callable[[], Any]) -> bytes:
-    """What ``run()`` gave, pickled with ``method``: its value, or the exception and its
-    traceback (only the text where the exception itself cannot be pickled)."""
-    try:
-        outcome: tuple[str, bool, Any, str] = (method, True, run(), "")
-    except BaseException as exc:  # a peer waits for it, whatever it is
-        outcome = (method, False, exc, "".join(traceback.format_exception(exc)))
-    try:
-        return pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as err:
-        text = outcome[3] or f"{method} returned a value that cannot be pickled ({type(err).__name__}: {err})"
-        return pickle.dumps((method, False, None, text), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _open(blob: bytes, method: str, rank: int) -> Any:
-    """The value of a published outcome of ``method`` on ``rank``, or ``RankFailure``."""
-    answered, ok, payload, text = pickle.loads(blob)  # a process of this job published it (module doc)
-    if answered != method:
-        raise RankFailure(
-            "raised",
-            f"the processes' drivers diverged: this one's call was {method}, the process of rank {rank} answered "
-            f"{answered} (every process must run the same program and make the same calls in one order)",
-        )
-    if ok:
-        return payload
-    raise RankFailure("raised", text, payload)
 
 
 def _resolve(address: str) -> str:
