@@ -462,6 +462,6 @@ def test_a_run_resumed_with_more_epochs_trains_the_next_epoch_whole(tmp_path, ca
         assert main(argv) == 0
         runs.append(json.loads(capsys.readouterr().out))
     first, resumed, whole = runs
-    # 36 samples: 4 full batches of 8 per epoch.
-    assert (first["steps"], resumed["first_step"], resumed["steps"], whole["steps"]) == (4, 5, 4, 8)
+    # 36 samples: 4 full batches of 8 per epoch and a partial one of 4, which trains.
+    assert (first["steps"], resumed["first_step"], resumed["steps"], whole["steps"]) == (5, 6, 5, 10)
     assert first["losses"] + resumed["losses"] == whole["losses"]

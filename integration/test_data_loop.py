@@ -1,9 +1,10 @@
 """``piper train`` on a user's data (in process, on the session's Ray): a Dataset batched by
-``--batch-size`` for ``--epochs`` with its partial last batch dropped, held-out evaluation
+``--batch-size`` for ``--epochs`` with its partial last batch trained, held-out evaluation
 every few steps, per-step metrics as JSON lines, the timeline of one step (also with three
-steps per call to the workers); a data source whose shapes vary is refused, naming the
-batch; a missing optional dependency is refused before any worker starts. Where each
-rank's batch values go is checked without processes."""
+steps per call to the workers); a data source whose feature size changes (which the model
+cannot take, unlike another batch size or sequence length) is refused, naming the shapes; a
+missing optional dependency is refused before any worker starts. Where each rank's batch
+values go is checked without processes."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "data_model.py"
 
 
 @pytest.mark.usefixtures("ray_cluster")
-@pytest.mark.parametrize("steps_per_call", ["1", "3"])  # 3: calls of steps [1-3], [4-6], [7, 8]
+@pytest.mark.parametrize("steps_per_call", ["1", "3"])  # 3: calls of steps [1-3], [4-6], [7-9], [10]
 def test_epochs_of_a_dataset_with_evaluation_metrics_and_a_profile(tmp_path, capsys, steps_per_call) -> None:
     metrics = tmp_path / "metrics.jsonl"
     code = main(["train", "--model", f"{FIXTURE}:make", "--batch-size", "8", "--epochs", "2", "--pp", "2",
@@ -35,19 +36,21 @@ def test_epochs_of_a_dataset_with_evaluation_metrics_and_a_profile(tmp_path, cap
     out, err = capsys.readouterr()
     assert code == 0, err
     summary = json.loads(out)
-    # 36 samples: 4 full batches of 8 per epoch (the partial batch of 4 dropped), 2 epochs.
-    assert (summary["steps"], summary["epochs"], summary["schema"], summary["command"]) == (8, 2, 1, "train")
-    assert [e["step"] for e in summary["eval"]] == [3, 6]
+    # 36 samples: 4 full batches of 8 per epoch and the partial batch of 4 (it trains), 2 epochs.
+    assert (summary["steps"], summary["epochs"], summary["schema"], summary["command"]) == (10, 2, 1, "train")
+    assert [e["step"] for e in summary["eval"]] == [3, 6, 9]
+    # The partial batch's pieces (2 samples, not 4) compiled a second program, once.
+    assert summary["plans"] == 2 and len(summary["plan_compile_seconds"]) == 1
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "step"]
-    assert [r["step"] for r in steps] == list(range(1, 9)) and [r["epoch"] for r in steps] == [0] * 4 + [1] * 4
+    assert [r["step"] for r in steps] == list(range(1, 11)) and [r["epoch"] for r in steps] == [0] * 5 + [1] * 5
     assert all(r["samples_per_s"] > 0 and len(r["peak_memory_bytes"]) == 2 and r["tokens_per_s"] is None for r in steps)
-    assert steps[-1]["eta_seconds"] == 0 and steps[0]["total_steps"] == 8
+    assert steps[-1]["eta_seconds"] == 0 and steps[0]["total_steps"] == 10 and steps[-1]["plans"] == 2
     assert [r["loss"] for r in records if r["kind"] == "eval"] == [e["loss"] for e in summary["eval"]]
     trace = json.loads((tmp_path / "profile" / "step2.trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
     assert (tmp_path / "profile" / "step2.png").stat().st_size > 0
-    assert "eval after step 3" in err and "step    8/8" in err
+    assert "eval after step 3" in err and "step   10/10" in err
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -62,7 +65,8 @@ def test_a_dataloader_for_a_number_of_steps_and_shapes_that_vary(capsys) -> None
     code = main(["train", "--model", f"{FIXTURE}:varying", "--steps", "4", "--pp", "2", "--microbatches", "2"])
     err = capsys.readouterr().err
     assert code == 2
-    assert "data, epoch 0, batch 2: input 0 has shape (8, 7)" in err and "Traceback" not in err
+    # Another feature size: the model cannot take it, so no program compiles for it.
+    assert "a batch whose pieces have shapes input:0 4x7, target:0 4x6" in err and "Traceback" not in err
 
 
 def test_missing_tensorboard_and_bad_flags_are_refused_before_workers_start(tmp_path, monkeypatch, capsys) -> None:

@@ -50,10 +50,12 @@ def test_cycle_error_names_the_nodes_and_where_the_order_was_written():
     assert "test_errors.py" in str(err.value)
 
 
-def test_batch_of_the_wrong_size_is_refused_and_nothing_hangs():
+def test_a_batch_too_small_for_its_microbatches_is_refused_and_nothing_hangs():
     w = build_model("mlp", stages=2)
     with Trainer(w.model, w.example_inputs, w.example_targets, w.loss_fn, Strategy([Split(2), Place({"PP": 0}, 0), Place({"PP": 1}, 1)])) as trainer:
         inputs, targets = w.batches(0)
-        with pytest.raises(ValueError, match="batch"):
-            trainer.step((inputs[0][:6],), (targets[0][:6],))
+        with pytest.raises(ValueError, match="a batch of 1 samples cannot give each of 2 microbatches a sample"):
+            trainer.step((inputs[0][:1],), (targets[0][:1],))
+        assert trainer.state.step == 0  # nothing was sent
+        assert trainer.step((inputs[0][:6],), (targets[0][:6],)).loss > 0  # another size trains (a new program)
         assert trainer.step(inputs, targets).loss > 0  # still usable afterwards

@@ -89,14 +89,19 @@ def test_evaluation_between_steps_leaves_training_exact() -> None:
             assert trainer.evaluate(*held_out) == pytest.approx(reference.evaluate(*held_out), rel=1e-12)
         assert trainer.state.step == 2 and trainer.state.samples == 2 * trainer.batch_size
         inputs, targets = workload.batches(9)
-        with pytest.raises(ValueError, match=r"a batch of 8 samples, but the program was compiled for batches of 16"):
-            trainer.step((inputs[0][:8],), (targets[0][:8],))
-        with pytest.raises(ValueError, match=r"expected shape \(16, 32\)"):
+        smaller = (inputs[0][:7],), (targets[0][:7],)  # another size trains too: pieces 2, 2 | 2, 1
+        got, want = trainer.step(*smaller), reference.step(*smaller)
+        assert got.loss == pytest.approx(want.loss, rel=1e-12) and trainer.plans == 3
+        assert trainer.state.step == 3 and trainer.state.samples == 2 * trainer.batch_size + 7
+        held_out = workload.eval_batches(5)
+        smaller = (held_out[0][0][:7],), (held_out[1][0][:7],)  # evaluation takes other sizes too
+        assert trainer.evaluate(*smaller) == pytest.approx(reference.evaluate(*smaller), rel=1e-12)
+        with pytest.raises(ValueError, match=r"pieces have shapes input:0 4x31.*capturing the model"):
             trainer.evaluate((torch.zeros(16, 31, dtype=torch.float64),), targets)
         lr = trainer.state.lr.state_dict()
-        with pytest.raises(ValueError, match=r"expected shape \(16, 32\)"):  # the call's second batch
+        with pytest.raises(ValueError, match=r"pieces have shapes input:0 4x31.*capturing the model"):  # the 2nd
             trainer.submit_steps([workload.batches(2), ((torch.zeros(16, 31, dtype=torch.float64),), targets)])
-        assert trainer.state.step == 2 and trainer.state.lr.state_dict() == lr  # nothing was sent or counted
+        assert trainer.state.step == 3 and trainer.state.lr.state_dict() == lr  # nothing was sent or counted
         params = trainer.parameters()
     for name, p in reference.parameters().items():
         torch.testing.assert_close(params[name], p, rtol=1e-9, atol=1e-12)

@@ -140,8 +140,9 @@ class GPT(nn.Module):
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross entropy, computed in fp32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Mean next-byte cross entropy, computed in fp32 at least whatever the logits' dtype
+    (float64 logits, as under ``piper check --precision fp64``, stay float64)."""
+    return F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)), targets.flatten())
 
 
 def make(config: GPTConfig, batch: int = 16, seed: int = 0):

@@ -310,11 +310,13 @@ def test_an_assert_on_a_shape_names_the_line_and_gives_a_hint():
                 return self.lin(x)
 
     with pytest.raises(CaptureError) as err:
-        _capture(Checked())
+        capture(Checked(), (X,), (Y,), F.mse_loss, method="fx")
     text = str(err.value)
     assert "cannot capture Checked.forward at" in text and "test_capture_faithful.py" in text
     assert 'assert x.shape[-1] == 4, "wrong width"' in text
     assert "TraceError" in text and "hint: Python control flow" in text and "torch.where" in text
+    # torch.export traces it: the width is fixed by the model anyway, the batch size stays free.
+    assert _capture(Checked()).method == "export"
 
 
 def test_a_branch_on_a_size_names_the_line_and_gives_a_hint():
@@ -330,6 +332,9 @@ def test_a_branch_on_a_size_names_the_line_and_gives_a_hint():
     text = str(err.value)
     assert "cannot capture Branchy.forward at" in text and "test_capture_faithful.py" in text
     assert "if x.size(0) > 2:" in text and "hint: Python control flow" in text
+    # torch.export would trace one side of the branch and guard the batch size: refused too,
+    # since a microbatch's size is not the example's.
+    assert "holds only for batch sizes in [3," in text and "microbatches would take another path" in text
 
 
 def test_len_of_a_traced_value_gives_its_own_hint():
@@ -339,6 +344,10 @@ def test_len_of_a_traced_value_gives_its_own_hint():
                 return x * len(x)
 
     with pytest.raises(CaptureError, match=r"(?s)return x \* len\(x\).*hint: len\(\) of a traced value: use x.size\(0\)"):
+        capture(Lengthy(), (X,), (Y,), F.mse_loss, method="fx")
+    # torch.export turns len(x) into the example's 8 without a guard: caught by running the
+    # exported code on another batch size, and refused.
+    with pytest.raises(CaptureError, match=r"(?s)hint: len\(\) of a traced value.*does not hold for another batch size"):
         _capture(Lengthy())
 
 

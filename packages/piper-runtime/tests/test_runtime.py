@@ -185,7 +185,7 @@ def test_pipeline_matches_single_device(ray_cluster) -> None:
         for name, p in ref.named_parameters():
             _close(params[name], p.detach())
 
-        with pytest.raises(ValueError, match="input:0: expected shape"):
+        with pytest.raises(ValueError, match="no program for batch pieces of shapes input:0 .*add_variant"):
             rt.step((torch.randn(BATCH + 1, D_IN),), (torch.randn(BATCH + 1, D_OUT),))
 
         # A dead worker is reported by rank, and the runtime tears itself down.

@@ -1,6 +1,6 @@
-"""Batch streams: every kind of source, epochs, the last partial batch dropped, shapes that
-vary refused, the position saved and restored, prefetching ahead without changing a batch;
-the factory forms of ``--model file.py:factory``."""
+"""Batch streams: every kind of source, epochs, the last partial batch kept (or dropped with
+``drop_last``), sizes that vary kept and dtypes or ranks that vary refused, the position saved and
+restored, prefetching ahead without changing a batch; the factory forms of ``--model file.py:factory``."""
 
 from __future__ import annotations
 
@@ -33,30 +33,30 @@ def _take(stream, n: int) -> list:
 
 
 def test_a_dataset_is_batched_reshuffled_each_epoch_and_its_partial_batch_dropped() -> None:
-    stream = BatchStream(_dataset(), batch_size=3, seed=5)
+    stream = BatchStream(_dataset(), batch_size=3, seed=5, drop_last=True)
     assert stream.batches_per_epoch == 3
     batches = _take(stream, 6)
     assert [stream.epoch, stream.index] == [1, 3]
     epochs = [sorted(v for b in _firsts(batches[i : i + 3]) for v in b) for i in (0, 3)]
     assert all(len(e) == 9 for e in epochs)  # 9 of the 10 samples per epoch, every batch full
     assert _firsts(batches[:3]) != _firsts(batches[3:])  # reshuffled
-    again = _take(BatchStream(_dataset(), batch_size=3, seed=5), 6)
+    again = _take(BatchStream(_dataset(), batch_size=3, seed=5, drop_last=True), 6)
     assert _firsts(again) == _firsts(batches)  # a function of (seed, epoch)
-    in_order = _take(BatchStream(_dataset(), batch_size=3, shuffle=False), 3)
+    in_order = _take(BatchStream(_dataset(), batch_size=3, shuffle=False, drop_last=True), 3)
     assert _firsts(in_order) == [[0.0, 3.0, 6.0], [9.0, 12.0, 15.0], [18.0, 21.0, 24.0]]
 
 
 def test_a_dataloader_and_a_list_of_batches_drop_their_partial_last_batch() -> None:
     loader = DataLoader(_dataset(), batch_size=3, shuffle=True)
-    stream = BatchStream(loader, seed=1)
+    stream = BatchStream(loader, seed=1, drop_last=True)
     assert stream.batches_per_epoch == 3  # not len(loader) == 4: the partial batch is dropped
     first_epoch = _take(stream, 3)
     assert [stream.epoch, stream.dropped] == [0, 0]
     next(stream)
     assert [stream.epoch, stream.index, stream.dropped] == [1, 1, 1]  # 4 batches, the partial dropped
-    assert _firsts(_take(BatchStream(loader, seed=1), 3)) == _firsts(first_epoch)  # seeded shuffling
+    assert _firsts(_take(BatchStream(loader, seed=1, drop_last=True), 3)) == _firsts(first_epoch)  # seeded
     batches = [(x, y) for x, y in DataLoader(_dataset(), batch_size=4)]  # 4, 4, 2
-    listed = BatchStream(batches)
+    listed = BatchStream(batches, drop_last=True)
     assert listed.batches_per_epoch == 2
     assert [b[0][0].shape[0] for b in _take(listed, 4)] == [4, 4, 4, 4]
     assert (listed.epoch, listed.dropped) == (1, 1)
@@ -71,17 +71,39 @@ def test_a_one_shot_generator_is_one_epoch_and_a_function_is_endless() -> None:
     assert [b[0][0][0, 0].item() for b in _take(calls, 4)] == [0, 1, 2, 3]
 
 
-def test_shapes_that_vary_outside_the_batch_dimension_are_refused() -> None:
-    varying = [(torch.zeros(4, D), torch.zeros(4, 1)), (torch.zeros(4, D + 1), torch.zeros(4, 1))]
+def test_by_default_every_batch_trains_the_partial_last_one_and_batches_of_other_sizes_too() -> None:
+    stream = BatchStream(_dataset(), batch_size=3, seed=5)
+    assert stream.batches_per_epoch == 4  # 3, 3, 3 and the partial 1
+    epoch = _take(stream, 4)
+    assert [b[0][0].shape[0] for b in epoch] == [3, 3, 3, 1] and stream.dropped == 0
+    assert sorted(v for b in _firsts(epoch) for v in b) == [3.0 * k for k in range(N)]  # every sample once
+    state = stream.state_dict()
+    assert state == {"epoch": 0, "index": 4, "seed": 5}
+    rest = _take(stream, 5)  # the next epoch, and into the one after
+    resumed = BatchStream(_dataset(), batch_size=3, seed=5)
+    resumed.load_state_dict(state)
+    assert _firsts(_take(resumed, 5)) == _firsts(rest)  # the position stays exact with the partial batch
+    loader = BatchStream(DataLoader(_dataset(), batch_size=4))
+    assert loader.batches_per_epoch == 3 and [b[0][0].shape[0] for b in _take(loader, 3)] == [4, 4, 2]
+    varying = [(torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long)),
+               (torch.zeros(4, 24, dtype=torch.long), torch.zeros(4, 24, dtype=torch.long)),
+               (torch.zeros(2, 32, dtype=torch.long), torch.zeros(2, 32, dtype=torch.long)),
+               (torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long))]
+    listed = BatchStream(varying)
+    assert listed.batches_per_epoch == 4
+    assert [tuple(b[0][0].shape) for b in _take(listed, 4)] == [(4, 16), (4, 24), (2, 32), (4, 16)]
+
+
+def test_dtypes_or_numbers_of_dimensions_that_vary_are_refused() -> None:
+    varying = [(torch.zeros(4, D), torch.zeros(4, 1)), (torch.zeros(4, D, 1), torch.zeros(4, 1))]
     stream = BatchStream(varying, name="my data")
     next(stream)
-    with pytest.raises(ValueError, match=r"my data, epoch 0, batch 1: input 0 has shape \(4, 4\).*\(4, 3\)"):
+    with pytest.raises(ValueError, match=r"my data, epoch 0, batch 1: input 0 has shape \(4, 3, 1\).*\(4, 3\)"):
         next(stream)
-    smaller_inside = [(torch.zeros(4, D), torch.zeros(4, 1)), (torch.zeros(2, D), torch.zeros(2, 1)),
-                      (torch.zeros(4, D), torch.zeros(4, 1))]
-    stream = BatchStream(smaller_inside)
+    other_dtype = [(torch.zeros(4, D), torch.zeros(4, 1)), (torch.zeros(4, D, dtype=torch.float64), torch.zeros(4, 1))]
+    stream = BatchStream(other_dtype)
     next(stream)
-    with pytest.raises(ValueError, match="only an epoch's last batch may be smaller"):
+    with pytest.raises(ValueError, match="first's dtypes and numbers of dimensions"):
         next(stream)
     with pytest.raises(ValueError, match="no full batch"):
         next(BatchStream([]))
@@ -112,8 +134,8 @@ def test_a_restored_position_continues_with_the_same_batches(source: str) -> Non
 
 
 def test_the_prefetcher_hands_out_the_streams_batches_and_its_own_position() -> None:
-    plain = _take(BatchStream(_dataset(), batch_size=3, seed=3), 7)
-    ahead = Prefetcher(BatchStream(_dataset(), batch_size=3, seed=3), depth=2)
+    plain = _take(BatchStream(_dataset(), batch_size=3, seed=3, drop_last=True), 7)
+    ahead = Prefetcher(BatchStream(_dataset(), batch_size=3, seed=3, drop_last=True), depth=2)
     try:
         got = _take(ahead, 5)
         assert ahead.state_dict() == {"epoch": 1, "index": 2, "seed": 3}  # not where the thread is
@@ -122,7 +144,7 @@ def test_the_prefetcher_hands_out_the_streams_batches_and_its_own_position() -> 
     finally:
         ahead.close()
     assert _firsts(got) == _firsts(plain)
-    failing = Prefetcher(BatchStream([(torch.zeros(2, D), torch.zeros(2, 1)), (torch.zeros(2, 5), torch.zeros(2, 1))]))
+    failing = Prefetcher(BatchStream([(torch.zeros(2, D), torch.zeros(2, 1)), (torch.zeros(2, 5, 1), torch.zeros(2, 1))]))
     next(failing)
     with pytest.raises(ValueError, match="input 0 has shape"):  # raised where the batch is taken
         next(failing)

@@ -30,10 +30,30 @@ def test_the_model_passed_in_is_not_trained():
     assert all(torch.equal(p, before[n]) for n, p in spec.model.named_parameters())
 
 
-def test_indivisible_batch_is_rejected():
+def test_a_batch_too_small_for_its_pieces_is_rejected():
     spec = build_model("mlp", stages=1)
-    with pytest.raises(ValueError, match="does not split into 3"):
-        ReferenceTrainer(spec.model, spec.loss_fn, OptimizerSpec(), 3).step(*spec.batches(0))
+    inputs, targets = spec.batches(0)
+    with pytest.raises(ValueError, match="does not split into 3 microbatches of 2 shards"):
+        ReferenceTrainer(spec.model, spec.loss_fn, OptimizerSpec(), 3, shards=2).step(inputs[0][:5], targets[0][:5])
+
+
+@pytest.mark.parametrize(("samples", "microbatches", "shards"), [(13, 4, 1), (11, 2, 2), (16, 3, 1)])
+def test_a_batch_that_does_not_divide_evenly_steps_as_the_whole_batch(samples, microbatches, shards):
+    """A partial batch: pieces a sample apart (tensor_split's cut), each loss divided by the
+    batch's samples over its own, so the accumulated gradient and the reported loss are the
+    whole batch's mean; the microbatch losses are the pieces' means weighted by samples."""
+    spec = build_model("mlp", stages=2, seed=3, dtype=torch.float64)
+    opt = OptimizerSpec("sgd", 0.1)
+    inputs, targets = spec.batches(0)
+    inputs, targets = tuple(t[:samples] for t in inputs), tuple(t[:samples] for t in targets)
+    acc = ReferenceTrainer(spec.model, spec.loss_fn, opt, microbatches, shards=shards)
+    full = ReferenceTrainer(spec.model, spec.loss_fn, opt, microbatches, accumulate=False)
+    a, f = acc.step(inputs, targets), full.step(inputs, targets)
+    whole = float(spec.loss_fn(spec.model(*inputs), *targets))
+    assert a.loss == pytest.approx(whole, rel=1e-12) and f.loss == pytest.approx(whole, rel=1e-12)
+    assert a.losses == pytest.approx(f.losses, rel=1e-12)  # each microbatch's mean over its shards
+    for name, grad in f.grads.items():
+        torch.testing.assert_close(a.grads[name], grad, rtol=1e-10, atol=1e-14)
 
 
 def test_a_mean_loss_is_the_mean_of_its_pieces_and_a_sum_is_not():

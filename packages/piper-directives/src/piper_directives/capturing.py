@@ -1,6 +1,11 @@
-"""``capture``: trace an annotated model into Piper's single-device training DAG.
+"""``capture``: trace a model into Piper's single-device training DAG.
 
-The model is traced with ``torch.fx``; every operation remembers the annotation scopes and
+The model is traced with ``torch.fx``, or where fx cannot trace it with ``torch.export``
+(piper_directives.tracers; ``method`` chooses, ``CapturedModel.method`` says which ran). Its
+regions are the ``annotate`` regions its ``forward`` enters, or regions named by module path
+(``regions=``, piper_directives.regions), or for a model with neither one region per entry
+of its largest ``ModuleList`` (``CapturedModel.regions`` says which). Every operation
+remembers the annotation scopes and
 the *run* (the stretch between two region boundaries, piper_directives.annotate) it was
 created in, the autocast and grad mode it was traced under (piper_directives.contexts) and
 whether it ran inside ``torch.utils.checkpoint``. Each run of operations becomes a
@@ -8,7 +13,7 @@ whether it ran inside ``torch.utils.checkpoint``. Each run of operations becomes
 function becomes one more segment. The result is the IR ``Graph`` of one training step (see
 docs/ir-conventions.md, section 1) plus the torch modules that carry each segment's code.
 
-Requires: every operation of ``forward`` lies inside some ``annotate`` region; regions
+Requires: every operation of ``forward`` lies inside some region; regions
 exchange only tensors; ``forward`` mutates no buffer in place. Guarantees: the graph
 validates; segment modules take their inputs positionally, return tuples in
 ``Segment.outputs`` order, keep the user's autocast and no-grad regions, and share
@@ -23,9 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import os
-import sys
-import warnings
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -33,9 +35,10 @@ import torch
 import torch.fx
 from torch import nn
 
-from piper_directives.annotate import Scope, current_run, current_scopes, tracing
-from piper_directives.contexts import current_context, insert_contexts
-from piper_directives.diagnose import describe, trace_error
+from piper_directives.annotate import Scope
+from piper_directives.contexts import insert_contexts
+from piper_directives.diagnose import describe
+from piper_directives.exporting import local_size, size_like
 from piper_directives.precision import (
     cast_forward,
     cast_inputs,
@@ -44,7 +47,9 @@ from piper_directives.precision import (
     torch_dtype,
     upcast,
 )
+from piper_directives.regions import ModuleRegions, RegionSpec
 from piper_directives.segment_module import SegmentModule
+from piper_directives.tracers import METHODS, module_regions, restored_buffers, traced
 from piper_directives.training_graph import training_graph
 from piper_directives.user_code import user_code_modules
 from piper_ir import (
@@ -64,8 +69,6 @@ from piper_ir import (
 
 LOSS = "loss"
 CODE_FORMAT = "torch.fx.GraphModule"
-_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
-_TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 @attrs.define
@@ -77,7 +80,9 @@ class CapturedModel:
     single-device training needs to draw the segments' random numbers
     (piper_directives.randomness.seeded_regions). ``user_modules`` names the user's own
     Python modules the segments refer to, which must travel to the workers by value
-    (piper_directives.user_code).
+    (piper_directives.user_code). ``method`` is the tracer that captured the model (``"fx"``
+    or ``"export"``); ``regions`` the module-path regions it was captured with (given, or the
+    default for a model without annotations), None for a model that annotates itself.
     """
 
     graph: Graph
@@ -85,6 +90,8 @@ class CapturedModel:
     batch_size: int
     runs: dict[int, str] = attrs.field(factory=dict)
     user_modules: tuple[str, ...] = ()
+    method: str = "fx"
+    regions: ModuleRegions | None = None
 
 
 class LossModule(torch.nn.Module):
@@ -106,42 +113,6 @@ class LossModule(torch.nn.Module):
         return self.loss_fn(*outputs, *args[self.n_outputs :])
 
 
-def _checkpoint_site() -> str | None:
-    """``file:line`` of the user's ``torch.utils.checkpoint`` call enclosing the operation
-    being traced (the outermost one), or None outside one."""
-    frame, outermost = sys._getframe(2), None
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILE):
-            outermost = frame
-        frame = frame.f_back
-    if outermost is None:
-        return None
-    caller = outermost.f_back
-    while caller is not None and caller.f_code.co_filename.startswith(_TORCH_DIR):
-        caller = caller.f_back  # decorators around checkpoint (torch._disable_dynamo)
-    return f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else "torch.utils.checkpoint"
-
-
-class _ScopeTracer(torch.fx.Tracer):
-    def __init__(self) -> None:
-        super().__init__()
-        self.record_stack_traces = True
-
-    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
-        node = super().create_node(kind, target, args, kwargs, name, type_expr)
-        site = _checkpoint_site()
-        node.meta["piper_scopes"] = current_scopes()
-        node.meta["piper_run"] = current_run()
-        node.meta["piper_checkpoint"] = site
-        node.meta["piper_context"] = current_context(in_checkpoint=site is not None)
-        return node
-
-    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
-        # An expert module (``piper_experts = True``) stays one call, so the expert-parallel
-        # rewrite (piper_directives.expert_code) can route tokens around it.
-        return bool(getattr(m, "piper_experts", False)) or super().is_leaf_module(m, module_qualified_name)
-
-
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
 
@@ -161,6 +132,8 @@ def capture(
     loss_fn: Callable[..., torch.Tensor],
     *,
     precision: str | Precision | None = None,
+    regions: RegionSpec | ModuleRegions | None = None,
+    method: str = "auto",
 ) -> CapturedModel:
     """Trace ``model`` and build its single-device training DAG.
 
@@ -171,7 +144,12 @@ def capture(
     ``precision`` (``"bf16"``, or a ``Precision``) records a step that computes in that
     dtype with the parameters as fp32 master weights: values are recorded in the compute
     dtype and the loss casts the model outputs up (piper_directives.precision).
+    ``regions`` names the regions by module path instead of ``annotate`` in ``forward``
+    (piper_directives.regions); ``method`` is ``"fx"``, ``"export"`` or ``"auto"`` (fx, and
+    export where fx cannot trace the model).
     """
+    if method not in METHODS:
+        raise CaptureError(f"capture method must be one of {', '.join(METHODS)}, got {method!r}")
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"the model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(loss_fn):
@@ -180,8 +158,10 @@ def capture(
     inputs, targets = as_tensors(example_inputs), as_tensors(example_targets)
     _check_batch(inputs, targets)
     policy = _precision(model, precision)
-    with torch.random.fork_rng(devices=[]), _restored_buffers(model) as buffers:
-        gm = _trace(model)
+    named = module_regions(model, regions)
+    with torch.random.fork_rng(devices=[]), restored_buffers(model) as buffers:
+        compute = torch_dtype(policy.compute) if policy else None
+        gm, method, named = traced(model, inputs, named, method, compute)
         if changed := buffers.changed():
             _refuse_traced_mutation(model, changed)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -195,7 +175,8 @@ def capture(
         partition_of, segment_nodes = _assign_segments(gm)  # again: the context calls are operations too
         gm.recompile()
         parts = _split(gm, partition_of, len(segment_nodes))
-        return _build(model, gm, parts, segment_nodes, inputs, targets, loss_fn, policy)
+        captured = _build(model, gm, parts, segment_nodes, inputs, targets, loss_fn, policy)
+        return attrs.evolve(captured, method=method, regions=named)
 
 
 def _precision(model: nn.Module, precision: str | Precision | None) -> Precision | None:
@@ -205,52 +186,6 @@ def _precision(model: nn.Module, precision: str | Precision | None) -> Precision
     if len(masters) > 1:
         raise CaptureError(f"--precision needs one parameter dtype to keep as master weights, found {sorted(map(str, masters))}")
     return precision_of(precision, masters.pop() if masters else torch.float32)
-
-
-def _trace(model: nn.Module) -> torch.fx.GraphModule:
-    with tracing(), torch.enable_grad(), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            traced_graph = _ScopeTracer().trace(model)
-        except CaptureError:
-            raise
-        except Exception as err:  # torch.fx's own errors: say where, and what to do
-            raise trace_error(model, err) from err
-    for w in caught:
-        if w.filename.endswith(_CHECKPOINT_FILE):
-            continue  # checkpoint's complaints about traced (input-less) calls: an artefact
-        if "autocast" in str(w.message):
-            warnings.warn(
-                f"{w.filename}:{w.lineno}: {w.message} The captured region runs without autocast, as it "
-                "would eagerly on this machine.",
-                stacklevel=3,
-            )
-        else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    gm = torch.fx.GraphModule(model, traced_graph)
-    for node in gm.graph.nodes:
-        node.type = None  # annotations like ``x: Tensor`` would not survive pickling
-    return gm
-
-
-class _restored_buffers:
-    """Snapshot the model's buffers; on exit put the snapshot back (capture runs the model on
-    the example batch and must not, say, move BatchNorm's running statistics)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.buffers = dict(model.named_buffers())
-        self.saved = {name: b.detach().clone() for name, b in self.buffers.items()}
-
-    def changed(self) -> list[str]:
-        return [n for n, b in self.buffers.items() if not torch.equal(b, self.saved[n])]
-
-    def __enter__(self) -> _restored_buffers:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with torch.no_grad():
-            for name, b in self.buffers.items():
-                b.copy_(self.saved[name])
 
 
 @attrs.define
@@ -275,22 +210,30 @@ def _split(gm: torch.fx.GraphModule, partition_of: dict[str, int], count: int) -
     inputs: list[list[torch.fx.Node]] = [[] for _ in range(count)]
     outputs: list[list[torch.fx.Node]] = [[] for _ in range(count)]
     for node in gm.graph.nodes:
-        if node.op in _COMPUTE_OPS:
+        if node.op in _COMPUTE_OPS and not size_like(node):  # sizes: made where used (exporting.local_size)
             k = partition_of[node.name]
             env, graph = envs[k], graphs[k]
 
-            def local(arg: torch.fx.Node, env=env, graph=graph, k=k) -> torch.fx.Node:
+            def bring(arg: torch.fx.Node, env=env, graph=graph, k=k) -> torch.fx.Node:
+                env[arg] = graph.placeholder(arg.name)  # produced by another segment or a model input
+                inputs[k].append(arg)
+                return env[arg]
+
+            def local(arg: torch.fx.Node, env=env, graph=graph, bring=bring) -> torch.fx.Node:
                 if arg not in env:
                     if arg.op == "get_attr":
                         env[arg] = graph.get_attr(arg.target)
-                    else:  # produced by another segment or a model input
-                        env[arg] = graph.placeholder(arg.name)
-                        inputs[k].append(arg)
+                    elif size_like(arg):
+                        return local_size(arg, graph, env, bring)
+                    else:
+                        return bring(arg)
                 return env[arg]
 
             env[node] = graph.node_copy(node, local)
             for user in node.users:
-                if user.op == "output" or (user.op in _COMPUTE_OPS and partition_of[user.name] != k):
+                if user.op == "output" or (
+                    user.op in _COMPUTE_OPS and not size_like(user) and partition_of[user.name] != k
+                ):
                     outputs[k].append(node)
                     break
     parts = []
@@ -323,7 +266,7 @@ def _assign_segments(gm: torch.fx.GraphModule) -> tuple[dict[str, int], list[lis
     last_run: int | None = None
     outside = []
     for node in gm.graph.nodes:
-        if node.op not in _COMPUTE_OPS:
+        if node.op not in _COMPUTE_OPS or size_like(node):
             continue
         if not node.meta.get("piper_scopes"):
             outside.append(node)
@@ -478,7 +421,7 @@ def _build(
 ) -> CapturedModel:
     compute = torch_dtype(precision.compute) if precision else None
     batch = inputs[0].shape[0]
-    buffers = _restored_buffers(model)
+    buffers = restored_buffers(model)
     try:
         if compute is not None:
             # Under a precision the runs below update cast copies of the buffers, not the

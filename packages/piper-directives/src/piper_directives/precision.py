@@ -23,11 +23,24 @@ _NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float1
 
 
 def precision_of(name: str, master: torch.dtype) -> Precision:
-    """``Precision`` from a name (``bf16``, ``fp16``, ``fp32``; or the dtype's own name) and
-    the model's parameter dtype (the master dtype)."""
+    """``Precision`` from a name (``bf16``, ``fp16``, ``fp32``, ``fp64``; or the dtype's own
+    name) and the model's parameter dtype (the master dtype).
+
+    ``fp64`` is not a recipe on lower-precision master weights: a float64 run holds and
+    updates its parameters in float64, so it needs a float64 model (a no-op recipe then);
+    ``piper check --precision fp64`` (``piper_train.check.in_float64``) converts a copy of the
+    model and its data before capture. Computing in float64 from fp32 master weights, whose
+    gradients and updates round to fp32, would look like fp64 and check like fp32: refused."""
     compute = _NAMES.get(name)
     if compute is None:
-        raise CaptureError(f"unknown precision {name!r}; use one of bf16, fp16, fp32")
+        raise CaptureError(f"unknown precision {name!r}; use one of bf16, fp16, fp32, fp64")
+    if compute == "float64" and master != torch.float64:
+        raise CaptureError(
+            f"precision {name!r} needs a float64 model: its parameters are {dtype_name(master)}, and float64 "
+            "compute on them would still round every gradient and update to that dtype. Convert the model and "
+            "the floating batch tensors (model.double()), or use `piper check --precision fp64`, which does so "
+            "for both the strategy and the single-device reference"
+        )
     return Precision(compute=compute, master=dtype_name(master))
 
 

@@ -21,6 +21,7 @@ import attrs
 import torch
 
 from piper_directives.annotate import on_boundaries
+from piper_directives.regions import ModuleRegions
 from piper_ir import rng_seed
 from piper_semantics.randomness import forked, reseed, seeded
 
@@ -55,11 +56,19 @@ def seeded_regions(
 
 @attrs.frozen
 class Randomness:
-    """What single-device training needs to draw a captured model's random numbers: the seed
-    and ``CapturedModel.runs`` (region boundary -> segment id)."""
+    """What single-device training needs to draw a captured model's random numbers: the seed,
+    ``CapturedModel.runs`` (region boundary -> segment id) and, for regions named by module
+    path, ``CapturedModel.regions``, whose hooks the model must run with (``install``) to
+    cross the same boundaries."""
 
     seed: int
     runs: tuple[tuple[int, str], ...] = attrs.field(converter=lambda runs: tuple(sorted(dict(runs).items())))
+    module_regions: ModuleRegions | None = None
+
+    def install(self, model: torch.nn.Module) -> None:
+        """Give ``model`` (single-device training's own copy) the regions' hooks, if any."""
+        if self.module_regions is not None:
+            self.module_regions.install(model)
 
     def regions(
         self, microbatch: int, step: int, shard: int = 0, device: torch.device | None = None

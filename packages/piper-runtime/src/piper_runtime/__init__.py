@@ -7,7 +7,18 @@ from piper_runtime.driver import ray_env as ray_env  # isort: skip
 from piper_runtime._version import __version__ as __version__
 from piper_runtime.backends import Backend, register_backend, resolve_backend
 from piper_runtime.backends.cpu import shm_enabled as shm_enabled
-from piper_runtime.batch import check_batch, split_microbatches
+from piper_runtime.batch import (
+    BatchCut,
+    Signature,
+    check_batch,
+    cut_batch,
+    describe_signature,
+    loss_divisors,
+    piece_sizes,
+    program_signature,
+    split_microbatches,
+    weighted_losses,
+)
 from piper_runtime.batch import full_batch_shape as full_batch_shape
 from piper_runtime.driver.cluster import ensure_ray, shutdown
 from piper_runtime.driver.cluster import worker_env as worker_env
@@ -61,6 +72,14 @@ __all__ = [
     "StepResult",
     "WorkerPool",
     "check_batch",
+    "BatchCut",
+    "Signature",
+    "cut_batch",
+    "describe_signature",
+    "loss_divisors",
+    "piece_sizes",
+    "program_signature",
+    "weighted_losses",
     "ensure_ray",
     "register_backend",
     "resolve_backend",

@@ -18,13 +18,15 @@ class RankStep:
     to whole-batch tensors (or Ray object refs to them); ``keep_grads`` returns gradient
     copies; ``profile`` records when each instruction started and ended; ``lr`` is the
     learning rate of this step's updates (``None``: the one of the step before); ``memory``
-    accounts the rank's memory over the step, at a cost per instruction."""
+    accounts the rank's memory over the step, at a cost per instruction; ``layout``: how a
+    batch of other shapes than the program's is cut (``None``: the program's own shapes)."""
 
     batch: Mapping[str, Any]
     keep_grads: bool = False
     profile: bool = False
     lr: float | None = None
     memory: bool = False
+    layout: RankLayout | None = None
 
 
 @attrs.frozen
@@ -90,3 +92,16 @@ class StepResult:
     nonfinite: str | None = None
     skipped: bool = False
     worker_started: tuple[float, ...] = ()  # each rank's ``StepOutput.started``
+
+
+@attrs.frozen
+class RankLayout:
+    """How a rank's share of a batch that is not the program's own is cut (``Runtime``:
+    ``piper_runtime.batch.BatchCut``), per microbatch of the rank's replica: ``sizes``, its
+    samples; ``divisors``, what its loss is divided by for backward (the batch's samples over
+    the piece's: ``batch.loss_divisors``); ``shapes``, the key of the shape table its
+    transfers take their shapes from (``RankWorker.add_shapes``; ``None``: the program's own)."""
+
+    sizes: tuple[int, ...]
+    divisors: tuple[float, ...]
+    shapes: tuple[str | None, ...]

@@ -41,7 +41,10 @@ class PendingWrite(Protocol):
 class TrainingRuntime(Protocol):
     """What the front door (``piper_train``) needs of a runtime: start (the starter), run
     steps, evaluate, checkpoint, load, read parameters, close. Requests and results are
-    ``piper_runtime``'s typed objects (``StepRequest``, ``StepResult``)."""
+    ``piper_runtime``'s typed objects (``StepRequest``, ``StepResult``). Optional, read with
+    ``getattr``: ``add_variant(program, forward=False)`` and ``drain()`` (``Runtime``'s) let
+    batches of other shapes than the program's run; a runtime without them runs the
+    program's shapes only."""
 
     on_nan: str
     # Under a launcher every process runs the front door: only the coordinator writes what the

@@ -7,17 +7,20 @@ pairs (each a tuple of tensors, dim 0 the batch), epoch after epoch:
 - a function ``batches(step)`` (the built-in models): batch k is ``batches(k)``, no epochs;
 - a ``torch.utils.data.Dataset`` of ``(input, target)`` samples: batched by a ``DataLoader``
   of ``batch_size``, reshuffled each epoch by a generator seeded from ``(seed, epoch)``
-  (``shuffle=False``: in order), the last partial batch dropped;
+  (``shuffle=False``: in order), the last partial batch kept (``drop_last=True``: dropped);
 - a ``DataLoader``: iterated once per epoch, its shuffling seeded from ``(seed, epoch)``
   (torch's global generator is forked for the first draw, so the user's own is untouched);
 - any other iterable of batches (a list, a generator): iterated once per epoch (a one-shot
   iterator gives one epoch, then the stream ends).
 
-Every batch must have the first batch's shapes and dtypes: only the batch dimension may
-differ, and only in an epoch's last batch, which is then dropped (the program's shapes are
-fixed at compile time; a partial batch is never padded). Anything else is a ``ValueError``
-naming the batch. The position (epoch, batch within it) is ``state_dict``; with the seed it
-fixes every later batch, so a stream loaded with it continues exactly.
+Every batch must have as many inputs and targets as the first, of its dtypes and numbers of
+dimensions; their sizes may differ (another sequence length, another batch size, an epoch's
+last partial batch, which trains, never padded: ``Trainer`` compiles a program for each new
+shape on first sight and weighs a partial batch's loss by its samples). Anything else is a
+``ValueError`` naming the batch. ``drop_last=True`` drops an epoch's partial last batch instead
+(a batch smaller than the first, followed by the epoch's end). The position (epoch, batch
+within it) is ``state_dict``; with the seed it fixes every later batch, so a stream loaded with
+it continues exactly.
 
 ``Prefetcher`` draws ahead on a background thread (``depth`` batches), so loading overlaps
 the step running on the workers; its ``state_dict`` is that of the batches handed out.
@@ -67,7 +70,8 @@ class BatchStream:
     """Batches from ``source``, one per ``next``, epoch after epoch (module doc)."""
 
     def __init__(
-        self, source: Any, *, batch_size: int | None = None, shuffle: bool = True, seed: int = 0, name: str = "data"
+        self, source: Any, *, batch_size: int | None = None, shuffle: bool = True, seed: int = 0, name: str = "data",
+        drop_last: bool = False,
     ) -> None:
         if isinstance(source, DataLoader):
             self.kind = "loader"
@@ -92,9 +96,10 @@ class BatchStream:
         self.shuffle = shuffle
         self.seed = seed
         self.name = name
+        self.drop_last = drop_last
         self.epoch = 0
         self.index = 0  # batches handed out in this epoch
-        self.dropped = 0  # partial last batches dropped so far
+        self.dropped = 0  # partial last batches dropped so far (``drop_last``)
         self.first: Batch | None = None
         self._it: Iterator[Any] | None = None
         self._ahead: list[Any] = []  # one item read ahead, to tell an epoch's last batch
@@ -120,17 +125,21 @@ class BatchStream:
 
     @property
     def batches_per_epoch(self) -> int | None:
-        """Full batches in one epoch, when the source knows its length (else ``None``): the
-        partial last batch that will be dropped is not counted."""
+        """Batches in one epoch, when the source knows its length (else ``None``): a partial
+        last batch counts, unless ``drop_last`` drops it."""
         source = self.source
+        drop = self.drop_last
         try:
             if self.kind == "dataset" and not isinstance(source, IterableDataset):
-                return len(source) // (self.batch_size or 1)  # type: ignore[arg-type]
+                size = self.batch_size or 1
+                return len(source) // size if drop else -(-len(source) // size)  # type: ignore[arg-type]
             if self.kind == "loader" and source.batch_size and not isinstance(source.dataset, IterableDataset):
-                return len(source.dataset) // source.batch_size
+                if drop:
+                    return len(source.dataset) // source.batch_size
+                return len(source)
             if isinstance(source, list | tuple):
                 sizes = [batch_size(as_batch(b, self.name)) for b in (source[0], source[-1])] if source else []
-                return len(source) - (1 if len(source) > 1 and sizes[1] < sizes[0] else 0)
+                return len(source) - (1 if drop and len(source) > 1 and sizes[1] < sizes[0] else 0)
             if self.kind == "loader":
                 return len(source)
         except (TypeError, ValueError):
@@ -160,7 +169,8 @@ class BatchStream:
                 self.epoch, self.index, self._it = self.epoch + 1, 0, None
                 continue
             batch = as_batch(item, self._where())
-            if self.first is not None and batch_size(batch) < batch_size(self.first) and self._peek() is _END:
+            if (self.drop_last and self.first is not None and batch_size(batch) < batch_size(self.first)
+                    and self._peek() is _END):
                 self.dropped += 1  # an epoch's last batch, partial: dropped
                 continue
             self._check(batch)
@@ -186,7 +196,8 @@ class BatchStream:
         if self.kind == "dataset":
             generator = torch.Generator().manual_seed(seed)
             shuffle = self.shuffle and not isinstance(source, IterableDataset)
-            source = DataLoader(source, batch_size=self.batch_size, shuffle=shuffle, generator=generator, drop_last=True)
+            source = DataLoader(source, batch_size=self.batch_size, shuffle=shuffle, generator=generator,
+                                drop_last=self.drop_last)
         if isinstance(source, DataLoader):
             # A DataLoader without its own generator draws its shuffling seed from torch's
             # global one when the first batch is drawn: draw it under a seeded fork.
@@ -198,7 +209,8 @@ class BatchStream:
         return iter(source)
 
     def _check(self, batch: Batch) -> Batch:
-        """``batch`` unchanged if it has the first batch's shapes and dtypes."""
+        """``batch`` unchanged if it has the first batch's count of tensors, their dtypes and
+        numbers of dimensions (sizes may differ: module doc)."""
         if self.first is None:
             self.first = batch
             return batch
@@ -206,11 +218,11 @@ class BatchStream:
             if len(got) != len(want):
                 raise ValueError(f"{self._where()}: {len(got)} {what}s, the first batch has {len(want)}")
             for i, (g, w) in enumerate(zip(got, want, strict=True)):
-                if tuple(g.shape) != tuple(w.shape) or g.dtype != w.dtype:
+                if g.dim() != w.dim() or g.dtype != w.dtype:
                     raise ValueError(
                         f"{self._where()}: {what} {i} has shape {tuple(g.shape)} and dtype {g.dtype}, the first "
-                        f"batch's has {tuple(w.shape)} and {w.dtype}; every batch must have the same shapes "
-                        "(only an epoch's last batch may be smaller, and it is dropped)"
+                        f"batch's has {tuple(w.shape)} and {w.dtype}; every batch must have the first's dtypes "
+                        "and numbers of dimensions (their sizes may differ)"
                     )
         return batch
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,8 @@ import torch
 from piper_directives import Randomness, Strategy
 from piper_ir import ExecutionError, Program
 from piper_runtime import TORCH_THREADS, OptimizerSpec, RunOptions
-from piper_train.models import ModelSpec
+from piper_train.hf import float64_ready
+from piper_train.models import Batch, ModelSpec
 from piper_train.reference import ReferenceTrainer
 from piper_train.schedule import LRSchedule
 from piper_train.trainer import Trainer
@@ -22,8 +24,12 @@ from piper_train.trainer import Trainer
 # workers' thread count), but a master weight that differs in its last fp32 bits after a
 # data-parallel sum may round to the neighbouring bf16 value (a relative step of 2**-8),
 # which moves the next step's gradients by up to a few percent of the tensor's scale;
-# docs/precision.md has the measurements these rest on.
-TOLERANCES: dict[str, tuple[float, float]] = {"fp32": (1e-5, 1e-6), "bf16": (5e-2, 1e-5)}
+# fp64 (``in_float64``: both sides hold, compute and update in float64) leaves summation
+# order a difference near 1e-16 relative, so what passes 1e-10 is exact up to rounding and
+# what fails it is a real difference; docs/precision.md has the measurements these rest on.
+TOLERANCES: dict[str, tuple[float, float]] = {"fp32": (1e-5, 1e-6), "bf16": (5e-2, 1e-5), "fp64": (1e-10, 1e-12)}
+# Precisions whose differences are judged per tensor (``_diff``'s ``scaled``): low ones.
+SCALED = ("bf16", "bfloat16", "fp16", "float16")
 # Optimizers whose update of an element is its gradient over the gradient's running scale:
 # about +-lr whatever the gradient's size, so for a gradient that is rounding noise (the key
 # bias of attention, which softmax cancels, has gradients of 1e-9) rounding decides the sign.
@@ -115,27 +121,38 @@ def run_check(
     ``clip_grad_norm``) of every step, after the last step every parameter and, with
     ``eval_batches``, the held-out loss of that many batches of ``workload.eval_batches``
     (forward only, in eval mode: dropout off). ``options`` and flat ``settings`` (``runtime=``,
-    ``threads=``, ``seed=``, ...) as for ``Trainer``; ``precision`` too. Single-device training
-    draws the same random numbers and computes in the same precision (``reference_for``)."""
+    ``threads=``, ``seed=``, ...) as for ``Trainer``; ``precision`` too, and ``"fp64"``: both
+    sides run a float64 copy of the model and data (``in_float64``): pass ``rtol, atol =
+    TOLERANCES["fp64"]`` (the defaults are fp32's, as for every precision; ``piper check``
+    takes the precision's). Single-device training draws the same random
+    numbers and computes in the same precision (``reference_for``). Every quantity is
+    compared in float64, losses and held-out losses as the Python floats both sides report."""
     options = RunOptions.build(options, **settings)
+    if precision == "fp64":
+        workload, precision = in_float64(workload), None  # the model's own dtypes, now float64
     seed = options.seed
     optimizer = optimizer or OptimizerSpec()
     diffs: list[Difference] = []
     norms: list[float] = []
     largest: dict[str, torch.Tensor] = {}  # each gradient entry's largest size over the steps (``_quiet``)
-    scaled = precision not in (None, "fp32")  # low precision: differences judged per tensor (``_diff``)
+    scaled = precision in SCALED  # low precision: differences judged per tensor (``_diff``)
     with Trainer(
         workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
         optimizer=optimizer, options=options, memory_budget_bytes=memory_budget_bytes, log=log,
-        precision=precision, lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm,
+        precision=precision, lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm, regions=workload.regions,
+        capture_method=workload.capture,
     ) as trainer:
         reference = reference_for(trainer, workload, optimizer, seed, lr_schedule, clip_grad_norm)
-        whole = _whole_batch(reference, *workload.batches(0), rtol, atol, scaled, log)
+        # At no less than fp32's tolerances: the warning is about a loss that is no mean (off by
+        # a factor), and a loss computed in fp32 (``.float()``, common) differs cut and whole
+        # by fp32 rounding even in an fp64 check.
+        loose = TOLERANCES["fp32"]
+        whole = _whole_batch(reference, *workload.batches(0), max(rtol, loose[0]), max(atol, loose[1]), scaled, log)
         for step in range(steps):
             inputs, targets = workload.batches(step)
             got = trainer.step(inputs, targets, keep_grads=True)
             want = reference.step(inputs, targets)
-            pairs = [("loss", f"step {step} microbatch {i}", torch.tensor(g), torch.tensor(w))
+            pairs = [("loss", f"step {step} microbatch {i}", _exact(g), _exact(w))
                      for i, (g, w) in enumerate(zip(got.losses, want.losses, strict=True))]
             if got.grads is None:
                 raise RuntimeError("the runtime returned no gradients although keep_grads was set")
@@ -145,11 +162,11 @@ def run_check(
                 size = g.detach().double().abs()
                 largest[name] = torch.maximum(largest[name], size) if name in largest else size
             if lr_schedule is not None:
-                pairs.append(("lr", f"step {step}", torch.tensor(got.lr), torch.tensor(want.lr)))
+                pairs.append(("lr", f"step {step}", _exact(got.lr), _exact(want.lr)))
             if want.grad_norm is not None:
                 if got.grad_norm is None:
                     raise RuntimeError("the program computed no gradient norm although clipping was asked for")
-                pairs.append(("grad_norm", f"step {step}", torch.tensor(got.grad_norm), torch.tensor(want.grad_norm)))
+                pairs.append(("grad_norm", f"step {step}", _exact(got.grad_norm), _exact(want.grad_norm)))
                 norms.append(got.grad_norm)
             diffs.extend(_diff(what, where, g, w, rtol, atol, scaled) for what, where, g, w in pairs)
             norm = f", gradient norm {got.grad_norm:.6f} (reference {want.grad_norm:.6f})" if want.grad_norm else ""
@@ -166,9 +183,46 @@ def run_check(
         for k in range(eval_batches):
             inputs, targets = workload.eval_batches(k)
             got_eval, want_eval = trainer.evaluate(inputs, targets), reference.evaluate(inputs, targets)
-            diffs.append(_diff("eval", f"batch {k}", torch.tensor(got_eval), torch.tensor(want_eval), rtol, atol, scaled))
+            diffs.append(_diff("eval", f"batch {k}", _exact(got_eval), _exact(want_eval), rtol, atol, scaled))
             log(f"held-out batch {k}: loss {got_eval:.6f} (reference {want_eval:.6f})")
     return CheckReport(steps, tuple(diffs), rtol, atol, trainer.program, tuple(norms), whole, left_out)
+
+
+def _exact(value: float) -> torch.Tensor:
+    """A reported number (a loss, a learning rate, a norm: a Python float) as a float64
+    tensor, every bit kept: ``torch.tensor(value)`` would round it to float32 (the default
+    dtype), hiding any difference below one float32 step (6e-8 relative)."""
+    return torch.tensor(value, dtype=torch.float64)
+
+
+def in_float64(workload: ModelSpec) -> ModelSpec:
+    """``workload`` in float64 (``--precision fp64``): a private copy of the model with every
+    floating parameter and buffer float64 (so the parameters are held, reduced, sharded and
+    updated in float64, optimizer state too), and every batch's floating tensors, training and
+    held-out, cast to float64 (integer ones, such as token ids, as they are). The caller's
+    model is left as it is. A model that casts down itself (``torch.autocast``, a loss that
+    calls ``.float()``) still computes those parts in its own dtypes, on both sides alike. A
+    Hugging Face model takes kernels that run in float64 (``piper_train.hf.float64_ready``)."""
+    model = float64_ready(copy.deepcopy(workload.model)).to(torch.float64)
+    batches = _float64_batches(workload.batches)
+    eval_batches = None if workload.eval_batches is None else _float64_batches(workload.eval_batches)
+    inputs, targets = _float64((*workload.example_inputs,)), _float64((*workload.example_targets,))
+    # ``data`` (a Dataset or loader) is the float32 source ``batches`` reads: the cast
+    # ``batches`` replace it, so that ``stream()`` reads them too.
+    return attrs.evolve(workload, model=model, example_inputs=inputs, example_targets=targets, batches=batches,
+                        eval_batches=eval_batches, data=None, batch_size=None)
+
+
+def _float64(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(torch.float64) if t.is_floating_point() else t for t in tensors)
+
+
+def _float64_batches(batches: Callable[[int], Batch]) -> Callable[[int], Batch]:
+    def cast(step: int) -> Batch:
+        inputs, targets = batches(step)
+        return _float64(inputs), _float64(targets)
+
+    return cast
 
 
 def _quiet(largest: dict[str, torch.Tensor], atol: float) -> dict[str, torch.Tensor]:
@@ -190,8 +244,8 @@ def _whole_batch(
     failure: a loss meant per microbatch differs on purpose."""
     whole, parts = reference.whole_and_pieces(inputs, targets)
     pieces = reference.microbatches * reference.shards
-    found = _diff("batch loss", f"step 0, whole vs mean of {pieces} pieces", torch.tensor(parts),
-                  torch.tensor(whole), rtol, atol, scaled)
+    found = _diff("batch loss", f"step 0, whole vs mean of {pieces} pieces", _exact(parts),
+                  _exact(whole), rtol, atol, scaled)
     if not found.ok:
         ratio = f" ({parts / whole:.3g} times it: a sum instead of a mean?)" if whole else ""
         log(f"WARNING: the loss of the whole first batch is {whole:.6g}, the mean of its {pieces} pieces' losses "
@@ -219,7 +273,7 @@ def reference_for(
     program = trainer.program
     return ReferenceTrainer(
         workload.model, workload.loss_fn, optimizer, program.microbatches,
-        shards=program.replicas, randomness=Randomness(seed, trainer.captured.runs), precision=program.precision,
+        shards=program.replicas, randomness=Randomness(seed, trainer.captured.runs, trainer.captured.regions), precision=program.precision,
         lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm, threads=TORCH_THREADS,
     )
 

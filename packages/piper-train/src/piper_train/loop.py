@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, Dataset
 from piper_ir import CheckpointError, ExecutionError, NumericalError, StorageError
 from piper_runtime import PendingStep, StepResult
 from piper_train import stopping
-from piper_train.batches import Batch, BatchStream
+from piper_train.batches import Batch, BatchStream, batch_size
 from piper_train.call_size import AUTO, CallSize
 from piper_train.checkpoints import Checkpoints, PendingCheckpoint, prune
 from piper_train.metrics import CheckpointMetrics, EvalMetrics, Sink, StepMetrics
@@ -301,8 +301,11 @@ class TrainingRun:
         )
         call = _Call(time.perf_counter(), len(drawn))
         self.sizes.append(len(drawn))
+        # The programs the trainer holds once this call's batches are sent (one per shape of a
+        # batch's pieces), and the seconds it spent compiling the ones beyond the first.
+        plans, compiled = getattr(self.trainer, "plans", 1), sum(getattr(self.trainer, "variant_seconds", ()))
         return [
-            _Flight(n, pending, epoch, waited, call, batch_tokens(tuple(batch[0])))
+            _Flight(n, pending, epoch, waited, call, batch_tokens(tuple(batch[0])), batch_size(batch), plans, compiled)
             for n, pending, (batch, epoch, waited) in zip(numbers, pendings, drawn, strict=True)
         ]
 
@@ -398,13 +401,15 @@ class TrainingRun:
             grad_norm=result.grad_norm,
             step_seconds=seconds,
             data_seconds=flight.data_seconds,
-            samples_per_s=self.trainer.batch_size / seconds,
+            samples_per_s=flight.samples / seconds,
             tokens_per_s=flight.tokens / seconds if flight.tokens else None,
             peak_memory_bytes=self.peaks,
             eta_seconds=pace * (total - flight.step) if total is not None else None,
             total_steps=total,
             nonfinite=result.nonfinite,
             skipped=result.skipped,
+            plans=flight.plans,
+            plan_seconds=flight.plan_seconds,
         )
 
     def _seconds_per_step(self, call: _Call) -> float:
@@ -508,7 +513,7 @@ class _Call:
 @attrs.frozen
 class _Flight:
     """A step sent to the workers: its number, handle, epoch, wait for its batch, the call
-    it went in and its tokens."""
+    it went in, its tokens and samples (batches may differ in size: an epoch's last)."""
 
     step: int
     pending: PendingStep
@@ -516,6 +521,9 @@ class _Flight:
     data_seconds: float
     call: _Call
     tokens: int
+    samples: int
+    plans: int = 1
+    plan_seconds: float = 0.0
 
 
 def _batch_iterator(data: object, seed: int) -> Iterator[Batch]:

@@ -47,7 +47,9 @@ class StepMetrics:
     workers as the driver waits for it, ``data_seconds`` the wait for its batch before;
     ``tokens_per_s`` is ``None`` unless the inputs are token ids; ``peak_memory_bytes`` is
     each rank's peak over the step; ``eta_seconds`` the remaining steps at the mean pace so
-    far (``None`` when the run's length is unknown)."""
+    far (``None`` when the run's length is unknown); ``plans`` the programs the run holds after
+    it (one per shape of a batch's pieces seen so far: ``Trainer.plans``), ``plan_seconds`` the
+    seconds spent compiling those beyond the first (``Trainer.variant_seconds``)."""
 
     step: int
     epoch: int
@@ -63,6 +65,8 @@ class StepMetrics:
     total_steps: int | None = None
     nonfinite: str | None = None  # where a NaN/Inf loss or gradient first appeared (``--on-nan``)
     skipped: bool = False  # the step was undone for it (``on_nan="skip-step"``)
+    plans: int = 1
+    plan_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return record("step", self)

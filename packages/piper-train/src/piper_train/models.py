@@ -330,6 +330,8 @@ class ModelSpec:
     ``data``: the training source a factory returned (a ``Dataset``, ``DataLoader`` or
     iterable of batches; ``None``: ``batches`` is the source), batched by ``batch_size``
     where it is a ``Dataset``. ``stream()`` is the training ``BatchStream`` either way.
+    ``regions`` and ``capture`` are what ``Trainer`` and ``capture`` take as ``regions`` and
+    ``method``: how to find the model's regions and trace it.
     """
 
     name: str
@@ -343,6 +345,8 @@ class ModelSpec:
     eval_batches: Callable[[int], Batch] | None = None
     data: Any = None
     batch_size: int | None = None
+    regions: str | None = None  # by module path (piper_directives.regions); None: annotate, or the default
+    capture: str = "auto"  # how capture traces the model: fx, export, or auto
 
     def stream(self) -> Any:  # a piper_train.batches.BatchStream
         from piper_train.batches import BatchStream

@@ -11,7 +11,7 @@ import torch
 
 from piper_directives import PrecisionModel, Randomness, Tensors, as_tensors
 from piper_ir import Precision
-from piper_runtime import OptimizerSpec
+from piper_runtime import OptimizerSpec, loss_divisors, piece_sizes, weighted_losses
 from piper_train.schedule import LRSchedule
 
 
@@ -36,6 +36,12 @@ class ReferenceTrainer:
     data-parallel replicas compute), the loss of each scaled by ``1 / (microbatches *
     shards)``; the loss of a microbatch is the mean of its pieces'. Mathematically the same
     step, but it draws random numbers the way the replicas do.
+
+    A batch of any size and shape steps (a batch of another sequence length, an epoch's last
+    partial batch): one that does not divide evenly is cut as the runtime cuts it
+    (``piper_runtime.batch.piece_sizes``: the first pieces a sample larger), each piece's loss
+    divided by the batch's samples over its own, and the losses reported are means weighted
+    by samples (``weighted_losses``), as ``Trainer.step`` reports them.
 
     ``randomness``: draw the random numbers a captured model's segments draw
     (piper_directives.randomness): the regions of step ``k`` (counted from 0 by this
@@ -84,6 +90,8 @@ class ReferenceTrainer:
         self.accumulate = accumulate
         self.shards = shards
         self.randomness = randomness
+        if randomness is not None:
+            randomness.install(self.model)  # regions named by module path cross their boundaries
         self.steps = 0
         self.threads = threads
         self.clip_grad_norm = clip_grad_norm
@@ -118,12 +126,20 @@ class ReferenceTrainer:
 
     def _evaluate(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> float:
         m, n_in = self.microbatches, len(inputs)
-        chunks = list(zip(*(t.chunk(m) for t in (*inputs, *targets)), strict=True))
+        samples = inputs[0].shape[0]
+        if samples % m == 0:
+            chunks = list(zip(*(t.chunk(m) for t in (*inputs, *targets)), strict=True))
+        else:  # a batch that does not divide evenly: cut as a step cuts it, weighted by samples
+            sizes = [sum(row) for row in piece_sizes(samples, m)]
+            chunks = list(zip(*(t.split(sizes) for t in (*inputs, *targets)), strict=True))
         self.model.eval()
         try:
-            return sum(float(self._loss(self.forward(*c[:n_in]), c[n_in:])) for c in chunks) / m
+            losses = [float(self._loss(self.forward(*c[:n_in]), c[n_in:])) for c in chunks]
         finally:
             self.model.train()
+        if samples % m == 0:
+            return sum(losses) / m
+        return sum(n * v for n, v in zip(sizes, losses, strict=True)) / samples
 
     def step(self, inputs: Tensors, targets: Tensors) -> ReferenceStep:
         """One step on a batch (a tensor or a tuple of tensors each, as ``Trainer.step``)."""
@@ -132,16 +148,26 @@ class ReferenceTrainer:
 
     def _step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> ReferenceStep:
         m, n_in = self.microbatches, len(inputs)
-        if any(t.shape[0] % (m * self.shards) for t in (*inputs, *targets)):
+        samples = inputs[0].shape[0]
+        if samples < m * self.shards or any(t.shape[0] != samples for t in (*inputs, *targets)):
             pieces = f"{m} microbatches" + (f" of {self.shards} shards" if self.shards > 1 else "")
-            raise ValueError(f"a batch of {inputs[0].shape[0]} samples does not split into {pieces}")
-        chunks = list(zip(*(t.chunk(m) for t in (*inputs, *targets)), strict=True))
+            raise ValueError(f"a batch of {samples} samples does not split into {pieces} of a sample or more")
+        # The pieces a program cuts the batch into (``piper_runtime.batch``): equal ones, or,
+        # for a batch that does not divide evenly, some a sample larger, each loss divided by
+        # the batch's samples over the piece's, so the step is the whole batch's mean.
+        sizes = piece_sizes(samples, m, self.shards)
+        divisors = loss_divisors(sizes)
+        even = samples % (m * self.shards) == 0
+        chunks = list(zip(*(t.split([sum(row) for row in sizes]) for t in (*inputs, *targets)), strict=True))
         self.optimizer.zero_grad(set_to_none=True)
         losses = []
+        piece_losses = []
         if self.accumulate:
             for i, chunk in enumerate(chunks):
-                pieces = list(zip(*(t.chunk(self.shards) for t in chunk), strict=True))
-                shard_losses = [self._backward(piece[:n_in], piece[n_in:], i, j) for j, piece in enumerate(pieces)]
+                pieces = list(zip(*(t.split(list(sizes[i])) for t in chunk), strict=True))
+                shard_losses = [self._backward(piece[:n_in], piece[n_in:], i, j, divisors[i][j])
+                                for j, piece in enumerate(pieces)]
+                piece_losses.append(shard_losses)
                 losses.append(sum(shard_losses) / self.shards)
         else:
             with torch.no_grad():
@@ -155,16 +181,27 @@ class ReferenceTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.steps += 1
+        if not even and self.accumulate:
+            weighted, loss = weighted_losses(piece_losses, sizes)
+            return ReferenceStep(weighted, loss, grads, norm, lr)
+        if not even:  # the microbatches' losses weighted by their samples: the whole batch's mean
+            loss = sum(sum(row) * v for v, row in zip(losses, sizes, strict=True)) / samples
+            return ReferenceStep(tuple(losses), loss, grads, norm, lr)
         return ReferenceStep(tuple(losses), sum(losses) / m, grads, norm, lr)
 
-    def _backward(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], microbatch: int, shard: int) -> float:
-        """Forward and backward of one piece of one microbatch; returns its loss."""
+    def _backward(
+        self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], microbatch: int, shard: int,
+        divisor: float | None = None,
+    ) -> float:
+        """Forward and backward of one piece of one microbatch, its loss divided by ``divisor``
+        (default: microbatches x shards, the pieces of a batch that divides evenly); returns
+        its loss."""
         r = self.randomness
         with r.regions(microbatch, self.steps, shard) if r else contextlib.nullcontext():
             outputs = self.forward(*inputs)
         with r.loss(microbatch, self.steps, shard) if r else contextlib.nullcontext():
             loss = self._loss(outputs, targets)
-        (loss / (self.microbatches * self.shards)).backward()
+        (loss / (self.microbatches * self.shards if divisor is None else divisor)).backward()
         return float(loss.detach())
 
     def _loss(self, outputs: torch.Tensor | Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -29,7 +29,7 @@ import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,13 +37,18 @@ from piper_directives import Strategy, Tensors, as_tensors, build_schedule, capt
 from piper_ir import DirectiveError, Graph, Program, to_json
 from piper_memory import add_grad_norm, check_budget, plan_memory
 from piper_runtime import (
+    BatchCut,
     OptimizerSpec,
     PendingStep,
     RunOptions,
+    Signature,
     StepRequest,
     StepResult,
     TrainingRuntime,
+    cut_batch,
+    describe_signature,
     full_batch_shape,
+    program_signature,
     start_runtime,
 )
 from piper_runtime.checkpoint import read_objects
@@ -60,6 +65,9 @@ from piper_train.checkpoints import (
 )
 from piper_train.schedule import LearningRate, LRSchedule
 from piper_train.state import TrainState
+
+if TYPE_CHECKING:
+    from piper_directives import CapturedModel
 
 
 def untraced_parameters(model: torch.nn.Module, traced: Mapping[str, object]) -> dict[str, torch.Tensor]:
@@ -101,12 +109,24 @@ class Trainer:
     (``RunOptions.build``); an unknown name is a ``TypeError``.
     ``precision`` (``"bf16"``): compute in that dtype on fp32 master weights, gradients and
     optimizer state (``piper_semantics.precision``). ``captured`` is the ``CapturedModel``.
+    ``regions`` names the model's regions by module path (``"embed | layers.* | norm, head"``,
+    piper_directives.regions) for a model that does not call ``annotate``; without either,
+    each entry of the model's largest ``ModuleList`` is a region. ``capture_method``: ``"fx"``,
+    ``"export"`` or ``"auto"`` (fx, and torch.export where fx cannot trace the model).
 
     ``lr_schedule``: the learning rate of each step (``optimizer.lr`` is the peak; default
     constant). ``clip_grad_norm``: clip the gradients to this global 2-norm before every
     update, as ``torch.nn.utils.clip_grad_norm_`` on the single-device model;
     ``measure_grad_norm``: compute the norm (``StepResult.grad_norm``) without clipping.
     ``state`` holds the loop's state (step, schedule, data position: ``TrainState``).
+
+    Batches may have other shapes than the example (another sequence length or batch size,
+    an epoch's partial last batch): the first batch whose pieces (microbatch x data-parallel
+    shards) have new shapes compiles a program for them (the model captured again on such
+    pieces, the same strategy applied; ``variants``, ``variant_seconds``, ``plans``) that the
+    runtime keeps for every later batch of those shapes; a piece's loss is weighted by its share
+    of the batch's samples (``piper_runtime.batch``). ``evaluate`` does the same with the
+    forward-only programs of those shapes (``eval_variants``).
     """
 
     def __init__(
@@ -125,6 +145,8 @@ class Trainer:
         lr_schedule: LRSchedule | None = None,
         clip_grad_norm: float | None = None,
         measure_grad_norm: bool = False,
+        regions: str | Sequence[str] | None = None,
+        capture_method: str = "auto",
         **settings: Any,
     ) -> None:
         say = log or (lambda _: None)
@@ -153,25 +175,36 @@ class Trainer:
             if value is not None:
                 bounds.check(name, value, minimum=0, strict=True)
         self.seed = seed
-        captured = capture(model, example_inputs, example_targets, loss_fn, precision=precision)
+        captured = capture(model, example_inputs, example_targets, loss_fn, precision=precision, regions=regions,
+                           method=capture_method)
+        self.capture_seconds = time.perf_counter() - started
         self.captured = captured
+        # A batch of other shapes is captured again, with the same arguments (``_add_variant``).
+        self._recapture = functools.partial(
+            capture, model, loss_fn=loss_fn, precision=precision, regions=regions, method=capture_method
+        )
         if not isinstance(strategy, Strategy):
             strategy = strategy(pipeline_stages(captured.graph))
         self.strategy = strategy
         # Tensor-parallel segments get their code rewritten (column/row-parallel Linears).
-        graph, modules = shard_modules(strategy.apply(captured.graph), captured.modules)
-        planned = plan_memory(graph)
-        if clip_grad_norm is not None or measure_grad_norm:
-            planned = add_grad_norm(planned, clip_grad_norm)
-        self.graph = planned
+        self._grad_norm = (clip_grad_norm, clip_grad_norm is not None or measure_grad_norm)
+        self.graph, modules = self._plan(captured)
         self.program: Program = compile_program(self.graph)
+        # Programs for batches of other shapes, by their pieces' shapes (``_add_variant``),
+        # and the seconds each took to capture and compile.
+        self.variants: dict[Signature, Program] = {}
+        self.variant_seconds: list[float] = []
+        self._variant_graphs: dict[Signature, Graph] = {}
+        self.eval_variants: dict[Signature, Program] = {}  # their forward-only programs (``evaluate``)
         self.eval_program: Program | None = None  # compiled by the first ``evaluate``
         self.program_digest = hashlib.sha256(to_json(self.program).encode()).hexdigest()
         optimizer = optimizer or OptimizerSpec()
         self.optimizer = optimizer
         self.state = TrainState(LearningRate(optimizer.lr, lr_schedule))
-        if memory_budget_bytes is not None:
-            check_budget(self.program, memory_budget_bytes // max(1, ranks_per_gpu), optimizer.name)
+        # Per rank: a program compiled later for a batch of other shapes is held to it too.
+        self._budget = None if memory_budget_bytes is None else memory_budget_bytes // max(1, ranks_per_gpu)
+        if self._budget is not None:
+            check_budget(self.program, self._budget, optimizer.name)
         self.compile_seconds = time.perf_counter() - started
         self.batch_size = captured.batch_size
         self.state_dict_keys = sorted(model.state_dict())
@@ -183,12 +216,17 @@ class Trainer:
             say(f"{len(self.untraced)} parameter(s) not used by forward, so not trained (kept as given, saved "
                 f"and exported with the rest): {', '.join(list(self.untraced)[:5])}"
                 + (f" and {len(self.untraced) - 5} more" if len(self.untraced) > 5 else ""))
+        if captured.regions is not None:
+            say(f"regions by module path{' (default: one per layer)' if regions is None else ''}: "
+                f"{captured.regions.describe()}")
         say(
-            f"captured {len(self.graph.stage_segments())} regions, compiled and verified "
-            f"{self.program.world_size} rank plans in {self.compile_seconds:.2f} s; "
+            f"captured {len(self.graph.stage_segments())} regions with {captured.method} in "
+            f"{self.capture_seconds:.2f} s, compiled and verified "
+            f"{self.program.world_size} rank plans in {self.compile_seconds - self.capture_seconds:.2f} s; "
             f"starting {self.program.world_size} ranks (runtime {run_options.cluster.runtime!r})"
         )
         self._modules = modules
+        self._say = say
         # The model file and its neighbours travel by value to the workers.
         self._start = functools.partial(
             start_runtime, self.program, modules, optimizer, run_options, log=say, by_value=captured.user_modules
@@ -274,30 +312,118 @@ class Trainer:
         memory = list(memory) if memory is not None else [False] * len(batches)
         if not len(profile) == len(memory) == len(batches):
             raise ValueError(f"{len(batches)} batches but {len(profile)} profile and {len(memory)} memory flags")
-        for inputs, targets in batches:
-            self._check_batch_size(inputs, targets)
+        sizes = [self._prepare(inputs, targets) for inputs, targets in batches]
         state = self.state
         before = (state.step, state.samples, state.tokens, state.lr.state_dict())
         requests = []
         try:
-            for (inputs, targets), prof, mem in zip(batches, profile, memory, strict=True):
+            for (inputs, targets), prof, mem, samples in zip(batches, profile, memory, sizes, strict=True):
                 requests.append(StepRequest(inputs, targets, keep_grads, prof, state.lr.current, mem))
-                state.advance(self.batch_size, batch_tokens(inputs))
+                state.advance(samples, batch_tokens(inputs))
             return self.runtime.submit_steps(requests)
         except BaseException:  # nothing was sent: the steps do not count
             state.step, state.samples, state.tokens = before[:3]
             state.lr.load_state_dict(before[3])
             raise
 
+    def _plan(self, captured: CapturedModel) -> tuple[Graph, dict[str, torch.nn.Module]]:
+        """The strategy applied to a captured model, tensor-parallel code rewritten
+        (``shard_modules``), memory planned and the gradient norm added where asked for:
+        the graph ``compile_program`` compiles, and the segment modules."""
+        graph, modules = shard_modules(self.strategy.apply(captured.graph), captured.modules)
+        planned = plan_memory(graph)
+        clip, norm = self._grad_norm
+        return (add_grad_norm(planned, clip) if norm else planned), modules
+
+    @property
+    def plans(self) -> int:
+        """How many programs the runtime holds: the example batch's and one per other shape of a
+        batch's pieces seen so far (``_add_variant``)."""
+        return 1 + len(self.variants)
+
+    def _prepare(self, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> int:
+        """Check a training batch's shapes and compile what they need: a batch of other shapes
+        than the example's (another sequence length, another size, an epoch's last partial
+        batch, whose microbatches and data-parallel shards may differ by a sample) trains on
+        programs compiled for its pieces' shapes on first sight (``_add_variant``). Returns the
+        batch's samples."""
+        program = self.program
+        cut = cut_batch(program, inputs, targets)
+        own = program_signature(program)
+        for m, row in enumerate(cut.signatures):
+            for j, signature in enumerate(row):
+                if signature != own and signature not in self.variants:
+                    self._add_variant(cut, m, j, inputs, targets)
+        return cut.total
+
+    def _add_variant(
+        self, cut: BatchCut, m: int, j: int, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]
+    ) -> None:
+        """Compile the program for the shapes of piece ``(m, j)`` of a batch and hand it to the
+        runtime: the model captured again on an example batch of such pieces (piece ``(m, j)``
+        repeated, microbatches x replicas times), the same strategy applied, planned and
+        compiled; the runtime checks that only the shapes differ and gives each rank the
+        shapes of its transfers, once (``Runtime.add_variant``). Modules, parameters and
+        optimizer state stay as they are; every later batch with such pieces reuses it."""
+        program = self.program
+        add = getattr(self.runtime, "add_variant", None)
+        signature = cut.signatures[m][j]
+        shapes = describe_signature(program, signature)
+        if add is None:
+            raise ValueError(f"a batch whose pieces have shapes {shapes}, but the program was compiled for "
+                             f"{describe_signature(program, program_signature(program))} and runtime "
+                             f"{self.run_options.cluster.runtime!r} cannot run other shapes (no add_variant)")
+        drain = getattr(self.runtime, "drain", None)
+        if drain is not None:
+            drain()  # no forward may run in this process while the model is traced (``Runtime.drain``)
+        started = time.perf_counter()
+        copies = program.microbatches * program.replicas
+        examples = []
+        for name, tensor in zip((*program.inputs, *program.targets), (*inputs, *targets), strict=True):
+            meta = program.value_by_name[name].meta
+            piece = cut.piece(tensor, meta, m, j)
+            examples.append(piece if meta.batch_dim is None else torch.cat([piece] * copies, dim=meta.batch_dim))
+        n_in = len(program.inputs)
+        try:
+            graph, _ = self._plan(self._recapture(tuple(examples[:n_in]), tuple(examples[n_in:])))
+        except Exception as exc:  # the model's own error on these shapes (a feature size it cannot take)
+            raise ValueError(
+                f"a batch whose pieces have shapes {shapes} (the program was compiled for "
+                f"{describe_signature(program, program_signature(program))}): capturing the model on such pieces "
+                f"failed: {type(exc).__name__}: {_first_line(exc)}"
+            ) from exc
+        variant = compile_program(graph)
+        if self._budget is not None:  # a longer sequence may not fit where the example's did
+            check_budget(variant, self._budget, self.optimizer.name)
+        add(variant)
+        self.variants[signature] = variant
+        self._variant_graphs[signature] = graph
+        self.variant_seconds.append(time.perf_counter() - started)
+        self._say(f"compiled a program for batch pieces of shapes {shapes} in {self.variant_seconds[-1]:.2f} s "
+                  f"({self.plans} programs)")
+
     def evaluate(self, inputs: Tensors, targets: Tensors) -> float:
         """The loss of one batch, forward only (no gradient, no update, the modules in eval
         mode): the mean of its microbatches' losses, as ``step`` reports it. The first call
-        compiles the forward-only program and loads it on the workers."""
+        compiles the forward-only program and loads it on the workers; a batch of other
+        shapes, the forward-only program of its pieces' shapes (``_add_variant``'s graph)."""
         inputs, targets = as_tensors(inputs), as_tensors(targets)
-        self._check_batch_size(inputs, targets)
         if self.eval_program is None:
             self.eval_program = compile_program(forward_only(self.graph))
             self.runtime.load_forward(self.eval_program)
+        if not hasattr(self.runtime, "add_variant"):
+            self._check_batch_size(inputs, targets)
+        cut = cut_batch(self.eval_program, inputs, targets)
+        own = program_signature(self.eval_program)
+        for m, row in enumerate(cut.signatures):
+            for j, signature in enumerate(row):
+                if signature == own or signature in self.eval_variants:
+                    continue
+                if signature not in self.variants:
+                    self._add_variant(cut, m, j, inputs, targets)
+                variant = compile_program(forward_only(self._variant_graphs[signature]))
+                self.runtime.add_variant(variant, forward=True)  # type: ignore[attr-defined]
+                self.eval_variants[signature] = variant
         return self.runtime.evaluate(inputs, targets).loss
 
     def _check_batch_size(self, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> None:
@@ -312,8 +438,8 @@ class Trainer:
             if tensor.shape[meta.batch_dim] != want:
                 raise ValueError(
                     f"{name}: a batch of {tensor.shape[meta.batch_dim]} samples, but the program was compiled for "
-                    f"batches of {want} (the example batch's size); every batch must have that size (drop a "
-                    "dataset's last partial batch)"
+                    f"batches of {want} (the example batch's size); this runtime runs the example's shapes only "
+                    "(no add_variant)"
                 )
 
     def parameters(self) -> dict[str, torch.Tensor]:
@@ -405,8 +531,12 @@ class Trainer:
         self.runtime.shutdown()
         self.runtime = self._start()
         stopping.raise_if_interrupted()
+        for variant in self.variants.values():
+            self.runtime.add_variant(variant)  # type: ignore[attr-defined]
         if self.eval_program is not None:
             self.runtime.load_forward(self.eval_program)
+            for variant in self.eval_variants.values():
+                self.runtime.add_variant(variant, forward=True)  # type: ignore[attr-defined]
 
     def worker_pids(self) -> list[int]:
         """Each rank's worker process id (rank order)."""
@@ -420,6 +550,13 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of what ``exc`` says, at most ``limit`` characters (torch's tracing
+    errors run to pages)."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def batch_tokens(inputs: Sequence[torch.Tensor]) -> int:

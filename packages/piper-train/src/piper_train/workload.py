@@ -30,10 +30,12 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import torch
 from torch.utils.data import Dataset
 
 from piper_train.batches import BatchStream, is_data_source
+from piper_train.hf import is_hf, load_hf
 from piper_train.models import MODELS, ModelSpec, build_model
 
 
@@ -101,7 +103,7 @@ def load_factory(spec: str, *, batch_size: int | None = None, seed: int = 0) -> 
     if eval_data is not None:
         held_out = _Indexed(
             lambda: BatchStream(eval_data, batch_size=batch_size if isinstance(eval_data, Dataset) else None,
-                                shuffle=False, name=f"{spec} eval data"),
+                                shuffle=False, name=f"{spec} eval data", drop_last=True),
             one_epoch=True,
         )
     inputs_t, targets_t = train(0)
@@ -180,9 +182,21 @@ class _Indexed:
         return self.drawn[k]
 
 
-def load_workload(spec: str, *, stages: int, seed: int = 0, batch_size: int | None = None) -> ModelSpec:
-    """A built-in model name (``mlp``, ``transformer``, ``lm``) or ``file.py:factory``
-    (``batch_size``: for a factory that returns a ``Dataset``)."""
+def load_workload(
+    spec: str, *, stages: int, seed: int = 0, batch_size: int | None = None, regions: str | None = None,
+    capture: str = "auto",
+) -> ModelSpec:
+    """``_load`` with the regions and the capture method set (``ModelSpec.regions``)."""
+    workload = _load(spec, stages=stages, seed=seed, batch_size=batch_size)
+    return attrs.evolve(workload, regions=regions, capture=capture)
+
+
+def _load(spec: str, *, stages: int, seed: int = 0, batch_size: int | None = None) -> ModelSpec:
+    """A built-in model name (``mlp``, ``transformer``, ``lm``), ``file.py:factory`` or
+    ``hf:PATH`` (piper_train.hf) (``batch_size``: for a factory that returns a ``Dataset``, or
+    the batches of a Hugging Face model)."""
+    if is_hf(spec):
+        return load_hf(spec, seed=seed, batch_size=batch_size)
     if spec in MODELS:
         if batch_size is not None:
             raise ValueError(f"model {spec!r}: a batch size (--batch-size) is for a factory that returns a Dataset; "
@@ -190,4 +204,5 @@ def load_workload(spec: str, *, stages: int, seed: int = 0, batch_size: int | No
         return build_model(spec, stages=stages, seed=seed)
     if ":" in spec:
         return load_factory(spec, batch_size=batch_size, seed=seed)
-    raise ValueError(f"unknown model {spec!r}; use one of {sorted(MODELS)} or 'path/to/file.py:factory'")
+    raise ValueError(f"unknown model {spec!r}; use one of {sorted(MODELS)}, 'path/to/file.py:factory' or "
+                     "'hf:path/to/config-or-model-dir'")

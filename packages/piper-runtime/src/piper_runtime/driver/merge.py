@@ -17,6 +17,7 @@ import torch
 
 from piper_ir import ExecutionError, Program
 from piper_memory.store import BucketLayout, unshard_tensors
+from piper_runtime.batch import weighted_losses
 from piper_runtime.rank.ties import untie
 from piper_runtime.results import StepOutput, StepResult
 
@@ -54,18 +55,29 @@ def merge_parameters(
     return merged
 
 
-def merge_outputs(outputs: Sequence[StepOutput], program: Program, keep_grads: bool) -> StepResult:
-    """One step's ``StepResult`` from every rank's ``StepOutput`` (in rank order)."""
+def merge_outputs(
+    outputs: Sequence[StepOutput], program: Program, keep_grads: bool,
+    sizes: Sequence[Sequence[int]] | None = None,
+) -> StepResult:
+    """One step's ``StepResult`` from every rank's ``StepOutput`` (in rank order). ``sizes``:
+    the samples of each piece ``[microbatch][replica]`` of a batch cut unequally
+    (``batch.BatchCut``): the losses are then means weighted by them (``weighted_losses``)."""
     per_mb: dict[int, list[float]] = {}
+    by_replica: dict[int, dict[int, float]] = {}
     for out in outputs:
         for mb, loss in out.losses:
             per_mb.setdefault(mb, []).append(loss)
+            by_replica.setdefault(mb, {})[program.plan(out.rank).replica] = loss
     # The loss of microbatch i is the mean over replicas of their shard losses.
     losses = tuple(sum(per_mb[i]) / len(per_mb[i]) for i in sorted(per_mb))
     if len(losses) != program.microbatches:
         raise ExecutionError(
             f"expected {program.microbatches} microbatch losses, the ranks reported {len(losses)}"
         )
+    loss = sum(losses) / len(losses)
+    if sizes is not None:
+        pieces = [[by_replica[i][j] for j in range(len(sizes[i]))] for i in sorted(by_replica)]
+        losses, loss = weighted_losses(pieces, sizes)
     grads: dict[str, torch.Tensor] | None = None
     if keep_grads:
         grads = {}
@@ -84,7 +96,7 @@ def merge_outputs(outputs: Sequence[StepOutput], program: Program, keep_grads: b
     grad_norm = next((out.grad_norm for out in outputs if out.grad_norm is not None), None)
     return StepResult(
         losses,
-        sum(losses) / len(losses),
+        loss,
         grads,
         timings,
         tuple(out.seconds for out in outputs),

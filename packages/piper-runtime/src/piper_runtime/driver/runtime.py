@@ -33,8 +33,20 @@ import attrs
 import torch
 from torch import nn
 
-from piper_ir import ClusterError, ExecutionError, HangError, NumericalError, PiperError, Program
-from piper_runtime.batch import batch_reads, check_batch, replica_slice, to_wire
+from piper_ir import ClusterError, ExecutionError, HangError, NodeKind, NumericalError, PiperError, Program
+from piper_runtime.batch import (
+    BatchCut,
+    Signature,
+    batch_reads,
+    check_batch,
+    check_dtypes,
+    cut_batch,
+    describe_signature,
+    loss_divisors,
+    program_signature,
+    replica_slice,
+    to_wire,
+)
 from piper_runtime.driver.merge import merge_outputs, merge_parameters
 from piper_runtime.driver.ranks import RankFailure, Ranks, ThreadRanks
 from piper_runtime.numerics import first_nonfinite
@@ -44,7 +56,7 @@ from piper_runtime.progress import RankProgress, hang_report
 from piper_runtime.rank.accumulation import describe_fusion
 from piper_runtime.rank.cores import core_slices, describe
 from piper_runtime.rank.precision import compute_inputs
-from piper_runtime.results import RankStep, StepOutput, StepResult
+from piper_runtime.results import RankLayout, RankStep, StepOutput, StepResult
 
 __all__ = ["DEFAULT_TIMEOUT_S", "PendingSave", "PendingStep", "Runtime", "StepRequest", "start_ranks"]
 
@@ -127,6 +139,10 @@ class Runtime:
         self._writing: PendingSave | None = None  # a checkpoint whose files the ranks are writing
         self._pending: collections.deque[PendingStep] = collections.deque()  # submitted, not gathered
         self._forward: Program | None = None  # the evaluation step (``load_forward``)
+        # Programs of the same structure for batches of other shapes (``add_variant``), by the
+        # signature of their pieces (``batch.program_signature``); the key the ranks know it by.
+        self._variants: dict[Signature, str] = {program_signature(program): ""}
+        self._forward_variants: dict[Signature, str] = {}  # the same for the forward-only program
         self._forward_names: dict[int, tuple[str, ...]] = {}
         needed = {s for plan in program.ranks for s in plan.segments()}
         missing = sorted(needed - set(modules))
@@ -263,23 +279,34 @@ class Runtime:
         if len(requests) > 1 and self.on_nan == "skip-step":
             raise ValueError("several steps per call cannot be undone one by one: not with on_nan='skip-step'")
         program = self.program
-        shipments = []
+        shipments, layouts, cuts = [], [], []
         for r in requests:
-            batch = check_batch(program, compute_inputs(program.precision, r.inputs), r.targets)
-            shipments.append(_shipments(program, self._batch_names, batch, self._ranks.share))
+            inputs = compute_inputs(program.precision, r.inputs)
+            cut = cut_batch(program, inputs, r.targets)
+            if cut.even(program):
+                batch = check_batch(program, inputs, r.targets)
+                shipments.append(_shipments(program, self._batch_names, batch, self._ranks.share))
+                layouts.append([None] * program.world_size)
+                cuts.append(None)
+                continue
+            batch = check_dtypes(program, inputs, r.targets)
+            shipments.append(_shipments(program, self._batch_names, batch, self._ranks.share, cut.sizes))
+            layouts.append(self._layouts(cut))
+            cuts.append(cut.sizes)
         if self.on_nan == "skip-step" and self._pending:
             # Undoing a step restores the state from before it: no later step may have run.
             self._collect()
         call = _Call([
             self._ranks.call(rank, "run_steps", [
-                r.for_rank(shipped[rank]) for r, shipped in zip(requests, shipments, strict=True)
+                r.for_rank(shipped[rank], layout[rank])
+                for r, shipped, layout in zip(requests, shipments, layouts, strict=True)
             ])
             for rank in range(program.world_size)
         ], len(requests))
         pendings = []
-        for index, r in enumerate(requests):
+        for index, (r, sizes) in enumerate(zip(requests, cuts, strict=True)):
             self._steps += 1
-            pendings.append(PendingStep(self, self._steps, call, index, r.keep_grads, r.lr))
+            pendings.append(PendingStep(self, self._steps, call, index, r.keep_grads, r.lr, sizes))
         self._pending.extend(pendings)
         self._in_flight = True
         return pendings
@@ -305,11 +332,83 @@ class Runtime:
             skipped = found is not None and self.on_nan == "skip-step"
             if skipped:  # no step runs ahead under skip-step (``submit``): the backup is this step's
                 self._gather(self._each("restore"), 60.0, "restore")
-            result = merge_outputs(outputs, self.program, head.keep_grads)
+            result = merge_outputs(outputs, self.program, head.keep_grads, head.sizes)
             result = attrs.evolve(result, nonfinite=found, skipped=skipped)
             head.done = result if head.lr is None else attrs.evolve(result, lr=head.lr)
             if head is upto:
                 return
+
+    def drain(self) -> None:
+        """Wait for every submitted step (each ``PendingStep`` keeps its result): nothing runs
+        on the ranks when it returns. ``Trainer`` captures the model again for a batch of new
+        shapes only then: tracing patches ``nn.Module`` calls process-wide, and under the
+        ``local`` and ``torchrun`` runtimes ranks run forwards in this process."""
+        self._check_open()
+        self._collect()
+
+    @property
+    def variants(self) -> int:
+        """How many shape variants of the program the ranks hold (``add_variant``), the
+        program's own included."""
+        return len(self._variants)
+
+    def add_variant(self, program: Program, forward: bool = False) -> None:
+        """Let the ranks run batches whose pieces have ``program``'s shapes: ``program`` is
+        this runtime's program compiled for another batch shape (the same model, strategy
+        and instructions; only the shapes of values differ, which is checked). Each rank
+        receives, once, the shapes its transfers have in it where they differ
+        (``RankWorker.add_shapes``) and keeps its modules, parameters and optimizer state;
+        a later step whose pieces have these shapes uses them (``submit_steps``). ``forward``:
+        ``program`` is the forward-only program of ``load_forward`` compiled for other shapes,
+        for ``evaluate``."""
+        self._check_open()
+        base, variants = self._kind(forward)
+        signature = program_signature(program)
+        if signature in variants:
+            return
+        difference = structure_difference(base, program)
+        if difference:
+            raise ValueError(f"the program for shapes {describe_signature(program, signature)} is not this "
+                             f"runtime's program with other shapes: {difference}")
+        key = ("forward " if forward else "") + describe_signature(program, signature)
+        self._collect()
+        tables = []
+        for plan, other in zip(base.ranks, program.ranks, strict=True):
+            tables.append({
+                b.id: tuple(o.meta.shape) for b, o in zip(plan.instructions, other.instructions, strict=True)
+                if b.kind in (NodeKind.SEND, NodeKind.RECV) and o.meta is not None and b.meta is not None
+                and tuple(o.meta.shape) != tuple(b.meta.shape)
+            })
+        self._gather([self._ranks.call(rank, "add_shapes", key, tables[rank]) for rank in range(program.world_size)],
+                     60.0, "add_shapes")
+        variants[signature] = key
+
+    def _kind(self, forward: bool) -> tuple[Program, dict[Signature, str]]:
+        """The training program and its variants, or (``forward``) those of ``load_forward``."""
+        if not forward:
+            return self.program, self._variants
+        if self._forward is None:
+            raise ExecutionError("no forward-only program: call load_forward first")
+        return self._forward, self._forward_variants
+
+    def _layouts(self, cut: BatchCut, forward: bool = False) -> list[RankLayout]:
+        """Each rank's ``RankLayout`` of a batch cut into ``cut``'s pieces; ``ValueError`` for a
+        piece whose shapes no variant has (``add_variant`` first)."""
+        program, variants = self._kind(forward)
+        missing = [s for s in cut.distinct() if s not in variants]
+        if missing:
+            raise ValueError(
+                f"no program for batch pieces of shapes {describe_signature(program, missing[0])} (this one was "
+                f"compiled for {describe_signature(program, program_signature(program))}): compile one for them "
+                "and add it (Runtime.add_variant), as Trainer does"
+            )
+        divisors = loss_divisors(cut.sizes)
+        out = []
+        for rank in range(program.world_size):
+            j = program.plan(rank).replica
+            keys = tuple(variants[row[j]] or None for row in cut.signatures)
+            out.append(RankLayout(tuple(row[j] for row in cut.sizes), tuple(row[j] for row in divisors), keys))
+        return out
 
     def load_forward(self, program: Program) -> None:
         """Give the workers ``program``, a forward-only step of the same world compiled from
@@ -322,6 +421,7 @@ class Runtime:
             )
         self._forward = program
         self._forward_names = {r: batch_reads(program, r) for r in range(program.world_size)}
+        self._forward_variants = {program_signature(program): ""}
         self._gather(self._each("load_forward", self._ranks.share(program)), 60.0, "load_forward")
 
     def evaluate(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> StepResult:
@@ -332,13 +432,20 @@ class Runtime:
         program = self._forward
         if program is None:
             raise ExecutionError("no forward-only program: call load_forward first")
-        shipments = _shipments(
-            program, self._forward_names, check_batch(program, compute_inputs(program.precision, inputs), targets),
-            self._ranks.share,
-        )
-        calls = [self._ranks.call(rank, "run_forward", shipments[rank]) for rank in range(program.world_size)]
+        inputs = compute_inputs(program.precision, inputs)
+        cut = cut_batch(program, inputs, targets)
+        if cut.even(program):  # the shapes it was compiled for
+            shipments = _shipments(program, self._forward_names, check_batch(program, inputs, targets),
+                                   self._ranks.share)
+            calls = [self._ranks.call(rank, "run_forward", shipments[rank]) for rank in range(program.world_size)]
+            return merge_outputs(self._gather(calls, self.step_timeout_s, "evaluate"), program, False)
+        layouts = self._layouts(cut, forward=True)
+        shipments = _shipments(program, self._forward_names, check_dtypes(program, inputs, targets),
+                               self._ranks.share, cut.sizes)
+        calls = [self._ranks.call(rank, "run_forward", shipments[rank], layouts[rank])
+                 for rank in range(program.world_size)]
         outputs: list[StepOutput] = self._gather(calls, self.step_timeout_s, "evaluate")
-        return merge_outputs(outputs, program, False)
+        return merge_outputs(outputs, program, False, cut.sizes)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """Current parameters of every segment, by qualified name, merged over ranks (after
@@ -507,9 +614,10 @@ class StepRequest:
     lr: float | None = None
     memory: bool = False
 
-    def for_rank(self, batch: Mapping[str, Any]) -> RankStep:
-        """This step as a rank receives it, with ``batch``, the rank's share of it."""
-        return RankStep(batch, self.keep_grads, self.profile, self.lr, self.memory)
+    def for_rank(self, batch: Mapping[str, Any], layout: RankLayout | None = None) -> RankStep:
+        """This step as a rank receives it, with ``batch``, the rank's share of it, cut as
+        ``layout`` says (``None``: the program's own shapes)."""
+        return RankStep(batch, self.keep_grads, self.profile, self.lr, self.memory, layout)
 
 
 class _Call:
@@ -527,9 +635,11 @@ class PendingStep:
     (and for the steps submitted before it) and returns its ``StepResult``."""
 
     def __init__(
-        self, runtime: Runtime, step: int, call: _Call, index: int, keep_grads: bool, lr: float | None
+        self, runtime: Runtime, step: int, call: _Call, index: int, keep_grads: bool, lr: float | None,
+        sizes: tuple[tuple[int, ...], ...] | None = None,
     ) -> None:
         self.runtime = runtime
+        self.sizes = sizes  # the pieces' samples of a batch cut unequally (``merge_outputs``)
         self.step = step
         self.call = call  # the call that runs it, as step ``index`` of its steps
         self.index = index
@@ -589,6 +699,7 @@ def _shipments(
     names: Mapping[int, Sequence[str]],
     batch: Mapping[str, torch.Tensor],
     share: Callable[[Any], Any],
+    sizes: Sequence[Sequence[int]] | None = None,
 ) -> list[dict[str, Any]]:
     """What each rank receives of a checked batch: only the batch values it reads
     (``batch_reads``), and with data parallelism only its replica's shards of them. Small
@@ -603,7 +714,7 @@ def _shipments(
             key = (n, replica)
             if key not in slices:
                 meta = program.value_by_name[n].meta
-                slices[key] = replica_slice(batch[n], meta, program.microbatches, program.replicas, replica)
+                slices[key] = replica_slice(batch[n], meta, program.microbatches, program.replicas, replica, sizes)
             readers[key] = readers.get(key, 0) + 1
     refs = {
         key: share(to_wire(t)) if readers[key] > 1 and t.nbytes > _INLINE_BYTES else to_wire(t)
@@ -612,6 +723,31 @@ def _shipments(
     return [
         {n: refs[(n, program.plan(rank).replica)] for n in names[rank]} for rank in range(program.world_size)
     ]
+
+
+def structure_difference(program: Program, other: Program) -> str:
+    """What differs between two programs apart from the shapes of values ('' when nothing):
+    the same ranks, instructions (ids, kinds, segments, microbatches, values, peers,
+    communicators, streams, waits, dtypes, batch dimensions and ranks of the tensors),
+    segments and parameters."""
+    if program.world_size != other.world_size or (program.microbatches, program.replicas) != (
+        other.microbatches, other.replicas
+    ):
+        return (f"{other.world_size} ranks, {other.microbatches} microbatches x {other.replicas} replicas against "
+                f"{program.world_size}, {program.microbatches} x {program.replicas}")
+    if [s.id for s in program.segments] != [s.id for s in other.segments]:
+        return "other segments"
+    for a, b in zip(program.segments, other.segments, strict=True):
+        if a.params != b.params or a.inputs != b.inputs or a.outputs != b.outputs:
+            return f"segment {a.id} has other parameters, inputs or outputs"
+    for plan, theirs in zip(program.ranks, other.ranks, strict=True):
+        if len(plan.instructions) != len(theirs.instructions):
+            return f"rank {plan.rank} has {len(theirs.instructions)} instructions, not {len(plan.instructions)}"
+        for a, b in zip(plan.instructions, theirs.instructions, strict=True):
+            kind = [(m.dtype, m.batch_dim, len(m.shape)) if m else None for m in (a.meta, b.meta)]
+            if attrs.evolve(a, meta=None) != attrs.evolve(b, meta=None) or kind[0] != kind[1]:
+                return f"rank {plan.rank}: instruction {a.text()} against {b.text()}"
+    return ""
 
 
 def _failure_error(failure: RankFailure, rank: int, what: str, step: int | None) -> ExecutionError:

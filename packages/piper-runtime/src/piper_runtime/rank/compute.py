@@ -17,7 +17,8 @@ cast copies of its parameters (``piper_runtime.rank.precision``). A segment mark
 outputs, and the gradients, are the same as without recomputation.
 
 The loss of one shard of a microbatch is scaled by ``1 / (microbatches * replicas)`` for
-backward here, exactly once. Backward passes hold the rank's gradient lock (autograd writes
+backward here, exactly once (a batch cut into unequal pieces: by the piece's share of the
+batch's samples, ``StepState.divisors``). Backward passes hold the rank's gradient lock (autograd writes
 ``.grad`` without the GIL, so no other thread may read or replace one meanwhile); the passes
 that write parameter gradients (``B``, ``BW``) run inside ``weight_pass(segment)``, where the
 buckets whose gradients live sharded are reduce-scattered as they complete. What autograd
@@ -201,8 +202,10 @@ class SegmentCompute:
                 raise TypeError(f"the loss module must return a scalar tensor, got {_describe(out)}")
             st.losses[mb] = float(out.detach())
             # The loss of one shard of a microbatch is scaled by 1/(M * N) for backward here,
-            # exactly once (M microbatches, N data-parallel replicas).
-            outs: tuple[torch.Tensor, ...] = (out / (self.program.microbatches * self.program.replicas),)
+            # exactly once (M microbatches, N data-parallel replicas); for a batch cut into
+            # unequal pieces by the batch's samples over the piece's (``batch.loss_divisors``).
+            divisor = self.program.microbatches * self.program.replicas if st.divisors is None else st.divisors[mb]
+            outs: tuple[torch.Tensor, ...] = (out / divisor,)
             for name in seg.outputs:
                 # A copy: the loss may share a larger buffer, and nothing may ever read it.
                 st.values[(name, mb)] = out.detach().clone()

@@ -78,10 +78,14 @@ class ForwardStep:
         )
         self.abandoned: StepState | None = None  # a failed step's state, its transfers kept referenced
 
-    def run(self, chunks: dict[str, tuple[torch.Tensor, ...]], step: int) -> StepOutput:
-        """Run the program once on the batch's microbatches; the losses this rank computed."""
+    def run(
+        self, chunks: dict[str, tuple[torch.Tensor, ...]], step: int,
+        shapes: dict[int, dict[str, tuple[int, ...]]] | None = None,
+    ) -> StepOutput:
+        """Run the program once on the batch's microbatches (``shapes``: the transfers' shapes
+        of a batch of other shapes, ``StepState.shape``); the losses this rank computed."""
         started = time.perf_counter()
-        st = StepState(chunks, keep_grads=False, accounted=False)
+        st = StepState(chunks, keep_grads=False, accounted=False, shapes=shapes)
         self.reads.start(st)
         self.sampler.begin(st, excluded=(), active=False)
         for module in self.modules.values():

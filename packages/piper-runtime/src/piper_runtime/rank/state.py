@@ -29,9 +29,16 @@ class StepState:
     """Everything one step keeps between instructions (dropped when the step ends)."""
 
     def __init__(
-        self, batch: Mapping[str, tuple[torch.Tensor, ...]], keep_grads: bool, step: int = 0, accounted: bool = True
+        self, batch: Mapping[str, tuple[torch.Tensor, ...]], keep_grads: bool, step: int = 0, accounted: bool = True,
+        shapes: Mapping[int, Mapping[str, tuple[int, ...]]] | None = None,
+        divisors: tuple[float, ...] | None = None,
     ) -> None:
         self.batch = batch  # batch value name -> its microbatch chunks
+        # A batch of other shapes than the program's (``RankLayout``): per microbatch, the
+        # shapes its transfers have by instruction id (where they differ from the plan's),
+        # and what each microbatch's loss is divided by (``None``: microbatches x replicas).
+        self.shapes = shapes or {}
+        self.divisors = divisors
         self.step = step  # the step's number, from 0 (what random numbers are drawn for)
         self.accounted = accounted  # memory accounting on: forwards track what autograd saves
         self.values: dict[Key, torch.Tensor] = {}  # activations and gradients, local or received
@@ -58,6 +65,12 @@ class StepState:
         self.grad_norm: float | None = None  # set by the GRAD_NORM instruction
         self.lock = threading.RLock()  # shared by the stream threads
         self.reads_left: dict[Key, int] = {}  # value -> instructions still to read it
+
+    def shape(self, ins: Instruction) -> tuple[int, ...]:
+        """The shape a transfer of this step has: the plan's, or its microbatch's table's."""
+        assert ins.meta is not None
+        table = self.shapes.get(ins.microbatch) if ins.microbatch is not None else None
+        return tuple(ins.meta.shape) if table is None else table.get(ins.id, tuple(ins.meta.shape))
 
     def get(self, name: str, mb: int) -> torch.Tensor:
         if name in self.batch:

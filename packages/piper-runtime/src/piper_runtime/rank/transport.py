@@ -31,8 +31,8 @@ class Transport:
 
     def send(self, ins: Instruction, st: StepState) -> None:
         t = st.get(ins.value, ins.microbatch).detach().contiguous()
-        if ins.meta is not None and tuple(t.shape) != tuple(ins.meta.shape):
-            raise ValueError(f"{ins.value} has shape {tuple(t.shape)}, the plan sends {ins.meta.shape}")
+        if ins.meta is not None and tuple(t.shape) != st.shape(ins):
+            raise ValueError(f"{ins.value} has shape {tuple(t.shape)}, the plan sends {st.shape(ins)}")
         work = self.comms[ins.communicator].send(t, ins.peer)
         st.sends.append((work, t))
 
@@ -48,7 +48,7 @@ class Transport:
             ):
                 ins = self.instructions[recvs[st.posted_upto]]
                 meta = ins.meta
-                t = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device=self.device)
+                t = torch.empty(st.shape(ins), dtype=getattr(torch, meta.dtype), device=self.device)
                 st.posted[ins.id] = (self.comms[ins.communicator].recv(t, ins.peer), t)
                 st.posted_upto += 1
 

@@ -45,7 +45,7 @@ from piper_runtime.rank.process import TORCH_THREADS, ProcessSettings, rng_state
 from piper_runtime.rank.sharding import collective_seconds
 from piper_runtime.rank.state import StepState
 from piper_runtime.rendezvous import open_listener
-from piper_runtime.results import RankStep, StepOutput
+from piper_runtime.results import RankLayout, RankStep, StepOutput
 
 if TYPE_CHECKING:
     from piper_runtime.checkpoint import SaveSide
@@ -89,6 +89,9 @@ class RankWorker:
         self._progress: Progress | None = None
         self._backup: StateBackup | None = None
         self._cores = StepCores()  # what the thread that runs steps is bound to
+        # Shape tables of batches of other shapes than the program's (``add_shapes``): by key,
+        # the shape of each transfer whose shape differs, by instruction id.
+        self._shapes: dict[str, dict[str, tuple[int, ...]]] = {}
 
     def ping(self) -> int:
         return os.getpid()
@@ -151,12 +154,31 @@ class RankWorker:
             self.backend, self._executor.threads, self._timeout_s,
         )
 
-    def run_forward(self, batch: Mapping[str, Any]) -> StepOutput:
-        """Run the program of ``load_forward`` once on ``batch`` (as in ``run_step``), the
-        modules in eval mode; returns the losses this rank computed."""
+    def add_shapes(self, key: str, shapes: Mapping[str, Sequence[int]]) -> None:
+        """Keep ``shapes`` (instruction id -> the shape its transfer has) under ``key``: the
+        program's transfers for a batch of other shapes (``Runtime.add_variant``). A step
+        whose ``RankLayout`` names ``key`` for a microbatch sends and receives those shapes;
+        the modules, parameters, optimizer state and everything else are shared."""
+        self._shapes[key] = {ins: tuple(shape) for ins, shape in shapes.items()}
+
+    def run_forward(self, batch: Mapping[str, Any], layout: RankLayout | None = None) -> StepOutput:
+        """Run the program of ``load_forward`` once on ``batch`` (as in ``run_step``, cut as
+        ``layout`` says), the modules in eval mode; returns the losses this rank computed."""
         if self._forward is None:
             raise ExecutionError(f"rank {self.rank}: no forward-only program loaded", ranks=(self.rank,))
-        return self._forward.run(received_microbatches(self._forward.program, batch, self.backend.device), self._step)
+        program, device = self._forward.program, self.backend.device
+        if layout is None:
+            return self._forward.run(received_microbatches(program, batch, device), self._step)
+        chunks = received_microbatches(program, batch, device, layout.sizes)
+        return self._forward.run(chunks, self._step, self._tables(layout))
+
+    def _tables(self, layout: RankLayout) -> dict[int, dict[str, tuple[int, ...]]]:
+        """Each microbatch's shape table (``add_shapes``) by the keys of ``layout``."""
+        try:
+            return {mb: self._shapes[key] for mb, key in enumerate(layout.shapes) if key is not None}
+        except KeyError as exc:
+            raise ExecutionError(f"rank {self.rank}: no shapes for {exc.args[0]!r} (add_shapes)",
+                                 ranks=(self.rank,)) from None
 
     @property
     def threads(self) -> bool:
@@ -182,8 +204,14 @@ class RankWorker:
         started = time.perf_counter()
         if self._backup is not None:
             self._backup.save()
-        chunks = received_microbatches(self.program, step.batch, self.backend.device)
-        st = StepState(chunks, keep_grads, step=self._step - 1, accounted=memory)
+        layout = step.layout
+        if layout is None:
+            chunks = received_microbatches(self.program, step.batch, self.backend.device)
+            st = StepState(chunks, keep_grads, step=self._step - 1, accounted=memory)
+        else:
+            chunks = received_microbatches(self.program, step.batch, self.backend.device, layout.sizes)
+            st = StepState(chunks, keep_grads, step=self._step - 1, accounted=memory, shapes=self._tables(layout),
+                           divisors=layout.divisors)
         self._reads.start(st)
         self._sampler.begin(st, excluded=[t for ts in chunks.values() for t in ts], active=memory)
         try:

@@ -3,7 +3,7 @@ take it, and the checks argparse cannot express.
 
 | group | options | subcommands |
 | --- | --- | --- |
-| model | --model (default lm), --batch-size | train, check |
+| model | --model (default lm), --batch-size, --regions, --capture | train, check, tune (--regions, --capture: plan) |
 | pipeline | --schedule, --strategy, --pp, --stages, --microbatches | train, check, simulate, plan |
 | parallelism | --dp, --zero, --tp, --ep, --recompute | train, check |
 | run | --memory-budget-mb, --optimizer, --optimizer-impl, --lr, --seed, --precision, --runtime, --address, --backend, --placement, --ranks-per-gpu, --timeout | train, check |
@@ -38,10 +38,23 @@ OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 
 
 def add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="lm", help="mlp, transformer, lm, moe, or path/to/file.py:factory (default: lm). "
-                   "A file is EXECUTED (like `python file.py`): name only files you trust")
-    p.add_argument("--batch-size", type=int, help="samples per batch, for a factory that returns a Dataset (refused for "
-                   "data that comes batched)")
+    p.add_argument("--model", default="lm", help="mlp, transformer, lm, moe, path/to/file.py:factory, or hf:PATH (a "
+                   "Hugging Face causal LM from a config.json or a model directory with safetensors weights; needs "
+                   "piper-train[hf]) (default: lm). A file is EXECUTED (like `python file.py`): name only files you "
+                   "trust")
+    p.add_argument("--batch-size", type=int, help="samples per batch, for a factory that returns a Dataset or an hf: "
+                   "model (refused for data that comes batched)")
+    add_capture(p)
+
+
+def add_capture(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--regions", help="the model's regions by module path, for a model that does not call annotate: "
+                   "regions separated by '|', modules of one region by ',', '*' one path component, a lone pattern "
+                   "with '*' one region per match (e.g. 'model.embed_tokens | model.layers.* | model.norm, lm_head'; "
+                   "default: one region per entry of the model's largest ModuleList)")
+    p.add_argument("--capture", choices=["auto", "fx", "export"], default="auto",
+                   help="how the model is traced: torch.fx, torch.export, or auto: fx, and export where fx cannot "
+                        "(default: auto)")
 
 
 def add_pipeline(p: argparse.ArgumentParser) -> None:
@@ -81,9 +94,11 @@ def add_seed(p: argparse.ArgumentParser) -> None:
 
 
 def add_precision(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--precision", choices=["fp32", "bf16"], default=None,
-                   help="bf16: compute in bfloat16 on fp32 master weights, gradients and optimizer state "
-                        "(default: the model's own dtypes)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp64"], default=None,
+                   help="bf16: compute in bfloat16 on fp32 master weights, gradients and optimizer state; fp64 "
+                        "(piper check only): the strategy and the single-device reference both run a float64 copy "
+                        "of the model and its floating batch tensors, so a difference above rounding (default "
+                        "rtol 1e-10) is a real one (default: the model's own dtypes)")
 
 
 def add_run(p: argparse.ArgumentParser) -> None:
@@ -317,8 +332,14 @@ def add_checkpoints(p: argparse.ArgumentParser) -> None:
 
 def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=Path, help="a checkpoint, or a --checkpoint-dir (its latest checkpoint)")
-    p.add_argument("--out", type=output_file, required=True,
-                   help="where to write the state_dict: a .safetensors file, or torch.save's format otherwise")
+    p.add_argument("--out", type=Path, required=True,
+                   help="where to write: the state_dict's file (.safetensors, or torch.save's format otherwise), or "
+                        "with --format hf a new folder")
+    p.add_argument("--format", choices=["state_dict", "hf"], default="state_dict",
+                   help="state_dict: the model's state_dict in one file; hf: a Hugging Face model folder (config.json "
+                        "and safetensors weights) that AutoModelForCausalLM.from_pretrained loads, for a run of "
+                        "--model hf:PATH (default: state_dict)")
+    p.add_argument("--model", help="with --format hf: the run's --model hf:PATH, whose config the folder gets")
 
 
 def _add_convert(p: argparse.ArgumentParser) -> None:
@@ -334,8 +355,10 @@ def _add_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batches", type=int, default=0,
                    help="also compare the held-out loss of this many batches (forward only; default: 0)")
     p.add_argument("--rtol", type=finite_float, default=None,
-                   help="relative tolerance (default: 1e-5; with --precision bf16 5e-2 of each tensor's largest entry: check.TOLERANCES)")
-    p.add_argument("--atol", type=finite_float, default=None, help="absolute tolerance (default: 1e-6, bf16 1e-5)")
+                   help="relative tolerance (default: 1e-5; with --precision bf16 5e-2 of each tensor's largest entry, "
+                        "with --precision fp64 1e-10: check.TOLERANCES)")
+    p.add_argument("--atol", type=finite_float, default=None,
+                   help="absolute tolerance (default: 1e-6, bf16 1e-5, fp64 1e-12)")
 
 
 def _add_simulate(p: argparse.ArgumentParser) -> None:
@@ -347,6 +370,7 @@ def _add_plan_source(p: argparse.ArgumentParser) -> None:
     source.add_argument("--model", help="mlp, transformer, lm, or path/to/file.py:factory: capture this model. "
                         "A file is EXECUTED (like `python file.py`): name only files you trust")
     source.add_argument("--synthetic", action="store_true", help="a synthetic chain of regions (default)")
+    add_capture(p)
 
 
 def _add_plan_output(p: argparse.ArgumentParser) -> None:
@@ -456,6 +480,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--recompute with --tp or --ep: recomputing a tensor- or expert-parallel region (its "
                      "forward's collectives issued again in its backward) is not supported yet; a --strategy "
                      "file can Recompute the regions it does not Shard")
+    if getattr(args, "precision", None) == "fp64" and getattr(args, "command", None) != "check":
+        parser.error("--precision fp64 is for piper check (the strategy and the reference on a float64 copy of "
+                     f"the model); to {args.command} in float64, make the model and its floating data float64 "
+                     "(model.double()) and leave --precision out")
     check_parallelism(parser, args)
     check_runtime(parser, args)
     per_call = getattr(args, "steps_per_call", 1)

@@ -183,9 +183,10 @@ def _capture(args: argparse.Namespace, regions: int) -> Graph:
     from piper_directives import capture
     from piper_train.workload import load_workload
 
-    workload = load_workload(args.model, stages=regions, seed=args.seed)
+    workload = load_workload(args.model, stages=regions, seed=args.seed, regions=args.regions, capture=args.capture)
     return capture(
-        workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, precision=args.precision
+        workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, precision=args.precision,
+        regions=workload.regions, method=workload.capture,
     ).graph
 
 

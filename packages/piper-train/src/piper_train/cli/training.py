@@ -35,7 +35,7 @@ from piper_train.checkpoints import (
 )
 from piper_train.cli.document import Document, emit, fail
 from piper_train.cli.options import say as _say
-from piper_train.cli.outputs import writable_folder, writing
+from piper_train.cli.outputs import output_file, writable_folder, writing
 from piper_train.cli.request import StrategyRequest, model_regions
 from piper_train.loop import Restart, fit
 from piper_train.metrics import (
@@ -116,7 +116,8 @@ def _schedule(args: argparse.Namespace, total: int | None) -> LRSchedule:
 
 
 def _load(args: argparse.Namespace) -> ModelSpec:
-    return load_workload(args.model, stages=model_regions(args), seed=args.seed, batch_size=args.batch_size)
+    return load_workload(args.model, stages=model_regions(args), seed=args.seed, batch_size=args.batch_size,
+                         regions=args.regions, capture=args.capture)
 
 
 def _describe(args: argparse.Namespace, request: StrategyRequest) -> str:
@@ -195,7 +196,8 @@ def train_command(args: argparse.Namespace) -> int:
             request.for_trainer(), optimizer=_optimizer(args), options=_run_options(args),
             memory_budget_bytes=_budget(args), log=lambda text: say(args, text),
             lr_schedule=_schedule(args, total), clip_grad_norm=args.clip_grad_norm,
-            measure_grad_norm=args.log_grad_norm, precision=args.precision,
+            measure_grad_norm=args.log_grad_norm, precision=args.precision, regions=workload.regions,
+            capture_method=workload.capture,
         ))
         record.trainer = trainer
         say(args, f"workers up after {time.perf_counter() - started:.1f} s")
@@ -260,6 +262,9 @@ def _summary(args: argparse.Namespace, trainer: Trainer | None, history: Sequenc
         "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
         "mean_step_seconds": sum(steady) / len(steady) if steady else None,
         "compile_seconds": trainer.compile_seconds if trainer is not None else None,
+        # one program per shape of a batch's pieces (another sequence length, a partial batch)
+        "plans": trainer.plans if trainer is not None else None,
+        "plan_compile_seconds": list(trainer.variant_seconds) if trainer is not None else [],
         # (a resumed run's steps before its first accounted one carry no peaks)
         "peak_memory_bytes": [max(per_rank) for per_rank in zip(
             *(m.peak_memory_bytes for m in history if m.peak_memory_bytes), strict=True)],
@@ -309,12 +314,37 @@ class _Record:
 
 
 def export_command(args: argparse.Namespace) -> int:
+    if args.format == "hf":
+        return _export_hf(args)
+    out = _checked_output(args.out, "--out")
+    state = model_state_dict(args.checkpoint)
+    with writing(out, "--out"):
+        save_atomically(state, out)
+    count = sum(t.numel() for t in state.values())
+    print(f"piper export: {len(state)} tensors ({count} elements) to {out}")
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from piper_train.hf import is_hf, save_pretrained
+
+    if args.model is None or not is_hf(args.model):
+        raise ValueError("piper export --format hf needs the run's --model hf:PATH (its config goes into the folder)")
+    if args.out.exists():
+        raise ValueError(f"--out {args.out} exists; --format hf writes a new folder")
+    _checked_output(args.out, "--out")
     state = model_state_dict(args.checkpoint)
     with writing(args.out, "--out"):
-        save_atomically(state, args.out)
-    count = sum(t.numel() for t in state.values())
-    print(f"piper export: {len(state)} tensors ({count} elements) to {args.out}")
+        count = save_pretrained(args.model, state, args.out)
+    print(f"piper export: {count} tensors to the Hugging Face folder {args.out}")
     return 0
+
+
+def _checked_output(path: Path, option: str) -> Path:
+    try:
+        return output_file(str(path))
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"{option}: {err}") from None
 
 
 def convert_command(args: argparse.Namespace) -> int:

@@ -14,9 +14,10 @@ from piper_train.cli.document import emit
 from piper_train.cli.options import say
 from piper_train.cli.outputs import writing
 from piper_train.metrics import SCHEMA
-from piper_train.tuning.api import Measured, TuneReport, tune, validate
+from piper_train.tuning.api import Measured, TuneReport, built_regions, tune, validate
 from piper_train.tuning.profiler import DEFAULT_CACHE
 from piper_train.tuning.search import DOMINATED, INVALID, OVER_BUDGET, Evaluation
+from piper_train.workload import load_workload
 
 
 def _progress(args: argparse.Namespace) -> Callable[[int], Callable[[Evaluation], None]]:
@@ -119,7 +120,9 @@ def tune_command(args: argparse.Namespace) -> int:
     say(args, f"piper tune: model {args.model}, {args.devices} devices, microbatches {list(microbatches)}, "
               f"schedules {', '.join(args.schedules)}" + (f", budget {args.memory_budget_mb:g} MiB" if budget else ""))
     try:
-        report = tune(args.model, args.devices, stages=args.stages, memory_budget_bytes=budget,
+        model = load_workload(args.model, stages=built_regions(args.stages, args.devices), seed=args.seed,
+                              regions=args.regions, capture=args.capture)
+        report = tune(model, args.devices, stages=args.stages, memory_budget_bytes=budget,
                       microbatches=microbatches, schedules=args.schedules, zeros=args.zero_levels, pps=args.pp,
                       recompute=_recompute(args.recompute, budget),
                       optimizer=optimizer, backend=args.backend, address=args.address,
@@ -137,7 +140,7 @@ def tune_command(args: argparse.Namespace) -> int:
             with writing(args.out, "--out"):
                 report.write(args.out)
             say(args, f"wrote {args.out}; run it with: piper train --model {args.model} --strategy {args.out}")
-        rows = validate(report, args.model, args.validate, steps=args.validate_steps, optimizer=optimizer,
+        rows = validate(report, model, args.validate, steps=args.validate_steps, optimizer=optimizer,
                         backend=args.backend, address=args.address, seed=args.seed) if args.validate else []
         if rows:
             _validation(args, rows)

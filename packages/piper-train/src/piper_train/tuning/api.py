@@ -90,6 +90,12 @@ def _needs(candidates: Iterable[Candidate], batch: int) -> list[tuple[str, int, 
     return sorted(needs, key=lambda n: (n[0] != "none", n[0], -n[1], n[2]))
 
 
+def built_regions(stages: int | None, devices: int) -> int:
+    """The regions a built-in model is built with for a search over ``devices``: ``stages``,
+    else two per device."""
+    return stages or 2 * devices
+
+
 def tune(
     model: str | ModelSpec,
     devices: int,
@@ -130,9 +136,10 @@ def tune(
         raise ValueError(f"devices must be >= 1, got {devices}")
     check_devices(devices, address)
     name = model if isinstance(model, str) else model.name
-    regions = stages or 2 * devices
+    regions = built_regions(stages, devices)
     spec = load_workload(model, stages=regions, seed=seed) if isinstance(model, str) else model
-    captured = capture(spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn)
+    captured = capture(spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn, regions=spec.regions,
+                       method=spec.capture)
     regions = len(captured.graph.stage_segments())
     if "ep" in kinds and not any(getattr(m, "piper_experts", False) for m in spec.model.modules()):
         kinds = [k for k in kinds if k != "ep"]  # every ep candidate would be refused, one by one
@@ -267,6 +274,7 @@ def measure_step(
     driver-measured step time of the timed steps and each rank's peak memory."""
     times = []
     with Trainer(spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn, candidate.strategy(regions),
+                 regions=spec.regions, capture_method=spec.capture,
                  optimizer=optimizer or OptimizerSpec(), backend=backend, address=address, reuse_workers=True,
                  memory_budget_bytes=memory_budget_bytes) as trainer:
         for step in range(warmup + steps):

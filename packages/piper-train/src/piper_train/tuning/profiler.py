@@ -128,6 +128,7 @@ def measure(
     # Unfused: the loss's backward would otherwise carry its stage's (piper_runtime.rank.compute),
     # and each region's time is what the search needs.
     with Trainer(spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn, strategy,
+                 regions=spec.regions, capture_method=spec.capture,
                  optimizer=optimizer or OptimizerSpec(), backend=backend, address=address,
                  reuse_workers=True, fuse_loss_backward=False) as trainer:
         by_id = {(plan.rank, ins.id): ins for plan in trainer.program.ranks for ins in plan.instructions}
