@@ -131,3 +131,25 @@ def test_export_as_a_hugging_face_folder_loads_with_equal_logits(piper, tmp_path
     assert not torch.equal(loaded.model.layers[0].mlp.up_proj.weight, initial)  # trained, not initial
     again = piper("export", str(tmp_path / "ckpt"), "--format", "hf", "--model", f"hf:{folder}", "--out", str(out))
     assert again.returncode == 2 and "exists" in again.stderr
+
+
+def test_init_from_a_sharded_hugging_face_folder(piper, tmp_path):
+    """``--init-from DIR``: the weights of a sharded ``save_pretrained`` folder (several files
+    and their index) start a model built from a config alone; the first loss is the one that
+    model computes itself."""
+    from piper_train.hf import causal_lm_loss
+    from piper_train.workload import load_workload
+
+    config = _saved(tmp_path, "llama") / "config.json"
+    torch.manual_seed(11)
+    source = transformers.AutoModelForCausalLM.from_config(_configs(2)["llama"])
+    source.save_pretrained(tmp_path / "weights", max_shard_size="20KB")
+    assert len(list((tmp_path / "weights").glob("*.safetensors"))) > 1
+    done = piper("train", "--model", f"hf:{config}", "--init-from", str(tmp_path / "weights"), "--pp", "2",
+                 "--steps", "1", "--microbatches", "2", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    (ids,), (targets,) = load_workload(f"hf:{config}", stages=0).batches(0)
+    with torch.no_grad():
+        want = float(causal_lm_loss(source(input_ids=ids, use_cache=False).logits, targets))
+    assert json.loads(done.stdout)["losses"][0] == pytest.approx(want, rel=1e-6)
+    assert "initial weights: " in done.stderr

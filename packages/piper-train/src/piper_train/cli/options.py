@@ -44,6 +44,10 @@ def add_model(p: argparse.ArgumentParser) -> None:
                    "trust")
     p.add_argument("--batch-size", type=int, help="samples per batch, for a factory that returns a Dataset or an hf: "
                    "model (refused for data that comes batched)")
+    p.add_argument("--init-from", type=Path, metavar="PATH",
+                   help="initial weights by name from safetensors: a file, or a folder with model.safetensors or a "
+                        "sharded set and its index (as save_pretrained and piper export write them); every weight "
+                        "of the model must be there (a resumed checkpoint's weights replace them)")
     add_capture(p)
 
 

@@ -54,6 +54,7 @@ from piper_train.models import MODELS, ModelSpec
 from piper_train.schedule import LRSchedule
 from piper_train.stopping import EXIT_TERMINATED, StopRequest, stopping_on_sigterm
 from piper_train.trainer import Trainer
+from piper_train.weights import load_weights
 from piper_train.workload import load_workload
 
 DEFAULT_STEPS = 20
@@ -116,8 +117,13 @@ def _schedule(args: argparse.Namespace, total: int | None) -> LRSchedule:
 
 
 def _load(args: argparse.Namespace) -> ModelSpec:
-    return load_workload(args.model, stages=model_regions(args), seed=args.seed, batch_size=args.batch_size,
-                         regions=args.regions, capture=args.capture)
+    workload = load_workload(args.model, stages=model_regions(args), seed=args.seed, batch_size=args.batch_size,
+                             regions=args.regions, capture=args.capture)
+    if args.init_from is not None:
+        loaded = load_weights(workload.model, args.init_from)
+        say(args, f"initial weights: {loaded.tensors} tensors from {loaded.files} safetensors file(s) in "
+                  f"{args.init_from}")
+    return workload
 
 
 def _describe(args: argparse.Namespace, request: StrategyRequest) -> str:

@@ -17,6 +17,7 @@ from piper_train.metrics import SCHEMA
 from piper_train.tuning.api import Measured, TuneReport, built_regions, tune, validate
 from piper_train.tuning.profiler import DEFAULT_CACHE
 from piper_train.tuning.search import DOMINATED, INVALID, OVER_BUDGET, Evaluation
+from piper_train.weights import load_weights
 from piper_train.workload import load_workload
 
 
@@ -122,6 +123,8 @@ def tune_command(args: argparse.Namespace) -> int:
     try:
         model = load_workload(args.model, stages=built_regions(args.stages, args.devices), seed=args.seed,
                               regions=args.regions, capture=args.capture)
+        if args.init_from is not None:
+            load_weights(model.model, args.init_from)
         report = tune(model, args.devices, stages=args.stages, memory_budget_bytes=budget,
                       microbatches=microbatches, schedules=args.schedules, zeros=args.zero_levels, pps=args.pp,
                       recompute=_recompute(args.recompute, budget),
