@@ -53,6 +53,7 @@ from piper_train import stopping
 from piper_train.batches import Batch, BatchStream, batch_size
 from piper_train.call_size import AUTO, CallSize
 from piper_train.checkpoints import Checkpoints, PendingCheckpoint, prune
+from piper_train.hardware import Hardware
 from piper_train.metrics import CheckpointMetrics, EvalMetrics, Sink, StepMetrics
 from piper_train.stopping import StopRequest
 from piper_train.trainer import Trainer, batch_tokens
@@ -110,6 +111,7 @@ def fit(
     memory_every: int = MEMORY_EVERY,
     steps_per_call: int | str = AUTO,
     stop: StopRequest | None = None,
+    hardware: Hardware | None = None,
 ) -> FitResult:
     """Train until ``steps`` steps (counted by ``trainer.state.step``) or ``epochs`` epochs
     are done, or ``data`` ends (module doc). ``data`` is an iterator of ``(inputs, targets)``
@@ -132,6 +134,10 @@ def fit(
     result. A step sent ahead of one that fails is dropped with it (the restart goes back
     to a checkpoint or the start either way).
 
+    ``hardware``: the devices' description (piper_train.hardware), for each step's MFU; each
+    step's model TFLOP/s per device is reported either way when the example batch's FLOPs can
+    be counted on the meta device (piper_train.flops).
+
     ``steps_per_call``: send up to that many consecutive steps in one call per rank
     (``Trainer.submit_steps``; tf.keras calls it ``steps_per_execution``), one call kept in
     flight ahead, each call ending at the latest on a step after which the workers must be
@@ -152,6 +158,7 @@ def fit(
         trainer, data, steps=steps, epochs=epochs, held_out=held_out, eval_every=eval_every,
         eval_batches=eval_batches, sinks=sinks, profile_step=profile_step, checkpoints=checkpoints, resume=resume,
         max_restarts=max_restarts, memory_every=memory_every, steps_per_call=steps_per_call, stop=stop,
+        hardware=hardware,
     ).run()
 
 
@@ -180,6 +187,7 @@ class TrainingRun:
         memory_every: int,
         steps_per_call: int | str,
         stop: StopRequest | None,
+        hardware: Hardware | None = None,
     ) -> None:
         if steps is None and epochs is None:
             raise ValueError("fit needs steps or epochs")
@@ -189,6 +197,8 @@ class TrainingRun:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         if memory_every < 1:
             raise ValueError(f"memory_every must be >= 1, got {memory_every}")
+        # Model FLOPs of the example batch, for TFLOP/s and MFU (``--hardware``).
+        self.throughput = trainer.throughput(hardware)
         self.call_size = _call_size(steps_per_call, undoable=trainer.runtime.on_nan == "skip-step")
         self.trainer = trainer
         self.steps, self.epochs = steps, epochs
@@ -403,6 +413,7 @@ class TrainingRun:
             data_seconds=flight.data_seconds,
             samples_per_s=flight.samples / seconds,
             tokens_per_s=flight.tokens / seconds if flight.tokens else None,
+            **self._flop_rates(flight, seconds),
             peak_memory_bytes=self.peaks,
             eta_seconds=pace * (total - flight.step) if total is not None else None,
             total_steps=total,
@@ -411,6 +422,13 @@ class TrainingRun:
             plans=flight.plans,
             plan_seconds=flight.plan_seconds,
         )
+
+    def _flop_rates(self, flight: _Flight, seconds: float) -> dict[str, float | None]:
+        """The step's TFLOP/s per device and MFU (piper_train.flops), when its FLOPs are known."""
+        if self.throughput is None:
+            return {}
+        tflops, mfu = self.throughput.step(flight.tokens or flight.samples, seconds)
+        return {"tflops_per_device": tflops, "mfu": mfu}
 
     def _seconds_per_step(self, call: _Call) -> float:
         """A call's time per step, measured at its first result (all of its results are in

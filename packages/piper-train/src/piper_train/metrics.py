@@ -10,6 +10,7 @@ without ``on_checkpoint`` is not told of checkpoints):
   standard JSON only (a NaN or infinite number is written as ``null``);
 - ``TensorBoardWriter``: scalars for torch's ``SummaryWriter`` (``train/loss``, ``train/lr``,
   ``train/grad_norm``, ``train/step_seconds``, ``train/samples_per_s``, ``train/tokens_per_s``,
+  ``train/tflops_per_device``, ``train/mfu``,
   ``train/peak_memory_mib/rank<r>``, ``eval/loss``, ``checkpoint/seconds``); needs the
   ``tensorboard`` package;
 - ``WandbWriter``: the JSONL records to a Weights & Biases run (``step/...``, ``eval/...``,
@@ -49,7 +50,9 @@ class StepMetrics:
     each rank's peak over the step; ``eta_seconds`` the remaining steps at the mean pace so
     far (``None`` when the run's length is unknown); ``plans`` the programs the run holds after
     it (one per shape of a batch's pieces seen so far: ``Trainer.plans``), ``plan_seconds`` the
-    seconds spent compiling those beyond the first (``Trainer.variant_seconds``)."""
+    seconds spent compiling those beyond the first (``Trainer.variant_seconds``);
+    ``tflops_per_device`` the model's FLOPs per second per device and ``mfu`` that over the
+    device's peak (piper_train.flops), ``None`` when unknown."""
 
     step: int
     epoch: int
@@ -67,6 +70,8 @@ class StepMetrics:
     skipped: bool = False  # the step was undone for it (``on_nan="skip-step"``)
     plans: int = 1
     plan_seconds: float = 0.0
+    tflops_per_device: float | None = None  # model FLOPs per second per device (piper_train.flops)
+    mfu: float | None = None  # tflops_per_device over the hardware's peak (--hardware), else None
 
     def as_dict(self) -> dict[str, Any]:
         return record("step", self)
@@ -146,11 +151,18 @@ def step_line(m: StepMetrics) -> str:
     parts.append(f"{m.samples_per_s:,.0f} samples/s")
     if m.tokens_per_s is not None:
         parts.append(f"{m.tokens_per_s:,.0f} tokens/s")
+    if m.tflops_per_device is not None:
+        parts.append(f"{_tflops(m.tflops_per_device)} TFLOP/s/device" + (f" (MFU {m.mfu:.1%})" if m.mfu is not None else ""))
     if m.peak_memory_bytes:
         parts.append(f"peak {max(m.peak_memory_bytes) / MIB:.1f} MiB/rank")
     if m.eta_seconds is not None:
         parts.append(f"eta {_clock(m.eta_seconds)}")
     return "  ".join(parts)
+
+
+def _tflops(value: float) -> str:
+    """TFLOP/s with three significant digits (a CPU's 0.00412, a GPU's 412)."""
+    return f"{value:.3g}"
 
 
 def eval_line(m: EvalMetrics) -> str:
@@ -264,7 +276,7 @@ class TensorBoardWriter:
     def on_step(self, metrics: StepMetrics, result: StepResult) -> None:
         add, step = self.writer.add_scalar, metrics.step
         add("train/loss", metrics.loss, step)
-        for name in ("lr", "grad_norm", "step_seconds", "samples_per_s", "tokens_per_s"):
+        for name in ("lr", "grad_norm", "step_seconds", "samples_per_s", "tokens_per_s", "tflops_per_device", "mfu"):
             value = getattr(metrics, name)
             if value is not None:
                 add(f"train/{name}", value, step)

@@ -63,6 +63,8 @@ from piper_train.checkpoints import (
     resolve,
     write_atomically,
 )
+from piper_train.flops import Throughput, step_flops
+from piper_train.hardware import Hardware
 from piper_train.schedule import LearningRate, LRSchedule
 from piper_train.state import TrainState
 
@@ -207,6 +209,8 @@ class Trainer:
             check_budget(self.program, self._budget, optimizer.name)
         self.compile_seconds = time.perf_counter() - started
         self.batch_size = captured.batch_size
+        self._example = (model, as_tensors(example_inputs), as_tensors(example_targets), loss_fn)
+        self.precision = precision
         self.state_dict_keys = sorted(model.state_dict())
         self.param_shapes = {
             name: tuple(meta.shape) for seg in captured.graph.segments for name, meta in seg.params
@@ -279,6 +283,19 @@ class Trainer:
         computes one (and, when asked, the gradients, per-instruction timings and each
         rank's peak memory). ``submit(...).result()``."""
         return self.submit(inputs, targets, keep_grads=keep_grads, profile=profile, memory=memory).result()
+
+    def throughput(self, hardware: Hardware | None = None) -> Throughput | None:
+        """The figures that turn a step's time into TFLOP/s per device and MFU against
+        ``hardware`` (piper_train.flops): the example batch's model FLOPs, counted on the meta
+        device; with ``hardware`` also on a real copy when the meta device cannot run the
+        model, without it None then."""
+        model, inputs, targets, loss_fn = self._example
+        flops = step_flops(model, inputs, targets, loss_fn, real=hardware is not None)
+        if flops is None:
+            return None
+        size = batch_tokens(inputs) or self.batch_size
+        dtype = self.precision or _DTYPES.get(next((p.dtype for p in model.parameters()), torch.float32), "fp32")
+        return Throughput.of(flops, size, self.program.world_size, hardware, dtype)
 
     def submit(
         self,
@@ -565,3 +582,7 @@ def batch_tokens(inputs: Sequence[torch.Tensor]) -> int:
     if first is None or first.is_floating_point() or first.is_complex() or first.dtype is torch.bool:
         return 0
     return first.numel()
+
+
+# A model's parameter dtype as hardware files spell it (piper_train.hardware.DTYPES).
+_DTYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

@@ -282,6 +282,10 @@ def wandb_target(text: str) -> str:
 
 
 def _add_train(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hardware", metavar="NAME|FILE",
+                   help="the devices, for each step's MFU (model FLOPs per second per device over the device's peak "
+                        "in the run's dtype): a shipped part (a100, b200, h100, h200, mi300x: datasheet dense peaks) "
+                        "or a JSON hardware file (docs/mfu.md); without it the TFLOP/s per device are still reported")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: 20, unless --epochs is given)")
     p.add_argument("--epochs", type=int, default=None, help="passes over the model's data (with --steps: whichever "
                    "ends first)")

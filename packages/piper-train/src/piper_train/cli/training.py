@@ -37,6 +37,7 @@ from piper_train.cli.document import Document, emit, fail
 from piper_train.cli.options import say as _say
 from piper_train.cli.outputs import output_file, writable_folder, writing
 from piper_train.cli.request import StrategyRequest, model_regions
+from piper_train.hardware import load_hardware
 from piper_train.loop import Restart, fit
 from piper_train.metrics import (
     SCHEMA,
@@ -138,6 +139,7 @@ def _describe(args: argparse.Namespace, request: StrategyRequest) -> str:
 
 def train_command(args: argparse.Namespace) -> int:
     _spmd(args)
+    hardware = load_hardware(args.hardware) if args.hardware is not None else None
     workload = _load(args)
     stream = workload.stream()
     if args.epochs is not None and stream.kind == "function":
@@ -221,7 +223,8 @@ def train_command(args: argparse.Namespace) -> int:
             run = fit(trainer, data, steps=steps, epochs=args.epochs, held_out=workload.eval_batches,
                       eval_every=args.eval_every, eval_batches=args.eval_batches, sinks=sinks,
                       profile_step=args.profile_step, checkpoints=checkpoints, resume=args.resume,
-                      max_restarts=args.max_restarts, steps_per_call=args.steps_per_call, stop=stop)
+                      max_restarts=args.max_restarts, steps_per_call=args.steps_per_call, stop=stop,
+                      hardware=hardware)
         for r in run.restarts:
             say(args, f"restarted after step {r.failed_step - 1} failed ({r.error}): new workers, checkpoint of step "
                       f"{r.resumed_from} loaded in {r.seconds:.1f} s, {r.recomputed} steps recomputed")
@@ -280,7 +283,16 @@ def _summary(args: argparse.Namespace, trainer: Trainer | None, history: Sequenc
                       "seconds": r.seconds, "error": r.error} for r in restarts],
         "skipped_steps": [m.step for m in history if m.skipped],
         "stopped": stopped,
+        # model FLOPs per second per device and MFU (--hardware), medians of the steps after the first
+        "tflops_per_device": _median([m.tflops_per_device for m in history[1:] or history]),
+        "mfu": _median([m.mfu for m in history[1:] or history]),
+        "hardware": args.hardware,
     }
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    known = sorted(v for v in values if v is not None)
+    return known[len(known) // 2] if known else None
 
 
 class _Record:

@@ -1,0 +1,77 @@
+"""Device descriptions for throughput figures: ``--hardware NAME|FILE``.
+
+A hardware file is JSON (data: nothing in it runs): ``name``, ``description``, ``peak_tflops``
+(dense peak per dtype: ``fp64``, ``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp8``; the ones a
+part lacks are left out), ``memory_gib``, ``memory_tb_per_s`` and ``source`` (where the figures
+come from). Piper ships files for common parts (``HARDWARE``: the H100, H200, A100, MI300X and
+B200 datasheets' dense figures); a user writes their own for anything else, such as the
+measured peak of a CPU. A run's MFU is its model FLOPs per second per device over
+``peak(dtype)`` of the dtype it computes in (piper_train.flops).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib import resources
+from pathlib import Path
+
+import attrs
+
+DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
+HARDWARE = ("a100", "b200", "h100", "h200", "mi300x")  # the files in piper_train/hardware/
+
+
+@attrs.frozen
+class Hardware:
+    """One device: its dense peak TFLOP/s per dtype, memory and where the figures come from."""
+
+    name: str
+    peak_tflops: dict[str, float]
+    description: str = ""
+    memory_gib: float | None = None
+    memory_tb_per_s: float | None = None
+    source: str = ""
+
+    def peak(self, dtype: str) -> float | None:
+        """Peak TFLOP/s in ``dtype`` (``"fp32"``, ``"bf16"``, ...), None if the file lacks it."""
+        return self.peak_tflops.get(dtype)
+
+
+def load_hardware(spec: str) -> Hardware:
+    """``spec``: a shipped part's name (``HARDWARE``) or a path to a JSON hardware file. A
+    ``ValueError`` names the file and what is wrong."""
+    if spec in HARDWARE:
+        text = resources.files("piper_train").joinpath("hardware", f"{spec}.json").read_text(encoding="utf-8")
+        where = f"{spec} (shipped)"
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise ValueError(f"--hardware {spec}: neither a shipped part ({', '.join(HARDWARE)}) nor a file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, ValueError) as err:
+            raise ValueError(f"--hardware {spec}: cannot read it: {err}") from None
+        where = spec
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"--hardware {where}: not JSON: {err}") from None
+    return _parsed(data, where)
+
+
+def _parsed(data: object, where: str) -> Hardware:
+    if not isinstance(data, dict):
+        raise ValueError(f"--hardware {where}: expected a JSON object")
+    known = {f.name for f in attrs.fields(Hardware)}
+    if unknown := sorted(set(data) - known):
+        raise ValueError(f"--hardware {where}: unknown key(s) {', '.join(unknown)}; expected {', '.join(sorted(known))}")
+    peaks = data.get("peak_tflops")
+    if not isinstance(data.get("name"), str) or not isinstance(peaks, dict) or not peaks:
+        raise ValueError(f"--hardware {where}: needs a name and peak_tflops (TFLOP/s per dtype)")
+    for dtype, value in peaks.items():
+        if dtype not in DTYPES:
+            raise ValueError(f"--hardware {where}: peak_tflops: unknown dtype {dtype!r}; expected {', '.join(DTYPES)}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"--hardware {where}: peak_tflops.{dtype} must be a positive number, got {value!r}")
+    return Hardware(**{**data, "peak_tflops": {k: float(v) for k, v in peaks.items()}})
