@@ -38,10 +38,12 @@ checkpointed (with ``checkpoints``), and ``FitResult.stopped`` says why.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import attrs
 import torch
@@ -53,6 +55,7 @@ from piper_train import stopping
 from piper_train.batches import Batch, BatchStream, batch_size
 from piper_train.call_size import AUTO, CallSize
 from piper_train.checkpoints import Checkpoints, PendingCheckpoint, prune
+from piper_train.flops import Throughput
 from piper_train.hardware import Hardware
 from piper_train.metrics import CheckpointMetrics, EvalMetrics, Sink, StepMetrics
 from piper_train.stopping import StopRequest
@@ -197,8 +200,11 @@ class TrainingRun:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         if memory_every < 1:
             raise ValueError(f"memory_every must be >= 1, got {memory_every}")
-        # Model FLOPs of the example batch, for TFLOP/s and MFU (``--hardware``).
-        self.throughput = trainer.throughput(hardware)
+        # Model FLOPs of the example batch, for TFLOP/s and MFU (``--hardware``), counted on a
+        # thread of its own: the first count in a process takes a second or two (torch's FLOP
+        # counter warming up), which the first steps need not wait for; they report no rate.
+        self.throughput = _background(trainer.throughput, hardware)
+        self.rate_inputs: list[tuple[int, float]] = []  # each step's size and seconds, for its rates
         self.call_size = _call_size(steps_per_call, undoable=trainer.runtime.on_nan == "skip-step")
         self.trainer = trainer
         self.steps, self.epochs = steps, epochs
@@ -425,10 +431,32 @@ class TrainingRun:
 
     def _flop_rates(self, flight: _Flight, seconds: float) -> dict[str, float | None]:
         """The step's TFLOP/s per device and MFU (piper_train.flops), when its FLOPs are known."""
-        if self.throughput is None:
+        self.rate_inputs.append((flight.tokens or flight.samples, seconds))
+        rate = self._throughput(wait=0)
+        if rate is None:
             return {}
-        tflops, mfu = self.throughput.step(flight.tokens or flight.samples, seconds)
+        tflops, mfu = rate.step(flight.tokens or flight.samples, seconds)
         return {"tflops_per_device": tflops, "mfu": mfu}
+
+    def _throughput(self, wait: float) -> Throughput | None:
+        try:
+            return self.throughput.result(timeout=wait)
+        except Exception:
+            return None
+
+    def _backfill_rates(self) -> None:
+        """Give the steps that ended before the FLOPs were counted their rates (in the
+        history, hence ``--json``; the sinks had their records already), waiting a bounded
+        time for the count."""
+        if len(self.rate_inputs) != len(self.history) or all(m.tflops_per_device is not None for m in self.history):
+            return
+        rate = self._throughput(wait=FLOPS_WAIT_S)
+        if rate is None:
+            return
+        for i, (m, (size, seconds)) in enumerate(zip(self.history, self.rate_inputs, strict=True)):
+            if m.tflops_per_device is None:
+                tflops, mfu = rate.step(size, seconds)
+                self.history[i] = attrs.evolve(m, tflops_per_device=tflops, mfu=mfu)
 
     def _seconds_per_step(self, call: _Call) -> float:
         """A call's time per step, measured at its first result (all of its results are in
@@ -496,10 +524,12 @@ class TrainingRun:
         self.ended = False  # the data is back where the state was
         self.restarts.append(Restart(failed, state.step, failed - 1 - state.step, time.perf_counter() - began,
                                      str(err).splitlines()[0]))
-        del self.history[sum(1 for m in self.history if m.step <= state.step):]
+        kept = sum(1 for m in self.history if m.step <= state.step)
+        del self.history[kept:], self.rate_inputs[kept:]
         del self.evals[sum(1 for e in self.evals if e.step <= state.step):]
 
     def _result(self) -> FitResult:
+        self._backfill_rates()
         # A stop asked for once the run had nothing left to do changed nothing.
         finished = self.ended or any(last is not None and self.state.step >= last
                                      for last in (self.steps, self.in_epochs))
@@ -682,3 +712,20 @@ def _epoch_steps(data: object, epochs: int | None) -> int | None:
     stream = getattr(data, "stream", data)
     per_epoch = getattr(stream, "batches_per_epoch", None)
     return epochs * per_epoch if epochs is not None and per_epoch else None
+
+
+FLOPS_WAIT_S = 30.0  # the most a run's end waits for its FLOPs to be counted
+
+
+def _background(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    """``fn(*args)`` on a daemon thread; its future."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="piper-flops", daemon=True).start()
+    return future
