@@ -14,6 +14,7 @@ import contextlib
 import copy as _copy
 import os
 import sys
+import traceback
 import warnings
 
 import torch
@@ -50,13 +51,28 @@ def _checkpoint_site() -> str | None:
     return f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else "torch.utils.checkpoint"
 
 
-class _ScopeTracer(torch.fx.Tracer):
-    def __init__(self) -> None:
-        super().__init__()
-        self.record_stack_traces = True
+# Frames of the tracer, not of the model: left out of a node's stack trace.
+_TRACER_FILES = (os.path.join(_TORCH_DIR, "fx") + os.sep, os.path.join(_TORCH_DIR, "nn", "modules", "module.py"),
+                 os.path.join(_TORCH_DIR, "overrides.py"), os.path.dirname(__file__) + os.sep)
 
+
+def _stack_trace() -> str:
+    """The user's frames from the outermost ``forward`` to the operation being traced, in
+    ``traceback``'s format (what torch.fx's ``record_stack_traces`` writes, without its first
+    call's seconds of imports and symbolization)."""
+    frames = [f for f, _ in traceback.walk_stack(sys._getframe(2))][::-1]
+    first = next((i for i, f in enumerate(frames) if f.f_code.co_name == "forward"), None)
+    if first is None:
+        return ""
+    kept = [(f, f.f_lineno) for f in frames[first:] if not f.f_code.co_filename.startswith(_TRACER_FILES)]
+    return "".join(traceback.StackSummary.extract(kept).format()).strip()
+
+
+class _ScopeTracer(torch.fx.Tracer):
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if not node.stack_trace:
+            node.stack_trace = _stack_trace()
         site = _checkpoint_site()
         node.meta["piper_scopes"] = current_scopes()
         node.meta["piper_run"] = current_run()
