@@ -47,13 +47,16 @@ class ExecutionOptions:
     microbatch's gradient inside the product that computes it (``None``: autograd adds every
     one). ``input_grads_first``: a stage's last backward sends its input gradient before those
     layers add their weight products. ``bind_cores``: bind each rank's step threads to cores of
-    its own where the host has a free core per rank."""
+    its own where the host has a free core per rank. ``profile_kernels``: a profiled step
+    (``profile=True``) also records torch.profiler's trace of the operators (and kernels) each
+    instruction ran (piper_runtime.rank.kernel_profile)."""
 
     threads: bool = True
     fuse_loss_backward: bool = True
     grad_fusion_min_bytes: int | None = MIN_WEIGHT_BYTES
     input_grads_first: bool = True
     bind_cores: bool = True
+    profile_kernels: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.grad_fusion_min_bytes is not None and self.grad_fusion_min_bytes < 0:

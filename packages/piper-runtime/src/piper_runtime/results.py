@@ -54,6 +54,10 @@ class StepOutput:
     # On Linux that clock is CLOCK_MONOTONIC, one clock for every process of a host, so the
     # ranks of one host can be put on one time line (``StepResult.worker_started``).
     started: float = 0.0
+    # torch.profiler's Chrome trace (JSON text) of a profiled step, when the run records one
+    # (``ExecutionOptions.profile_kernels``); None on the ranks of a process whose trace
+    # another rank returns (piper_runtime.rank.kernel_profile).
+    kernel_trace: str | None = None
 
 
 @attrs.frozen
@@ -92,6 +96,8 @@ class StepResult:
     nonfinite: str | None = None
     skipped: bool = False
     worker_started: tuple[float, ...] = ()  # each rank's ``StepOutput.started``
+    # (rank, torch.profiler Chrome trace JSON) of each process that recorded one
+    kernel_traces: tuple[tuple[int, str], ...] = ()
 
 
 @attrs.frozen

@@ -29,6 +29,7 @@ import json
 import math
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
@@ -338,9 +339,28 @@ def _numbers(prefix: str, figures: Any) -> dict[str, float]:
     }
 
 
+def merged_kernel_traces(traces: Sequence[tuple[int, str]], world_size: int) -> dict[str, Any]:
+    """The ranks' torch.profiler Chrome traces (``StepResult.kernel_traces``) as one: their
+    events on one timeline (one host's processes share a clock), each process named after
+    the rank(s) it ran (one trace for all of them from the ``local`` runtime's one process)."""
+    events: list[Any] = []
+    for rank, text in traces:
+        document = json.loads(text)
+        found = [e for e in (document.get("traceEvents", []) if isinstance(document, dict) else []) if isinstance(e, dict)]
+        name = f"piper rank {rank}" if len(traces) == world_size else f"piper ranks 0-{world_size - 1} (one process)"
+        for event in found:  # the process's own name ("python") -> the rank(s) it ran
+            if event.get("ph") == "M" and event.get("name") == "process_name" and isinstance(event.get("pid"), int):
+                event["args"] = {"name": name}
+        events.extend(found)
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
 class ProfileWriter:
     """Writes the measured timeline of step ``step`` (whose ``StepResult.timings`` the loop
-    asked for) to ``<directory>/step<N>.trace.json`` (Chrome/Perfetto) and, with
+    asked for) to ``<directory>/step<N>.trace.json`` (Chrome/Perfetto), the ranks'
+    torch.profiler traces, when the run recorded them (``ExecutionOptions.profile_kernels``),
+    merged into ``<directory>/step<N>.kernels.trace.json`` (every operator, and on a GPU every
+    kernel, under the Piper instruction that ran it: ``piper F.s0.mb1``), and, with
     matplotlib installed, ``<directory>/step<N>.png`` (Gantt chart). The chart is drawn on a
     thread of its own (a few hundred ms, most of it importing matplotlib), so the steps after
     the profiled one neither wait for it nor report its time as theirs; ``close`` waits."""
@@ -366,6 +386,10 @@ class ProfileWriter:
         trace = self.directory / f"step{self.step}.trace.json"
         trace.write_text(json.dumps(to_chrome_trace(timeline)))
         self.written.append(trace)
+        if result.kernel_traces:
+            kernels = self.directory / f"step{self.step}.kernels.trace.json"
+            kernels.write_text(json.dumps(merged_kernel_traces(result.kernel_traces, self.program.world_size)))
+            self.written.append(kernels)
         self._drawing = threading.Thread(target=self._draw, args=(timeline,), name="piper-profile-chart", daemon=True)
         self._drawing.start()
 

@@ -104,6 +104,7 @@ def merge_outputs(
         tuple(out.collective_seconds for out in outputs),
         grad_norm,
         worker_started=tuple(out.started for out in outputs),
+        kernel_traces=tuple((out.rank, out.kernel_trace) for out in outputs if out.kernel_trace is not None),
     )
 
 

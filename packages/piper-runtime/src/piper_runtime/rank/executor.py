@@ -26,10 +26,13 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 
+import torch
+
 from piper_ir import ExecutionError, Instruction, NodeKind, RankPlan
 from piper_runtime.backends.base import Streams
 from piper_runtime.progress import Progress
 from piper_runtime.rank.accounting import MemorySampler, keeps_model_state
+from piper_runtime.rank.kernel_profile import LABEL
 from piper_runtime.rank.state import ReadCounts, StepState
 from piper_runtime.rank.streams import StreamLayout, run_streams
 from piper_runtime.results import InstructionTiming
@@ -71,11 +74,13 @@ class Executor:
         self.settle = settle
 
     def run(
-        self, st: StepState, step: int, started: float, profile: bool, memory: bool = True
+        self, st: StepState, step: int, started: float, profile: bool, memory: bool = True, labels: bool = False
     ) -> list[InstructionTiming]:
         """Run every instruction of the plan once; returns their timings with ``profile``
         (seconds from ``started``, a ``time.perf_counter`` value). ``memory``: sample memory
-        after every instruction (the sampler's step must have begun ``active``)."""
+        after every instruction (the sampler's step must have begun ``active``). ``labels``:
+        each instruction runs inside ``record_function("piper <id>")``, for torch.profiler's
+        trace (piper_runtime.rank.kernel_profile)."""
         rank = self.plan.rank
         timings: list[InstructionTiming] = []
         instructions = self.plan.instructions
@@ -95,7 +100,11 @@ class Executor:
             closes = windows.get(k) if windows else None
             try:
                 before(k, st)
-                handlers[k](ins, st)
+                if labels:
+                    with torch.profiler.record_function(f"{LABEL}{ins.id}"):
+                        handlers[k](ins, st)
+                else:
+                    handlers[k](ins, st)
                 if closes is not None:
                     t1 = perf_counter() if profile else 0.0
                     settle(st)

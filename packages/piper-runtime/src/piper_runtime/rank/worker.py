@@ -41,6 +41,7 @@ from piper_runtime.progress import Progress, RankProgress
 from piper_runtime.rank.assembly import assemble, check_supported
 from piper_runtime.rank.cores import StepCores, host_report, thread_cores
 from piper_runtime.rank.evaluation import ForwardStep
+from piper_runtime.rank.kernel_profile import kernel_trace
 from piper_runtime.rank.process import TORCH_THREADS, ProcessSettings, rng_state, set_rng_state
 from piper_runtime.rank.sharding import collective_seconds
 from piper_runtime.rank.state import StepState
@@ -139,6 +140,7 @@ class RankWorker:
         self._sampler, self._comms, self._transport = parts.sampler, parts.comms, parts.transport
         self._reads, self._progress, self._executor = parts.reads, parts.progress, parts.executor
         self._backup, self.fused_layers, self._timeout_s = parts.backup, parts.fused_layers, setup.wait_s
+        self._profile_kernels = setup.execution.profile_kernels
         self._forward: ForwardStep | None = None
         # Last, so the threads made while joining the world (the communication library's)
         # keep the whole host; those the step thread starts from now on inherit its cores.
@@ -214,8 +216,10 @@ class RankWorker:
                            divisors=layout.divisors)
         self._reads.start(st)
         self._sampler.begin(st, excluded=[t for ts in chunks.values() for t in ts], active=memory)
+        kernels = profile and self._profile_kernels
         try:
-            timings = self._executor.run(st, self._step, started, profile, memory)
+            with kernel_trace(kernels, self.backend.device.type == "cuda", self._timeout_s) as trace:
+                timings = self._executor.run(st, self._step, started, profile, memory, labels=kernels)
         except BaseException:
             # Keep posted receives and unfinished sends referenced: destroying pending
             # transfers could take the process down before the error reaches the driver
@@ -240,6 +244,7 @@ class RankWorker:
             st.grad_norm,
             tuple(st.nonfinite),
             started,
+            trace[0],
         )
 
     def restore(self) -> None:

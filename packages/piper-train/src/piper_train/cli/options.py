@@ -300,7 +300,8 @@ def _add_train(p: argparse.ArgumentParser) -> None:
                    help="log the --metrics records and the run's options to a Weights & Biases run (needs wandb: "
                         "pip install 'piper-train[wandb]'; WANDB_MODE=offline writes it locally, under WANDB_DIR)")
     p.add_argument("--profile-step", type=int, help="write the measured timeline of this step (1-based) as a "
-                   "Chrome/Perfetto trace and a Gantt PNG")
+                   "Chrome/Perfetto trace and a Gantt PNG, and the ranks' torch.profiler traces of it merged, each "
+                   "operator under the instruction that ran it (stepN.kernels.trace.json)")
     p.add_argument("--profile-dir", type=Path, default=Path("."), help="where --profile-step writes (default: .)")
     p.add_argument("--no-progress-bar", action="store_true", help="plain progress lines even on a terminal")
     p.add_argument("--steps-per-call", type=_steps_per_call, default="auto", metavar="N|auto",
