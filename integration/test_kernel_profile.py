@@ -62,3 +62,30 @@ def test_unprofiled_steps_record_no_trace(tmp_path):
                  build_schedule("1f1b", 2, 2, stages=2), runtime="local", profile_kernels=True) as trainer:
         assert trainer.step(*spec.batches(0)).kernel_traces == ()
         assert len(trainer.step(*spec.batches(1), profile=True).kernel_traces) == 1
+
+
+def test_a_memory_snapshot_is_the_steps_accounting_over_time(tmp_path):
+    """``--memory-snapshot`` keeps every sample of the profiled step: the peak of each rank's
+    timeline is the peak the step reports (``RankMemory.total``), one sample before the first
+    instruction and one after each."""
+    from piper_directives import build_schedule
+    from piper_runtime import MEMORY_CATEGORIES
+    from piper_train import Trainer
+    from piper_train.metrics import memory_counters
+    from piper_train.models import build_model
+
+    spec = build_model("mlp", stages=2)
+    with Trainer(spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn,
+                 build_schedule("1f1b", 2, 2, stages=2), runtime="local", memory_snapshot=True) as trainer:
+        trainer.step(*spec.batches(0))
+        result = trainer.step(*spec.batches(1), profile=True)
+        timelines = dict(result.memory_timelines)
+        assert sorted(timelines) == [0, 1]
+        for memory in result.memory:
+            samples = timelines[memory.rank]
+            assert len(samples) == len(trainer.program.ranks[memory.rank].instructions) + 1
+            assert max(sum(sizes) for _, sizes in samples) == memory.total
+            assert all(len(sizes) == len(MEMORY_CATEGORIES) for _, sizes in samples)
+        counters = [e for e in memory_counters(result.memory_timelines)["traceEvents"] if e["ph"] == "C"]
+        assert len(counters) == sum(len(s) for s in timelines.values())
+        assert trainer.step(*spec.batches(2)).memory_timelines == ()  # only a profiled step keeps them

@@ -34,6 +34,7 @@ from piper_runtime.options import (
     RunOptions,
     default_runtime,
 )
+from piper_runtime.rank.memory import CATEGORIES as MEMORY_CATEGORIES
 from piper_runtime.rank.memory import RankMemory
 from piper_runtime.rank.worker import TORCH_THREADS as TORCH_THREADS
 from piper_runtime.rank.worker import RankWorker
@@ -87,6 +88,7 @@ __all__ = [
     "shutdown",
     "split_microbatches",
     "MIN_WEIGHT_BYTES",
+    "MEMORY_CATEGORIES",
     "TORCH_THREADS",
     "full_batch_shape",
     "shm_enabled",

@@ -49,7 +49,9 @@ class ExecutionOptions:
     layers add their weight products. ``bind_cores``: bind each rank's step threads to cores of
     its own where the host has a free core per rank. ``profile_kernels``: a profiled step
     (``profile=True``) also records torch.profiler's trace of the operators (and kernels) each
-    instruction ran (piper_runtime.rank.kernel_profile)."""
+    instruction ran (piper_runtime.rank.kernel_profile). ``memory_snapshot``: a profiled step
+    also keeps every memory sample (what the rank holds by category after each instruction)
+    and, on a GPU, CUDA's memory history (piper_runtime.rank.memory_snapshot)."""
 
     threads: bool = True
     fuse_loss_backward: bool = True
@@ -57,6 +59,7 @@ class ExecutionOptions:
     input_grads_first: bool = True
     bind_cores: bool = True
     profile_kernels: bool = False
+    memory_snapshot: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.grad_fusion_min_bytes is not None and self.grad_fusion_min_bytes < 0:

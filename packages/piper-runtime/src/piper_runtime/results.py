@@ -58,6 +58,11 @@ class StepOutput:
     # (``ExecutionOptions.profile_kernels``); None on the ranks of a process whose trace
     # another rank returns (piper_runtime.rank.kernel_profile).
     kernel_trace: str | None = None
+    # ``memory_snapshot``: (seconds since ``started``, bytes per category in
+    # ``piper_runtime.rank.memory.CATEGORIES`` order) after each instruction, and on a GPU the
+    # CUDA memory history snapshot as JSON text (piper_runtime.rank.memory_snapshot).
+    memory_timeline: tuple[tuple[float, tuple[int, ...]], ...] = ()
+    cuda_snapshot: str | None = None
 
 
 @attrs.frozen
@@ -98,6 +103,10 @@ class StepResult:
     worker_started: tuple[float, ...] = ()  # each rank's ``StepOutput.started``
     # (rank, torch.profiler Chrome trace JSON) of each process that recorded one
     kernel_traces: tuple[tuple[int, str], ...] = ()
+    # (rank, its ``StepOutput.memory_timeline``) and (rank, its CUDA snapshot JSON) of a
+    # profiled step under ``ExecutionOptions.memory_snapshot``
+    memory_timelines: tuple[tuple[int, tuple[tuple[float, tuple[int, ...]], ...]], ...] = ()
+    cuda_snapshots: tuple[tuple[int, str], ...] = ()
 
 
 @attrs.frozen

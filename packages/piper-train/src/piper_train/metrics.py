@@ -355,6 +355,33 @@ def merged_kernel_traces(traces: Sequence[tuple[int, str]], world_size: int) -> 
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def memory_counters(timelines: Sequence[tuple[int, Sequence[tuple[float, Sequence[int]]]]]) -> dict[str, Any]:
+    """Each rank's memory samples (``StepResult.memory_timelines``) as Chrome/Perfetto counter
+    tracks: MiB per category (``piper_runtime.rank.memory.CATEGORIES``) over the step, each
+    rank's clock from its step's start (as in ``stepN.trace.json``)."""
+    from piper_runtime import MEMORY_CATEGORIES as CATEGORIES
+
+    events: list[Any] = []
+    for rank, samples in timelines:
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"piper rank {rank} memory"}})
+        events.extend(
+            {"ph": "C", "name": "memory (MiB)", "pid": rank, "tid": 0, "ts": seconds * 1e6,
+             "args": {c: b / MIB for c, b in zip(CATEGORIES, sizes, strict=True)}}
+            for seconds, sizes in samples
+        )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_cuda_snapshot(path: Path, snapshot: str) -> Path:
+    """A rank's CUDA memory snapshot (JSON text from the rank) written as the pickle that
+    https://pytorch.org/memory_viz opens. Piper writes this file and never loads it."""
+    import pickle
+
+    with path.open("wb") as f:
+        pickle.dump(json.loads(snapshot), f)
+    return path
+
+
 class ProfileWriter:
     """Writes the measured timeline of step ``step`` (whose ``StepResult.timings`` the loop
     asked for) to ``<directory>/step<N>.trace.json`` (Chrome/Perfetto), the ranks'
@@ -390,6 +417,13 @@ class ProfileWriter:
             kernels = self.directory / f"step{self.step}.kernels.trace.json"
             kernels.write_text(json.dumps(merged_kernel_traces(result.kernel_traces, self.program.world_size)))
             self.written.append(kernels)
+        if result.memory_timelines:
+            memory = self.directory / f"step{self.step}.memory.trace.json"
+            memory.write_text(json.dumps(memory_counters(result.memory_timelines)))
+            self.written.append(memory)
+        for rank, snapshot in result.cuda_snapshots:
+            self.written.append(write_cuda_snapshot(self.directory / f"step{self.step}.rank{rank}.cuda-memory.pickle",
+                                                    snapshot))
         self._drawing = threading.Thread(target=self._draw, args=(timeline,), name="piper-profile-chart", daemon=True)
         self._drawing.start()
 

@@ -105,6 +105,8 @@ def merge_outputs(
         grad_norm,
         worker_started=tuple(out.started for out in outputs),
         kernel_traces=tuple((out.rank, out.kernel_trace) for out in outputs if out.kernel_trace is not None),
+        memory_timelines=tuple((out.rank, out.memory_timeline) for out in outputs if out.memory_timeline),
+        cuda_snapshots=tuple((out.rank, out.cuda_snapshot) for out in outputs if out.cuda_snapshot is not None),
     )
 
 

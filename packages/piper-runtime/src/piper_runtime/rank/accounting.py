@@ -69,12 +69,17 @@ class MemorySampler:
         self.current: StepState | None = None  # the step running now, for ``sample_now``
         self.active = False  # whether the step running now is accounted
 
-    def begin(self, st: StepState, excluded: Iterable[torch.Tensor], active: bool = True) -> None:
+    def begin(
+        self, st: StepState, excluded: Iterable[torch.Tensor], active: bool = True, timeline_from: float | None = None
+    ) -> None:
         """Start a step's peaks; ``excluded`` (the batch) is never counted. With
-        ``active=False`` the step is not accounted: every sample is skipped."""
+        ``active=False`` the step is not accounted: every sample is skipped. ``timeline_from``:
+        keep every sample, timed from this ``perf_counter`` value (``MemoryTracker.record_timeline``)."""
         self.current = st
         self.active = active
         self.tracker.reset(excluded=excluded if active else ())
+        if timeline_from is not None:
+            self.tracker.record_timeline(timeline_from)
         if active:
             self.sample(st)
 

@@ -24,6 +24,7 @@ Memory inside a module's forward (temporaries autograd does not save) is not see
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -73,6 +74,8 @@ class MemoryTracker:
 
     def reset(self, excluded: Iterable[torch.Tensor] = ()) -> None:
         """Forget the peaks; ``excluded`` tensors' storages (the batch) are never counted."""
+        self.origin: float | None = None  # with a time origin, every sample is kept (``record_timeline``)
+        self.timeline: list[tuple[float, tuple[int, ...]]] = []
         self.peaks = dict.fromkeys(CATEGORIES, 0)
         self.peak_total = 0
         self.excluded = {k for t in excluded if (k := storage_key(t)) is not None}
@@ -91,12 +94,20 @@ class MemoryTracker:
             self._model_state = (sizes, seen - self.excluded)
         sizes, model_keys = self._model_state
         seen = self.excluded | model_keys
-        total = 0
-        for category in CATEGORIES:
-            size = sizes[category] if category in MODEL_STATE else self._count(held.get(category, ()), seen)
+        now = tuple(
+            sizes[category] if category in MODEL_STATE else self._count(held.get(category, ()), seen)
+            for category in CATEGORIES
+        )
+        for category, size in zip(CATEGORIES, now, strict=True):
             self.peaks[category] = max(self.peaks[category], size)
-            total += size
-        self.peak_total = max(self.peak_total, total)
+        self.peak_total = max(self.peak_total, sum(now))
+        if self.origin is not None:
+            self.timeline.append((time.perf_counter() - self.origin, now))
+
+    def record_timeline(self, origin: float) -> None:
+        """Keep every sample of this step, as (seconds since ``origin``, bytes per category in
+        ``CATEGORIES`` order): the step's memory over time (``--memory-snapshot``)."""
+        self.origin = origin
 
     @staticmethod
     def _count(tensors: Iterable[torch.Tensor | None], seen: set[tuple[int, int]]) -> int:

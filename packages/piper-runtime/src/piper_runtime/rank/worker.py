@@ -42,6 +42,7 @@ from piper_runtime.rank.assembly import assemble, check_supported
 from piper_runtime.rank.cores import StepCores, host_report, thread_cores
 from piper_runtime.rank.evaluation import ForwardStep
 from piper_runtime.rank.kernel_profile import kernel_trace
+from piper_runtime.rank.memory_snapshot import cuda_history
 from piper_runtime.rank.process import TORCH_THREADS, ProcessSettings, rng_state, set_rng_state
 from piper_runtime.rank.sharding import collective_seconds
 from piper_runtime.rank.state import StepState
@@ -141,6 +142,7 @@ class RankWorker:
         self._reads, self._progress, self._executor = parts.reads, parts.progress, parts.executor
         self._backup, self.fused_layers, self._timeout_s = parts.backup, parts.fused_layers, setup.wait_s
         self._profile_kernels = setup.execution.profile_kernels
+        self._memory_snapshot = setup.execution.memory_snapshot
         self._forward: ForwardStep | None = None
         # Last, so the threads made while joining the world (the communication library's)
         # keep the whole host; those the step thread starts from now on inherit its cores.
@@ -199,6 +201,8 @@ class RankWorker:
 
     def _run(self, step: RankStep) -> StepOutput:
         keep_grads, profile, lr, memory = step.keep_grads, step.profile, step.lr, step.memory
+        snapshot = profile and self._memory_snapshot
+        memory = memory or snapshot  # the samples are the snapshot's timeline
         self._step += 1
         self._cores.follow()  # Ray may run this call on another thread than setup
         if lr is not None:
@@ -215,10 +219,12 @@ class RankWorker:
             st = StepState(chunks, keep_grads, step=self._step - 1, accounted=memory, shapes=self._tables(layout),
                            divisors=layout.divisors)
         self._reads.start(st)
-        self._sampler.begin(st, excluded=[t for ts in chunks.values() for t in ts], active=memory)
+        self._sampler.begin(st, excluded=[t for ts in chunks.values() for t in ts], active=memory,
+                            timeline_from=started if snapshot else None)
         kernels = profile and self._profile_kernels
         try:
-            with kernel_trace(kernels, self.backend.device.type == "cuda", self._timeout_s) as trace:
+            cuda = self.backend.device.type == "cuda"
+            with kernel_trace(kernels, cuda, self._timeout_s) as trace, cuda_history(snapshot and cuda) as history:
                 timings = self._executor.run(st, self._step, started, profile, memory, labels=kernels)
         except BaseException:
             # Keep posted receives and unfinished sends referenced: destroying pending
@@ -245,6 +251,8 @@ class RankWorker:
             tuple(st.nonfinite),
             started,
             trace[0],
+            tuple(self._sampler.tracker.timeline) if snapshot else (),
+            history[0],
         )
 
     def restore(self) -> None:

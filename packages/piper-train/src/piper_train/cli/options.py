@@ -303,6 +303,10 @@ def _add_train(p: argparse.ArgumentParser) -> None:
                    "Chrome/Perfetto trace and a Gantt PNG, and the ranks' torch.profiler traces of it merged, each "
                    "operator under the instruction that ran it (stepN.kernels.trace.json)")
     p.add_argument("--profile-dir", type=Path, default=Path("."), help="where --profile-step writes (default: .)")
+    p.add_argument("--memory-snapshot", action="store_true",
+                   help="with --profile-step: also the step's memory over time, each rank's bytes by category after "
+                        "every instruction (stepN.memory.trace.json), and on a GPU CUDA's memory history "
+                        "(stepN.rankR.cuda-memory.pickle, for pytorch.org/memory_viz)")
     p.add_argument("--no-progress-bar", action="store_true", help="plain progress lines even on a terminal")
     p.add_argument("--steps-per-call", type=_steps_per_call, default="auto", metavar="N|auto",
                    help="send up to N consecutive steps to the workers in one call (saves each rank Ray's "
@@ -482,6 +486,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                 parser.error(f"--{name.replace('_', '-')} {wrong}, got {each}")
     if getattr(args, "eval_every", 0) and getattr(args, "eval_batches", 1) < 1:
         parser.error("--eval-batches must be >= 1 with --eval-every")
+    if getattr(args, "memory_snapshot", False) and getattr(args, "profile_step", None) is None:
+        parser.error("--memory-snapshot records the step --profile-step N names: give --profile-step")
     if getattr(args, "lr_schedule", None) == "step" and args.lr_step_size is None:
         parser.error("--lr-schedule step needs --lr-step-size")
     recompute = getattr(args, "recompute", 0)
