@@ -90,8 +90,8 @@ class _ScopeTracer(torch.fx.Tracer):
         return bool(getattr(m, "piper_experts", False)) or super().is_leaf_module(m, module_qualified_name)
 
 
-
 def module_regions(model: nn.Module, regions: RegionSpec | ModuleRegions | None) -> ModuleRegions | None:
+    """``regions`` as ``ModuleRegions`` of ``model`` (a spec parsed; a bad one is a ``CaptureError``)."""
     if regions is None or isinstance(regions, ModuleRegions):
         return regions
     try:
