@@ -53,6 +53,7 @@ from piper_train.metrics import (
 )
 from piper_train.models import MODELS, ModelSpec
 from piper_train.schedule import LRSchedule
+from piper_train.startup import FirstStepLine
 from piper_train.stopping import EXIT_TERMINATED, StopRequest, stopping_on_sigterm
 from piper_train.trainer import Trainer
 from piper_train.weights import load_weights
@@ -198,6 +199,7 @@ def train_command(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         sinks = _sinks(args, stack)  # before any worker starts: a sink that cannot be made is bad input
         sinks.append(_NonFinite(args))
+        sinks.append(FirstStepLine(lambda text: say(args, text)))
         record = _Record()
         sinks.append(record)
         stack.push(record.on_exit(args))  # a run that fails or is interrupted: its document so far
