@@ -77,6 +77,9 @@ class FakeTrainer:
     def restart(self) -> None:
         self.restarts += 1
 
+    def throughput(self, hardware=None) -> None:
+        return None  # no FLOPs: the steps report no TFLOP/s
+
     def save_checkpoint(self, target: Path) -> Path:
         error = self.save_error(self.state.step)
         if error is not None:
