@@ -153,3 +153,11 @@ def test_init_from_a_sharded_hugging_face_folder(piper, tmp_path):
         want = float(causal_lm_loss(source(input_ids=ids, use_cache=False).logits, targets))
     assert json.loads(done.stdout)["losses"][0] == pytest.approx(want, rel=1e-6)
     assert "initial weights: " in done.stderr
+
+
+@pytest.mark.ray
+def test_an_exported_model_runs_on_ray_workers(piper, tmp_path):
+    """Segments captured by torch.export travel to Ray actors (their operators by name)."""
+    summary = _check(piper, "--model", f"hf:{_saved(tmp_path, 'llama')}", "--schedule", "1f1b", "--pp", "2",
+                     "--runtime", "ray")
+    assert max(summary[f"max_{w}_rel"] for w in ("loss", "grad", "param")) < 1e-12, summary

@@ -5,7 +5,8 @@ is loaded. Re-tracing records only calls that receive a traced value, so a call 
 one — entering ``torch.autocast``, switching grad mode off, the very context switches capture
 keeps so a segment means what the user wrote — would run once during loading and vanish from
 the worker's copy. ``SegmentModule`` pickles its graph node by node instead and rebuilds it
-unchanged, so the worker runs exactly the captured code (and loading never traces).
+unchanged, so the worker runs exactly the captured code (and loading never traces). The
+torch operators torch.export's code calls travel by name (``_Op``).
 """
 
 from __future__ import annotations
@@ -25,13 +26,35 @@ class _Ref:
     name: str
 
 
+@attrs.frozen
+class _Op:
+    """A torch operator by name (``aten.linear.default``; ``higher_order.wrap_with_autocast``):
+    torch.export's code calls operator objects, which pickle cannot hold."""
+
+    path: str
+
+    @classmethod
+    def of(cls, target: Any) -> Any:
+        if isinstance(target, torch._ops.OpOverload):
+            return cls(str(target))  # "aten.linear.default"
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            return cls(f"higher_order.{target.name()}")
+        return target
+
+    def resolve(self) -> Any:
+        found: Any = torch.ops
+        for part in self.path.split("."):
+            found = getattr(found, part)
+        return found
+
+
 def _node_data(node: torch.fx.Node) -> tuple[str, str, Any, Any, Any]:
     def ref(arg: Any) -> Any:
-        return _Ref(arg.name) if isinstance(arg, torch.fx.Node) else arg
+        return _Ref(arg.name) if isinstance(arg, torch.fx.Node) else _Op.of(arg)
 
     args = torch.fx.node.map_aggregate(node.args, ref)
     kwargs = torch.fx.node.map_aggregate(node.kwargs, ref)
-    return (node.op, node.name, node.target, args, kwargs)
+    return (node.op, node.name, _Op.of(node.target), args, kwargs)
 
 
 def _graph_from_data(data: list[tuple[str, str, Any, Any, Any]]) -> torch.fx.Graph:
@@ -39,12 +62,14 @@ def _graph_from_data(data: list[tuple[str, str, Any, Any, Any]]) -> torch.fx.Gra
     env: dict[str, torch.fx.Node] = {}
 
     def resolve(arg: Any) -> Any:
-        return env[arg.name] if isinstance(arg, _Ref) else arg
+        if isinstance(arg, _Ref):
+            return env[arg.name]
+        return arg.resolve() if isinstance(arg, _Op) else arg
 
     for op, name, target, args, kwargs in data:
         args = torch.fx.node.map_aggregate(args, resolve)
         kwargs = torch.fx.node.map_aggregate(kwargs, resolve)
-        node = graph.create_node(op, target, args, kwargs, name=name)
+        node = graph.create_node(op, resolve(target), args, kwargs, name=name)
         if node.name != name:  # create_node renames only on a clash, which a valid graph has not
             raise RuntimeError(f"node {name!r} came back as {node.name!r}")
         env[name] = node
