@@ -30,7 +30,21 @@ from piper_directives.common import (
     user_location,
 )
 from piper_directives.groups import segment_group, segment_matches
-from piper_ir import MB, DirectiveError, Filter, Graph, Node, NodeKind, Phase, Segment, compute_id
+from piper_directives.split import copier
+from piper_ir import (
+    ANY,
+    MB,
+    PASS,
+    SEG,
+    DirectiveError,
+    Filter,
+    Graph,
+    Node,
+    NodeKind,
+    Phase,
+    Segment,
+    compute_id,
+)
 
 # (segment, microbatch) -> what it maps to; microbatch None stands for every microbatch.
 Key = tuple[str, int | None]
@@ -64,9 +78,10 @@ def place_all(graph: Graph, places: Sequence[Place]) -> Graph:
     group: dict[Key, tuple[int, ...]] = {}
     placed_by: dict[Key, Place] = {}
     sizes: set[int] = set()
+    by_tag = _segments_by_tag(graph)
     for place in places:
         _check_devices(place)
-        for seg in _matched(graph, place):
+        for seg in _matched(graph, place, by_tag):
             for mb in _place_microbatches(graph, place):
                 _record(group, placed_by, (seg.id, mb), place)
         if len(place.devices) > 1:
@@ -110,8 +125,9 @@ def place_all(graph: Graph, places: Sequence[Place]) -> Graph:
             directive=str(culprit),
         )
     whole = {s.id: segment_group([_group_of(group, s.id, mb) for mb in mbs]) for s in graph.segments}
+    with_devices = copier(Node, "devices")  # attrs.evolve, made for a copy of every node
     nodes = tuple(
-        attrs.evolve(n, devices=_node_group(n, group, whole)) if n.segment is not None else n
+        with_devices(n, _node_group(n, group, whole)) if n.segment is not None else n
         for n in graph.nodes
     )
     return attrs.evolve(graph, nodes=nodes, world_size=world)
@@ -137,15 +153,36 @@ def send_streams(graph: Graph, places: Sequence[Place]) -> dict[str, str]:
     Places takes the stream of the one recorded for its last-placed microbatch, as
     ``place_all`` records them. Requires ``places`` that ``place_all`` accepted."""
     placed_by: dict[Key, Place] = {}
+    by_tag = _segments_by_tag(graph)
     for place in places:
-        for seg in _matched(graph, place):
+        for seg in _matched(graph, place, by_tag):
             for mb in _place_microbatches(graph, place):
                 placed_by[(seg.id, mb)] = place
     return {seg: place.stream for (seg, _), place in placed_by.items()}
 
 
-def _matched(graph: Graph, place: Place) -> list[Segment]:
-    matched = [s for s in graph.segments if segment_matches(place.filter, s)]
+def _segments_by_tag(graph: Graph) -> dict[tuple[str, object], list[Segment]]:
+    """The segments carrying each (tag, value), in graph order: what ``_matched`` looks a
+    filter's exact tag up in."""
+    out: dict[tuple[str, object], list[Segment]] = {}
+    for s in graph.segments:
+        for item in s.tags.items:
+            out.setdefault(item, []).append(s)
+    return out
+
+
+def _matched(graph: Graph, place: Place, by_tag: dict[tuple[str, object], list[Segment]]) -> list[Segment]:
+    """The segments ``place`` puts on its devices, in graph order. A filter with an exact tag
+    value (``{"PP": 3}``) is tested only on the segments carrying it (``by_tag``:
+    ``_segments_by_tag(graph)``), which are the only ones it can match: a schedule writes one
+    Place per stage, and testing every segment against each made Place cost stages squared."""
+    exact = next(
+        (item for item in place.filter.items
+         if item[0] not in (PASS, MB, SEG) and item[1] != ANY and not isinstance(item[1], tuple)),
+        None,
+    )
+    pool = graph.segments if exact is None else by_tag.get(exact, ())
+    matched = [s for s in pool if segment_matches(place.filter, s)]
     if not matched:
         raise DirectiveError(f"filter {place.filter} matches no annotated region", directive=str(place))
     return matched

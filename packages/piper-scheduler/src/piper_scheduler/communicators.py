@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from piper_ir import TIE_STREAM, Communicator, Graph, NodeKind, is_grad
+from piper_scheduler.kinds import GRAD_NORM, SEND
 
 PP_FWD = "pp.fwd"
 PP_BWD = "pp.bwd"
@@ -76,7 +77,7 @@ def communicators_for(graph: Graph) -> tuple[Communicator, ...]:
     one per (stream, device group) of its collectives, in order of first use in the graph,
     then one per tensor- or expert-parallel group whose segments issue collectives (traffic
     ``tp`` or ``ep``), then the gradient norm's (traffic ``norm``)."""
-    used = {communicator_for(n.value or "") for n in graph.nodes if n.kind is NodeKind.SEND}
+    used = {communicator_for(n.value or "") for n in graph.nodes if n.kind is SEND}
     ranks = tuple(range(graph.world_size))
     out = [Communicator(c, ranks, _TRAFFIC[c]) for c in (PP_FWD, PP_BWD) if c in used]
     groups: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -90,6 +91,6 @@ def communicators_for(graph: Graph) -> tuple[Communicator, ...]:
             for group in sh.groups():
                 tp.setdefault(tp_communicator(group, sh.kind), (group, sh.kind))
     out += [Communicator(c, ranks, kind) for c, (ranks, kind) in tp.items()]
-    norms = {norm_communicator(n.devices): n.devices for n in graph.nodes if n.kind is NodeKind.GRAD_NORM}
+    norms = {norm_communicator(n.devices): n.devices for n in graph.nodes if n.kind is GRAD_NORM}
     out += [Communicator(c, ranks, "norm") for c, ranks in norms.items()]
     return tuple(out)

@@ -23,6 +23,7 @@ from bisect import bisect_left
 
 from piper_ir import NodeKind, Phase, Program, Residency
 from piper_scheduler.diagnostics import describe
+from piper_scheduler.kinds import PHASE_OPT
 from piper_scheduler.plan_index import RankIndex, Tables, fail
 
 WEIGHT_GRADS = (Phase.B, Phase.BW)  # passes that yield the gradients of a segment's parameters
@@ -39,7 +40,7 @@ def _check_steps(program: Program, rank: RankIndex) -> None:
     passes, r = rank.passes, rank.rank
     owner: dict[str, str] = {}  # holder segment -> the segment whose step updates the tie here
     for tie in program.ties:
-        here = [seg for seg, _ in tie.holders if seg in rank.weight_grads or (seg, Phase.OPT, None) in passes]
+        here = [seg for seg, _ in tie.holders if seg in rank.weight_grads or (seg, PHASE_OPT, None) in passes]
         for seg in here:
             owner.setdefault(seg, here[0])
     for seg in program.segments:
@@ -47,7 +48,7 @@ def _check_steps(program: Program, rank: RankIndex) -> None:
         if not grads or not seg.params:
             continue
         for stepper in dict.fromkeys((seg.id, owner.get(seg.id, seg.id))):
-            opt = passes.get((stepper, Phase.OPT, None))
+            opt = passes.get((stepper, PHASE_OPT, None))
             if opt is None:
                 fail(program, STEP, f"{describe(program, r, grads[-1])} computes gradients of segment {seg.id}'s "
                      f"parameters, but rank {r} never runs the optimizer step {stepper}:OPT", [(r, grads[-1])])
@@ -57,7 +58,7 @@ def _check_steps(program: Program, rank: RankIndex) -> None:
     if program.grad_norm is not None and len(norms) != 1:
         fail(program, STEP, f"rank {r} runs {len(norms)} gradient norms; a program with a GradNorm runs one per "
              "rank, before its steps", [(r, i) for i in norms], [r])
-    steps = [i for key, i in passes.items() if key[1] is Phase.OPT]
+    steps = [i for key, i in passes.items() if key[1] is PHASE_OPT]
     for i in norms:
         for j in steps:
             rank.after(STEP, i, j, "the gradient norm, which precedes every step")
@@ -74,7 +75,7 @@ def _check_group_operations(program: Program, tables: Tables, rank: RankIndex) -
             continue  # a gradient norm
         seg = bucket.segment
         tied = any((seg, p) in tables.tied for p in bucket.params)
-        opt = passes.get((seg, Phase.OPT, None))
+        opt = passes.get((seg, PHASE_OPT, None))
         kind = ins.kind
         if kind is NodeKind.ALL_GATHER:
             if opt is not None:
@@ -101,7 +102,7 @@ def _check_group_operations(program: Program, tables: Tables, rank: RankIndex) -
     for bucket_id, (materializes, frees) in gathers.items():
         seg = tables.buckets[bucket_id].segment
         for key, j in passes.items():
-            if key[0] != seg or key[1] is Phase.OPT:
+            if key[0] != seg or key[1] is PHASE_OPT:
                 continue
             m, f = bisect_left(materializes, j), bisect_left(frees, j)
             if not m or (f and frees[f - 1] > materializes[m - 1]):

@@ -28,10 +28,12 @@ class HappensBefore:
         stream_of: list[int] = []
         known_of: list[dict[int, int]] = []  # shared, never changed once appended
         recorder: dict[str, int] = {}
-        last: dict[int, int] = {}
+        latest: dict[int, dict[int, int]] = {}  # stream -> the clock of its last instruction so far
         for i, ins in enumerate(plan.instructions):
-            s = streams.setdefault(ins.stream, len(streams))
-            known = known_of[last[s]] if s in last else _NOTHING
+            s = streams.get(ins.stream)
+            if s is None:
+                s = streams[ins.stream] = len(streams)
+            known = latest.get(s, _NOTHING)
             if ins.waits:
                 known = dict(known)
                 for ev in ins.waits:
@@ -43,7 +45,7 @@ class HappensBefore:
                         known[stream_of[j]] = j
             stream_of.append(s)
             known_of.append(known)
-            last[s] = i
+            latest[s] = known
             if ins.record is not None:
                 recorder[ins.record] = i
         self._stream = stream_of

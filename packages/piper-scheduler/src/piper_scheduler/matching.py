@@ -10,6 +10,7 @@ them to know which instruction unblocks which.
 from __future__ import annotations
 
 from piper_ir import Instruction, NodeKind, Program
+from piper_scheduler.kinds import COMPUTE, RECV, SEND
 
 COLLECTIVE_KINDS = frozenset(
     {
@@ -36,9 +37,9 @@ def p2p_sequences(program: Program) -> tuple[dict[Channel, list[int]], dict[Chan
     recvs: dict[Channel, list[int]] = {}
     for plan in program.ranks:
         for i, ins in enumerate(plan.instructions):
-            if ins.kind is NodeKind.SEND:
+            if ins.kind is SEND:
                 sends.setdefault((ins.communicator or "", plan.rank, ins.peer or 0), []).append(i)
-            elif ins.kind is NodeKind.RECV:
+            elif ins.kind is RECV:
                 recvs.setdefault((ins.communicator or "", ins.peer or 0, plan.rank), []).append(i)
     return sends, recvs
 
@@ -46,7 +47,7 @@ def p2p_sequences(program: Program) -> tuple[dict[Channel, list[int]], dict[Chan
 def is_collective(ins: Instruction) -> bool:
     """A collective, or compute that issues collectives inside (a tensor-parallel segment's
     F/B/BI/BW names its group's communicator): every member must reach it."""
-    return ins.kind in COLLECTIVE_KINDS or (ins.kind is NodeKind.COMPUTE and ins.communicator is not None)
+    return ins.kind in COLLECTIVE_KINDS or (ins.kind is COMPUTE and ins.communicator is not None)
 
 
 def collective_sequences(program: Program) -> dict[str, dict[int, list[int]]]:
@@ -68,10 +69,15 @@ def recv_partners(sends: dict[Channel, list[int]], recvs: dict[Channel, list[int
     return partners
 
 
-def collective_slots(program: Program) -> dict[Slot, tuple[str, int]]:
-    """Each collective slot mapped to (communicator, its position in the member's sequence)."""
+def collective_slots(
+    program: Program, sequences: dict[str, dict[int, list[int]]] | None = None
+) -> dict[Slot, tuple[str, int]]:
+    """Each collective slot mapped to (communicator, its position in the member's sequence).
+    ``sequences``: ``collective_sequences(program)``, when the caller has it already."""
     out: dict[Slot, tuple[str, int]] = {}
-    for comm, by_rank in collective_sequences(program).items():
+    if sequences is None:
+        sequences = collective_sequences(program)
+    for comm, by_rank in sequences.items():
         for rank, idx in by_rank.items():
             for k, i in enumerate(idx):
                 out[(rank, i)] = (comm, k)

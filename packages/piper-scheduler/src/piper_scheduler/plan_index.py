@@ -14,6 +14,7 @@ from typing import NoReturn
 from piper_ir import Bucket, NodeKind, Phase, Program, RankPlan, SchedulingError, grad_name
 from piper_scheduler.diagnostics import describe, excerpts
 from piper_scheduler.happens_before import HappensBefore
+from piper_scheduler.kinds import COMPUTE, OPTIMIZER, PHASE_B, PHASE_BW, PHASE_F, RECV, SEND
 
 GROUP_KINDS = frozenset({
     NodeKind.ALL_REDUCE, NodeKind.REDUCE_SCATTER, NodeKind.ALL_GATHER, NodeKind.MATERIALIZE, NodeKind.FREE,
@@ -93,17 +94,17 @@ class RankIndex:
         passes, metas = self.passes, tables.metas
         for i, ins in enumerate(plan.instructions):
             kind = ins.kind
-            if kind is NodeKind.COMPUTE or kind is NodeKind.OPTIMIZER:
-                mb = None if kind is NodeKind.OPTIMIZER else (ins.microbatch or 0)
-                key = (ins.segment or "", ins.phase or Phase.F, mb)
+            if kind is COMPUTE or kind is OPTIMIZER:
+                mb = None if kind is OPTIMIZER else (ins.microbatch or 0)
+                key = (ins.segment or "", ins.phase or PHASE_F, mb)
                 j = passes.setdefault(key, i)
                 if j != i:
                     fail(program, "once", f"{describe(program, r, i)} runs {label(key)} a second time on "
                          f"rank {r}: instruction {j} ({plan.instructions[j].id}) runs it already", [(r, j), (r, i)])
-                if ins.phase is Phase.B or ins.phase is Phase.BW:
+                if ins.phase is PHASE_B or ins.phase is PHASE_BW:
                     self.weight_grads.setdefault(key[0], []).append(i)
-            elif kind is NodeKind.RECV or kind is NodeKind.SEND:
-                if kind is NodeKind.RECV:
+            elif kind is RECV or kind is SEND:
+                if kind is RECV:
                     self.recvs.setdefault((ins.value or "", ins.microbatch or 0), []).append(i)
                 else:
                     self.sends.append(i)

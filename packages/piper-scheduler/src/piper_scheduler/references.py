@@ -43,6 +43,7 @@ from piper_ir import (
     Tie,
 )
 from piper_scheduler.diagnostics import describe, excerpts
+from piper_scheduler.kinds import COMPUTE, OPTIMIZER
 
 COMPUTE_PHASES = frozenset({Phase.F, Phase.B, Phase.BI, Phase.BW})
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
@@ -244,9 +245,9 @@ def _problem(
 def _compute_problem(ins: Instruction, placement: dict[str, tuple[int, ...]], rank: int) -> str | None:
     if ins.segment is None:
         return f"is a {ins.kind.value} step without a segment"
-    if ins.kind is NodeKind.COMPUTE and ins.phase not in COMPUTE_PHASES:
+    if ins.kind is COMPUTE and ins.phase not in COMPUTE_PHASES:
         return f"has phase {ins.phase and ins.phase.value}; compute runs F, B, BI or BW"
-    if ins.kind is NodeKind.OPTIMIZER and ins.phase is not Phase.OPT:
+    if ins.kind is OPTIMIZER and ins.phase is not Phase.OPT:
         return f"has phase {ins.phase and ins.phase.value}; an optimizer step has phase OPT"
     devices = placement.get(ins.segment)
     if devices is not None and rank not in devices:

@@ -43,6 +43,7 @@ from collections.abc import Iterable
 from piper_ir import Phase, Program, ShardKind, grad_of, is_grad
 from piper_scheduler.diagnostics import describe
 from piper_scheduler.gradient_rules import check_gradients
+from piper_scheduler.kinds import PHASE_B, PHASE_BI, PHASE_BW, PHASE_F, PHASE_OPT
 from piper_scheduler.plan_index import PassKey, RankIndex, Tables, fail, label
 
 INPUT_GRADS = (Phase.B, Phase.BI)  # passes that yield the gradients of a segment's inputs
@@ -55,7 +56,7 @@ def check_semantics(program: Program) -> None:
     tables = Tables(program)
     ranks = [RankIndex(program, tables, plan) for plan in program.ranks]
     _check_coverage(program, ranks)
-    training = any(key[1] in BACKWARDS or key[1] is Phase.OPT for rank in ranks for key in rank.passes)
+    training = any(key[1] in BACKWARDS or key[1] is PHASE_OPT for rank in ranks for key in rank.passes)
     for rank in ranks:
         if training:
             _check_backwards(program, rank)
@@ -80,7 +81,7 @@ def _check_coverage(program: Program, ranks: list[RankIndex]) -> None:
     for rank in ranks:
         replica = rank.plan.replica
         for key, i in rank.passes.items():
-            if key[1] is Phase.OPT:
+            if key[1] is PHASE_OPT:
                 continue  # a segment steps on every rank holding its parameters (mirrors too)
             where = (replica, positions[key[0]].get(rank.rank, 0) if key[0] in positions else 0)
             done = runs.setdefault(key, {})
@@ -92,7 +93,7 @@ def _check_coverage(program: Program, ranks: list[RankIndex]) -> None:
             done[where] = (rank.rank, i)
     placement = dict(program.placement)
     for seg in program.segments:
-        per_mb = [runs.get((seg.id, Phase.F, m), {}) for m in range(program.microbatches)]
+        per_mb = [runs.get((seg.id, PHASE_F, m), {}) for m in range(program.microbatches)]
         expected = set().union(*per_mb)
         if not expected:
             if placement.get(seg.id):
@@ -118,12 +119,12 @@ def _check_backwards(program: Program, rank: RankIndex) -> None:
     rule = "backward after forward"
     for key, i in passes.items():
         seg, phase, mb = key
-        if phase is not Phase.F:
-            if phase in BACKWARDS and (seg, Phase.F, mb) not in passes:
+        if phase is not PHASE_F:
+            if phase in BACKWARDS and (seg, PHASE_F, mb) not in passes:
                 fail(program, rule, f"{describe(program, r, i)} runs a backward of {seg} microbatch {mb}, "
                      f"whose forward rank {r} never runs", [(r, i)])
             continue
-        b, bi, bw = passes.get((seg, Phase.B, mb)), passes.get((seg, Phase.BI, mb)), passes.get((seg, Phase.BW, mb))
+        b, bi, bw = passes.get((seg, PHASE_B, mb)), passes.get((seg, PHASE_BI, mb)), passes.get((seg, PHASE_BW, mb))
         if b is not None:
             if bi is not None or bw is not None:
                 j = bi if bi is not None else bw
@@ -149,15 +150,15 @@ def _check_dataflow(tables: Tables, rank: RankIndex) -> None:
     passes, recvs, need, precedes = rank.passes, rank.recvs, rank.need, rank.order.precedes
     reads, grads = tables.reads, tables.grads
     for (seg, phase, mb), i in passes.items():
-        if phase is Phase.F:
+        if phase is PHASE_F:
             for x, producer in reads[seg]:
                 got = recvs.get((x, mb))
-                j = passes.get((producer, Phase.F, mb))
+                j = passes.get((producer, PHASE_F, mb))
                 if j is None:
                     need(i, x, mb, got or [])
                 elif got is not None or not precedes(j, i):  # the common case, a local producer, is done
                     need(i, x, mb, [j, *(got or ())])
-        elif phase is Phase.B or phase is Phase.BI:
+        elif phase is PHASE_B or phase is PHASE_BI:
             for g, readers in grads[seg]:
                 need(i, g, mb, _yielding(passes, readers, mb) + recvs.get((g, mb), []))
     instructions = rank.plan.instructions
@@ -169,7 +170,9 @@ def _check_dataflow(tables: Tables, rank: RankIndex) -> None:
         elif v in tables.batch or v not in tables.producer:
             continue
         else:
-            j = passes.get((tables.producer[v], Phase.F, mb))
+            j = passes.get((tables.producer[v], PHASE_F, mb))
+            if j is not None and (v, mb) not in recvs and precedes(j, i):
+                continue  # the common case, a local producer before the send, is done
             sources = [] if j is None else [j]
         need(i, v, mb, sources + recvs.get((v, mb), []))
 
@@ -178,9 +181,9 @@ def _yielding(passes: dict[PassKey, int], readers: Iterable[str], mb: int) -> li
     """The backwards on a rank that yield gradients of a value for ``mb``: its readers'."""
     out = []
     for seg in readers:
-        j = passes.get((seg, Phase.B, mb))
+        j = passes.get((seg, PHASE_B, mb))
         if j is None:
-            j = passes.get((seg, Phase.BI, mb))
+            j = passes.get((seg, PHASE_BI, mb))
         if j is not None:
             out.append(j)
     return out

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from piper_ir import DeadlockError, Instruction, NodeKind, Program, SchedulingError, gc_paused
+from piper_ir import DeadlockError, Instruction, Program, SchedulingError, gc_paused
 from piper_scheduler.diagnostics import describe, excerpts
+from piper_scheduler.kinds import RECV, SEND
 from piper_scheduler.matching import (
     Channel,
     Slot,
@@ -61,9 +62,10 @@ def _verify(program: Program) -> None:
     _check_events(program)
     sends, recvs = p2p_sequences(program)
     _check_p2p(program, sends, recvs)
-    _check_collectives(program)
+    collectives = collective_sequences(program)  # a pass over the plan: made once, read twice
+    _check_collectives(program, collectives)
     check_semantics(program)
-    _check_progress(program, recv_partners(sends, recvs))
+    _check_progress(program, recv_partners(sends, recvs), collective_slots(program, collectives))
 
 
 def _fail(cls: type[SchedulingError], program: Program, message: str, slots: list[Slot]) -> None:
@@ -92,7 +94,7 @@ def _check_structure(program: Program) -> None:
                     [(r, seen[ins.id]), (r, i)],
                 )
             seen[ins.id] = i
-            if ins.kind in (NodeKind.SEND, NodeKind.RECV):
+            if ins.kind in (SEND, RECV):
                 _check_p2p_fields(program, comms, r, i, ins)
             elif is_collective(ins):
                 members = comms.get(ins.communicator or "")
@@ -202,9 +204,10 @@ def _check_p2p(program: Program, sends: dict[Channel, list[int]], recvs: dict[Ch
             )
 
 
-def _check_collectives(program: Program) -> None:
+def _check_collectives(program: Program, sequences: dict[str, dict[int, list[int]]]) -> None:
+    """``sequences``: ``collective_sequences(program)``."""
     comms = {c.id: c for c in program.communicators}
-    for comm_id, by_rank in sorted(collective_sequences(program).items()):
+    for comm_id, by_rank in sorted(sequences.items()):
         members = sorted(comms[comm_id].ranks)
         ref = members[0]
         ref_ids = [program.ranks[ref].instructions[i].id for i in by_rank.get(ref, [])]
@@ -231,9 +234,9 @@ def _check_collectives(program: Program) -> None:
             )
 
 
-def _check_progress(program: Program, partners: dict[Slot, Slot]) -> None:
+def _check_progress(program: Program, partners: dict[Slot, Slot], coll: dict[Slot, tuple[str, int]]) -> None:
+    """``partners``: ``recv_partners``; ``coll``: ``collective_slots``."""
     plans = [p.instructions for p in program.ranks]
-    coll = collective_slots(program)
     members = {c.id: len(c.ranks) for c in program.communicators}
     pc = [0] * len(plans)
     arrived: dict[tuple[str, int], int] = {}
@@ -242,10 +245,10 @@ def _check_progress(program: Program, partners: dict[Slot, Slot]) -> None:
     work = deque(range(len(plans)))
     while work:
         r = work.popleft()
-        while pc[r] < len(plans[r]):
-            i = pc[r]
-            ins = plans[r][i]
-            if ins.kind is NodeKind.RECV:
+        plan, i = plans[r], pc[r]
+        while i < len(plan):
+            ins = plan[i]
+            if ins.kind is RECV:
                 src, j = partners[(r, i)]
                 if pc[src] <= j:
                     waiting.setdefault((src, j), []).append(r)
@@ -260,15 +263,17 @@ def _check_progress(program: Program, partners: dict[Slot, Slot]) -> None:
                     break
                 at_collective.discard(r)
                 work.extend(waiting.pop(key, ()))
-            pc[r] += 1
-            work.extend(waiting.pop((r, i), ()))
+            i += 1
+            pc[r] = i
+            if waiting:  # the ranks blocked on instruction i - 1 of this rank go on
+                work.extend(waiting.pop((r, i - 1), ()))
     stuck = [r for r in range(len(plans)) if pc[r] < len(plans[r])]
     if not stuck:
         return
     lines = []
     for r in stuck:
         ins = plans[r][pc[r]]
-        if ins.kind is NodeKind.RECV:
+        if ins.kind is RECV:
             src, j = partners[(r, pc[r])]
             why = (
                 f"waits for {plans[src][j].id} (instruction {j} of rank {src}, which is blocked at {pc[src]})"
