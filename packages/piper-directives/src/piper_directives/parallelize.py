@@ -18,7 +18,7 @@ their options before composing anything (the ``piper`` command).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -136,15 +136,16 @@ def data_parallel(strategy: Strategy, dp: int, zero: int = 0, *, bucket_mb: floa
     return Strategy([*out, *replicates])
 
 
-def tensor_parallel(strategy: Strategy, tp: int) -> Strategy:
+def tensor_parallel(strategy: Strategy, tp: int, *, plan: Mapping[str, str] | None = None) -> Strategy:
     """``strategy``, a pipeline program (optionally data-parallel, from ``data_parallel``),
     with every region run tensor-parallel over ``tp`` adjacent devices: device ``d`` becomes
     ``d*tp, ..., d*tp + tp - 1``, so ``Place(filter, (r,))`` becomes ``Place(filter, (r*tp,
     ..., r*tp + tp - 1))`` plus a ``Shard`` over that group (tensor parallelism innermost, as
     Megatron lays it out: its all-reduces are the most frequent traffic). A data-parallel
     group ``(d0, d1, ...)`` becomes ``(d0*tp, ..., d0*tp + tp - 1, d1*tp, ...)`` with a
-    ``Shard(degree=tp)`` and its ``Replicate`` moved onto it: DP x TP. Split and Order stay."""
-    return _shard_every_stage(strategy, tp, ShardKind.TP, "tensor_parallel")
+    ``Shard(degree=tp)`` and its ``Replicate`` moved onto it: DP x TP. Split and Order stay.
+    ``plan``: every ``Shard``'s plan by module path (``Shard``; None: found automatically)."""
+    return _shard_every_stage(strategy, tp, ShardKind.TP, "tensor_parallel", plan=plan)
 
 
 def expert_parallel(strategy: Strategy, ep: int, *, zero: int | None = None) -> Strategy:
@@ -160,7 +161,8 @@ def expert_parallel(strategy: Strategy, ep: int, *, zero: int | None = None) -> 
 
 
 def _shard_every_stage(
-    strategy: Strategy, degree: int, kind: ShardKind, name: str, *, zero: int | None = None
+    strategy: Strategy, degree: int, kind: ShardKind, name: str, *, zero: int | None = None,
+    plan: Mapping[str, str] | None = None,
 ) -> Strategy:
     check_degrees(name, zero=zero or 0, **{str(kind.value): degree})
     if degree == 1:
@@ -178,7 +180,7 @@ def _shard_every_stage(
         if isinstance(d, Place):
             group = widen(d.devices)
             out.append(Place(d.filter, group, d.stream, where=d.where))
-            shards.append(Shard(d.filter, group, kind=kind, degree=degree, where=written_at_or(d.where)))
+            shards.append(Shard(d.filter, group, kind=kind, degree=degree, plan=plan, where=written_at_or(d.where)))
             if zero is not None:
                 out.append(Replicate(d.filter, group, zero, where=written_at_or(d.where)))
         elif isinstance(d, Replicate):

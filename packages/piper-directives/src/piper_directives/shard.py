@@ -46,6 +46,20 @@ from piper_directives.common import (
 from piper_directives.groups import OnGroup, placement_groups, segments_on_group
 from piper_ir import DirectiveError, Filter, Graph, Phase, SegmentRole, Sharding, ShardKind, compute_id
 
+PLAN_STYLES = ("colwise", "rowwise")
+
+
+def _to_plan(value: object) -> object:
+    """attrs converter: a mapping (or pairs) of module-path pattern -> style, as a tuple of
+    pairs in the given order; anything else is kept for ``__attrs_post_init__`` to refuse."""
+    if value is None:
+        return ()
+    try:
+        items = value.items() if hasattr(value, "items") else value
+        return tuple((k, v) for k, v in items)
+    except (TypeError, ValueError):
+        return value
+
 
 def _to_kind(value: object) -> object:
     """attrs converter: a ``ShardKind`` (``"tp"`` or ``"ep"``); anything else is kept for
@@ -60,8 +74,10 @@ def _to_kind(value: object) -> object:
 class Shard:
     """Run the regions matched by ``filter`` (placed on ``devices``) sharded over ``devices``.
 
-    ``kind="tp"``: tensor-parallel, Megatron-style column/row-parallel Linear pairs,
-    attention heads and MLP hidden units split across the group. ``kind="ep"``: expert
+    ``kind="tp"``: tensor-parallel, Megatron-style column/row-parallel Linear pairs and
+    column groups, attention heads and MLP hidden units split across the group; ``plan``
+    (``{"layers.*.attention.wq": "colwise", "layers.*.attention.wo": "rowwise"}``) names the
+    Linears to cut instead of finding them (``shard_code``). ``kind="ep"``: expert
     parallel, the ranks are data-parallel replicas of everything but the experts, each
     holding ``E / N`` experts, tokens routed to them with all-to-alls."""
 
@@ -71,6 +87,7 @@ class Shard:
     devices: tuple[int, ...] = attrs.field(converter=to_devices)
     kind: ShardKind = attrs.field(default=ShardKind.TP, converter=_to_kind)
     degree: int = attrs.field(default=attrs.Factory(lambda self: len(self.devices), takes_self=True))
+    plan: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_to_plan)
     where: str = attrs.field(factory=user_location, eq=False)
 
     def __attrs_post_init__(self) -> None:
@@ -84,6 +101,16 @@ class Shard:
                 f"Shard needs a device group of at least two devices, got {list(self.devices)}",
                 directive=str(self),
             )
+        if self.plan:
+            bad = self.kind is not ShardKind.TP or not isinstance(self.plan, tuple) or any(
+                not isinstance(k, str) or not k or v not in PLAN_STYLES for k, v in self.plan
+            )
+            if bad:
+                raise DirectiveError(
+                    f"plan must map module paths ('layers.*.attention.wq', '*' one path component) to one of "
+                    f"{list(PLAN_STYLES)}, for kind='tp'; got {self.plan!r}",
+                    directive=str(self),
+                )
         d = self.degree
         if isinstance(d, bool) or not isinstance(d, int) or d < 2 or len(self.devices) % d:
             raise DirectiveError(
@@ -95,10 +122,13 @@ class Shard:
     def __str__(self) -> str:
         degree = "" if self.degree == len(self.devices) else f", degree={self.degree}"
         kind = self.kind.value if isinstance(self.kind, ShardKind) else self.kind
-        return f"Shard({self.filter}, devices={list(self.devices)}, kind={kind!r}{degree}) at {self.where}"
+        plan = f", plan={dict(self.plan)}" if self.plan and isinstance(self.plan, tuple) else ""
+        return f"Shard({self.filter}, devices={list(self.devices)}, kind={kind!r}{degree}{plan}) at {self.where}"
 
     def to_json(self) -> JsonObject:
         out = {"op": self.op, "filter": self.filter.as_dict(), "devices": list(self.devices), "kind": self.kind.value}
+        if self.plan:
+            out["plan"] = dict(self.plan)
         return out if self.degree == len(self.devices) else {**out, "degree": self.degree}
 
     @classmethod
@@ -165,7 +195,8 @@ def shard_all(graph: Graph, shards: Sequence[Shard], replicated: Sequence[OnGrou
                 directive=str(rep),
             )
     sharding = tuple(
-        Sharding(seg.id, chosen[seg.id].devices, chosen[seg.id].kind, chosen[seg.id].degree, origin=str(chosen[seg.id]))
+        Sharding(seg.id, chosen[seg.id].devices, chosen[seg.id].kind, chosen[seg.id].degree, origin=str(chosen[seg.id]),
+                 plan=chosen[seg.id].plan)
         for seg in graph.segments
         if seg.id in chosen
     )

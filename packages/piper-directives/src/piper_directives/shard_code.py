@@ -18,8 +18,14 @@ captured segment modules, and returns both rewritten:
   groups (``(3, -1, d_head)``: q, k and v, cut separately). This is the convention a user's
   attention block follows to be tensor-sharded; it also keeps the code free of a hard-coded
   head count, so the same code runs on a shard.
+- Linears that meet before one Linear (q/k/v -> attention -> o, ``silu(w1 x) * w3 x -> w2``),
+  also at aten level as torch.export captures them (``aten.linear(x, weight, bias)``, head
+  counts baked into views), form a *column group* (``piper_directives.shard_groups``): the cut
+  follows each column's output through the code by its shapes (``shard_heads``), reshapes
+  get the shard's head counts, key/value heads the degree does not divide (grouped-query
+  attention) stay whole and each rank narrows them to its query heads' ones.
 - ``Graph.sharding`` gets each segment's ``params`` (``ParamShard``: name, dim, groups) and
-  its forward collective count.
+  its forward collective count (one all-reduce per row Linear).
 
 Regions without a pair stay whole on every rank of the group (the same data, no
 communication: replicated over it), so an embedding or a head in a region of its own runs
@@ -30,7 +36,9 @@ data-parallel shard: ``piper_semantics.randomness``).
 
 Errors (``DirectiveError`` naming the ``Shard``): a TP degree that does not divide the heads or
 the hidden size, a column output reshaped another way, dropout inside a pair, a recomputed
-region holding a pair, and a strategy whose ``Shard``s find no Linear pair in any region. The rewritten code is run once on one rank's shard of the weights (collectives
+region holding a pair, an operation in a column group not known to act per head (named with
+its module, line and rule), and a strategy whose ``Shard``s find no Linear pair or column group
+in any region. The rewritten code is run once on one rank's shard of the weights (collectives
 unbound, i.e. identity) to check it accepts the shard's shapes.
 
 The collectives call a ``TensorParallelComm`` submodule (``piper_tp``) that the runtime binds
@@ -53,11 +61,14 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.passes.shape_prop import ShapeProp
 
+from piper_directives import shard_groups
 from piper_directives.collective_code import GroupCollectives
 from piper_directives.diagnose import describe
 from piper_directives.segment_module import like
 from piper_directives.shard_buckets import sharded_buckets
+from piper_directives.shard_heads import op_name
 from piper_ir import DirectiveError, Graph, ParamShard, Segment, SegmentRole, Sharding, ShardKind
 
 COMM = "piper_tp"
@@ -83,7 +94,23 @@ class TensorParallelComm(GroupCollectives[AllReduce]):
         self.timed((self.backward_comm if backward else self.comm).all_reduce, t)
         return t
 
-    def forward(self, x: torch.Tensor, op: str) -> torch.Tensor:
+    position: int = 0  # this rank's place in its group (0 unbound: rank 0's shard)
+
+    def bind_communicator(self, comm: AllReduce, backward_comm: AllReduce | None = None, position: int = 0) -> None:
+        """The runtime's binding (``GroupCollectives``), with this rank's ``position`` in its
+        group, which picks its block where a whole tensor meets cut ones (``"local"``)."""
+        super().bind_communicator(comm, backward_comm)
+        self.position = position
+
+    def forward(self, x: torch.Tensor, op: str, dim: int = 0) -> torch.Tensor:
+        """``"f"``, ``"g"`` (Megatron's), or ``"local"``: ``f``, then this rank's block of
+        axis ``dim`` of a whole tensor (of ``s`` entries: block ``position`` of ``degree`` when
+        the degree divides ``s``, else entry ``position * s // degree``: the key/value head of
+        this rank's query heads)."""
+        if op == "local":
+            s = x.shape[dim]
+            start = self.position * s // self.degree
+            return _CopyToGroup.apply(x, self).narrow(dim, start, max(s // self.degree, 1))
         return (_CopyToGroup if op == "f" else _ReduceFromGroup).apply(x, self)
 
 
@@ -133,22 +160,36 @@ def shard_modules(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph
 
         return shard_experts(graph, modules)
     records: list[Sharding] = []
+    named: set[str] = set()  # the plan patterns that name a Linear somewhere
     for sh in graph.sharding:
         seg = graph.segment_by_id[sh.segment]
         module = modules[sh.segment]
         if seg.role is SegmentRole.LOSS or not isinstance(module, torch.fx.GraphModule):
             records.append(sh)
             continue
-        gm, params, count = _rewrite(module, sh)
+        paths = [shard_groups.path_of(lin) for lin in shard_groups.linears(module)]
+        named |= {p for p, _ in sh.plan if any(shard_groups.matches(p, path) for path in paths)}
+        with torch.random.fork_rng(devices=[]):
+            args = _example_args(graph, sh)
+        gm, params, count = _rewrite(module, sh, args)
         if count:
             refuse_recompute(seg, sh, "tensor-parallel all-reduces")
             _check_shapes(graph, sh, gm, params)
             out[sh.segment] = gm
         records.append(attrs.evolve(sh, params=params, collectives=count))
+    planned = {p: sh.origin for sh in graph.sharding for p, _ in sh.plan}
+    for pattern, origin in planned.items():
+        if pattern not in named:
+            raise DirectiveError(
+                f"the plan's pattern {pattern!r} names no Linear of the regions it shards ('*' matches one "
+                "path component; a Linear's path is its module's, as in model.named_modules())",
+                directive=origin,
+            )
     if not any(r.collectives for r in records):
         raise DirectiveError(
             "no region it matches holds a column-/row-parallel Linear pair (a Linear whose output "
-            "reaches exactly one other Linear), so there is nothing to shard",
+            "reaches exactly one other Linear) or column group (Linears whose outputs meet before one "
+            "Linear, such as q/k/v -> attention -> o), so there is nothing to shard",
             directive=graph.sharding[0].origin,
         )
     graph = attrs.evolve(graph, sharding=tuple(records))
@@ -168,14 +209,28 @@ def refuse_recompute(seg: Segment, sh: Sharding, what: str) -> None:
         )
 
 
-def _rewrite(module: torch.fx.GraphModule, sh: Sharding) -> tuple[torch.fx.GraphModule, tuple[ParamShard, ...], int]:
+def _rewrite(
+    module: torch.fx.GraphModule, sh: Sharding, args: list[torch.Tensor]
+) -> tuple[torch.fx.GraphModule, tuple[ParamShard, ...], int]:
     gm = like(module, copy.deepcopy(module.graph))  # a SegmentModule stays one: it must pickle its graph
-    pairs = _find_pairs(gm, sh)
-    if not pairs:
+    pairs = [] if sh.plan else _find_pairs(gm, sh)  # a plan names every Linear cut: groups only
+    taken = {n for p in pairs for n in (p.col, p.row)}
+    groups = []
+    if len(shard_groups.linears(gm)) > len(taken):
+        _shapes(gm, args)
+        try:
+            groups = shard_groups.find_groups(gm, sh, taken)
+        finally:
+            for n in gm.graph.nodes:  # shape metadata does not pickle; the runtime gets the module
+                n.meta.pop("tensor_meta", None)
+    if not pairs and not groups:
         return module, (), 0
     gm.add_submodule(COMM, TensorParallelComm(sh.degree))
-    g = gm.graph
     params: list[ParamShard] = []
+    for group in groups:
+        _refuse_random(gm, group.columns[0].node, group.plan.origin.keys(), group.row.node, sh)
+        params.extend(shard_groups.rewrite(gm, group, COMM))
+    g = gm.graph
     for pair in pairs:
         col_mod: nn.Linear = gm.get_submodule(pair.col.target)
         row_mod: nn.Linear = gm.get_submodule(pair.row.target)
@@ -197,7 +252,7 @@ def _rewrite(module: torch.fx.GraphModule, sh: Sharding) -> tuple[torch.fx.Graph
         g.erase_node(pair.row)
     g.lint()
     gm.recompile()
-    return gm, tuple(params), len(pairs)
+    return gm, tuple(params), len(pairs) + len(groups)
 
 
 def _find_pairs(gm: torch.fx.GraphModule, sh: Sharding) -> list[_Pair]:
@@ -253,7 +308,7 @@ def _draws(gm: torch.fx.GraphModule, n: torch.fx.Node) -> bool:
         return isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training
     if n.op not in ("call_function", "call_method"):
         return False
-    name = _name(n.target)
+    name = op_name(n.target).removeprefix("native_")
     if name == "scaled_dot_product_attention":
         p = n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0)
         return not isinstance(p, int | float) or p > 0
@@ -268,15 +323,24 @@ def _refuse_random(gm: torch.fx.GraphModule, col: torch.fx.Node, region: set, ro
     """Random numbers drawn between a column- and a row-parallel Linear are drawn on the cut
     activations (a rank's heads or hidden units): no rank can draw single-device training's
     mask for its piece, so the run would differ from one device. Refused by name."""
+    cname, rname = _label(col), _label(row)
     for n in gm.graph.nodes:
         if n in region and _draws(gm, n):
             raise DirectiveError(
-                f"{describe(n)} draws random numbers (dropout) between column-parallel {col.target} and "
-                f"row-parallel {row.target}, on activations tensor parallelism cuts across ranks: no rank "
+                f"{describe(n)} draws random numbers (dropout) between column-parallel {cname} and "
+                f"row-parallel {rname}, on activations tensor parallelism cuts across ranks: no rank "
                 "could draw the masks one device draws. Set that dropout to 0, or move it after "
-                f"{row.target} (dropout on whole activations, such as the residual stream, is fine)",
+                f"{rname} (dropout on whole activations, such as the residual stream, is fine)",
                 directive=sh.origin,
             )
+
+
+def _label(n: torch.fx.Node) -> str:
+    """A Linear's module path: ``n.target``, or its weight's without ``.weight``."""
+    if n.op == "call_module":
+        return str(n.target)
+    w = n.args[1] if len(n.args) > 1 else None
+    return w.target.removesuffix(".weight") if isinstance(w, torch.fx.Node) else n.name
 
 
 def _region(col: torch.fx.Node, linears: set[torch.fx.Node]) -> tuple[set[torch.fx.Node], set[torch.fx.Node], bool]:
@@ -379,11 +443,7 @@ def _check_shapes(graph: Graph, sh: Sharding, gm: torch.fx.GraphModule, params: 
         for spec in params:
             p = probe.get_parameter(spec.name)
             p.data = shard_tensor(p.data, spec, sh.degree, 0)
-        args = []
-        for name in seg.inputs:
-            meta = graph.value_by_name[name].meta
-            dtype = getattr(torch, meta.dtype)
-            args.append(torch.randn(meta.shape, dtype=dtype) if dtype.is_floating_point else torch.zeros(meta.shape, dtype=dtype))
+        args = _example_args(graph, sh)
         try:
             outs = probe(*args)
         except Exception as err:
@@ -401,3 +461,26 @@ def _check_shapes(graph: Graph, sh: Sharding, gm: torch.fx.GraphModule, params: 
                 f"not {tuple(want)}",
                 directive=sh.origin,
             )
+
+
+def _shapes(gm: torch.fx.GraphModule, args: list[torch.Tensor]) -> None:
+    """Record the full shape of every value of ``gm`` (``meta["tensor_meta"]``), which the
+    column groups' cut follows, from a run of a copy (buffers such as running statistics and
+    the random generators are left as they were)."""
+    probe = copy.deepcopy(gm)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        ShapeProp(probe).propagate(*args)
+    metas = {n.name: n.meta.get("tensor_meta") for n in probe.graph.nodes}
+    for n in gm.graph.nodes:
+        if metas.get(n.name) is not None:
+            n.meta["tensor_meta"] = metas[n.name]
+
+
+def _example_args(graph: Graph, sh: Sharding) -> list[torch.Tensor]:
+    """Inputs of the segment's shapes and dtypes (random floats, zero integers)."""
+    args = []
+    for name in graph.segment_by_id[sh.segment].inputs:
+        meta = graph.value_by_name[name].meta
+        dtype = getattr(torch, meta.dtype)
+        args.append(torch.randn(meta.shape, dtype=dtype) if dtype.is_floating_point else torch.zeros(meta.shape, dtype=dtype))
+    return args

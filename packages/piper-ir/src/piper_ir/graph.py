@@ -376,6 +376,10 @@ class Sharding:
     ``devices`` is replica-major: consecutive runs of ``degree`` ranks are the shard groups
     (``group_of``; each has its own ``tp``/``ep`` communicator), and the ranks at one
     position of every run hold the same shard (``holders``) and reduce its gradients.
+
+    ``plan``: the ``Shard``'s tensor-parallel plan by module path, ``(pattern, style)`` pairs
+    (``"colwise"``/``"rowwise"``; ``*`` matches one path component); empty: the torch-side
+    rewrite finds the Linears to cut itself.
     """
 
     segment: str
@@ -385,6 +389,7 @@ class Sharding:
     params: tuple[ParamShard, ...] = attrs.field(default=(), converter=tuple)
     collectives: int = 0
     origin: str | None = None
+    plan: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=lambda v: tuple(tuple(p) for p in v))
 
     def group_of(self, rank: int) -> tuple[int, ...]:
         """The shard group of ``rank``: ``devices`` cut into consecutive runs of ``degree``

@@ -79,10 +79,12 @@ def bind_collectives(program: Program, rank: int, modules: Mapping[str, nn.Modul
         for m in modules[sh.segment].modules():
             bind = getattr(m, "bind_communicator", None)
             if callable(bind):
-                if "backward_comm" in inspect.signature(bind).parameters:
-                    bind(comms.forward[comm.id], backward_comm=comms.backward[comm.id])
+                accepts = inspect.signature(bind).parameters
+                extra = {"position": group.index(rank)} if "position" in accepts else {}
+                if "backward_comm" in accepts:
+                    bind(comms.forward[comm.id], backward_comm=comms.backward[comm.id], **extra)
                 else:
-                    bind(comms.forward[comm.id])
+                    bind(comms.forward[comm.id], **extra)
                 bound += 1
         if not bound:
             raise ExecutionError(
