@@ -125,7 +125,9 @@ class RunOptions:
 
     execution: ExecutionOptions = ExecutionOptions()
     faults: FaultOptions = FaultOptions()
-    cluster: ClusterOptions = ClusterOptions()
+    # Made per instance: its runtime defaults to ``$PIPER_RUNTIME`` as it is when the options
+    # are made, not when this module was imported.
+    cluster: ClusterOptions = attrs.field(factory=ClusterOptions)
     seed: int = 0
 
     @classmethod
