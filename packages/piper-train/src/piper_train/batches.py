@@ -196,8 +196,11 @@ class BatchStream:
         if self.kind == "dataset":
             generator = torch.Generator().manual_seed(seed)
             shuffle = self.shuffle and not isinstance(source, IterableDataset)
-            source = DataLoader(source, batch_size=self.batch_size, shuffle=shuffle, generator=generator,
-                                drop_last=self.drop_last)
+            # Its own generator decides the order: torch's global one is neither read nor reseeded
+            # here (this may be the prefetching thread, and the local runtime's rank threads draw
+            # from the global generator meanwhile).
+            return iter(DataLoader(source, batch_size=self.batch_size, shuffle=shuffle, generator=generator,
+                                   drop_last=self.drop_last))
         if isinstance(source, DataLoader):
             # A DataLoader without its own generator draws its shuffling seed from torch's
             # global one when the first batch is drawn: draw it under a seeded fork.

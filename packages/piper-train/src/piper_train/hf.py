@@ -9,7 +9,9 @@ model starts from its own initialisation under the run's seed.
 
 The model keeps its class and parameter names (``model.layers.0.self_attn.q_proj.weight``):
 only its ``forward`` is narrowed to ``forward(input_ids) -> logits`` (``use_cache`` off), by
-a subclass made once per model class, so capture sees tensors in and a tensor out. fx cannot
+a subclass made once per model class, so capture sees tensors in and a tensor out; on text
+packed by ``--data`` (piper_train.text), to ``forward(input_ids, position_ids) -> logits``,
+transformers masking attention per document where the position ids restart. fx cannot
 trace these models; capture takes them through ``torch.export``. Their regions are the
 entries of their layer list (``model.layers.*``, ``transformer.h.*``) unless ``--regions``
 names others.
@@ -17,7 +19,8 @@ names others.
 The loss is the causal-LM loss: cross-entropy of each position's logits against the next
 token (inputs and targets are one token sequence shifted by one), averaged over the tokens.
 Batches are random token sequences drawn per step from the seed (held-out ones from seeds no
-step uses): enough to check a strategy against single-device training and to measure speed.
+step uses): enough to check a strategy against single-device training and to measure speed;
+``--data`` trains on text instead (``piper_train.workload.load_text``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ PREFIX = "hf:"
 SEQ_LEN = 32  # tokens per sample of the generated batches
 BATCH = 8  # samples per generated batch
 _LOGITS_CLASSES: dict[type, type] = {}
+_PACKED_CLASSES: dict[type, type] = {}  # forward(input_ids, position_ids)
 
 
 def is_hf(spec: str) -> bool:
@@ -54,15 +58,23 @@ def _logits_forward(self: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return super(type(self), self).forward(input_ids=input_ids, use_cache=False).logits
 
 
-def logits_only(model: nn.Module) -> nn.Module:
-    """``model`` with ``forward(input_ids) -> logits`` (module doc); the same object, its
-    parameters untouched."""
+def _packed_logits_forward(self: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    return super(type(self), self).forward(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+
+def logits_only(model: nn.Module, *, packed: bool = False) -> nn.Module:
+    """``model`` with ``forward(input_ids) -> logits`` (module doc), or with ``packed``
+    ``forward(input_ids, position_ids) -> logits`` (text packed by ``piper_train.text``, whose
+    position ids restart at each document: transformers then masks attention block-diagonally);
+    the same object, its parameters untouched."""
+    classes = _PACKED_CLASSES if packed else _LOGITS_CLASSES
     base = type(model)
-    if base in _LOGITS_CLASSES.values():
+    if base in classes.values():
         return model
-    if base not in _LOGITS_CLASSES:
-        _LOGITS_CLASSES[base] = type(base.__name__, (base,), {"forward": _logits_forward, "__module__": base.__module__})
-    model.__class__ = _LOGITS_CLASSES[base]
+    if base not in classes:
+        forward = _packed_logits_forward if packed else _logits_forward
+        classes[base] = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__})
+    model.__class__ = classes[base]
     return model
 
 
@@ -101,6 +113,29 @@ def _config_and_weights(path: Path) -> tuple[Path, Path | None]:
 
 def load_hf(spec: str, *, seed: int = 0, batch_size: int | None = None) -> ModelSpec:
     """The ``ModelSpec`` of ``hf:PATH`` (module doc); ``batch_size`` overrides ``BATCH``."""
+    model, config = build_hf(spec, seed=seed)
+    model = logits_only(model).train()
+    vocab = int(config.vocab_size)
+    size = batch_size or BATCH
+    seq_len = min(SEQ_LEN, int(getattr(config, "max_position_embeddings", SEQ_LEN) or SEQ_LEN))
+
+    def batches(step: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63 - 1))
+        tokens = torch.randint(0, vocab, (size, seq_len + 1), generator=generator)
+        return (tokens[:, :-1],), (tokens[:, 1:],)
+
+    inputs, targets = batches(0)
+    return ModelSpec(spec, model, inputs, targets, causal_lm_loss, batches, layer_count(model), seed,
+                     lambda k: batches(-2 - k))
+
+
+def layer_count(model: nn.Module) -> int:
+    """Entries of the model's largest ``ModuleList`` (its layers; the default regions)."""
+    return max((len(m) for m in model.modules() if isinstance(m, nn.ModuleList)), default=1)
+
+
+def build_hf(spec: str, *, seed: int = 0) -> tuple[nn.Module, Any]:
+    """The model of ``hf:PATH`` as transformers builds it (module doc), and its config."""
     path = Path(spec[len(PREFIX):]).expanduser()
     if not path.exists():
         raise ValueError(f"--model {spec}: {path} does not exist")
@@ -126,20 +161,7 @@ def load_hf(spec: str, *, seed: int = 0, batch_size: int | None = None) -> Model
                                                                       dtype=torch.float32)
         except ValueError as err:  # a model type transformers has no causal LM for, among others
             raise ValueError(f"--model {spec}: {err}") from None
-    model = logits_only(model).train()
-    vocab = int(config.vocab_size)
-    size = batch_size or BATCH
-    seq_len = min(SEQ_LEN, int(getattr(config, "max_position_embeddings", SEQ_LEN) or SEQ_LEN))
-
-    def batches(step: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63 - 1))
-        tokens = torch.randint(0, vocab, (size, seq_len + 1), generator=generator)
-        return (tokens[:, :-1],), (tokens[:, 1:],)
-
-    inputs, targets = batches(0)
-    layers = max((len(m) for m in model.modules() if isinstance(m, nn.ModuleList)), default=1)
-    return ModelSpec(spec, model, inputs, targets, causal_lm_loss, batches, layers, seed,
-                     lambda k: batches(-2 - k))
+    return model, config
 
 
 def save_pretrained(spec: str, state: dict[str, torch.Tensor], out: Path) -> int:

@@ -121,14 +121,17 @@ class CausalSelfAttention(nn.Module):
         # (not a Python branch) keeps the mask traceable and moves with the module.
         self.register_buffer("mask", torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1), persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
         t = x.size(1)
         # -1, not n_heads: the head axis is what tensor parallelism (Shard) splits, so the
         # same code runs on a shard of the heads (the convention shard_modules relies on).
         q, k, v = self.qkv(x).unflatten(-1, (3, -1, self.d_head)).permute(2, 0, 3, 1, 4).unbind(0)
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.d_head))
         # narrow, not mask[:t, :t]: fx cannot trace a slice whose bound is a traced size.
-        scores = scores.masked_fill(self.mask.narrow(0, 0, t).narrow(1, 0, t), float("-inf"))
+        mask = self.mask.narrow(0, 0, t).narrow(1, 0, t)
+        if positions is not None:  # packed documents (piper_train.text): none attends to another
+            mask = mask | _other_documents(positions).unsqueeze(1)
+        scores = scores.masked_fill(mask, float("-inf"))
         out = scores.softmax(dim=-1) @ v  # (batch, heads, seq, d_head)
         return self.proj(out.transpose(1, 2).flatten(2))
 
@@ -143,8 +146,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.ln1(x), positions)
         return x + self.mlp(self.ln2(x))
 
 
@@ -156,7 +159,9 @@ class Embed(nn.Module):
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Parameter(torch.zeros(seq_len, d_model))
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        if positions is not None:  # each token's position in its document
+            return self.tok(tokens) + F.embedding(positions, self.pos)
         return self.tok(tokens) + self.pos.narrow(0, 0, tokens.size(1))
 
 
@@ -207,6 +212,36 @@ class TinyTransformer(nn.Module):
         regions[0] = nn.Sequential(self.embed, regions[0])
         regions[-1] = nn.Sequential(regions[-1], self.head)
         return _group(regions, pp)
+
+
+class PackedTransformer(TinyTransformer):
+    """``TinyTransformer`` on rows packed from several documents (``piper_train.text``):
+    ``(tokens, positions) -> logits``, where ``positions`` (int64, like ``tokens``) restart at 0
+    at each document's first token (and at the row's). Each token's positional embedding is
+    that of its position in its document, and attention is block-diagonal causal: token i
+    attends to token j only when j <= i and no position between them (j exclusive) is 0.
+    Every block computes that mask from ``positions``, which each stage receives with the
+    batch, so no mask travels between stages.
+    """
+
+    def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        x = tokens
+        last = len(self.blocks) - 1
+        for i, block in enumerate(self.blocks):
+            with _annotate("PP"):
+                if i == 0:
+                    x = self.embed(x, positions)
+                x = block(x, positions)
+                if i == last:
+                    x = self.head(x)
+        return x
+
+
+def _other_documents(positions: Tensor) -> Tensor:
+    """``(batch, seq, seq)``, True where token j is in another document than token i (a
+    document starts where its position is 0)."""
+    document = (positions == 0).cumsum(-1)
+    return document.unsqueeze(-1) != document.unsqueeze(-2)
 
 
 class Experts(nn.Module):
@@ -347,12 +382,15 @@ class ModelSpec:
     batch_size: int | None = None
     regions: str | None = None  # by module path (piper_directives.regions); None: annotate, or the default
     capture: str = "auto"  # how capture traces the model: fx, export, or auto
+    about: str | None = None  # what the data is, said as the run starts (text data: piper_train.text)
+    drop_last: bool = False  # a Dataset's: each epoch's partial last batch dropped (text data)
 
     def stream(self) -> Any:  # a piper_train.batches.BatchStream
         from piper_train.batches import BatchStream
 
         if self.data is not None:
-            return BatchStream(self.data, batch_size=self.batch_size, seed=self.seed, name=f"{self.name} data")
+            return BatchStream(self.data, batch_size=self.batch_size, seed=self.seed, name=f"{self.name} data",
+                               drop_last=self.drop_last)
         return BatchStream(self.batches, seed=self.seed, name=f"{self.name} batches")
 
 

@@ -35,8 +35,10 @@ import torch
 from torch.utils.data import Dataset
 
 from piper_train.batches import BatchStream, is_data_source
-from piper_train.hf import is_hf, load_hf
-from piper_train.models import MODELS, ModelSpec, build_model
+from piper_train.hf import build_hf, is_hf, layer_count, load_hf, logits_only
+from piper_train.models import LM_VALIDATION, MODELS, ModelSpec, PackedTransformer, build_model
+from piper_train.text import load_text as read_text
+from piper_train.text import packed_lm_loss
 
 
 def _as_tuple(value: object, what: str, origin: str) -> tuple[torch.Tensor, ...]:
@@ -184,11 +186,79 @@ class _Indexed:
 
 def load_workload(
     spec: str, *, stages: int, seed: int = 0, batch_size: int | None = None, regions: str | None = None,
-    capture: str = "auto",
+    capture: str = "auto", data: str | None = None, tokenizer: str | None = None, seq_len: int | None = None,
 ) -> ModelSpec:
-    """``_load`` with the regions and the capture method set (``ModelSpec.regions``)."""
-    workload = _load(spec, stages=stages, seed=seed, batch_size=batch_size)
+    """``_load`` with the regions and the capture method set (``ModelSpec.regions``); with
+    ``data`` (``text:GLOB`` or ``hf:PATH``), the built-in ``lm`` on that text (``load_text``)."""
+    if data is not None:
+        workload = load_text(spec, data, tokenizer=tokenizer, seq_len=seq_len, stages=stages, seed=seed,
+                             batch_size=batch_size)
+    else:
+        for flag, value in (("--tokenizer", tokenizer), ("--seq-len", seq_len)):
+            if value is not None:
+                raise ValueError(f"{flag} is for text data: give --data text:GLOB or hf:PATH")
+        workload = _load(spec, stages=stages, seed=seed, batch_size=batch_size)
     return attrs.evolve(workload, regions=regions, capture=capture)
+
+
+TEXT_MODEL = "lm"  # the built-in model --data trains
+TEXT_BATCH, TEXT_SEQ_LEN = 16, 64  # the lm model's batch and sequence length
+
+
+def load_text(
+    spec: str, data: str, *, tokenizer: str | None, seq_len: int | None, stages: int, seed: int = 0,
+    batch_size: int | None = None,
+) -> ModelSpec:
+    """The ``lm`` model (a ``PackedTransformer``: d 64, 4 heads, one block per stage, its
+    vocabulary the tokenizer's), or a Hugging Face model ``hf:PATH`` fed the position ids as
+    ``position_ids`` (its vocabulary must hold the tokenizer's ids, its positions a row), on
+    the rows ``piper_train.text`` packs from ``data``:
+    ``batch_size`` rows of ``seq_len`` tokens a batch (default 16 of 64), reshuffled every
+    epoch from ``seed``, each epoch's partial last batch dropped. The last tenth of the rows
+    is held out (``eval_batches``, read in order, whole batches only) where it fills a batch;
+    else there is no held-out data (docs/data.md)."""
+    if spec != TEXT_MODEL and not is_hf(spec):
+        raise ValueError(f"--data trains the built-in model {TEXT_MODEL!r} (sized to the tokenizer) or an hf: model; "
+                         f"--model {spec} brings its own data")
+    seq_len = seq_len or TEXT_SEQ_LEN
+    batch = batch_size or TEXT_BATCH
+    text = read_text(data, tokenizer, seq_len)
+    train, held = text.packed.split(LM_VALIDATION)
+    held_note = f", the last {len(held)} held out"
+    if len(held) < batch:
+        held_note = f", none held out (the last tenth, {len(held)} rows, fills no batch of {batch})"
+        train, held = text.packed, None
+    if len(train) < batch:
+        raise ValueError(f"--data {data}: {len(train)} rows of {seq_len} tokens, fewer than a batch of {batch} "
+                         "(--batch-size)")
+    if is_hf(spec):
+        model, config = build_hf(spec, seed=seed)
+        model, stages = logits_only(model, packed=True).train(), layer_count(model)
+        vocab, positions = int(config.vocab_size), getattr(config, "max_position_embeddings", None)
+        if vocab < text.vocab_size:
+            raise ValueError(f"--model {spec}: its vocabulary of {vocab} is smaller than the tokenizer's "
+                             f"({text.vocab_size}, --tokenizer {text.tokenizer})")
+        if positions and seq_len > positions:
+            raise ValueError(f"--seq-len {seq_len}: --model {spec} has {positions} positions")
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = PackedTransformer(text.vocab_size, 64, 4, stages, seq_len)
+    name = f"{spec} on {data}"
+    # Each epoch's partial last batch dropped: every batch is whole (one of fewer rows might not
+    # cut into the microbatches and replicas). The shuffling is BatchStream's own generator,
+    # seeded from (seed, epoch): not torch's global one, which the local runtime's rank threads
+    # use while the prefetching thread opens the next epoch.
+    stream = _Indexed(lambda: BatchStream(train, batch_size=batch, seed=seed, name=f"--data {data}", drop_last=True))
+    held_out = None
+    if held is not None:
+        held_out = _Indexed(lambda: BatchStream(held, batch_size=batch, shuffle=False, drop_last=True,
+                                                name=f"--data {data} (held out)"), one_epoch=True)
+    inputs, targets = stream(0)
+    return ModelSpec(spec, model, inputs, targets, packed_lm_loss, stream, stages, seed, held_out, train, batch,
+                     drop_last=True,
+                     about=f"{name}: {text.documents} documents, {text.tokens} tokens ({text.tokenizer} "
+                              f"tokenizer, vocabulary {text.vocab_size}), {len(train)} rows of {seq_len}{held_note}")
 
 
 def _load(spec: str, *, stages: int, seed: int = 0, batch_size: int | None = None) -> ModelSpec:

@@ -3,10 +3,10 @@
 
 ``options`` defines the option groups and the parser, ``request`` the strategy the user
 asked for (``StrategyRequest``), ``scheduling`` the commands that run no processes
-(simulate, plan, show), ``training`` those on Ray (train, check) and ``tuning`` the
-strategy search (tune). Exit codes: 0 ok, 1 a
-check found a difference, 2 bad input (argparse's usage errors, or a ``PiperError``/``ValueError``
-printed as ``piper <command>: error: ...``), 3 the run failed (an ``ExecutionError``: a worker
+(simulate, plan, show), ``training`` those on Ray (train, check), ``tuning`` the strategy
+search (tune) and ``jobs`` the job files of ``--config`` and ``--print-config`` (train,
+check). Exit codes: 0 ok, 1 a check found a difference, 2 bad input (argparse's usage
+errors, a bad job file, or a ``PiperError``/``ValueError`` printed as ``piper <command>: error: ...``), 3 the run failed (an ``ExecutionError``: a worker
 died, hung past ``--timeout`` or raised; a NaN/Inf with ``--on-nan stop``; printed as
 ``piper <command>: run failed: ...``), 130 interrupted (Ctrl-C), 143 ended by SIGTERM
 (``piper train`` first stops at a step boundary and writes a checkpoint with
@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 from piper_ir import ExecutionError, PiperError
 from piper_train import stopping
-from piper_train.cli import document
+from piper_train.cli import document, jobs
 from piper_train.cli.options import build_parser, check_args
 from piper_train.cli.request import StrategyRequest
 from piper_train.cli.scheduling import plan_command, show_command, simulate_command
@@ -34,6 +34,8 @@ __all__ = ["StrategyRequest", "main"]
 
 
 def _command(name: str) -> Callable[[argparse.Namespace], int]:
+    if name == "print-config":  # --print-config (train, check): the options as a job file, nothing run
+        return jobs.print_config_command
     if name == "tune":
         # Imported here for the same reason: tune profiles the model on the runtime.
         from piper_train.cli import tuning
@@ -51,7 +53,7 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        return _command(args.command)(args)
+        return _command("print-config" if getattr(args, "print_config", None) else args.command)(args)
     except Exception:
         # An interrupt can come out as another error: one that cut an import short leaves a
         # "partially initialized module", and the code after it fails on that. Such an error
@@ -95,6 +97,8 @@ def _main(argv: list[str], doc: document.Document | None) -> int:
     try:
         with contextlib.redirect_stderr(tee) if tee is not None else contextlib.nullcontext():
             args = parser.parse_args(argv)
+            if getattr(args, "config", None) is not None:  # a job file: its options, the flags over them
+                args = jobs.apply(parser, args, argv)
             check_args(parser, args)
     except SystemExit as exit_:
         if doc is not None and tee is not None and exit_.code:

@@ -3,11 +3,12 @@ take it, and the checks argparse cannot express.
 
 | group | options | subcommands |
 | --- | --- | --- |
-| model | --model (default lm), --batch-size, --regions, --capture | train, check, tune (--regions, --capture: plan) |
+| model | --model (default lm), --batch-size, --data, --tokenizer, --seq-len (text data: piper_train.text), --regions, --capture | train, check, tune (--regions, --capture: plan) |
 | pipeline | --schedule, --strategy, --pp, --stages, --microbatches | train, check, simulate, plan |
 | parallelism | --dp, --zero, --tp, --ep, --recompute | train, check |
 | run | --memory-budget-mb, --optimizer, --optimizer-impl, --lr, --seed, --precision, --runtime, --address, --backend, --placement, --ranks-per-gpu, --timeout | train, check |
 | optimization | --lr-schedule, --warmup-steps, --min-lr, --lr-step-size, --lr-gamma, --clip-grad-norm, --weight-decay | train, check |
+| job | --config (a job file: .toml or .yaml), --print-config (the effective options as one; piper_train.cli.jobs) | train, check |
 | summary | --json (a machine-readable summary; standard JSON: a NaN or infinite number is written as the string "NaN", "Infinity" or "-Infinity") | train, check |
 | length, evaluation, metrics | --steps, --epochs, --eval-every, --eval-batches, --metrics, --tensorboard, --wandb, --profile-step, --steps-per-call, --on-nan, ... | train |
 | checkpoints | --checkpoint-dir, --checkpoint-every, --keep-checkpoints, --checkpoint-async, --resume, --max-restarts | train |
@@ -22,7 +23,7 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from piper_directives import SCHEDULES, DegreeError, check_degrees
 from piper_scheduler import CostModel
@@ -42,8 +43,17 @@ def add_model(p: argparse.ArgumentParser) -> None:
                    "Hugging Face causal LM from a config.json or a model directory with safetensors weights; needs "
                    "piper-train[hf]) (default: lm). A file is EXECUTED (like `python file.py`): name only files you "
                    "trust")
-    p.add_argument("--batch-size", type=int, help="samples per batch, for a factory that returns a Dataset or an hf: "
-                   "model (refused for data that comes batched)")
+    p.add_argument("--batch-size", type=int, help="samples per batch, for a factory that returns a Dataset, an hf: "
+                   "model or --data (refused for data that comes batched)")
+    p.add_argument("--data", metavar="text:GLOB|hf:PATH",
+                   help="train the built-in lm model (or an hf: model) on text: local files (text:GLOB, each file a document, '**' "
+                        "for folders) or a Hugging Face dataset in local files (hf:PATH: a save_to_disk folder, or "
+                        ".parquet/.jsonl/.json/.csv/.txt/.arrow files; its 'text' column; needs piper-train[text]), "
+                        "tokenized, packed into --seq-len rows with document boundaries kept, reshuffled each epoch")
+    p.add_argument("--tokenizer", metavar="FILE|bytes",
+                   help="with --data: a tokenizer.json (Hugging Face tokenizers), or bytes: UTF-8 bytes, vocabulary "
+                        "256 (default: bytes)")
+    p.add_argument("--seq-len", type=int, help="with --data: tokens per packed row (default: 64)")
     p.add_argument("--init-from", type=Path, metavar="PATH",
                    help="initial weights by name from safetensors: a file, or a folder with model.safetensors or a "
                         "sharded set and its index (as save_pretrained and piper export write them); every weight "
@@ -157,6 +167,17 @@ def add_optimization(p: argparse.ArgumentParser) -> None:
 
 def add_summary(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
+
+
+def add_job(p: argparse.ArgumentParser) -> None:
+    """``--config`` and ``--print-config`` (``piper_train.cli.jobs``; docs/jobs.md)."""
+    p.add_argument("--config", type=Path, metavar="JOB",
+                   help="read the options from a job file (.toml, or .yaml/.yml): keys are the long options' names "
+                        "in snake_case (batch_size = 8), a strategy embedded as a [strategy] table or named "
+                        "(strategy = \"s.json\"); flags on the command line override the file; read as data only")
+    p.add_argument("--print-config", nargs="?", const="toml", choices=["toml", "yaml"], metavar="toml|yaml",
+                   help="print the effective options (the job file's, the flags', the defaults) as a job file on "
+                        "stdout (with --json: as the document's \"config\") and exit without running")
 
 
 def add_simulation(p: argparse.ArgumentParser) -> None:
@@ -281,6 +302,31 @@ def wandb_target(text: str) -> str:
     return text
 
 
+class FileForm(NamedTuple):
+    """How a job file holds the value of an option of one argparse type: the TOML/YAML kinds
+    it may be (``kinds``: never a bool unless the option is a flag; ``kind``: what a message
+    calls them), read by the type itself from ``str(value)``; and ``write``, the parsed value
+    as a job file spells it (``--print-config``; the type reads it back to the same value)."""
+
+    kinds: tuple[type, ...] = (str,)
+    kind: str = "a string"
+    write: Callable[[Any], Any] = str
+
+
+#: ``FileForm`` by argparse type, for the types whose file form is not a string.
+FILE_FORMS: dict[Callable[[str], Any] | None, FileForm] = {
+    int: FileForm((int,), "an integer", int),
+    finite_float: FileForm((int, float), "a number", float),
+    _recompute_every: FileForm((str, int), "none, all or an integer", lambda v: {0: "none", 1: "all"}.get(v, v)),
+    _steps_per_call: FileForm((str, int), "auto or an integer", lambda v: v),
+    None: FileForm((str,), "a string", lambda v: v),
+}
+
+
+def file_form(kind: Callable[[str], Any] | None) -> FileForm:
+    return FILE_FORMS.get(kind, FileForm())
+
+
 def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", metavar="NAME|FILE",
                    help="the devices, for each step's MFU (model FLOPs per second per device over the device's peak "
@@ -398,7 +444,7 @@ def _add_program(p: argparse.ArgumentParser) -> None:
     p.add_argument("program", type=Path, help="a program written by 'piper plan'")
 
 
-_TRAINING = (add_model, add_pipeline, add_parallelism, add_run, add_optimization, add_summary)
+_TRAINING = (add_model, add_pipeline, add_parallelism, add_run, add_optimization, add_summary, add_job)
 
 #: subcommand -> (help, its option groups in the order --help lists them)
 SUBCOMMANDS: dict[str, tuple[str, tuple[Group, ...]]] = {
@@ -462,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
 #: above it, not at it). A count of things is at least 1, a count of steps or an amount at least
 #: 0; a time, a size, a rate or a factor is above 0. ``--seed`` (any integer) is the one not here.
 MINIMUMS: dict[str, tuple[float, bool]] = {
-    **dict.fromkeys(("pp", "microbatches", "steps", "dp", "tp", "ep", "epochs", "batch_size", "profile_step",
+    **dict.fromkeys(("pp", "microbatches", "steps", "dp", "tp", "ep", "epochs", "batch_size", "seq_len", "profile_step",
                      "lr_step_size", "ranks_per_gpu", "devices", "stages", "top", "validate_steps", "profile_steps",
                      "keep_checkpoints", "segments_per_stage"), (1, False)),
     **dict.fromkeys(("warmup_steps", "eval_every", "eval_batches", "prefetch", "checkpoint_every", "max_restarts",

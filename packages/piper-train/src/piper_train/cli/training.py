@@ -120,9 +120,20 @@ def _schedule(args: argparse.Namespace, total: int | None) -> LRSchedule:
     return LRSchedule(args.lr_schedule, args.warmup_steps, total, args.min_lr, args.lr_step_size, args.lr_gamma)
 
 
+def trainer_options(args: argparse.Namespace, total: int | None) -> dict[str, Any]:
+    """``Trainer``'s keyword arguments of the command's options (a job file's too:
+    ``jobs.load``): the objects ``piper train`` hands it, for a run of ``total`` steps."""
+    return dict(optimizer=_optimizer(args), options=_run_options(args), memory_budget_bytes=_budget(args),
+                lr_schedule=_schedule(args, total), clip_grad_norm=args.clip_grad_norm,
+                measure_grad_norm=args.log_grad_norm, precision=args.precision)
+
+
 def _load(args: argparse.Namespace) -> ModelSpec:
     workload = load_workload(args.model, stages=model_regions(args), seed=args.seed, batch_size=args.batch_size,
-                             regions=args.regions, capture=args.capture)
+                             regions=args.regions, capture=args.capture, data=args.data, tokenizer=args.tokenizer,
+                             seq_len=args.seq_len)
+    if workload.about:
+        say(args, f"data: {workload.about}")
     if args.init_from is not None:
         loaded = load_weights(workload.model, args.init_from)
         say(args, f"initial weights: {loaded.tensors} tensors from {loaded.files} safetensors file(s) in "
@@ -205,11 +216,8 @@ def train_command(args: argparse.Namespace) -> int:
         stack.push(record.on_exit(args))  # a run that fails or is interrupted: its document so far
         trainer = stack.enter_context(Trainer(
             workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn,
-            request.for_trainer(), optimizer=_optimizer(args), options=_run_options(args),
-            memory_budget_bytes=_budget(args), log=lambda text: say(args, text),
-            lr_schedule=_schedule(args, total), clip_grad_norm=args.clip_grad_norm,
-            measure_grad_norm=args.log_grad_norm, precision=args.precision, regions=workload.regions,
-            capture_method=workload.capture,
+            request.for_trainer(), **trainer_options(args, total), log=lambda text: say(args, text),
+            regions=workload.regions, capture_method=workload.capture,
         ))
         record.trainer = trainer
         say(args, f"workers up after {time.perf_counter() - started:.1f} s")

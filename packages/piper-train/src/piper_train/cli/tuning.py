@@ -122,7 +122,8 @@ def tune_command(args: argparse.Namespace) -> int:
               f"schedules {', '.join(args.schedules)}" + (f", budget {args.memory_budget_mb:g} MiB" if budget else ""))
     try:
         model = load_workload(args.model, stages=built_regions(args.stages, args.devices), seed=args.seed,
-                              regions=args.regions, capture=args.capture)
+                              regions=args.regions, capture=args.capture, data=args.data, tokenizer=args.tokenizer,
+                              seq_len=args.seq_len)
         if args.init_from is not None:
             load_weights(model.model, args.init_from)
         report = tune(model, args.devices, stages=args.stages, memory_budget_bytes=budget,
