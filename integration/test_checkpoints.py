@@ -266,6 +266,7 @@ class _Killer(_StepSink):
             self.killed.append((metrics.step, pid, time.perf_counter()))
 
 
+@pytest.mark.ray  # kills a worker process
 @pytest.mark.parametrize("steps_per_call", [1, 2])
 def test_restarts_after_killed_workers_finish_like_an_uninterrupted_run(tmp_path, steps_per_call) -> None:
     steps, every = 10, 3
@@ -298,6 +299,7 @@ def test_restarts_after_killed_workers_finish_like_an_uninterrupted_run(tmp_path
               f"(restart and load {restart.seconds:.2f} s), {restart.recomputed} steps recomputed")
 
 
+@pytest.mark.ray  # kills a worker process
 def test_checkpoints_written_while_training_goes_on_survive_killed_workers(tmp_path) -> None:
     """With the ranks writing each checkpoint while the next steps run, a worker killed
     meanwhile takes that checkpoint with it (its temporary directory removed): the run goes

@@ -1,7 +1,7 @@
 """Model FLOPs of a training step, and the throughput figures made of them (MFU).
 
 ``step_flops`` counts the floating-point operations of one forward and backward of the model
-and its loss on a batch with torch's own counter (``torch.utils.flop_counter``: matrix
+and its loss on a batch with torch's own formulas (``torch.utils.flop_counter``: matrix
 products, convolutions and attention, the operations that dominate a step), on a copy of
 the model on the meta device, so nothing is computed or allocated; a model that needs real
 values (``.item()`` in its forward, as transformers' mask code does) is counted on a real
@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from piper_train.hardware import Hardware
 
@@ -41,18 +42,49 @@ def step_flops(
         return _counted(model, inputs, targets, loss_fn, None) if real else None
 
 
-def _counted(model, inputs, targets, loss_fn, device: torch.device | None) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on the meta device, made without
+    copying their data (a big model is not held twice)."""
+    memo: dict[int, object] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
 
-    twin = copy.deepcopy(model)
+
+class _Counting(TorchDispatchMode):
+    """Sums the FLOPs of every operator torch's counter has a formula for
+    (``torch.utils.flop_counter.flop_registry``). Not ``FlopCounterMode`` itself: its module
+    tracker installs hooks on every module of the process, and the count runs on a thread
+    beside the local runtime's ranks, whose backward those hooks would break."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(getattr(func, "_overloadpacket", None))
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
+def _counted(model, inputs, targets, loss_fn, device: torch.device | None) -> int:
+    twin = _meta_copy(model) if device is not None else copy.deepcopy(model)
     if device is not None:
-        twin = twin.to(device)
         inputs, targets = [t.to(device) for t in inputs], [t.to(device) for t in targets]
-    with torch.random.fork_rng(devices=[]), FlopCounterMode(display=False) as counter:
+    # In eval mode: dropout draws nothing (and costs no FLOPs), so the count leaves torch's
+    # global generator alone; it runs beside the local runtime's ranks, which draw from it.
+    twin.eval()
+    with _Counting() as counter:
         outputs = twin(*inputs)
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
         loss_fn(*outputs, *targets).backward()
-    return int(counter.get_total_flops())
+    return counter.total
 
 
 @attrs.frozen
