@@ -267,7 +267,7 @@ def _find_pairs(gm: torch.fx.GraphModule, sh: Sharding) -> list[_Pair]:
     for col in linears:
         if col in rows:
             continue
-        region, reached, escapes = _region(col, linear_set)
+        region, reached, escapes = shard_groups.region_after(col, linear_set)
         if escapes or len(reached) != 1:
             continue
         row = reached.pop()
@@ -341,27 +341,6 @@ def _label(n: torch.fx.Node) -> str:
         return str(n.target)
     w = n.args[1] if len(n.args) > 1 else None
     return w.target.removesuffix(".weight") if isinstance(w, torch.fx.Node) else n.name
-
-
-def _region(col: torch.fx.Node, linears: set[torch.fx.Node]) -> tuple[set[torch.fx.Node], set[torch.fx.Node], bool]:
-    """The nodes reachable from ``col`` without passing a Linear, the Linears reached, and
-    whether the region reaches the segment's outputs."""
-    region: set[torch.fx.Node] = set()
-    reached: set[torch.fx.Node] = set()
-    escapes = False
-    todo = list(col.users)
-    while todo:
-        n = todo.pop()
-        if n in region or n in reached:
-            continue
-        if n.op == "output":
-            escapes = True
-        elif n in linears:
-            reached.add(n)
-        else:
-            region.add(n)
-            todo.extend(n.users)
-    return region, reached, escapes
 
 
 def _closed(col: torch.fx.Node, region: set[torch.fx.Node], row: torch.fx.Node, free: dict) -> bool:

@@ -87,7 +87,9 @@ def _parameter(gm: torch.fx.GraphModule, n: object) -> torch.Tensor | None:
         return None
 
 
-def _region(col: torch.fx.Node, stops: set[torch.fx.Node]) -> tuple[set, set, bool]:
+def region_after(col: torch.fx.Node, stops: set[torch.fx.Node]) -> tuple[set, set, bool]:
+    """The nodes reachable from ``col`` without passing one of ``stops`` (the Linears), the
+    stops reached, and whether the region reaches the segment's outputs."""
     region, reached, escapes, todo = set(), set(), False, list(col.users)
     while todo:
         n = todo.pop()
@@ -132,7 +134,7 @@ def find_groups(gm: torch.fx.GraphModule, sh: Sharding, taken: set[torch.fx.Node
     for lin in found:
         if lin.node in taken or (sh.plan and style[lin.node] != "colwise"):
             continue
-        region, reached, escapes = _region(lin.node, stops)
+        region, reached, escapes = region_after(lin.node, stops)
         if escapes or len(reached) != 1:
             if sh.plan:
                 where = ("reaches the region's outputs" if escapes else
