@@ -14,7 +14,11 @@ PP x M x S (nodes and edges), not with the device count PP x DP. Stages timed:
 - ``verify``: ``verify`` alone on the compiled program (already included in ``compile``);
 - ``memory``: ``piper_memory.estimate_memory`` on the program;
 - ``json``: ``piper_ir.to_json`` of the program, what ``piper plan --out`` writes (not in the
-  total: a plan used in the same process is never written).
+  total: a plan used in the same process is never written);
+- ``probe``: one lookup of each edge's two ends in the ordered graph's node table, the least
+  any pass over the edges does (not in the total). Its growth per 4x of the graph is what the
+  machine adds to every such pass: at 392k nodes the table, the id strings and the edges
+  outgrow the CPU's caches, so a lookup costs twice what it costs at 98k nodes.
 
 Each configuration runs in a fresh Python process, so its peak resident memory
 (``ru_maxrss``: interpreter, graphs, program) is its own and no configuration inherits another's
@@ -49,7 +53,7 @@ from pathlib import Path
 
 from piper_directives.schedules import build_schedule
 from piper_directives.synthetic import synthetic_graph
-from piper_ir import gc_paused, to_json
+from piper_ir import Graph, gc_paused, to_json
 from piper_memory import estimate_memory
 from piper_scheduler import compile_program, verify
 
@@ -66,11 +70,13 @@ CONFIGS = [
     (128, 128, 512, 1),
 ]
 QUICK = CONFIGS[:3]
-STAGES = ("split", "place", "split B", "order", "validate", "compile", "verify", "memory", "json")
+STAGES = ("split", "place", "split B", "order", "validate", "compile", "verify", "memory", "json", "probe")
+NOT_IN_TOTAL = ("verify", "json", "probe")  # verify runs inside compile; the others are no compile's work
 # Strategy.phases() -> column: the phases that place and connect the graph share one column
-# (recompute, shard and replicate have no directive here and return the graph as it is).
-PHASE_COLUMNS = {"recompute": "place", "shard": "place", "replicate": "place", "communication": "place",
-                 "split backward": "split B"}
+# (recompute, shard, context parallelism and replicate have no directive here and return the
+# graph as it is).
+PHASE_COLUMNS = {"recompute": "place", "shard": "place", "context": "place", "replicate": "place",
+                 "context records": "place", "communication": "place", "split backward": "split B"}
 
 
 def run(pp: int, dp: int, m: int, s: int, schedule: str = "1f1b") -> dict:
@@ -96,8 +102,9 @@ def run(pp: int, dp: int, m: int, s: int, schedule: str = "1f1b") -> dict:
     timed("memory", estimate_memory, program)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the JSON text exists
     text = timed("json", to_json, program)
-    total = sum(v for k, v in times.items() if k not in ("verify", "json"))  # verify runs inside compile
-    cpu = sum(v for k, v in cpu_times.items() if k not in ("verify", "json"))
+    timed("probe", probe, g)
+    total = sum(v for k, v in times.items() if k not in NOT_IN_TOTAL)
+    cpu = sum(v for k, v in cpu_times.items() if k not in NOT_IN_TOTAL)
     return {
         "pp": pp, "dp": dp, "devices": pp * dp, "microbatches": m, "segments": s,
         "nodes": len(g.nodes), "edges": len(g.edges),
@@ -105,6 +112,15 @@ def run(pp: int, dp: int, m: int, s: int, schedule: str = "1f1b") -> dict:
         **times, "total": total, "cpu": cpu, **{f"{k} cpu": v for k, v in cpu_times.items()},
         "peak_mb": peak_mb, "base_mb": base_mb,
     }
+
+
+def probe(graph: Graph) -> None:
+    """Look up both ends of every edge in ``graph.node_by_id`` (built before, untimed): the
+    floor of a pass over the edges."""
+    nodes = graph.node_by_id
+    for e in graph.edges:
+        nodes[e.src]
+        nodes[e.dst]
 
 
 def run_isolated(cfg: tuple[int, int, int, int], no_gc: bool) -> dict:
@@ -138,13 +154,19 @@ def growth(rows: list[dict], other: str = "cpu") -> str:
     """Each one-segment row against the previous one: how much the graph and the times grew
     (``other``: the total on the other clock, as in ``table``)."""
     sel = [r for r in rows if r["segments"] == 1]
-    lines = [f"| devices | graph (nodes + edges) | compile | total | total {other} | peak memory |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"| devices | graph (nodes + edges) | compile | total | total {other} | probe | peak memory |",
+             "|---|---|---|---|---|---|---|"]
     for a, b in zip(sel, sel[1:], strict=False):
         size = (b["nodes"] + b["edges"]) / (a["nodes"] + a["edges"])
         lines.append(f"| {a['devices']:,} -> {b['devices']:,} | x{size:.2f} | x{b['compile'] / a['compile']:.2f} | "
-                     f"x{b['total'] / a['total']:.2f} | x{b['cpu'] / a['cpu']:.2f} | x{b['peak_mb'] / a['peak_mb']:.2f} |")
+                     f"x{b['total'] / a['total']:.2f} | x{b['cpu'] / a['cpu']:.2f} | {ratio(b['probe'], a['probe'])} | "
+                     f"x{b['peak_mb'] / a['peak_mb']:.2f} |")
     return "\n".join(lines)
+
+
+def ratio(b: float, a: float) -> str:
+    """``b / a`` as a growth cell; a dash when ``a`` is below the clock's resolution."""
+    return f"x{b / a:.2f}" if a > 0 else "-"
 
 
 def load() -> str:
@@ -247,7 +269,10 @@ def main() -> None:
            "Seconds per stage (wall); `cpu s` is the process CPU time of the timed stages. ")
         + "`verify` is also "
         "part of `compile` and is not added to the total, nor is `json` (the program's JSON, as `piper plan "
-        f"--out` writes it: {rows[-1]['json_mb']:.0f} MB in the last row). `peak MB` is the peak resident memory of the process "
+        f"--out` writes it: {rows[-1]['json_mb']:.0f} MB in the last row), nor `probe`: one lookup of each edge's two "
+        "ends in the graph's node table, the least a pass over the edges does, timed to show what the machine "
+        "adds per 4x of the graph apart from any algorithm (the graph, its id strings and its tables outgrow "
+        "the CPU's caches). `peak MB` is the peak resident memory of the process "
         f"that ran the row (each row runs in a fresh one; {min(r['base_mb'] for r in rows):.0f} MB of it is the "
         "interpreter and imports). "
         "Data-parallel replicas share one plan, so the compiled graph is one replica's pipeline: nodes and edges "

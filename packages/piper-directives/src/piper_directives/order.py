@@ -77,7 +77,7 @@ class Order:
         slot_of: dict[str, int] = {}
         per_device: dict[int, list[list[str]]] = defaultdict(list)
         for k, slot in enumerate(self.slots):
-            matched = [n for f in slot for n in candidates(f, index, orderable) if f.matches(n)]
+            matched = [n for f in slot for n in matching(f, index, orderable)]
             if not matched:
                 shown = ", ".join(map(str, slot))
                 raise DirectiveError(f"slot {k} ({shown}) matches no compute node", directive=str(self))
@@ -92,13 +92,16 @@ class Order:
                     by_device[d].append(n.id)
             for d, ids in by_device.items():
                 per_device[d].append(ids)
-        origin, temporal = str(self), EdgeKind.TEMPORAL
-        new_edges: dict[Edge, None] = {}  # the devices of one group see the same slots: one edge each
+        # The devices of one group see the same slots: one edge per pair. Pairs of ids, not
+        # edges, are told apart (a tuple's hash is C's, an Edge's attrs'); every edge of this
+        # order has the same kind and origin.
+        pairs: dict[tuple[str, str], None] = {}
         for slots in per_device.values():
             for before, after in zip(slots, slots[1:], strict=False):
-                # Edge(src, dst, kind, value, origin), by position: 131k edges at 16,384 devices
-                new_edges.update((Edge(a, b, temporal, None, origin), None) for a in before for b in after)
-        return list(new_edges)
+                pairs.update(((a, b), None) for a in before for b in after)
+        origin, temporal = str(self), EdgeKind.TEMPORAL
+        # Edge(src, dst, kind, value, origin), by position: 131k edges at 16,384 devices
+        return [Edge(a, b, temporal, None, origin) for a, b in pairs]
 
     def _cycle_error(self, cycle: list[str]) -> DirectiveError:
         return DirectiveError(
@@ -150,14 +153,35 @@ def candidates(flt: Filter, index: dict, everything: Sequence[Node]) -> Sequence
     """The nodes of ``everything`` that ``flt`` may match, from its narrowest bucket in
     ``index`` (``bucket_nodes(everything)``); every node when the filter names no exact
     pass and microbatch. The caller still tests each with ``flt.matches``."""
+    key, _ = _bucket(flt)
+    return everything if key is None else index.get(key, [])
+
+
+def matching(flt: Filter, index: dict, everything: Sequence[Node]) -> Sequence[Node]:
+    """The nodes of ``everything`` that ``flt`` matches, in their order: ``candidates``,
+    each tested with ``flt.matches`` unless the bucket holds only matches (a filter of a
+    pass, a microbatch and at most one tag: every slot of the built-in schedules)."""
+    key, exact = _bucket(flt)
+    if key is None:
+        return [n for n in everything if flt.matches(n)]
+    found = index.get(key, [])
+    return found if exact else [n for n in found if flt.matches(n)]
+
+
+def _bucket(flt: Filter) -> tuple[tuple | None, bool]:
+    """The key of ``flt``'s narrowest bucket in ``bucket_nodes`` (None: it names no exact pass
+    and microbatch, so every node is a candidate), and whether every node of that bucket
+    matches ``flt`` (the key holds all of its items)."""
     # Only exact values index a bucket: "*" and sets of values (tuples) scan every node. The
     # filter's items are sorted by key, so ``other`` is the first other exact key, and its
     # bucket the narrowest an exact key allows. Buckets keep graph order, so the matches come
     # out in the order a scan of every node gives, and so do the edges. (One loop over the
     # items, no dictionaries: this runs once per slot, 132k times at 16,384 devices.)
     phase = mb = other = None
+    exact = True
     for key, want in flt.items:
         if want == "*" or isinstance(want, tuple):
+            exact = False  # a wildcard still asks for the tag; a set is not a bucket
             continue
         if key == "PASS":
             phase = want
@@ -165,9 +189,14 @@ def candidates(flt: Filter, index: dict, everything: Sequence[Node]) -> Sequence
             mb = want
         elif other is None:
             other = (key, want)
+        else:
+            exact = False
     if phase is None or mb is None:
-        return everything
-    return index.get((phase, mb) if other is None else (phase, mb, *other), [])
+        return None, False
+    if other is None:
+        return (phase, mb), exact
+    # a tag named SEG shares its bucket with the segment ids, which the filter's SEG means
+    return (phase, mb, *other), exact and other[0] != "SEG"
 
 
 def _node_index(graph: Graph) -> tuple[dict, list[Node]]:
