@@ -4,7 +4,7 @@ grouped-query key/value heads split when the degree divides them and replicated 
 narrowing to its query heads' ones) otherwise, rotary embedding per local head.
 
 The oracle is ``run_check`` (``piper check``) in float64 against one device, 2 AdamW steps:
-examples/llama (4 query heads, 2 kv heads, SwiGLU, tied embedding/head left whole) under TP=2
+examples/llama (4 query heads, 2 kv heads, SwiGLU, tied embedding/head cut by vocabulary) under TP=2
 and PP=2 x TP=2 (1F1B), multi-query (1 kv head) under TP=2, 2 kv heads under TP=4 (ranks 0, 1 on
 kv head 0, ranks 2, 3 on head 1), and Hugging Face Llama and Qwen3 (per-head q/k norms)
 built from saved configs."""
@@ -48,7 +48,7 @@ def test_llama_example_tp2_shards_heads_and_swiglu(runtime):
         for name in ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
                      "feed_forward.w2", "feed_forward.w3"):
             assert f"layers.{layer}.{name}.weight" in cut
-    assert not any("tok_embeddings" in n or n.startswith("output") for n in cut)  # the tied head stays whole
+    assert {"tok_embeddings.weight", "output.weight"} <= cut  # the tied head: by vocabulary (test_vocab_parallel)
 
 
 def test_llama_example_pp2_tp2_1f1b(runtime):
@@ -73,6 +73,7 @@ def test_hugging_face_llama_tp2(runtime, tmp_path):
                              tie_word_embeddings=True).save_pretrained(tmp_path)
     cut = _check(runtime, f"hf:{tmp_path}", stages=4)
     assert {"model.layers.0.self_attn.k_proj.weight", "model.layers.3.mlp.down_proj.weight"} <= cut
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= cut  # tied, cut by vocabulary (shard_vocab)
 
 
 def test_hugging_face_qwen3_sums_the_per_head_norm_gradients(runtime, tmp_path):

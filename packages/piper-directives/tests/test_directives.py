@@ -5,6 +5,7 @@ import pytest
 
 from piper_directives import (
     DIRECTIVES,
+    ContextParallel,
     Order,
     Place,
     Recompute,
@@ -206,7 +207,7 @@ def test_strategy_json_round_trip_and_graph_json(three_stage):
         ("[]", "expected an object"),
         ('{"directives": [{"microbatches": 2}]}', 'with an "op" field'),
         ('{"directives": [{"op": "expert"}]}', "unknown op 'expert'"),
-        ('{"directives": [{"op": ["split"]}]}', r"unknown op \['split'\]; expected one of \['order', 'place', 'recompute', 'replicate', 'shard', 'split'\]"),
+        ('{"directives": [{"op": ["split"]}]}', r"unknown op \['split'\]; expected one of \['context_parallel', 'order', 'place', 'recompute', 'replicate', 'shard', 'split'\]"),
         ('{"directives": [{"op": "shard"}]}', r"shard needs field\(s\) \['devices', 'filter'\]"),
         ('{"directives": [{"op": "split"}]}', r"split needs field\(s\) \['microbatches'\]"),
         ('{"directives": [{"op": "split", "microbatches": 2, "chunks": 3}]}', r"has no field\(s\) \['chunks'\]"),
@@ -248,6 +249,8 @@ EVERY_DIRECTIVE = [
     (Shard({"PP": 0}, (0, 1, 2, 3), kind="ep", degree=2),
      '{"op": "shard", "filter": {"PP": 0}, "devices": [0, 1, 2, 3], "kind": "ep", "degree": 2}'),
     (Shard({"PP": 1}, (0, 1)), '{"op": "shard", "filter": {"PP": 1}, "devices": [0, 1], "kind": "tp"}'),
+    (ContextParallel({"PP": 0}, (0, 1, 2, 3), degree=2),
+     '{"op": "context_parallel", "filter": {"PP": 0}, "devices": [0, 1, 2, 3], "degree": 2}'),
     (Order([[{"PP": 0, "PASS": "F", "MB": 0}], {"SEG": "loss"}], name="mine"),
      '{"op": "order", "name": "mine", "slots": [[{"MB": 0, "PASS": "F", "PP": 0}], [{"SEG": "loss"}]]}'),
 ]
@@ -263,10 +266,11 @@ def test_every_registered_directive_round_trips_through_its_json_form(directive,
 
 def test_every_directive_is_registered_once_by_its_op():
     assert {type(d) for d, _ in EVERY_DIRECTIVE} == set(DIRECTIVES)
-    assert sorted(cls.op for cls in DIRECTIVES) == ["order", "place", "recompute", "replicate", "shard", "split"]
+    assert sorted(cls.op for cls in DIRECTIVES) == [
+        "context_parallel", "order", "place", "recompute", "replicate", "shard", "split"]
     strategy = Strategy([d for d, _ in EVERY_DIRECTIVE])
     assert Strategy.from_json(strategy.to_json()) == strategy
-    with pytest.raises(DirectiveError, match=r"is not a directive \(Split, Recompute, Place, Replicate, Shard or Order\)"):
+    with pytest.raises(DirectiveError, match=r"is not a directive \(Split, Recompute, Place, Replicate, Shard, ContextParallel or Order\)"):
         Strategy([Split(2), "place"]).apply(None)
 
 
@@ -274,7 +278,7 @@ def test_shard_kind_is_a_shard_kind():
     assert Shard({"PP": 0}, (0, 1), kind="ep").kind is ShardKind.EP
     assert Shard({"PP": 0}, (0, 1)).kind is ShardKind.TP
     assert "kind='ep'" in str(Shard({"PP": 0}, (0, 1), kind=ShardKind.EP))
-    with pytest.raises(DirectiveError, match=r"kind must be one of \['tp', 'ep'\], got 'xp'") as err:
+    with pytest.raises(DirectiveError, match=r"kind must be one of \['tp', 'ep', 'cp'\], got 'xp'") as err:
         Shard({"PP": 0}, (0, 1), kind="xp")
     assert "kind='xp'" in str(err.value)
 

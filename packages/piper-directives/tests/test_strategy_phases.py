@@ -22,8 +22,8 @@ def test_the_phases_one_by_one_give_what_apply_gives() -> None:
         names.append(name)
         stepped = phase(stepped)
     assert stepped == strategy.apply(graph)
-    assert names == ["split", "recompute", "place", "shard", "replicate", "communication", "split backward",
-                     "order", "validate"]
+    assert names == ["split", "recompute", "place", "shard", "context", "replicate", "context records",
+                     "communication", "split backward", "order", "validate"]
     assert any(n.id.startswith("BW.") for n in stepped.nodes)  # zb1p split its backwards
 
 

@@ -69,8 +69,9 @@ def test_long_steps_of_a_plan_are_said_as_they_end(tmp_path, capsys, monkeypatch
     said = capsys.readouterr()
     steps = [line.split(" took ")[0] for line in said.err.splitlines()]
     assert steps == [
-        *(f"plan: strategy phase {name!r}" for name in ("split", "recompute", "place", "shard", "replicate",
-                                                        "communication", "split backward", "order", "validate")),
+        *(f"plan: strategy phase {name!r}" for name in ("split", "recompute", "place", "shard", "context",
+                                                        "replicate", "context records", "communication",
+                                                        "split backward", "order", "validate")),
         "plan: memory plan",
         "plan: compile (with verify)",
         "plan: JSON of the program",

@@ -26,6 +26,10 @@ segment modules, and returns both rewritten (docs/ir-conventions.md, section 9):
   all-to-all; when the group is one of several data-parallel replicas (``Sharding.degree <
   len(devices)``), each expert's gradient is further reduced over the ranks holding it.
 
+Under tensor parallelism (``shard_code``, one group seeing the same tokens) expert calls are
+rewritten by ``shard_experts_tp`` instead: each rank runs its block of experts on the tokens
+routed to them, with no all-to-all (TP with EP in one group).
+
 Regions that call no expert module stay data-parallel over the group (their Sharding cuts
 nothing), so an embedding or a head in a region of its own runs beside expert regions.
 
@@ -237,3 +241,66 @@ def _num_experts(experts: nn.Module, name: str, sh: Sharding) -> int:
     return sizes.pop()
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts split over a tensor-parallel group (``shard_code``): TP with EP in one group.
+
+
+def expert_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Every call of an expert module (``piper_experts = True``) in ``gm``, in graph order."""
+    return [n for n in gm.graph.nodes
+            if n.op == "call_module" and getattr(gm.get_submodule(n.target), "piper_experts", False)]
+
+
+def tp_route(comm: nn.Module, ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions of the tokens routed to this rank's experts (block ``position`` of
+    ``degree``; unbound: block 0) and their local expert ids."""
+    per = num_experts // comm.degree
+    start = comm.position * per if comm.bound else 0
+    idx = ((ids >= start) & (ids < start + per)).nonzero().squeeze(1)
+    return idx, ids.index_select(0, idx) - start
+
+
+def tp_place(y: torch.Tensor, idx: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """This rank's expert results at their tokens' positions, zeros elsewhere."""
+    return y.new_zeros((tokens.shape[0], *y.shape[1:])).index_copy(0, idx, y)
+
+
+def shard_experts_tp(gm: torch.fx.GraphModule, calls: Sequence[torch.fx.Node], sh: Sharding,
+                     comm: str) -> list[ParamShard]:
+    """Rewrite ``calls`` (expert module calls of ``gm``, a tensor-parallel segment whose
+    ``comm`` submodule is a ``TensorParallelComm``) to split the experts over the group.
+
+    Every rank of a tensor-parallel group sees the same tokens, so no all-to-all is needed:
+    rank ``r`` of ``N`` holds experts ``r*E/N .. (r+1)*E/N - 1`` (``ParamShard(param, 0)``),
+    runs them on the tokens routed to them (read through ``f``: each rank's gradient of the
+    tokens is its experts' part, summed in backward), writes zeros for the others, and ``g``
+    sums the group's results: exactly one device's output, each expert's gradient from every
+    token routed to it."""
+    g = gm.graph
+    params: list[ParamShard] = []
+    for call in calls:
+        experts = gm.get_submodule(call.target)
+        num = _num_experts(experts, call.target, sh)
+        _refuse_random(experts, call, sh)
+        params.extend(ParamShard(f"{call.target}.{name}", 0) for name, _ in experts.named_parameters())
+        tokens, ids = call.args[0], call.args[1]
+        with g.inserting_before(call):
+            whole = g.call_module(comm, (tokens, "f"))
+            route = g.call_function(tp_route, (g.get_attr(comm), ids, num))
+            idx = g.call_function(operator.getitem, (route, 0))
+            local = g.call_function(operator.getitem, (route, 1))
+            mine = g.call_function(torch.index_select, (whole, 0, idx))
+        call.args = (mine, local, *call.args[2:])
+        with g.inserting_after(call):
+            placed = g.call_function(tp_place, (call, idx, whole))
+        with g.inserting_after(placed):
+            summed = g.call_module(comm, (placed, "g"))
+        call.replace_all_uses_with(summed, delete_user_cb=lambda user, keep=placed: user is not keep)
+    return params
+
+
+def divides_experts(gm: torch.fx.GraphModule, call: torch.fx.Node, sh: Sharding) -> bool:
+    """Whether the group's degree divides the experts of ``call``'s module."""
+    return _num_experts(gm.get_submodule(call.target), call.target, sh) % sh.degree == 0

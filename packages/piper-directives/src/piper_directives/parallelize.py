@@ -67,12 +67,18 @@ def check_degrees(caller: str | None = None, *, dp: int = 1, zero: int = 0, tp: 
         )
 
 
-def parallelize(pipeline: Strategy, *, dp: int = 1, zero: int = 0, tp: int = 1, ep: int = 1) -> Strategy:
+def parallelize(pipeline: Strategy, *, dp: int = 1, zero: int = 0, tp: int = 1, ep: int = 1,
+                tp_plan: Mapping[str, str] | None = None, sp: bool = False) -> Strategy:
     """``pipeline`` (a pipeline-only program: one device per ``Place``, no Replicate or
     Shard) over ``dp`` data-parallel replicas with ZeRO level ``zero``, each stage of each
     replica tensor-parallel over ``tp`` or expert-parallel over ``ep`` adjacent devices
-    (module doc for the layout). With every degree 1 and ``zero=0``, ``pipeline`` itself."""
+    (module doc for the layout). With every degree 1 and ``zero=0``, ``pipeline`` itself.
+    ``tp_plan``: the ``Shard``s' plan by module path (``tensor_parallel``'s ``plan``); ``sp``:
+    sequence parallelism (``tensor_parallel``'s, needs ``tp > 1``)."""
     check_degrees("parallelize", dp=dp, zero=zero, tp=tp, ep=ep)
+    if sp and tp < 2:
+        raise DegreeError("parallelize: sequence parallelism (sp) shards the code between tensor-parallel "
+                          "regions; it needs tp >= 2", options=("sp", "tp"))
     if ep > 1 and dp == 1:
         # An expert-parallel group is data-parallel for everything but the experts by itself
         # (the batch is cut among its ranks), so ZeRO applies to it without data-parallel
@@ -90,7 +96,7 @@ def parallelize(pipeline: Strategy, *, dp: int = 1, zero: int = 0, tp: int = 1, 
     # data_parallel added move onto the widened groups, which makes DP x TP (DP x EP).
     if ep > 1:
         return expert_parallel(replicated, ep)
-    return tensor_parallel(replicated, tp)
+    return tensor_parallel(replicated, tp, plan=tp_plan or None, sp=sp)
 
 
 def data_parallel(strategy: Strategy, dp: int, zero: int = 0, *, bucket_mb: float = DEFAULT_BUCKET_MB) -> Strategy:
@@ -136,7 +142,8 @@ def data_parallel(strategy: Strategy, dp: int, zero: int = 0, *, bucket_mb: floa
     return Strategy([*out, *replicates])
 
 
-def tensor_parallel(strategy: Strategy, tp: int, *, plan: Mapping[str, str] | None = None) -> Strategy:
+def tensor_parallel(strategy: Strategy, tp: int, *, plan: Mapping[str, str] | None = None,
+                    sp: bool = False) -> Strategy:
     """``strategy``, a pipeline program (optionally data-parallel, from ``data_parallel``),
     with every region run tensor-parallel over ``tp`` adjacent devices: device ``d`` becomes
     ``d*tp, ..., d*tp + tp - 1``, so ``Place(filter, (r,))`` becomes ``Place(filter, (r*tp,
@@ -144,8 +151,10 @@ def tensor_parallel(strategy: Strategy, tp: int, *, plan: Mapping[str, str] | No
     Megatron lays it out: its all-reduces are the most frequent traffic). A data-parallel
     group ``(d0, d1, ...)`` becomes ``(d0*tp, ..., d0*tp + tp - 1, d1*tp, ...)`` with a
     ``Shard(degree=tp)`` and its ``Replicate`` moved onto it: DP x TP. Split and Order stay.
-    ``plan``: every ``Shard``'s plan by module path (``Shard``; None: found automatically)."""
-    return _shard_every_stage(strategy, tp, ShardKind.TP, "tensor_parallel", plan=plan)
+    ``plan``: every ``Shard``'s plan by module path (``Shard``; None: found automatically).
+    ``sp``: sequence parallelism between the tensor-parallel regions (``Shard``'s
+    ``sequence_parallel``)."""
+    return _shard_every_stage(strategy, tp, ShardKind.TP, "tensor_parallel", plan=plan, sp=sp)
 
 
 def expert_parallel(strategy: Strategy, ep: int, *, zero: int | None = None) -> Strategy:
@@ -162,7 +171,7 @@ def expert_parallel(strategy: Strategy, ep: int, *, zero: int | None = None) -> 
 
 def _shard_every_stage(
     strategy: Strategy, degree: int, kind: ShardKind, name: str, *, zero: int | None = None,
-    plan: Mapping[str, str] | None = None,
+    plan: Mapping[str, str] | None = None, sp: bool = False,
 ) -> Strategy:
     check_degrees(name, zero=zero or 0, **{str(kind.value): degree})
     if degree == 1:
@@ -180,7 +189,8 @@ def _shard_every_stage(
         if isinstance(d, Place):
             group = widen(d.devices)
             out.append(Place(d.filter, group, d.stream, where=d.where))
-            shards.append(Shard(d.filter, group, kind=kind, degree=degree, plan=plan, where=written_at_or(d.where)))
+            shards.append(Shard(d.filter, group, kind=kind, degree=degree, plan=plan,
+                                sequence_parallel=sp, where=written_at_or(d.where)))
             if zero is not None:
                 out.append(Replicate(d.filter, group, zero, where=written_at_or(d.where)))
         elif isinstance(d, Replicate):

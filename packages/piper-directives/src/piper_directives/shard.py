@@ -17,7 +17,8 @@ Replicate (``replicate_all`` reads ``Graph.sharding``). Requires a placed graph.
 
 - one ``Sharding(segment, devices, "tp", degree)`` per matched segment in
   ``Graph.sharding``, with ``origin`` naming the directive; the loss segment, when it sits on
-  a sharded group, gets one too (it runs replicated on each tensor-parallel group);
+  a sharded group, gets one too (it runs on each tensor-parallel group, on whole logits, or on
+  vocabulary slices as a parallel cross-entropy: ``shard_vocab``);
 - every segment placed on several devices is sharded, all with one degree (a group is
   tensor-parallel, or data x tensor parallel with the same number of replicas everywhere);
   ``replicate_all`` records a ``Replication`` only where ``degree < len(devices)``, and the
@@ -46,7 +47,10 @@ from piper_directives.common import (
 from piper_directives.groups import OnGroup, placement_groups, segments_on_group
 from piper_ir import DirectiveError, Filter, Graph, Phase, SegmentRole, Sharding, ShardKind, compute_id
 
-PLAN_STYLES = ("colwise", "rowwise")
+#: Plan styles: Linears cut on their outputs / inputs (``shard_groups``), by vocabulary the head
+#: (its logits sliced, the loss a parallel cross-entropy) and the embedding (``shard_vocab``), and
+#: an expert module's experts split over the group (``expert_code.shard_experts_tp``).
+PLAN_STYLES = ("colwise", "rowwise", "colwise_vocab", "embedding_vocab", "experts")
 
 
 def _to_plan(value: object) -> object:
@@ -79,7 +83,13 @@ class Shard:
     (``{"layers.*.attention.wq": "colwise", "layers.*.attention.wo": "rowwise"}``) names the
     Linears to cut instead of finding them (``shard_code``). ``kind="ep"``: expert
     parallel, the ranks are data-parallel replicas of everything but the experts, each
-    holding ``E / N`` experts, tokens routed to them with all-to-alls."""
+    holding ``E / N`` experts, tokens routed to them with all-to-alls.
+
+    ``sequence_parallel=True`` (``kind="tp"``): the norms, dropout and residual adds between
+    the tensor-parallel regions run on sequence shards, the rows' all-reduces becoming
+    reduce-scatters and the columns' inputs all-gathered (``shard_sequence``). An option of
+    the tensor-parallel Shard rather than a kind of its own: the groups, the cut weights and
+    the communicators are tensor parallelism's, only the collectives inside differ."""
 
     op: ClassVar[str] = "shard"
 
@@ -88,6 +98,7 @@ class Shard:
     kind: ShardKind = attrs.field(default=ShardKind.TP, converter=_to_kind)
     degree: int = attrs.field(default=attrs.Factory(lambda self: len(self.devices), takes_self=True))
     plan: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_to_plan)
+    sequence_parallel: bool = False
     where: str = attrs.field(factory=user_location, eq=False)
 
     def __attrs_post_init__(self) -> None:
@@ -111,6 +122,11 @@ class Shard:
                     f"{list(PLAN_STYLES)}, for kind='tp'; got {self.plan!r}",
                     directive=str(self),
                 )
+        if self.sequence_parallel is not False and (self.sequence_parallel is not True or self.kind is not ShardKind.TP):
+            raise DirectiveError(
+                f"sequence_parallel must be True or False, and True only for kind='tp'; got {self.sequence_parallel!r}",
+                directive=str(self),
+            )
         d = self.degree
         if isinstance(d, bool) or not isinstance(d, int) or d < 2 or len(self.devices) % d:
             raise DirectiveError(
@@ -123,12 +139,15 @@ class Shard:
         degree = "" if self.degree == len(self.devices) else f", degree={self.degree}"
         kind = self.kind.value if isinstance(self.kind, ShardKind) else self.kind
         plan = f", plan={dict(self.plan)}" if self.plan and isinstance(self.plan, tuple) else ""
-        return f"Shard({self.filter}, devices={list(self.devices)}, kind={kind!r}{degree}{plan}) at {self.where}"
+        sp = ", sequence_parallel=True" if self.sequence_parallel is True else ""
+        return f"Shard({self.filter}, devices={list(self.devices)}, kind={kind!r}{degree}{plan}{sp}) at {self.where}"
 
     def to_json(self) -> JsonObject:
         out = {"op": self.op, "filter": self.filter.as_dict(), "devices": list(self.devices), "kind": self.kind.value}
         if self.plan:
             out["plan"] = dict(self.plan)
+        if self.sequence_parallel:
+            out["sequence_parallel"] = True
         return out if self.degree == len(self.devices) else {**out, "degree": self.degree}
 
     @classmethod
@@ -196,7 +215,7 @@ def shard_all(graph: Graph, shards: Sequence[Shard], replicated: Sequence[OnGrou
             )
     sharding = tuple(
         Sharding(seg.id, chosen[seg.id].devices, chosen[seg.id].kind, chosen[seg.id].degree, origin=str(chosen[seg.id]),
-                 plan=chosen[seg.id].plan)
+                 plan=chosen[seg.id].plan, sequence_parallel=chosen[seg.id].sequence_parallel)
         for seg in graph.segments
         if seg.id in chosen
     )

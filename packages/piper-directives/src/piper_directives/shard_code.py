@@ -24,12 +24,16 @@ captured segment modules, and returns both rewritten:
   follows each column's output through the code by its shapes (``shard_heads``), reshapes
   get the shard's head counts, key/value heads the degree does not divide (grouped-query
   attention) stay whole and each rank narrows them to its query heads' ones.
+- the token embedding, the output head and the loss are cut by vocabulary
+  (``piper_directives.shard_vocab``: the head's logits stay sliced, the loss segment's module
+  becomes a ``VocabParallelLoss`` computing a parallel cross-entropy), where it is safe or a
+  plan names them (``embedding_vocab``, ``colwise_vocab``);
 - ``Graph.sharding`` gets each segment's ``params`` (``ParamShard``: name, dim, groups) and
-  its forward collective count (one all-reduce per row Linear).
+  its forward collective count (one all-reduce per row Linear; one per vocabulary-cut
+  embedding, head and loss).
 
-Regions without a pair stay whole on every rank of the group (the same data, no
-communication: replicated over it), so an embedding or a head in a region of its own runs
-beside sharded blocks. Dropout (any random draw) on the cut activations between a pair's
+Regions with nothing to cut stay whole on every rank of the group (the same data, no
+communication: replicated over it). Dropout (any random draw) on the cut activations between a pair's
 Linears is refused: no rank could draw one device's mask for its piece; dropout on whole
 activations draws one device's masks (every rank of a group draws the same, for its
 data-parallel shard: ``piper_semantics.randomness``).
@@ -63,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from piper_directives import shard_groups
+from piper_directives import shard_groups, shard_sequence, shard_vocab
 from piper_directives.collective_code import GroupCollectives
 from piper_directives.diagnose import describe
 from piper_directives.segment_module import like
@@ -107,6 +111,8 @@ class TensorParallelComm(GroupCollectives[AllReduce]):
         axis ``dim`` of a whole tensor (of ``s`` entries: block ``position`` of ``degree`` when
         the degree divides ``s``, else entry ``position * s // degree``: the key/value head of
         this rank's query heads)."""
+        if op in shard_sequence.SP_OPS:
+            return shard_sequence.collective(self, x, op, dim)
         if op == "local":
             s = x.shape[dim]
             start = self.position * s // self.degree
@@ -145,6 +151,8 @@ class _Pair:
     col: torch.fx.Node
     row: torch.fx.Node
     groups: int
+    # an unflatten(-1, (..., heads, -1)) whose -1 is the head size: its head count, on a shard
+    resize: tuple[torch.fx.Node, tuple[int, ...]] | None = None
 
 
 def shard_modules(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph, dict[str, nn.Module]]:
@@ -160,21 +168,33 @@ def shard_modules(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph
 
         return shard_experts(graph, modules)
     records: list[Sharding] = []
+    cuts = shard_vocab.decide(graph, modules, _shapes, _example_args)
     named: set[str] = set()  # the plan patterns that name a Linear somewhere
+    existing: set[str] = set()  # every Linear's path, for the message of a pattern that names none
     for sh in graph.sharding:
         seg = graph.segment_by_id[sh.segment]
         module = modules[sh.segment]
+        if seg.role is SegmentRole.LOSS and sh.segment in cuts.loss:  # the logits come cut by vocabulary
+            out[sh.segment] = shard_vocab.VocabParallelLoss(module, TensorParallelComm(sh.degree), cuts.loss[sh.segment])
+            records.append(attrs.evolve(sh, collectives=1))
+            continue
         if seg.role is SegmentRole.LOSS or not isinstance(module, torch.fx.GraphModule):
             records.append(sh)
             continue
         paths = [shard_groups.path_of(lin) for lin in shard_groups.linears(module)]
+        paths += [e.path for e in shard_vocab.embeddings(module)]
+        paths += [str(n.target) for n in _experts_code().expert_calls(module)]
+        existing.update(paths)
         named |= {p for p, _ in sh.plan if any(shard_groups.matches(p, path) for path in paths)}
         with torch.random.fork_rng(devices=[]):
             args = _example_args(graph, sh)
-        gm, params, count = _rewrite(module, sh, args)
+        vocab = (cuts.embeddings.get(sh.segment, ()), cuts.heads.get(sh.segment, ()))
+        gm, params, count = _rewrite(module, sh, args, vocab)
+        if count and sh.sequence_parallel:
+            _sequence_parallel(graph, sh, gm, params)
         if count:
             refuse_recompute(seg, sh, "tensor-parallel all-reduces")
-            _check_shapes(graph, sh, gm, params)
+            _check_shapes(graph, sh, gm, params, cuts.outputs.get(sh.segment, frozenset()))
             out[sh.segment] = gm
         records.append(attrs.evolve(sh, params=params, collectives=count))
     planned = {p: sh.origin for sh in graph.sharding for p, _ in sh.plan}
@@ -182,7 +202,8 @@ def shard_modules(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph
         if pattern not in named:
             raise DirectiveError(
                 f"the plan's pattern {pattern!r} names no Linear of the regions it shards ('*' matches one "
-                "path component; a Linear's path is its module's, as in model.named_modules())",
+                "path component; a Linear's path is its module's, as in model.named_modules()); the Linears "
+                f"there: {', '.join(_paths_listed(existing)) or 'none'}",
                 directive=origin,
             )
     if not any(r.collectives for r in records):
@@ -194,6 +215,11 @@ def shard_modules(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph
         )
     graph = attrs.evolve(graph, sharding=tuple(records))
     return attrs.evolve(graph, buckets=sharded_buckets(graph)), out
+
+
+def _paths_listed(paths: set[str]) -> list[str]:
+    """``paths`` for a message: numbered components (``layers.3``) written ``*``, each once."""
+    return sorted({".".join("*" if part.isdigit() else part for part in path.split(".")) for path in paths})
 
 
 def refuse_recompute(seg: Segment, sh: Sharding, what: str) -> None:
@@ -210,11 +236,18 @@ def refuse_recompute(seg: Segment, sh: Sharding, what: str) -> None:
 
 
 def _rewrite(
-    module: torch.fx.GraphModule, sh: Sharding, args: list[torch.Tensor]
+    module: torch.fx.GraphModule, sh: Sharding, args: list[torch.Tensor],
+    vocab: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
 ) -> tuple[torch.fx.GraphModule, tuple[ParamShard, ...], int]:
+    """``module`` rewritten for ``sh`` (module doc), with the embeddings and heads whose
+    weights ``vocab`` names cut by vocabulary (``shard_vocab``); the parameters cut and the
+    number of collectives of one forward."""
     gm = like(module, copy.deepcopy(module.graph))  # a SegmentModule stays one: it must pickle its graph
     pairs = [] if sh.plan else _find_pairs(gm, sh)  # a plan names every Linear cut: groups only
     taken = {n for p in pairs for n in (p.col, p.row)}
+    taken |= {lin.node for lin in shard_groups.linears(gm) if lin.weight in vocab[1]}  # vocabulary heads
+    if not sh.plan:  # a router: its output picks experts, it is no column of the Linear its tokens reach
+        taken |= _routers(gm)
     groups = []
     if len(shard_groups.linears(gm)) > len(taken):
         _shapes(gm, args)
@@ -223,7 +256,9 @@ def _rewrite(
         finally:
             for n in gm.graph.nodes:  # shape metadata does not pickle; the runtime gets the module
                 n.meta.pop("tensor_meta", None)
-    if not pairs and not groups:
+    embedded, heads = vocab
+    experts = _tp_experts(gm, sh)
+    if not pairs and not groups and not embedded and not heads and not experts:
         return module, (), 0
     gm.add_submodule(COMM, TensorParallelComm(sh.degree))
     params: list[ParamShard] = []
@@ -238,21 +273,85 @@ def _rewrite(
         if col_mod.bias is not None:
             params.append(ParamShard(f"{pair.col.target}.bias", 0, pair.groups))
         params.append(ParamShard(f"{pair.row.target}.weight", 1, 1))
+        if pair.resize is not None:
+            node, sizes = pair.resize
+            node.args = (*node.args[:2], sizes, *node.args[3:])
         with g.inserting_before(pair.col):
             f = g.call_module(COMM, (pair.col.args[0], "f"))
         pair.col.args = (f, *pair.col.args[1:])
         with g.inserting_before(pair.row):
             weight = g.get_attr(f"{pair.row.target}.weight")
             partial = g.call_function(F.linear, (pair.row.args[0], weight))
+            partial.meta.update({k: v for k, v in pair.row.meta.items() if k in ("stack_trace", "nn_module_stack")})
             result = g.call_module(COMM, (partial, "g"))
             if row_mod.bias is not None:
                 bias = g.get_attr(f"{pair.row.target}.bias")
                 result = g.call_function(operator.add, (result, bias))
         pair.row.replace_all_uses_with(result)
         g.erase_node(pair.row)
+    # After the pairs and groups (whose Linears hold their input nodes): the vocabulary cut, experts.
+    for e in shard_vocab.embeddings(gm):
+        if e.weight in embedded:
+            params.append(ParamShard(e.weight, 0, 1))
+            shard_vocab.rewrite_embedding(gm, e, COMM)
+    for lin in shard_groups.linears(gm):
+        if lin.weight in heads:  # the vocabulary-parallel head: each rank computes its slice of the logits
+            params += [ParamShard(lin.weight, 0, 1)] + ([ParamShard(lin.bias, 0, 1)] if lin.bias else [])
+            with gm.graph.inserting_before(lin.node):
+                f = gm.graph.call_module(COMM, (lin.input, "f"))
+            lin.node.replace_input_with(lin.input, f)
+    params += _experts_code().shard_experts_tp(gm, experts, sh, COMM)
+    params = _canonical(gm, params)
     g.lint()
     gm.recompile()
-    return gm, tuple(params), len(pairs) + len(groups)
+    return gm, tuple(params), len(pairs) + len(groups) + len(embedded) + len(heads) + len(experts)
+
+
+def _canonical(gm: torch.fx.GraphModule, params: list[ParamShard]) -> list[ParamShard]:
+    """``params`` once per tensor, under the name the segment lists it by (the first in
+    ``named_parameters()``): a tied embedding and head in one region are one tensor."""
+    first = {id(p): name for name, p in gm.named_parameters()}
+    out: dict[str, ParamShard] = {}
+    for spec in params:
+        name = first.get(id(gm.get_parameter(spec.name)), spec.name)
+        out.setdefault(name, attrs.evolve(spec, name=name))
+    return list(out.values())
+
+
+def _routers(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The Linears whose output picks the experts of an expert module call (reaches its
+    expert ids before any other Linear)."""
+    ids = {c.args[1] for c in _experts_code().expert_calls(gm) if len(c.args) > 1}
+    if not ids:
+        return set()
+    found = shard_groups.linears(gm)
+    stops = {lin.node for lin in found}
+    return {lin.node for lin in found if (shard_groups.region_after(lin.node, stops)[0] | {lin.node}) & ids}
+
+
+def _experts_code():  # the module: expert_code imports this one
+    from piper_directives import expert_code
+
+    return expert_code
+
+
+def _tp_experts(gm: torch.fx.GraphModule, sh: Sharding) -> list[torch.fx.Node]:
+    """The expert module calls to split over the tensor-parallel group (``expert_code``'s
+    ``shard_experts_tp``): without a plan those whose experts the degree divides, with one
+    those it names ``experts`` (refused where the degree does not divide them)."""
+    code = _experts_code()
+    calls = code.expert_calls(gm)
+    if not sh.plan:
+        return [c for c in calls if code.divides_experts(gm, c, sh)]
+    named = [c for c in calls if shard_groups.style_for(str(c.target), sh.plan) == "experts"]
+    for c in named:
+        if not code.divides_experts(gm, c, sh):
+            raise DirectiveError(
+                f"the plan names {c.target} experts, but the tensor-parallel degree {sh.degree} does not divide "
+                f"its experts ({describe(c)})",
+                directive=sh.origin,
+            )
+    return named
 
 
 def _find_pairs(gm: torch.fx.GraphModule, sh: Sharding) -> list[_Pair]:
@@ -274,7 +373,7 @@ def _find_pairs(gm: torch.fx.GraphModule, sh: Sharding) -> list[_Pair]:
         if row in rows or not _closed(col, region, row, free):
             continue
         _refuse_random(gm, col, region, row, sh)
-        groups = _groups(gm, col, sh)
+        groups, resize = _groups(gm, col, sh)
         col_mod, row_mod = gm.get_submodule(col.target), gm.get_submodule(row.target)
         if groups == 1 and col_mod.out_features % sh.degree:
             raise DirectiveError(
@@ -289,7 +388,7 @@ def _find_pairs(gm: torch.fx.GraphModule, sh: Sharding) -> list[_Pair]:
                 directive=sh.origin,
             )
         rows.add(row)
-        pairs.append(_Pair(col, row, groups))
+        pairs.append(_Pair(col, row, groups, resize))
     return pairs
 
 
@@ -368,9 +467,12 @@ def _data_free(n: torch.fx.Node, memo: dict) -> bool:
     return memo[n]
 
 
-def _groups(gm: torch.fx.GraphModule, col: torch.fx.Node, sh: Sharding) -> int:
+def _groups(gm: torch.fx.GraphModule, col: torch.fx.Node, sh: Sharding
+            ) -> tuple[int, tuple[torch.fx.Node, tuple[int, ...]] | None]:
     """How many blocks the column Linear's output features form (1, or e.g. 3 for fused
-    q/k/v), from the ``unflatten(-1, (..., -1, d_head))`` that may follow it."""
+    q/k/v), from the ``unflatten(-1, (..., -1, d_head))`` that may follow it; and, for
+    ``unflatten(-1, (..., heads, -1))`` (the ``-1`` the head size, as nanoGPT-style code
+    writes it), that node with the shard's head count (None otherwise)."""
     out = gm.get_submodule(col.target).out_features
     for user in col.users:
         if not (user.op in ("call_method", "call_function") and _name(user.target) in _RESHAPES):
@@ -384,6 +486,23 @@ def _groups(gm: torch.fx.GraphModule, col: torch.fx.Node, sh: Sharding) -> int:
                 directive=sh.origin,
             )
         k = list(sizes).index(-1)
+        resize = None
+        if k == len(sizes) - 1 and k >= 1 and isinstance(sizes[k - 1], int):  # (..., heads, -1): -1 is d_head
+            heads = sizes[k - 1]
+            if heads % sh.degree:
+                raise DirectiveError(
+                    f"tensor-parallel degree {sh.degree} does not divide the {heads} heads of {col.target} "
+                    f"(unflattened to {tuple(sizes)})",
+                    directive=sh.origin,
+                )
+            local = (*sizes[: k - 1], heads // sh.degree, -1)
+            resize = (user, type(sizes)(local))
+            groups = math.prod(sizes[: k - 1])
+            if not all(isinstance(s, int) for s in sizes) or out % (groups * heads):
+                raise DirectiveError(
+                    f"{out} output features of {col.target} do not unflatten to {tuple(sizes)}", directive=sh.origin
+                )
+            return groups, resize
         if not all(isinstance(s, int) for s in sizes):
             raise DirectiveError(
                 f"the output of column-parallel {col.target} is unflattened to {sizes}: sizes must be constants",
@@ -401,8 +520,8 @@ def _groups(gm: torch.fx.GraphModule, col: torch.fx.Node, sh: Sharding) -> int:
                 f"({out} features as {tuple(sizes)})",
                 directive=sh.origin,
             )
-        return groups
-    return 1
+        return groups, None
+    return 1, None
 
 
 def _name(target: object) -> str:
@@ -414,14 +533,52 @@ def shard_tensor(t: torch.Tensor, spec: ParamShard, degree: int, rank: int) -> t
     return torch.cat([t.narrow(spec.dim, a, n) for a, n in spec.pieces(t.shape[spec.dim], degree, rank)], spec.dim)
 
 
-def _check_shapes(graph: Graph, sh: Sharding, gm: torch.fx.GraphModule, params: tuple[ParamShard, ...]) -> None:
-    """Run the rewritten code on rank 0's shard of the weights (collectives unbound)."""
-    seg = graph.segment_by_id[sh.segment]
+def _sequence_parallel(graph: Graph, sh: Sharding, gm: torch.fx.GraphModule, params: tuple[ParamShard, ...]) -> None:
+    """Rewrite ``gm`` (tensor-parallel already) for sequence parallelism
+    (``shard_sequence``), on the full shapes of the code between its tensor-parallel regions
+    (recorded from a run on rank 0's shard of the weights, collectives unbound)."""
+    if _experts_code().expert_calls(gm):
+        raise DirectiveError(
+            "sequence parallelism with experts split over the tensor-parallel group is not supported: run "
+            "the experts' regions without it",
+            directive=sh.origin,
+        )
+    probe = _shard_copy(gm, sh, params)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        ShapeProp(probe).propagate(*_example_args(graph, sh))
+    metas = {n.name: n.meta.get("tensor_meta") for n in probe.graph.nodes}
+    for n in gm.graph.nodes:
+        if metas.get(n.name) is not None:
+            n.meta["tensor_meta"] = metas[n.name]
+    try:
+        shard_sequence.rewrite(gm, sh, COMM)
+    finally:
+        for n in gm.graph.nodes:
+            n.meta.pop("tensor_meta", None)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _shard_copy(gm: torch.fx.GraphModule, sh: Sharding, params: tuple[ParamShard, ...]) -> torch.fx.GraphModule:
+    """A copy of ``gm`` holding rank 0's shard of ``params``."""
     probe = copy.deepcopy(gm)
     with torch.no_grad():
+        cut: set[int] = set()  # a tensor shared under two names (a tied embedding and head) is cut once
         for spec in params:
             p = probe.get_parameter(spec.name)
-            p.data = shard_tensor(p.data, spec, sh.degree, 0)
+            if id(p) not in cut:
+                cut.add(id(p))
+                p.data = shard_tensor(p.data, spec, sh.degree, 0)
+    return probe
+
+
+def _check_shapes(graph: Graph, sh: Sharding, gm: torch.fx.GraphModule, params: tuple[ParamShard, ...],
+                  sliced: frozenset[str] = frozenset()) -> None:
+    """Run the rewritten code on rank 0's shard of the weights (collectives unbound); the
+    outputs ``sliced`` (vocabulary-cut logits) are one rank's slice of their last axis."""
+    seg = graph.segment_by_id[sh.segment]
+    probe = _shard_copy(gm, sh, params)
+    with torch.no_grad():
         args = _example_args(graph, sh)
         try:
             outs = probe(*args)
@@ -434,6 +591,8 @@ def _check_shapes(graph: Graph, sh: Sharding, gm: torch.fx.GraphModule, params: 
     outs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
     for name, o in zip(seg.outputs, outs, strict=True):
         want = graph.value_by_name[name].meta.shape
+        if name in sliced:
+            want = shard_vocab.sliced_shape(want, sh.degree)
         if tuple(o.shape) != tuple(want):
             raise DirectiveError(
                 f"segment {seg.id}'s output {name} has shape {tuple(o.shape)} on a tensor-parallel shard, "

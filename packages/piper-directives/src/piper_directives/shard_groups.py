@@ -118,7 +118,12 @@ def matches(pattern: str, path: str) -> bool:
 
 def style_of(lin: Linear, plan: tuple[tuple[str, str], ...]) -> str | None:
     """The plan's style for ``lin`` (the first pattern that matches), or None."""
-    return next((style for pattern, style in plan if matches(pattern, path_of(lin))), None)
+    return style_for(path_of(lin), plan)
+
+
+def style_for(path: str, plan: tuple[tuple[str, str], ...]) -> str | None:
+    """The plan's style for the module at ``path`` (the first pattern that matches), or None."""
+    return next((style for pattern, style in plan if matches(pattern, path)), None)
 
 
 def find_groups(gm: torch.fx.GraphModule, sh: Sharding, taken: set[torch.fx.Node]) -> list[Group]:
@@ -278,6 +283,7 @@ def rewrite(gm: torch.fx.GraphModule, group: Group, comm: str) -> list[ParamShar
     with g.inserting_before(row):
         weight = g.get_attr(group.row.weight)
         partial = g.call_function(row.target if row.op == "call_function" else F.linear, (row.args[0], weight))
+        partial.meta.update({k: v for k, v in row.meta.items() if k in ("stack_trace", "nn_module_stack")})
         result = g.call_module(comm, (partial, "g"))
         if group.row.bias is not None:
             result = g.call_function(torch.add, (result, g.get_attr(group.row.bias)))

@@ -10,6 +10,8 @@ directive sees (``Strategy.apply``):
 4. every ``Shard`` (``shard_all``): which groups are tensor- or expert-parallel;
 5. every ``Replicate`` (``replicate_all``): how replicated groups stay in sync, the batch
    cut among the replicas (which needs to know the sharded groups: their ranks share data);
+   every ``ContextParallel`` around it (``context_all`` before: sequences kept whole per
+   data-parallel shard; ``context_records`` after: the ``cp`` shardings);
 6. communication (``insert_communication``): a SEND/RECV pair for each value crossing groups;
 7. the backward split the ``Order`` directives ask for (``split_backward``: a chunk named
    with ``PASS: "BI"``/``"BW"`` gets its ``B`` split);
@@ -32,6 +34,7 @@ import attrs
 
 from piper_directives.common import JsonObject, json_fields
 from piper_directives.communication import insert_communication
+from piper_directives.context_parallel import ContextParallel, context_all, context_records
 from piper_directives.order import Order, apply_orders
 from piper_directives.place import Place, place_all, send_streams
 from piper_directives.recompute import Recompute, recompute_all
@@ -41,13 +44,13 @@ from piper_directives.split import Split
 from piper_directives.split_backward import requested_splits, split_backward
 from piper_ir import DirectiveError, Graph, gc_paused, validate
 
-Directive = Split | Recompute | Place | Replicate | Shard | Order
+Directive = Split | Recompute | Place | Replicate | Shard | ContextParallel | Order
 
 #: Every directive, registered once: its class's ``op`` names it in JSON.
-DIRECTIVES: tuple[type[Directive], ...] = (Split, Recompute, Place, Replicate, Shard, Order)
+DIRECTIVES: tuple[type[Directive], ...] = (Split, Recompute, Place, Replicate, Shard, ContextParallel, Order)
 _BY_OP: dict[str, type[Directive]] = {cls.op: cls for cls in DIRECTIVES}
 
-D = TypeVar("D", Split, Recompute, Place, Replicate, Shard, Order)
+D = TypeVar("D", Split, Recompute, Place, Replicate, Shard, ContextParallel, Order)
 
 
 @attrs.frozen
@@ -89,12 +92,15 @@ class Strategy:
         if not places:
             raise DirectiveError("a strategy needs at least one Place directive")
         recomputes = self.of(Recompute)
+        contexts = self.of(ContextParallel)
         return [
             *(("split", split.apply) for split in splits),
             ("recompute", lambda g: recompute_all(g, recomputes)),
             ("place", lambda g: place_all(g, places)),
             ("shard", lambda g: shard_all(g, shards, replicates)),
+            ("context", lambda g: context_all(g, contexts)),
             ("replicate", lambda g: replicate_all(g, replicates)),
+            ("context records", lambda g: context_records(g, contexts)),
             ("communication", lambda g: insert_communication(g, send_streams(g, places))),
             ("split backward", lambda g: split_backward(g, requested_splits(g, orders))),
             ("order", lambda g: apply_orders(g, orders)),
@@ -137,6 +143,30 @@ def _decode(item: object, where: str) -> Directive:
         return kind.from_json(fields, where)
     except (TypeError, ValueError) as err:
         raise DirectiveError(f"{where}: malformed {op}: {err}") from None
+
+
+@attrs.frozen
+class SizedStrategy:
+    """A strategy made once the model's region count is known (``build(regions)``), on a
+    device count known before: a runtime can start its ranks' machinery while the model is
+    captured (``Trainer``, ``piper_runtime.prepare_runtime``)."""
+
+    build: Callable[[int], Strategy]
+    devices: int
+
+    def __call__(self, regions: int) -> Strategy:
+        return self.build(regions)
+
+
+def device_count(strategy: Strategy | Callable[[int], Strategy]) -> int | None:
+    """How many ranks ``strategy`` runs on, where that is known before the model is captured
+    (a ``Strategy``'s ``Place`` directives, a ``SizedStrategy``'s ``devices``)."""
+    if isinstance(strategy, SizedStrategy):
+        return strategy.devices
+    if isinstance(strategy, Strategy):
+        devices = {d for place in strategy.of(Place) for d in place.devices}
+        return max(devices) + 1 if devices else None
+    return None
 
 
 def apply_strategy(graph: Graph, directives: Sequence[Directive] | Strategy) -> Graph:

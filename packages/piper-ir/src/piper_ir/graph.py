@@ -115,6 +115,10 @@ class ShardKind(StrEnum):
 
     TP = "tp"  # tensor parallelism: column/row-parallel Linear pairs, same data on every rank
     EP = "ep"  # expert parallelism: experts split over the group, tokens routed by all-to-all
+    # context parallelism: each rank of a group holds a chunk of every sequence (dim 1) and the
+    # same weights; data-parallel for the runtime, attention gathers keys/values over the group
+    # (piper_directives.context_parallel, docs/context-parallel.md)
+    CP = "cp"
 
 
 class Residency(StrEnum):
@@ -370,7 +374,11 @@ class Sharding:
     0 for a segment with nothing to shard. ``kind="ep"``: expert parallelism; the ranks are
     data-parallel replicas (a ``Replication`` keeps the rest in sync), ``params`` are the
     expert parameters (cut on dimension 0) and ``collectives`` counts the expert calls, each
-    issuing its all-to-alls on the group's ``ep`` communicator.
+    issuing its all-to-alls on the group's ``ep`` communicator. ``kind="cp"``: context
+    parallelism; the ranks are data-parallel replicas (a ``Replication`` sums their
+    gradients) each holding a chunk of every sequence, ``params`` is empty and
+    ``collectives`` counts the key/value gathers one forward issues on the group's ``cp``
+    communicator (piper_directives.context_parallel).
 
     ``degree`` may be smaller than ``len(devices)``: the segment is then also data-parallel.
     ``devices`` is replica-major: consecutive runs of ``degree`` ranks are the shard groups
@@ -390,6 +398,9 @@ class Sharding:
     collectives: int = 0
     origin: str | None = None
     plan: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=lambda v: tuple(tuple(p) for p in v))
+    #: ``kind="tp"`` only: the code between tensor-parallel regions runs on sequence shards
+    #: (Megatron's sequence parallelism; piper_directives.shard_sequence)
+    sequence_parallel: bool = False
 
     def group_of(self, rank: int) -> tuple[int, ...]:
         """The shard group of ``rank``: ``devices`` cut into consecutive runs of ``degree``

@@ -27,7 +27,9 @@ of one size N, and their holders share one ZeRO level:
   materializes around every chain of its holders' uses (ZeRO-3) within itself.
 
 Refused (``MemoryPlanError`` naming the tie and every holder's use): a tied parameter cut by
-tensor or expert parallelism, holders on overlapping but different device groups, units of
+expert parallelism, or by tensor parallelism in some holders and not in others or not alike
+(a vocabulary-parallel embedding and head cut it alike: each position's unit holds its
+rows, and the buckets carry the pieces' sizes), holders on overlapping but different device groups, units of
 different sizes or ZeRO levels, and holders with mirrored replicas sharded per direction
 (DualPipe with ZeRO-2/3).
 """
@@ -93,7 +95,6 @@ def tie_buckets(graph: Graph, units: list[list[TieUnit]]) -> tuple[Bucket, ...]:
     """``graph.buckets`` without the tied parameters, plus the units' buckets (after their
     owners' other buckets)."""
     tied = {(seg, qualname) for tie in graph.ties for seg, qualname in tie.holders}
-    metas = {s.id: dict(s.params) for s in graph.segments}
     extra: dict[str, list[Bucket]] = {}
     for family in units:
         for unit in family:
@@ -107,11 +108,18 @@ def tie_buckets(graph: Graph, units: list[list[TieUnit]]) -> tuple[Bucket, ...]:
         if kept == b.params:
             by_segment.setdefault(b.segment, []).append(b)
         elif kept:
-            gone = sum(metas[b.segment][n].numel() for n in b.params if n not in kept)
+            gone = sum(_local_meta(graph, b.segment, n).numel() for n in b.params if n not in kept)
             by_segment.setdefault(b.segment, []).append(attrs.evolve(b, params=kept, numel=b.numel - gone))
     for seg in order:
         out += by_segment.get(seg, []) + extra.get(seg, [])
     return tuple(out)
+
+
+def _local_meta(graph: Graph, segment: str, name: str):  # a TensorMeta
+    """The meta of one rank's piece of parameter ``name`` of ``segment`` (the whole if uncut)."""
+    meta = dict(graph.segment_by_id[segment].params)[name]
+    sh = next((s for s in graph.sharding if s.segment == segment), None)
+    return meta if sh is None else sh.local_meta(name, meta)
 
 
 def _placement_groups(graph: Graph) -> dict[str, tuple[int, ...]]:
@@ -141,11 +149,20 @@ def _refuse(tie, why: str) -> None:  # a Tie
 
 
 def _check_uncut(graph: Graph, tie, index: int) -> None:  # a Tie
+    """A tie is cut by no holder, or by every holder alike (tensor parallelism of one
+    degree, the same ``ParamShard``: a vocabulary-parallel embedding and head), so that the
+    ranks at one position hold pieces of one parameter."""
     held = set(tie.holders)
-    for sh in graph.sharding:
-        for spec in sh.params:
-            if (sh.segment, spec.name) in held:
-                _refuse(tie, f"{sh.kind}-parallelism cuts it in {sh.segment} ({sh.origin})")
+    cuts = {(sh.segment, spec.name): (sh, spec) for sh in graph.sharding for spec in sh.params
+            if (sh.segment, spec.name) in held}
+    for sh, _ in cuts.values():
+        if sh.kind is not ShardKind.TP:
+            _refuse(tie, f"{sh.kind}-parallelism cuts it in {sh.segment} ({sh.origin})")
+    alike = {(sh.degree, spec.dim, spec.groups) for sh, spec in cuts.values()}
+    if cuts and (len(cuts) != len(held) or len(alike) > 1):
+        sh = next(iter(cuts.values()))[0]
+        _refuse(tie, f"tensor parallelism cuts it in {sorted({s.segment for s, _ in cuts.values()})} ({sh.origin}) "
+                "but not in every holder alike")
     holders = {seg for seg, _ in tie.holders}
     if any(b.mirrors and b.segment in holders for b in graph.buckets if ":tie" not in b.id):
         _refuse(tie, "a holder has mirrored replicas sharded per direction (DualPipe with ZeRO-2/3); "
@@ -188,7 +205,7 @@ def _with_buckets(graph: Graph, tie, index: int, family: int, units: list[TieUni
     ids = [f"bucket:{u.owner}:tie{index}{suffix}" for u in units]
     out = []
     for u, bid in zip(units, ids, strict=True):
-        meta = dict(graph.segment_by_id[u.owner].params)[qualname[u.owner]]
+        meta = _local_meta(graph, u.owner, qualname[u.owner])
         shards = len(u.devices) if u.replication.zero >= 1 else 1
         bucket = Bucket(
             bid, u.owner, (qualname[u.owner],), meta.numel(), shards, meta.dtype, u.devices,

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import torch
 
-from piper_directives import Randomness, Strategy
+from piper_directives import Randomness, Strategy, context_degree
 from piper_ir import ExecutionError, Program
 from piper_runtime import TORCH_THREADS, OptimizerSpec, RunOptions
 from piper_train.hf import float64_ready
@@ -269,11 +269,12 @@ def reference_for(
     """Single-device training of ``workload`` that the trainer's strategy must match: the same
     microbatches, each run as the data-parallel replicas' shards, drawing the random numbers
     the captured segments draw for ``seed``, in the captured precision, on as many CPU
-    threads as a worker uses (the same kernels' rounding)."""
+    threads as a worker uses (the same kernels' rounding). A context-parallel group is one
+    shard: its ranks' losses are one mean over the group's whole sequences."""
     program = trainer.program
     return ReferenceTrainer(
         workload.model, workload.loss_fn, optimizer, program.microbatches,
-        shards=program.replicas, randomness=Randomness(seed, trainer.captured.runs, trainer.captured.regions), precision=program.precision,
+        shards=program.replicas // context_degree(program), randomness=Randomness(seed, trainer.captured.runs, trainer.captured.regions), precision=program.precision,
         lr_schedule=lr_schedule, clip_grad_norm=clip_grad_norm, threads=TORCH_THREADS,
     )
 

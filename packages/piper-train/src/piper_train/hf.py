@@ -50,8 +50,10 @@ def is_hf(spec: str) -> bool:
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of every position's logits against its next token (targets equal to
-    -100 are ignored, as in transformers)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
+    -100 are ignored, as in transformers). Logits are computed on in float32 at least (float64
+    ones, as under ``piper check --precision fp64``, stay float64)."""
+    wide = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(wide, targets.reshape(-1), ignore_index=-100)
 
 
 def _logits_forward(self: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from piper_directives import Strategy, Tensors, as_tensors, build_schedule, capture, shard_modules
+from piper_directives import (
+    ContextLayout,
+    SizedStrategy,
+    Strategy,
+    Tensors,
+    as_tensors,
+    build_schedule,
+    capture,
+    context_degree,
+    context_modules,
+    context_parallel,
+    device_count,
+    parallelize,
+    shard_modules,
+)
 from piper_ir import DirectiveError, Graph, Program, to_json
 from piper_memory import add_grad_norm, check_budget, plan_memory
 from piper_runtime import (
@@ -192,6 +206,8 @@ class Trainer:
         self._grad_norm = (clip_grad_norm, clip_grad_norm is not None or measure_grad_norm)
         self.graph, modules = self._plan(captured)
         self.program: Program = compile_program(self.graph)
+        # Context parallelism: batches laid out so each rank's piece is its chunk of the sequences.
+        self.context = ContextLayout.of(self.program)
         # Programs for batches of other shapes, by their pieces' shapes (``_add_variant``),
         # and the seconds each took to capture and compile.
         self.variants: dict[Signature, Program] = {}
@@ -257,17 +273,25 @@ class Trainer:
         zero: int = 0,
         tp: int = 1,
         ep: int = 1,
+        cp: int = 1,
+        sp: bool = False,
         **kwargs: object,
     ) -> Trainer:
         """A trainer running a named schedule from the library over ``pp`` pipeline ranks,
         replicated ``dp`` times with ZeRO level ``zero``, each stage tensor-parallel over
         ``tp`` or expert-parallel over ``ep`` devices (``pp * dp * tp * ep`` devices; the
-        layout is ``piper_directives.parallelize``'s), with as many regions as the model has."""
+        layout is ``piper_directives.parallelize``'s), with as many regions as the model has;
+        ``cp``: each device then widened to ``cp`` adjacent ones that cut every sequence
+        (``piper_directives.context_parallel``); ``sp``: sequence parallelism between the
+        tensor-parallel regions (``tensor_parallel``'s)."""
 
         def strategy(stages: int) -> Strategy:
-            return build_schedule(schedule, pp, microbatches, stages=stages, dp=dp, zero=zero, tp=tp, ep=ep)
+            built = parallelize(build_schedule(schedule, pp, microbatches, stages=stages), dp=dp, zero=zero, tp=tp,
+                                ep=ep, sp=sp)
+            return context_parallel(built, cp)
 
-        return cls(model, example_inputs, example_targets, loss_fn, strategy, **kwargs)  # type: ignore[arg-type]
+        sized = SizedStrategy(strategy, devices=pp * dp * tp * ep * cp)
+        return cls(model, example_inputs, example_targets, loss_fn, sized, **kwargs)  # type: ignore[arg-type]
 
     def step(
         self,
@@ -325,6 +349,8 @@ class Trainer:
         the results arrive together). Each step runs at the schedule's learning rate for it
         and counts as ``submit``'s does; ``profile`` and ``memory`` are per step."""
         batches = [(as_tensors(inputs), as_tensors(targets)) for inputs, targets in batches]
+        if self.context is not None:
+            batches = [self.context.arrange(inputs, targets) for inputs, targets in batches]
         profile = list(profile) if profile is not None else [False] * len(batches)
         memory = list(memory) if memory is not None else [False] * len(batches)
         if not len(profile) == len(memory) == len(batches):
@@ -347,7 +373,9 @@ class Trainer:
         """The strategy applied to a captured model, tensor-parallel code rewritten
         (``shard_modules``), memory planned and the gradient norm added where asked for:
         the graph ``compile_program`` compiles, and the segment modules."""
-        graph, modules = shard_modules(self.strategy.apply(captured.graph), captured.modules)
+        applied = self.strategy.apply(captured.graph)
+        rewrite = context_modules if context_degree(applied) > 1 else shard_modules
+        graph, modules = rewrite(applied, captured.modules)
         planned = plan_memory(graph)
         clip, norm = self._grad_norm
         return (add_grad_norm(planned, clip) if norm else planned), modules
@@ -371,7 +399,7 @@ class Trainer:
             for j, signature in enumerate(row):
                 if signature != own and signature not in self.variants:
                     self._add_variant(cut, m, j, inputs, targets)
-        return cut.total
+        return cut.total // (self.context.degree if self.context is not None else 1)
 
     def _add_variant(
         self, cut: BatchCut, m: int, j: int, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]
@@ -425,6 +453,8 @@ class Trainer:
         compiles the forward-only program and loads it on the workers; a batch of other
         shapes, the forward-only program of its pieces' shapes (``_add_variant``'s graph)."""
         inputs, targets = as_tensors(inputs), as_tensors(targets)
+        if self.context is not None:
+            inputs, targets = self.context.arrange(inputs, targets)
         if self.eval_program is None:
             self.eval_program = compile_program(forward_only(self.graph))
             self.runtime.load_forward(self.eval_program)

@@ -26,6 +26,7 @@ from piper_runtime.rank.comms import Communicators
 
 def cut_parameters(program: Program, rank: int, modules: Mapping[str, nn.Module]) -> None:
     """Cut the parameters of this rank's sharded segments to its shard (``Sharding.params``)."""
+    cut: dict[int, nn.Parameter] = {}  # by id, each tensor once
     for sh in program.sharding:
         if sh.segment not in modules:
             continue
@@ -45,6 +46,9 @@ def cut_parameters(program: Program, rank: int, modules: Mapping[str, nn.Module]
                         f"rank {rank}: sharded parameter {spec.name!r} is not in segment {sh.segment}'s module",
                         ranks=(rank,),
                     ) from None
+                if id(p) in cut:  # a tied parameter the holders share (alias_tied), cut alike by each
+                    continue
+                cut[id(p)] = p
                 p.data = shard_tensor(p.data, spec, sh.degree, position)
 
 

@@ -8,8 +8,9 @@ Its sums are ordinary bucket instructions; what is left for a runtime:
   (``DataParallel.owner``: a parameter is stepped by its bucket's segment, else by the first
   segment holding it);
 - ``untie``: the driver reports a tie once, under ``Tie.name`` (what single-device training
-  calls it), after checking that every copy it received is the same: copies that drifted
-  apart are an ``ExecutionError``, never a silently different model.
+  calls it), after checking that every copy it received is the same (for a tie cut by
+  tensor parallelism, that the copies hold no more different pieces than the degree):
+  copies that drifted apart are an ``ExecutionError``, never a silently different model.
 """
 
 from __future__ import annotations
@@ -46,6 +47,18 @@ def untie(
     ``copies`` (tie name -> (where, tensor) of every copy received) must agree bitwise."""
     for tie in program.ties:
         found = copies.get(tie.name, ())
+        pieces = _pieces(program, tie)
+        if pieces > 1:  # cut alike by tensor parallelism: one piece per position, equal over replicas
+            distinct: list[tuple[str, torch.Tensor]] = []
+            for where, t in found:
+                if not any(t.shape == d.shape and torch.equal(t, d) for _, d in distinct):
+                    distinct.append((where, t))
+            if len(distinct) > pieces:
+                raise ExecutionError(
+                    f"tied parameter {tie.name!r}: its copies differ ({', '.join(w for w, _ in distinct)} hold "
+                    f"{len(distinct)} different pieces, not {pieces}); every holder must take the same update"
+                )
+            found = ()
         for where, t in found[1:]:
             if t.shape != found[0][1].shape or not torch.equal(t, found[0][1]):
                 diff = (t.double() - found[0][1].double()).abs().max().item() if t.shape == found[0][1].shape else None
@@ -61,3 +74,11 @@ def untie(
         for name in names:
             tensors.pop(name, None)
         tensors[tie.name] = value
+
+
+def _pieces(program: Program, tie) -> int:  # a Tie
+    """How many different pieces the ranks hold of ``tie``: its tensor-parallel degree where
+    its holders cut it (a vocabulary-parallel embedding and head), else 1."""
+    held = set(tie.holders)
+    return max((sh.degree for sh in program.sharding for spec in sh.params if (sh.segment, spec.name) in held),
+               default=1)

@@ -5,7 +5,7 @@ take it, and the checks argparse cannot express.
 | --- | --- | --- |
 | model | --model (default lm), --batch-size, --data, --tokenizer, --seq-len (text data: piper_train.text), --regions, --capture | train, check, tune (--regions, --capture: plan) |
 | pipeline | --schedule, --strategy, --pp, --stages, --microbatches | train, check, simulate, plan |
-| parallelism | --dp, --zero, --tp, --ep, --recompute | train, check |
+| parallelism | --dp, --zero, --tp, --tp-plan, --sp, --ep, --recompute | train, check |
 | run | --memory-budget-mb, --optimizer, --optimizer-impl, --lr, --seed, --precision, --runtime, --address, --backend, --placement, --ranks-per-gpu, --timeout | train, check |
 | optimization | --lr-schedule, --warmup-steps, --min-lr, --lr-step-size, --lr-gamma, --clip-grad-norm, --weight-decay | train, check |
 | job | --config (a job file: .toml or .yaml), --print-config (the effective options as one; piper_train.cli.jobs) | train, check |
@@ -25,11 +25,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from piper_directives import SCHEDULES, DegreeError, check_degrees
+from piper_directives import PLAN_STYLES, SCHEDULES, DegreeError, check_degrees
 from piper_scheduler import CostModel
 from piper_train import bounds
 from piper_train.call_size import parse_steps_per_call
 from piper_train.cli.outputs import output_file
+from piper_train.cli.tp_plan import tp_plan
+from piper_train.cli.tp_plan import write as write_tp_plan
 from piper_train.schedule import SCHEDULES as LR_SCHEDULES
 
 Group = Callable[[argparse.ArgumentParser], None]
@@ -90,10 +92,23 @@ def add_parallelism(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks per pipeline stage and replica (Megatron-style Shard; adjacent "
                         "devices) (default: 1)")
+    p.add_argument("--tp-plan", type=tp_plan, metavar="PATTERN=STYLE,...|FILE.json",
+                   help="with --tp: what to cut, by module path ('*' one path component; first match wins), "
+                        "instead of the Linears found automatically: e.g. 'layers.*.attention.wq=colwise,"
+                        "layers.*.attention.wo=rowwise,output=colwise_vocab', or a JSON file of one object "
+                        "pattern -> style (a table in a job file); styles: " + ", ".join(PLAN_STYLES))
+    p.add_argument("--sp", action="store_true",
+                   help="with --tp: sequence parallelism, the norms, dropout and residual adds between the "
+                        "tensor-parallel regions on sequence shards (reduce-scatter / all-gather instead of "
+                        "all-reduce; docs/strategies.md)")
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks per pipeline stage and replica (Shard kind='ep': data-parallel for "
                         "non-expert weights, experts split across the group, each expert's gradient reduced "
                         "over the --dp ranks holding it; adjacent devices) (default: 1)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel ranks per pipeline stage and replica: every sequence cut along dimension "
+                        "1 over them, attention gathering keys and values (ContextParallel; adjacent devices; not "
+                        "with --tp or --ep); devices = pp x dp x cp (default: 1)")
     p.add_argument("--recompute", type=_recompute_every, default=0, metavar="none|all|N",
                    help="all: drop every region's activations after its forward and recompute them in its "
                         "backward (activation checkpointing; torchtitan's --activation_checkpoint.mode full): less "
@@ -319,6 +334,7 @@ FILE_FORMS: dict[Callable[[str], Any] | None, FileForm] = {
     finite_float: FileForm((int, float), "a number", float),
     _recompute_every: FileForm((str, int), "none, all or an integer", lambda v: {0: "none", 1: "all"}.get(v, v)),
     _steps_per_call: FileForm((str, int), "auto or an integer", lambda v: v),
+    tp_plan: FileForm((str, dict), "a string (PATTERN=STYLE,... or a JSON file) or a table", write_tp_plan),
     None: FileForm((str,), "a string", lambda v: v),
 }
 
@@ -508,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
 #: above it, not at it). A count of things is at least 1, a count of steps or an amount at least
 #: 0; a time, a size, a rate or a factor is above 0. ``--seed`` (any integer) is the one not here.
 MINIMUMS: dict[str, tuple[float, bool]] = {
-    **dict.fromkeys(("pp", "microbatches", "steps", "dp", "tp", "ep", "epochs", "batch_size", "seq_len", "profile_step",
+    **dict.fromkeys(("pp", "microbatches", "steps", "dp", "tp", "ep", "cp", "epochs", "batch_size", "seq_len", "profile_step",
                      "lr_step_size", "ranks_per_gpu", "devices", "stages", "top", "validate_steps", "profile_steps",
                      "keep_checkpoints", "segments_per_stage"), (1, False)),
     **dict.fromkeys(("warmup_steps", "eval_every", "eval_batches", "prefetch", "checkpoint_every", "max_restarts",
@@ -545,6 +561,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--precision fp64 is for piper check (the strategy and the reference on a float64 copy of "
                      f"the model); to {args.command} in float64, make the model and its floating data float64 "
                      "(model.double()) and leave --precision out")
+    if getattr(args, "tp_plan", None) and getattr(args, "tp", 1) < 2:
+        parser.error("--tp-plan says how --tp cuts the model: give --tp 2 or more")
+    if getattr(args, "sp", False) and getattr(args, "tp", 1) < 2:
+        parser.error("--sp shards the sequence between --tp's regions: give --tp 2 or more")
     check_parallelism(parser, args)
     check_runtime(parser, args)
     per_call = getattr(args, "steps_per_call", 1)

@@ -18,9 +18,12 @@ import attrs
 from piper_directives import (
     Place,
     Recompute,
+    SizedStrategy,
     Split,
     Strategy,
     build_schedule,
+    context_parallel,
+    device_count,
     parallelize,
     strategy_from_torch_csv,
     written_at,
@@ -45,6 +48,9 @@ class StrategyRequest:
     ep: int = 1
     stages: int | None = None  # --stages: the model's annotated regions, when the user says
     recompute: int = 0  # --recompute: 0 none, 1 every region, N every N-th region (0, N, 2N, ...)
+    tp_plan: tuple[tuple[str, str], ...] = ()  # --tp-plan: the Shards' plan by module path (empty: found)
+    sp: bool = False  # --sp: sequence parallelism between the tensor-parallel regions
+    cp: int = 1  # --cp: every device widened to a context-parallel group of this many
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StrategyRequest:
@@ -67,7 +73,8 @@ class StrategyRequest:
         return cls(
             args.schedule, args.pp, args.microbatches, args.strategy, program, torch_csv,
             getattr(args, "dp", 1), getattr(args, "zero", 0), getattr(args, "tp", 1), getattr(args, "ep", 1),
-            getattr(args, "stages", None), getattr(args, "recompute", 0),
+            getattr(args, "stages", None), getattr(args, "recompute", 0), getattr(args, "tp_plan", None) or (),
+            bool(getattr(args, "sp", False)), getattr(args, "cp", 1),
         )
 
     @property
@@ -94,11 +101,25 @@ class StrategyRequest:
             return build_schedule(self.schedule, self.pp, self.microbatches, stages=regions)
 
     def resolve(self, regions: int | None) -> Strategy:
+        """The strategy for a model of ``regions`` regions: the pipeline, then ``--dp/--zero/
+        --tp/--ep/--sp``, ``--recompute`` and ``--cp``, each directive naming its flags."""
+        strategy = self._parallel(regions)
+        if self.cp == 1:
+            return strategy
+        with written_at(f"the command line (--cp {self.cp})"):
+            return context_parallel(strategy, self.cp)
+
+    def _parallel(self, regions: int | None) -> Strategy:
         self.check_regions(regions)
         pipeline = self.pipeline(regions)
         flags = " ".join(f"--{k} {v}" for k, v in (("dp", self.dp), ("zero", self.zero), ("tp", self.tp), ("ep", self.ep)))
+        if self.tp_plan:
+            flags += " --tp-plan " + ",".join(f"{k}={v}" for k, v in self.tp_plan)
+        if self.sp:
+            flags += " --sp"
         with written_at(f"the command line ({flags})"):
-            strategy = parallelize(pipeline, dp=self.dp, zero=self.zero, tp=self.tp, ep=self.ep)
+            strategy = parallelize(pipeline, dp=self.dp, zero=self.zero, tp=self.tp, ep=self.ep,
+                                   tp_plan=dict(self.tp_plan) or None, sp=self.sp)
         if not self.recompute:
             return strategy
         with written_at(f"the command line (--recompute {self.recompute_name})"):
@@ -130,7 +151,9 @@ class StrategyRequest:
         strategy (composed now, so its errors come before the model is captured), checked
         against ``--stages`` once the model is captured."""
         if self.needs_regions:
-            return self.resolve
+            # Its device count is known now: the runtime starts while the model is captured.
+            ranks, _ = self.shape()
+            return SizedStrategy(self.resolve, devices=ranks * self.dp * self.tp * self.ep * self.cp)
         strategy = self.resolve(None)
         if self.stages is None:
             return strategy
@@ -139,7 +162,7 @@ class StrategyRequest:
             self.check_regions(regions)
             return strategy
 
-        return checked
+        return SizedStrategy(checked, devices=device_count(strategy) or 1)
 
     def shape(self) -> tuple[int, int]:
         """``(pipeline ranks, microbatches)`` of the pipeline program: what ``--pp`` and

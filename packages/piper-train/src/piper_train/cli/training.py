@@ -147,7 +147,8 @@ def _describe(args: argparse.Namespace, request: StrategyRequest) -> str:
     pp, microbatches = request.shape()
     precision = f", precision={args.precision}" if args.precision else ""
     recompute = f", recompute={request.recompute_name}" if request.recompute else ""
-    return (f"model {args.model}, {request.name}, pp={pp}, dp={args.dp}, tp={args.tp}, ep={args.ep}, "
+    cp = f", cp={args.cp}" if getattr(args, "cp", 1) > 1 else ""
+    return (f"model {args.model}, {request.name}, pp={pp}, dp={args.dp}, tp={args.tp}, ep={args.ep}{cp}, "
             f"zero={args.zero}, microbatches={microbatches}{precision}{recompute}")
 
 
@@ -275,7 +276,8 @@ def _summary(args: argparse.Namespace, trainer: Trainer | None, history: Sequenc
         "schedule": None if args.strategy else args.schedule,
         "strategy": str(args.strategy) if args.strategy else None,
         "pp": len(program.ranks) // (program.replicas * args.tp) if program is not None else None,
-        "dp": program.replicas // args.ep if program is not None else None, "tp": args.tp, "ep": args.ep,
+        "dp": program.replicas // (args.ep * getattr(args, "cp", 1)) if program is not None else None, "tp": args.tp,
+        "ep": args.ep, "cp": getattr(args, "cp", 1),
         "zero": args.zero, "microbatches": program.microbatches if program is not None else None,
         "steps": len(history), "epochs": history[-1].epoch + 1 if history else 0,
         "losses": losses, "lrs": [m.lr for m in history], "grad_norms": [m.grad_norm for m in history],
