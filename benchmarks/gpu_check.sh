@@ -16,9 +16,12 @@
 #      ep=2 (pp=2 x ep=2), against single-device training (ranks share GPUs when there are fewer
 #      GPUs than ranks: --ranks-per-gpu, host-staged transport between ranks of one GPU);
 #   3. whether two of the backend's streams overlap (a compute kernel and a copy on different
-#      lanes take less than the sum of each alone: benchmarks/gpu_overlap.py).
+#      lanes take less than the sum of each alone: benchmarks/gpu_overlap.py);
+#   4. `piper check --compile` under ZB1P (segments through inductor, BI and BW apart) and the
+#      compiled step against the eager one on the `stack` model (benchmarks/bench_torch_compile.py).
 # and prints a summary table. Exit code 0 when everything passed. Each step has a time limit;
-# the whole check takes well under 8 minutes on one GPU once the packages are installed.
+# the whole check takes well under 8 minutes on one GPU once the packages are installed, plus
+# up to 9 minutes for step 4 (inductor compiles on the first step of each run).
 #
 # Environment: PYTHON (default python3), PIPER_GPU_VENV (default .venv-gpu),
 # TORCH_SPEC (default torch==2.13.0), PIPER_GPU_LOGS (default a temporary folder),
@@ -101,6 +104,10 @@ run "check dualpipev pp=2" 120 "${CHECK[@]}" --schedule dualpipev --pp 2 --ranks
 run "check 1f1b pp=2 dp=2 zero=3" 150 "${CHECK[@]}" --schedule 1f1b --pp 2 --dp 2 --zero 3 --ranks-per-gpu "$(per_gpu 4)"
 run "check ep=2 (moe pp=2 ep=2)" 150 "${CHECK[@]}" --model moe --pp 2 --ep 2 --microbatches 2 --ranks-per-gpu "$(per_gpu 4)"
 run "streams overlap" 120 "$VPY" benchmarks/gpu_overlap.py
+# --compile (issue 39, item 2; unverified on a GPU): segments as inductor's Triton kernels, the
+# split backward of ZB1P included, against single-device eager; then compiled vs eager steps.
+run "check --compile zb1p pp=2" 240 "${CHECK[@]}" --schedule zb1p --pp 2 --compile --timeout 200 --ranks-per-gpu "$(per_gpu 2)"
+run "torch.compile vs eager (stack)" 300 "$VPY" benchmarks/bench_torch_compile.py --runtime ray --rounds 1 --steps 12
 
 # -- summary ---------------------------------------------------------------------------------------
 TOTAL=$(( $(date +%s) - STARTED ))

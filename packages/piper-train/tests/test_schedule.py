@@ -83,3 +83,19 @@ def test_state_dict_restores_the_position() -> None:
 def test_bad_schedules_name_the_culprit(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         LRSchedule(**kwargs)
+
+
+def test_the_drivers_schedule_does_not_import_torch_dynamo() -> None:
+    # A torch optimizer's construction imports torch._dynamo (about 2 s of start-up); the
+    # driver's stand-in has no parameters to step, so it goes without.
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom piper_train.schedule import LearningRate, LRSchedule\n"
+            "clock = LearningRate(0.1, LRSchedule('cosine', warmup_steps=2, total_steps=5))\n"
+            "[clock.advance() for _ in range(3)]\nclock.load_state_dict(clock.state_dict())\n"
+            "print(round(clock.current, 6), 'torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    want = _lrs(LRSchedule("cosine", warmup_steps=2, total_steps=5), 4, lr=0.1)[3]
+    assert done.stdout.split() == [str(round(want, 6)), "False"]

@@ -41,6 +41,7 @@ from piper_runtime.rank.worker import RankWorker
 from piper_runtime.results import InstructionTiming, StepOutput, StepResult
 from piper_runtime.runtimes import (
     TrainingRuntime,
+    prepare_runtime,
     register_runtime,
     runtime_names,
     start_runtime,
@@ -82,6 +83,7 @@ __all__ = [
     "program_signature",
     "weighted_losses",
     "ensure_ray",
+    "prepare_runtime",
     "register_backend",
     "resolve_backend",
     "shared_pool",

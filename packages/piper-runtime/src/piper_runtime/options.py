@@ -25,6 +25,7 @@ from piper_runtime.numerics import check_on_nan
 DEFAULT_TIMEOUT_S = 60.0  # no progress on a rank for this long: the step fails (HangError)
 MIN_WEIGHT_BYTES = 2**20  # the smallest ``nn.Linear`` weight whose gradient sums in its product
 PLACEMENTS = ("pack", "spread")
+COMPILE_BACKENDS = ("inductor", "aot_eager")  # ``ExecutionOptions.compile`` (piper_runtime.rank.compiled)
 RUNTIME_ENV = "PIPER_RUNTIME"  # the runtime a run starts unless told otherwise (default: ray)
 
 
@@ -51,7 +52,10 @@ class ExecutionOptions:
     (``profile=True``) also records torch.profiler's trace of the operators (and kernels) each
     instruction ran (piper_runtime.rank.kernel_profile). ``memory_snapshot``: a profiled step
     also keeps every memory sample (what the rank holds by category after each instruction)
-    and, on a GPU, CUDA's memory history (piper_runtime.rank.memory_snapshot)."""
+    and, on a GPU, CUDA's memory history (piper_runtime.rank.memory_snapshot). ``compile``:
+    run each segment's forward and backward passes as compiled functions (``"inductor"``, or
+    ``"aot_eager"``: the traced graphs without code generation; ``None``: eagerly, under
+    autograd; piper_runtime.rank.compiled)."""
 
     threads: bool = True
     fuse_loss_backward: bool = True
@@ -60,8 +64,11 @@ class ExecutionOptions:
     bind_cores: bool = True
     profile_kernels: bool = False
     memory_snapshot: bool = False
+    compile: str | None = None
 
     def __attrs_post_init__(self) -> None:
+        if self.compile not in (None, *COMPILE_BACKENDS):
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_BACKENDS)} or None, got {self.compile!r}")
         if self.grad_fusion_min_bytes is not None and self.grad_fusion_min_bytes < 0:
             raise ValueError(f"grad_fusion_min_bytes must be >= 0 or None, got {self.grad_fusion_min_bytes!r}")
 

@@ -63,6 +63,9 @@ class StepOutput:
     # CUDA memory history snapshot as JSON text (piper_runtime.rank.memory_snapshot).
     memory_timeline: tuple[tuple[float, tuple[int, ...]], ...] = ()
     cuda_snapshot: str | None = None
+    # Seconds this rank spent compiling segments during the step (``ExecutionOptions.compile``:
+    # a segment compiles on the first step that runs it, and on the first of a new shape).
+    compile_seconds: float = 0.0
 
 
 @attrs.frozen
@@ -96,6 +99,8 @@ class StepResult:
     collective_seconds: tuple[float, ...] = ()
     grad_norm: float | None = None
     lr: float | None = None
+    # Each rank's seconds compiling segments during the step (``StepOutput.compile_seconds``).
+    compile_seconds: tuple[float, ...] = ()
     # Where a NaN/Inf loss or gradient first appeared in this step (``piper_runtime.numerics``),
     # and whether the step was undone for it (``on_nan="skip-step"``).
     nonfinite: str | None = None

@@ -141,3 +141,18 @@ def start_runtime(
 ) -> TrainingRuntime:
     """Start the runtime ``options.cluster.runtime`` names, running ``program``."""
     return starter(options.cluster.runtime)(program, modules, optimizer, options, log=log, by_value=by_value)
+
+
+def prepare_runtime(options: RunOptions, world: int) -> None:
+    """Start in the background what the runtime ``options`` names will need for ``world``
+    ranks, while the caller captures and compiles: the ``ray`` runtime's embedded cluster
+    (``piper_runtime.driver.cluster.start_early``; its processes start on the machine's other
+    cores). The other runtimes start nothing ahead, nor does ``ray`` with the ``cuda`` backend
+    (refused without a GPU before anything starts) or a cluster address (connecting is quick).
+    A wrong ``world`` costs nothing but time: a cluster with too few CPUs is started again."""
+    cluster = options.cluster
+    if cluster.runtime != "ray" or cluster.backend == "cuda" or world < 1:
+        return
+    from piper_runtime.driver.cluster import embedded_cpus, start_early
+
+    start_early(cluster.address, embedded_cpus(world, cluster.cpus_per_rank))

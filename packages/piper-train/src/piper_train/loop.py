@@ -427,6 +427,7 @@ class TrainingRun:
             skipped=result.skipped,
             plans=flight.plans,
             plan_seconds=flight.plan_seconds,
+            torch_compile_seconds=max(getattr(result, "compile_seconds", ()), default=0.0),  # a runtime may not say
         )
 
     def _flop_rates(self, flight: _Flight, seconds: float) -> dict[str, float | None]:

@@ -73,6 +73,9 @@ class StepMetrics:
     plan_seconds: float = 0.0
     tflops_per_device: float | None = None  # model FLOPs per second per device (piper_train.flops)
     mfu: float | None = None  # tflops_per_device over the hardware's peak (--hardware), else None
+    # Seconds the slowest rank spent compiling segments in this step (--compile; included in
+    # step_seconds): the first step's, and a new shape's, are the compile cost.
+    torch_compile_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return record("step", self)
@@ -149,6 +152,8 @@ def step_line(m: StepMetrics) -> str:
     if m.grad_norm is not None:
         parts.append(f"grad norm {m.grad_norm:.3g}")
     parts.append(f"{m.step_seconds * 1000:7.1f} ms/step")
+    if m.torch_compile_seconds:
+        parts.append(f"(compiling {m.torch_compile_seconds:.1f} s of it)")
     parts.append(f"{m.samples_per_s:,.0f} samples/s")
     if m.tokens_per_s is not None:
         parts.append(f"{m.tokens_per_s:,.0f} tokens/s")

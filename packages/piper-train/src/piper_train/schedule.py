@@ -90,12 +90,9 @@ class LearningRate:
     ``current`` is the learning rate of the next step; ``advance`` moves past it."""
 
     def __init__(self, lr: float, schedule: LRSchedule | None = None) -> None:
-        import torch
-
         bounds.check("lr", lr, minimum=0)
         self.schedule = schedule or LRSchedule()
-        self._param = torch.zeros(1, requires_grad=True)
-        self._optimizer = torch.optim.SGD([self._param], lr=lr)
+        self._optimizer = _lr_holder(lr)
         self._scheduler = self.schedule.build(self._optimizer)
 
     @property
@@ -113,3 +110,24 @@ class LearningRate:
         self._scheduler.load_state_dict(state["scheduler"])
         for group in self._optimizer.param_groups:
             group["lr"] = state["lr"]
+
+
+def _lr_holder(lr: float) -> torch.optim.Optimizer:
+    """An optimizer with one parameter group, no parameters and a no-op ``step``: all torch's
+    schedulers read and write. Made without ``Optimizer.__init__``, whose ``add_param_group``
+    imports ``torch._dynamo`` on first use (about 2 s of the driver's start-up, for nothing:
+    the driver never steps a parameter; the ranks' optimizers are the real ones)."""
+    import collections
+
+    import torch
+
+    class LrHolder(torch.optim.Optimizer):
+        def __init__(self) -> None:
+            self.defaults = {"lr": lr}
+            self.param_groups = [{"params": [], "lr": lr}]
+            self.state = collections.defaultdict(dict)
+
+        def step(self, closure: Any = None) -> None:
+            return None
+
+    return LrHolder()

@@ -62,6 +62,7 @@ from piper_runtime import (
     cut_batch,
     describe_signature,
     full_batch_shape,
+    prepare_runtime,
     program_signature,
     start_runtime,
 )
@@ -191,6 +192,11 @@ class Trainer:
             if value is not None:
                 bounds.check(name, value, minimum=0, strict=True)
         self.seed = seed
+        # What the runtime can start before the program exists (Ray's embedded cluster) starts
+        # now, while the model is captured and the plans compiled.
+        devices = device_count(strategy)
+        if devices is not None:
+            prepare_runtime(run_options, devices)
         captured = capture(model, example_inputs, example_targets, loss_fn, precision=precision, regions=regions,
                            method=capture_method)
         self.capture_seconds = time.perf_counter() - started

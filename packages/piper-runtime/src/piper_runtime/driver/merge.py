@@ -107,6 +107,7 @@ def merge_outputs(
         kernel_traces=tuple((out.rank, out.kernel_trace) for out in outputs if out.kernel_trace is not None),
         memory_timelines=tuple((out.rank, out.memory_timeline) for out in outputs if out.memory_timeline),
         cuda_snapshots=tuple((out.rank, out.cuda_snapshot) for out in outputs if out.cuda_snapshot is not None),
+        compile_seconds=tuple(out.compile_seconds for out in outputs),
     )
 
 

@@ -46,3 +46,17 @@ def keep_local() -> None:
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None and getattr(constants, "ENABLE_RAY_CLUSTER", False):
         constants.ENABLE_RAY_CLUSTER = False
+
+
+def keep_signals() -> None:
+    """Before ``ray.init`` on a thread other than the main one (``cluster.start_early``): no
+    native failure-signal handler in this process's Ray core worker. Ray installs one that
+    catches SIGTERM with a stack dump (measured: ``piper train`` then died by SIGABRT instead
+    of stopping cleanly with 143), and only the main thread can put the program's own Python
+    handler back over it (``cluster._keeping_sigterm_handler`` does, when ``ray.init`` runs
+    there). Ray reads the flag when the core worker starts (a private constant; its
+    environment variable ``RAY_DISABLE_FAILURE_SIGNAL_HANDLER`` is read only when Ray is
+    imported). Rank workers keep Ray's handler: this process only."""
+    import ray._private.ray_constants as constants
+
+    constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True

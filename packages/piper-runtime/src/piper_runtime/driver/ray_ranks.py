@@ -13,7 +13,6 @@ Workers are started for the run and killed by ``close``, unless they are pooled:
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +22,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from piper_ir import ClusterError, Program
 from piper_runtime.backends import BackendFactory, backend_factory, cuda_missing
-from piper_runtime.driver.cluster import choose_backend, ensure_ray, worker_env
+from piper_runtime.driver.cluster import choose_backend, embedded_cpus, ensure_ray, worker_env
 from piper_runtime.driver.placement import Placement, check_resources, place_ranks
 from piper_runtime.driver.pool import MONITOR, WRITER, WorkerSpec, kill_workers, pool_for, worker_actor
 from piper_runtime.driver.ranks import RankFailure
@@ -53,9 +52,7 @@ class RayRanks:
             lacking = cuda_missing()
             if lacking:
                 raise ClusterError(f"backend 'cuda' needs a GPU for each rank, and this machine has none usable: {lacking}")
-        # The embedded cluster gets a logical CPU per rank even on a smaller machine: ranks
-        # mostly wait on each other.
-        ensure_ray(cluster.address, num_cpus=max(os.cpu_count() or 1, int(world * cluster.cpus_per_rank + 0.999)))
+        ensure_ray(cluster.address, num_cpus=embedded_cpus(world, cluster.cpus_per_rank))
         ship_by_value(by_value)  # before anything is pickled for the workers
         self.backend_name, self.backend_reason = choose_backend(cluster.backend, world, 1.0 / cluster.ranks_per_gpu)
         if log is not None:

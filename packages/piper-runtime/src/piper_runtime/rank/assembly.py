@@ -34,6 +34,7 @@ from piper_runtime.progress import Progress
 from piper_runtime.rank.accounting import MemorySampler
 from piper_runtime.rank.accumulation import accumulate_in_products
 from piper_runtime.rank.comms import Communicators
+from piper_runtime.rank.compiled import CompileStats
 from piper_runtime.rank.compute import COMPUTE_PHASES, SegmentCompute
 from piper_runtime.rank.data_parallel import DataParallel
 from piper_runtime.rank.executor import Executor
@@ -69,6 +70,7 @@ class RankParts:
     executor: Executor
     backup: StateBackup | None
     fused_layers: int  # ``nn.Linear`` layers summing gradients in their product (``accumulation``)
+    compile_stats: CompileStats  # what compiling segments cost (``ExecutionOptions.compile``)
 
 
 def assemble(
@@ -96,7 +98,7 @@ def assemble(
     dp = DataParallel(program, rank, held, unbucketed_experts(program, rank), grads_lock)
     # Under a precision, stage segments compute on cast copies: no weight to add into.
     min_bytes = execution.grad_fusion_min_bytes
-    fused = 0 if min_bytes is None or program.precision is not None else accumulate_in_products(
+    fused = 0 if min_bytes is None or program.precision is not None or execution.compile else accumulate_in_products(
         held, plan.instructions, skip=dp.sharded_grad_ids, min_bytes=min_bytes
     )
     optimizers = Optimizers(program, held, optimizer, dp, grads_lock)
@@ -123,7 +125,7 @@ def assemble(
     compute = SegmentCompute(
         program, held, grads_lock, dp.weight_pass,
         seed=setup.seed, replica=plan.replica, device=backend.device, sample=sampler.sample_now,
-        instructions=plan.instructions if execution.fuse_loss_backward else (),
+        instructions=plan.instructions if execution.fuse_loss_backward else (), compile=execution.compile,
     )
     layout = StreamLayout(plan.instructions) if threaded else None
     windows = (
@@ -151,7 +153,9 @@ def assemble(
         threads=threaded, timeout_s=wait_s, progress=progress, layout=layout, windows=windows,
         settle=compute.settle,
     )
-    return RankParts(held, dp, optimizers, sampler, comms, transport, reads, progress, executor, backup, fused)
+    return RankParts(
+        held, dp, optimizers, sampler, comms, transport, reads, progress, executor, backup, fused, compute.compile_stats
+    )
 
 
 def check_supported(rank: int, instructions: Sequence[Instruction]) -> None:

@@ -44,6 +44,14 @@ products of its fused layers (``piper_runtime.rank.accumulation``) in the step's
 ``forward_only`` (a plan without backward passes: an evaluation step) runs forwards without
 autograd and keeps nothing for a backward; casts apply as in training, and the worker has
 put the modules in eval mode (dropout draws no masks).
+
+With ``compile`` (``ExecutionOptions.compile``, ``--compile``) a training step runs each segment
+as compiled functions instead of under autograd (``piper_runtime.rank.compiled``): ``F`` keeps
+its inputs and the residuals its backward reads (``StepState.saved``), ``B`` adds the weight
+gradients it returns into ``.grad`` (inside ``weight_pass``), ``BI`` hands ``BW`` what it reads
+(``StepState.pending_bw``), a recomputed segment runs the compiled ``F`` again under the same
+key. Loss and stage backwards are not fused then, and no weight product is deferred: a
+compiled backward returns its weight gradients whole. Evaluation steps run eagerly.
 """
 
 from __future__ import annotations
@@ -57,7 +65,9 @@ import torch
 from torch import nn
 
 from piper_ir import Instruction, NodeKind, Phase, Program, Segment, SegmentRole, grad_name
+from piper_memory.store import accumulate_grad
 from piper_runtime.rank.accumulation import deferring, fused_weights, has_fused_layers
+from piper_runtime.rank.compiled import CompiledSegment, CompileError, CompileStats, signature
 from piper_runtime.rank.precision import cast_forward, dtype_of
 from piper_runtime.rank.randomness import seeded
 from piper_runtime.rank.state import StepState
@@ -118,6 +128,7 @@ class SegmentCompute:
         device: torch.device | None = None,
         sample: Callable[[list[torch.Tensor]], None] = lambda buffers: None,
         instructions: Sequence[Instruction] = (),
+        compile: str | None = None,
     ) -> None:
         self.program = program
         self.modules = modules
@@ -130,17 +141,26 @@ class SegmentCompute:
         self.sample = sample  # records memory now (a recomputed forward's activations live inside a pass)
         self.compute = dtype_of(program.precision.compute) if program.precision is not None else None
         # The rank's plan (``instructions``) says which loss backwards take their stage's along.
-        self.fused = {} if forward_only else fused_losses(program, instructions)
+        self.fused = {} if forward_only or compile else fused_losses(program, instructions)
         self.fused_stages = {(stage, mb) for (_, mb), stage in self.fused.items()}
         self.deferred: frozenset[str] = frozenset()  # ids of the B instructions that defer (``defer``)
         self._fused_weights: list[torch.Tensor] | None = None  # the rank's fused layers' (on first deferral)
+        self.compile = None if forward_only else compile  # a backend of ``compiled.BACKENDS`` (module doc)
+        collective = [sh.segment for sh in program.sharding if sh.collectives and sh.segment in modules]
+        if self.compile and collective:
+            raise CompileError(f"segment {collective[0]} runs collectives inside its forward (tensor, expert or "
+                               "context parallelism), which compiling cannot trace: run it without --compile")
+        self.compile_stats = CompileStats()
+        self._compiled: dict[tuple[str, object], CompiledSegment] = {}  # (segment, signature) -> its functions
+        self._compiling = threading.Lock()  # the rank's stream threads compile a segment once
+        self._split: dict[tuple[str, int], CompiledSegment] = {}  # (segment, microbatch) between BI and BW
 
     # -- input gradients first (``piper_runtime.rank.input_grads_first``) ----------------------------
 
     def defers(self, ins: Instruction) -> bool:
         """Whether ``ins``'s backward pass runs through layers whose weight products can wait."""
         seg = self.fused.get((ins.segment, ins.microbatch), ins.segment)
-        return not self.forward_only and has_fused_layers(self.modules[seg])
+        return not self.forward_only and not self.compile and has_fused_layers(self.modules[seg])
 
     def passes_with(self, first: Instruction, other: Instruction) -> bool:
         """Whether ``first``'s backward pass is ``other``'s too (a fused loss and its stage)."""
@@ -171,12 +191,18 @@ class SegmentCompute:
             self.forward(ins, st)
             return
         run = {Phase.B: self.backward, Phase.BI: self.backward_input, Phase.BW: self.backward_weight}[ins.phase]
+        if self.compile:
+            run = {Phase.B: self._compiled_backward, Phase.BI: self._compiled_backward,
+                   Phase.BW: self._compiled_weight}[ins.phase]
         with self.grads_lock:
             run(ins, st)
 
     def forward(self, ins: Instruction, st: StepState) -> None:
         if self.forward_only:
             self.evaluate(ins, st)
+            return
+        if self.compile:
+            self._compiled_forward(ins, st)
             return
         seg = self.program.segment_by_id[ins.segment]
         mb = ins.microbatch
@@ -201,11 +227,7 @@ class SegmentCompute:
             if not isinstance(out, torch.Tensor) or out.numel() != 1:
                 raise TypeError(f"the loss module must return a scalar tensor, got {_describe(out)}")
             st.losses[mb] = float(out.detach())
-            # The loss of one shard of a microbatch is scaled by 1/(M * N) for backward here,
-            # exactly once (M microbatches, N data-parallel replicas); for a batch cut into
-            # unequal pieces by the batch's samples over the piece's (``batch.loss_divisors``).
-            divisor = self.program.microbatches * self.program.replicas if st.divisors is None else st.divisors[mb]
-            outs: tuple[torch.Tensor, ...] = (out / divisor,)
+            outs: tuple[torch.Tensor, ...] = (out / self._divisor(mb, st),)
             for name in seg.outputs:
                 # A copy: the loss may share a larger buffer, and nothing may ever read it.
                 st.values[(name, mb)] = out.detach().clone()
@@ -219,6 +241,12 @@ class SegmentCompute:
             for name, o in zip(seg.outputs, outs, strict=True):
                 st.values[(name, mb)] = o.detach()
         st.saved[(seg.id, mb)] = (args, None if seg.recompute and seg.role is SegmentRole.STAGE else outs)
+
+    def _divisor(self, mb: int, st: StepState) -> float:
+        """What the loss of microbatch ``mb`` is divided by for backward, exactly once: the
+        microbatches times the data-parallel replicas (M * N); for a batch cut into unequal
+        pieces, the batch's samples over the piece's (``batch.loss_divisors``)."""
+        return self.program.microbatches * self.program.replicas if st.divisors is None else st.divisors[mb]
 
     def _attached_outputs(self, seg: Segment, mb: int, st: StepState) -> dict[str, torch.Tensor]:
         """For a fused loss (module doc): its stage's outputs as the stage's forward made
@@ -385,6 +413,115 @@ class SegmentCompute:
             with self.weight_pass(ins.segment):
                 torch.autograd.backward(tensors, grads, inputs=params)
         st.autograd_saved.pop(key, None)
+
+    # -- compiled segments (module doc; ``piper_runtime.rank.compiled``) -----------------------------
+
+    def _functions(self, seg: Segment, args: list[torch.Tensor]) -> CompiledSegment:
+        """``seg``'s compiled functions for inputs like ``args``: compiled on first use, kept
+        for the run (one entry per input signature: a program per piece shape compiles once
+        per shape, not per microbatch)."""
+        grads = [a.is_floating_point() and self.program.value_by_name[n].meta.requires_grad
+                 for n, a in zip(seg.inputs, args, strict=True)]
+        key = (seg.id, signature(args, grads))
+        found = self._compiled.get(key)
+        if found is not None:
+            return found
+        with self._compiling:
+            found = self._compiled.get(key)
+            if found is None:
+                cast = self.compute if seg.role is SegmentRole.STAGE else None
+                found = CompiledSegment(seg.id, self.modules[seg.id], args, grads, self.compile or "inductor",
+                                        self.compile_stats, cast)
+                self._compiled[key] = found
+        return found
+
+    def _compiled_run(self, functions: CompiledSegment, seg: Segment, mb: int, step: int,
+                      args: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The compiled F, drawing its random numbers for (segment, microbatch, step, replica)."""
+        with nullcontext() if self.seed is None else seeded(self.seed, seg.id, mb, step, self.replica, self.device):
+            return functions.forward(args)
+
+    def _compiled_forward(self, ins: Instruction, st: StepState) -> None:
+        seg = self.program.segment_by_id[ins.segment]
+        mb = ins.microbatch
+        args = [st.get(name, mb) for name in seg.inputs]
+        functions = self._functions(seg, args)
+        outs, residuals = self._compiled_run(functions, seg, mb, st.step, args)
+        if seg.role is SegmentRole.LOSS:
+            if len(outs) != 1 or outs[0].numel() != 1:
+                raise TypeError(f"the loss module must return a scalar tensor, got {len(outs)} tensors")
+            st.losses[mb] = float(outs[0])
+            for name in seg.outputs:
+                st.values[(name, mb)] = outs[0].clone()
+        else:
+            if len(outs) != len(seg.outputs):
+                raise TypeError(f"segment {seg.id} must return {len(seg.outputs)} tensors {list(seg.outputs)}, "
+                                f"got {len(outs)}")
+            for name, o in zip(seg.outputs, outs, strict=True):
+                st.values[(name, mb)] = o
+        # A recomputed segment keeps its inputs only; the others their residuals too.
+        st.saved[(seg.id, mb)] = (args, None if seg.recompute and seg.role is SegmentRole.STAGE else tuple(residuals))
+
+    def _compiled_backward(self, ins: Instruction, st: StepState) -> None:
+        """B (input and weight gradients) or BI (input gradients; what BW reads is kept)."""
+        seg = self.program.segment_by_id[ins.segment]
+        mb = ins.microbatch
+        try:
+            args, residuals = st.saved.pop((seg.id, mb))
+        except KeyError:
+            raise RuntimeError(f"backward of {seg.id} microbatch {mb} before its forward") from None
+        functions = self._functions(seg, args)
+        if residuals is None:  # recomputed: the same forward again, same key, same random numbers
+            _, again = self._compiled_run(functions, seg, mb, st.step, args)
+            residuals = tuple(again)
+        if seg.role is SegmentRole.LOSS:
+            grads: list[torch.Tensor | None] = [
+                torch.ones(v.shape, dtype=v.dtype, device=v.device) / self._divisor(mb, st)
+                for v in functions.tangent_vals
+            ]
+        else:
+            grads = [st.values.get((grad_name(name), mb))
+                     for name, takes in zip(seg.outputs, functions.takes_grad, strict=True) if takes]
+            if grads and all(g is None for g in grads):
+                raise RuntimeError(f"no gradient is available for any output of {seg.id} {list(seg.outputs)}")
+        tangents = functions.tangents(grads)
+        wanted = [(name, a) for name, a in zip(seg.inputs, args, strict=True)
+                  if a.is_floating_point() and self.program.value_by_name[name].meta.requires_grad]
+        if ins.phase is Phase.BI:
+            input_grads, pending = functions.backward_input(list(residuals), tangents)
+            st.pending_bw[(seg.id, mb)] = (pending, None)
+            self._split[(seg.id, mb)] = functions
+        else:
+            input_grads, weight_grads = functions.backward(list(residuals), tangents)
+            with self.weight_pass(seg.id):
+                _accumulate(functions.params, weight_grads)
+        for (name, a), g in zip(wanted, input_grads, strict=True):
+            st.add_grad(grad_name(name), mb, g if g is not None else torch.zeros_like(a))
+
+    def _compiled_weight(self, ins: Instruction, st: StepState) -> None:
+        """BW: the weight gradients from what BI kept, added into ``.grad``."""
+        key = (ins.segment, ins.microbatch)
+        try:
+            pending, _ = st.pending_bw.pop(key)
+            functions = self._split.pop(key)
+        except KeyError:
+            raise RuntimeError(
+                f"weight backward of {ins.segment} microbatch {ins.microbatch} before its input backward"
+            ) from None
+        weight_grads = functions.backward_weight(pending)
+        with self.weight_pass(ins.segment):
+            _accumulate(functions.params, weight_grads)
+
+
+def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Add a compiled backward's weight gradients into ``.grad`` as autograd would: a new
+    ``.grad`` has its parameter's layout (a compiled kernel may return a transposed view)."""
+    for p, g in zip(params, grads, strict=True):
+        if g is None:
+            continue
+        if p.grad is None and g.stride() != p.stride():
+            g = torch.empty_like(p).copy_(g)
+        accumulate_grad(p, g)
 
 
 @contextmanager

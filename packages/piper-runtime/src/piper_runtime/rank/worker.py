@@ -141,6 +141,7 @@ class RankWorker:
         self._sampler, self._comms, self._transport = parts.sampler, parts.comms, parts.transport
         self._reads, self._progress, self._executor = parts.reads, parts.progress, parts.executor
         self._backup, self.fused_layers, self._timeout_s = parts.backup, parts.fused_layers, setup.wait_s
+        self._compile_stats = parts.compile_stats
         self._profile_kernels = setup.execution.profile_kernels
         self._memory_snapshot = setup.execution.memory_snapshot
         self._forward: ForwardStep | None = None
@@ -208,6 +209,7 @@ class RankWorker:
         if lr is not None:
             self._optimizers.set_lr(lr)
         started = time.perf_counter()
+        compiled_before = self._compile_stats.total_s
         if self._backup is not None:
             self._backup.save()
         layout = step.layout
@@ -253,6 +255,7 @@ class RankWorker:
             trace[0],
             tuple(self._sampler.tracker.timeline) if snapshot else (),
             history[0],
+            self._compile_stats.total_s - compiled_before,
         )
 
     def restore(self) -> None:

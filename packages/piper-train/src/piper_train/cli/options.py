@@ -161,6 +161,10 @@ def add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=finite_float, default=60.0, metavar="SECONDS",
                    help="a rank that makes no progress for this long stops the run (exit code 3), naming the rank, "
                         "the instruction it is stuck in and what its peers were doing (default: 60)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, choices=["inductor", "aot_eager"],
+                   help="run each segment's forward and backward passes (BI and BW apart) as compiled functions: "
+                        "inductor, or aot_eager (the traced graphs without code generation); each rank compiles a "
+                        "segment on its first step, which --timeout must allow (docs/compile.md) (default: eager)")
 
 
 def add_optimization(p: argparse.ArgumentParser) -> None:
@@ -550,6 +554,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--eval-batches must be >= 1 with --eval-every")
     if getattr(args, "memory_snapshot", False) and getattr(args, "profile_step", None) is None:
         parser.error("--memory-snapshot records the step --profile-step N names: give --profile-step")
+    parallel = [f"--{n} {getattr(args, n)}" for n in ("tp", "ep", "cp") if (getattr(args, n, 1) or 1) > 1]
+    if getattr(args, "compile", None) and parallel:
+        parser.error(f"--compile cannot trace the collectives inside a segment's forward ({', '.join(parallel)}): "
+                     "drop one of them (docs/compile.md)")
     if getattr(args, "lr_schedule", None) == "step" and args.lr_step_size is None:
         parser.error("--lr-schedule step needs --lr-step-size")
     recompute = getattr(args, "recompute", 0)

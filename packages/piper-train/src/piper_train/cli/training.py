@@ -105,7 +105,8 @@ def _run_options(args: argparse.Namespace) -> RunOptions:
     return RunOptions(
         execution=ExecutionOptions(bind_cores=not getattr(args, "no_bind_cores", False),
                                    profile_kernels=getattr(args, "profile_step", None) is not None,
-                                   memory_snapshot=getattr(args, "memory_snapshot", False)),
+                                   memory_snapshot=getattr(args, "memory_snapshot", False),
+                                   compile=getattr(args, "compile", None)),
         faults=FaultOptions(timeout_s=args.timeout, on_nan=getattr(args, "on_nan", "stop")),
         cluster=ClusterOptions(runtime=args.runtime, address=args.address, backend=args.backend,
                                placement=args.placement, ranks_per_gpu=args.ranks_per_gpu),
@@ -285,6 +286,8 @@ def _summary(args: argparse.Namespace, trainer: Trainer | None, history: Sequenc
         "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
         "mean_step_seconds": sum(steady) / len(steady) if steady else None,
         "compile_seconds": trainer.compile_seconds if trainer is not None else None,
+        # --compile: the ranks' torch.compile time, the slowest rank's per step, summed
+        "torch_compile_seconds": sum(m.torch_compile_seconds for m in history),
         # one program per shape of a batch's pieces (another sequence length, a partial batch)
         "plans": trainer.plans if trainer is not None else None,
         "plan_compile_seconds": list(trainer.variant_seconds) if trainer is not None else [],
