@@ -8,6 +8,7 @@ compiles to a program that runs on the training program's workers.
 """
 
 from piper_scheduler._version import __version__ as __version__
+from piper_scheduler.analytic import CHUNKS, Link, Roofline, Topology, pipeline_step
 from piper_scheduler.compile import compile_program
 from piper_scheduler.costs import CostModel
 from piper_scheduler.forward_only import forward_only
@@ -17,12 +18,17 @@ from piper_scheduler.trace import plot_gantt, to_chrome_trace
 from piper_scheduler.verify import verify
 
 __all__ = [
+    "CHUNKS",
     "CostModel",
     "Interval",
+    "Link",
+    "Roofline",
     "Timeline",
+    "Topology",
     "compile_program",
     "forward_only",
     "measured_timeline",
+    "pipeline_step",
     "plot_gantt",
     "simulate",
     "to_chrome_trace",

@@ -63,14 +63,31 @@ class _Counting(TorchDispatchMode):
         self.total = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils.flop_counter import flop_registry
-
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = flop_registry.get(getattr(func, "_overloadpacket", None))
-        if formula is not None:
-            self.total += int(formula(*args, **kwargs, out_val=out))
+        self.total += int(op_flops(func, args, kwargs, out) or 0)
         return out
+
+
+def op_flops(func, args, kwargs, out) -> float | None:
+    """FLOPs of one aten operator call by torch's formulas (``flop_registry``), None for an
+    operator it has none for. The CPU's fused attention (``..._flash_attention_for_cpu`` and
+    its backward, which torch's registry lacks) is counted with torch's attention formulas,
+    as its CUDA kernels are."""
+    from torch.utils import flop_counter
+
+    packet = getattr(func, "_overloadpacket", None)
+    formula = flop_counter.flop_registry.get(packet)
+    if formula is not None:
+        return float(formula(*args, **kwargs, out_val=out))
+    name = str(packet)
+    if name.endswith("_scaled_dot_product_flash_attention_for_cpu"):
+        q, k, v = args[:3]
+        return float(flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape))
+    if name.endswith("_scaled_dot_product_flash_attention_for_cpu_backward"):
+        grad, q, k, v = args[:4]
+        return float(flop_counter.sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape))
+    return None
 
 
 def _counted(model, inputs, targets, loss_fn, device: torch.device | None) -> int:

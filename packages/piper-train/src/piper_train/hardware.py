@@ -3,7 +3,14 @@
 A hardware file is JSON (data: nothing in it runs): ``name``, ``description``, ``peak_tflops``
 (dense peak per dtype: ``fp64``, ``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp8``; the ones a
 part lacks are left out), ``memory_gib``, ``memory_tb_per_s`` and ``source`` (where the figures
-come from). Piper ships files for common parts (``HARDWARE``: the H100, H200, A100, MI300X and
+come from); for planning (``piper tune/simulate --hardware``, docs/planning.md) also the
+topology and what real kernels reach: ``devices_per_node``, ``intra_node_gb_per_s`` and
+``inter_node_gb_per_s`` (per device and direction: NVLink or Infinity Fabric, and the NIC),
+``intra_node_latency_us``, ``inter_node_latency_us``, and ``flop_efficiency``,
+``memory_efficiency`` and ``link_efficiency`` (the shares of the peaks reached), and
+``op_overhead_us`` (what each operator costs beyond its work, paid one after another: the
+CPU's dispatch; ``PLANNING`` gives those a file leaves out). ``piper tune --calibrate`` writes a
+file of this machine's measured figures (``piper_train.tuning.calibrate``). Piper ships files for common parts (``HARDWARE``: the H100, H200, A100, MI300X and
 B200 datasheets' dense figures); a user writes their own for anything else, such as the
 measured peak of a CPU. A run's MFU is its model FLOPs per second per device over
 ``peak(dtype)`` of the dtype it computes in (piper_train.flops).
@@ -20,6 +27,13 @@ import attrs
 
 DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
 HARDWARE = ("a100", "b200", "h100", "h200", "mi300x")  # the files in piper_train/hardware/
+#: What planning assumes for a field a hardware file leaves out (docs/planning.md says why).
+PLANNING = {"devices_per_node": 8, "intra_node_latency_us": 5.0, "inter_node_latency_us": 10.0,
+            "flop_efficiency": 0.6, "memory_efficiency": 0.7, "link_efficiency": 0.7, "op_overhead_us": 0.0}
+_COUNTS = ("devices_per_node",)
+_SHARES = ("flop_efficiency", "memory_efficiency", "link_efficiency")
+_AMOUNTS = ("memory_gib", "memory_tb_per_s", "intra_node_gb_per_s", "inter_node_gb_per_s", "intra_node_latency_us",
+            "inter_node_latency_us", "op_overhead_us")
 
 
 @attrs.frozen
@@ -32,6 +46,25 @@ class Hardware:
     memory_gib: float | None = None
     memory_tb_per_s: float | None = None
     source: str = ""
+    devices_per_node: int | None = None
+    intra_node_gb_per_s: float | None = None
+    inter_node_gb_per_s: float | None = None
+    intra_node_latency_us: float | None = None
+    inter_node_latency_us: float | None = None
+    flop_efficiency: float | None = None
+    memory_efficiency: float | None = None
+    link_efficiency: float | None = None
+    op_overhead_us: float | None = None
+
+    def planning(self, name: str) -> float:
+        """A planning field (module doc): the file's value, else ``PLANNING``'s; a
+        ``ValueError`` names the file's missing field when there is no default."""
+        value = getattr(self, name)
+        if value is None:
+            value = PLANNING.get(name)
+        if value is None:
+            raise ValueError(f"--hardware {self.name}: planning needs {name}, which the file does not give")
+        return float(value)
 
     def peak(self, dtype: str) -> float | None:
         """Peak TFLOP/s in ``dtype`` (``"fp32"``, ``"bf16"``, ...), None if the file lacks it."""
@@ -74,4 +107,13 @@ def _parsed(data: object, where: str) -> Hardware:
             raise ValueError(f"--hardware {where}: peak_tflops: unknown dtype {dtype!r}; expected {', '.join(DTYPES)}")
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"--hardware {where}: peak_tflops.{dtype} must be a positive number, got {value!r}")
+    for key in (*_COUNTS, *_SHARES, *_AMOUNTS):
+        value = data.get(key)
+        if value is None:
+            continue
+        number = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value) and value > 0
+        if not number or (key in _COUNTS and not isinstance(value, int)) or (key in _SHARES and value > 1):
+            what = "a positive integer" if key in _COUNTS else "a number in (0, 1]" if key in _SHARES else \
+                "a positive number"
+            raise ValueError(f"--hardware {where}: {key} must be {what}, got {value!r}")
     return Hardware(**{**data, "peak_tflops": {k: float(v) for k, v in peaks.items()}})

@@ -13,7 +13,8 @@ take it, and the checks argparse cannot express.
 | length, evaluation, metrics | --steps, --epochs, --eval-every, --eval-batches, --metrics, --tensorboard, --wandb, --profile-step, --steps-per-call, --on-nan, ... | train |
 | checkpoints | --checkpoint-dir, --checkpoint-every, --keep-checkpoints, --checkpoint-async, --resume, --max-restarts | train |
 | simulation | --cost, --json, --png, --trace | simulate, show |
-| tune | --devices, --stages, --memory-budget-mb, --microbatch-range, --schedules, --zero-levels, --recompute, --top, --out, --validate, ... | tune |
+| planning | --hardware, --devices, --model hf:CONFIG, --batch-size, --seq-len, --tp, --zero, --recompute (docs/planning.md) | simulate (tune: --hardware, --tp) |
+| tune | --devices, --calibrate, --precision, --stages, --memory-budget-mb, --microbatch-range, --schedules, --zero-levels, --recompute, --top, --out, --validate, ... | tune |
 """
 
 from __future__ import annotations
@@ -262,14 +263,45 @@ def _comma_list(kind: Callable[[str], object], choices: Sequence[object] | None 
     return parse
 
 
+def add_planning(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hardware", metavar="NAME|FILE",
+                   help="price one strategy of --model on hardware that need not be here, from the model's shapes "
+                        "and the hardware file (a100, b200, h100, h200, mi300x or a JSON file; docs/planning.md), "
+                        "instead of a synthetic schedule in --cost units")
+    p.add_argument("--devices", type=int, help="with --hardware: devices in all; data-parallel replicas = devices / "
+                   "(pp x tp)")
+    p.add_argument("--model", metavar="hf:CONFIG", help="with --hardware: a Hugging Face decoder config (config.json "
+                   "or its folder), counted on fake tensors: no weights are allocated")
+    p.add_argument("--batch-size", type=int, help="with --hardware: sequences per step (default: --devices)")
+    p.add_argument("--seq-len", type=int, help="with --hardware: tokens per sequence (default: 4096)")
+    p.add_argument("--tp", type=int, default=1, help="with --hardware: tensor-parallel degree (default: 1)")
+    p.add_argument("--zero", dest="plan_zero", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="with --hardware: ZeRO level (default: 0)")
+    p.add_argument("--recompute", dest="plan_recompute", choices=["none", "all"], default="none",
+                   help="with --hardware: recompute every layer's activations in its backward (default: none)")
+    add_precision(p)  # with --hardware: the dtype computed in (default bf16)
+
+
 def add_tune(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, required=True, help="devices (ranks) to tune for")
+    p.add_argument("--hardware", metavar="NAME|FILE",
+                   help="plan for this hardware instead of profiling here (a100, b200, h100, h200, mi300x or a JSON "
+                        "file): --model hf:CONFIG counted on fake tensors, every strategy priced in closed form, "
+                        "nothing run (docs/planning.md); --batch-size is the global batch in sequences (default: "
+                        "--devices), --seq-len tokens per sequence (default: 4096)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (matrix products of --model hf:CONFIG's sizes, elementwise bandwidth, "
+                        "per-operator cost, the links among --devices ranks) and write a hardware file to --out "
+                        "(default: calibrated.json) that --hardware reads (docs/planning.md)")
+    p.add_argument("--tp", dest="tps", type=_comma_list(int), default=None,
+                   help="with --hardware: tensor-parallel degrees to try, comma-separated (default: every divisor "
+                        "of --devices up to a node)")
     p.add_argument("--stages", type=int, help="annotated regions of a built-in model (default: 2 x --devices)")
     p.add_argument("--memory-budget-mb", type=finite_float, default=None,
                    help="per-rank memory budget: strategies whose estimate exceeds it are pruned before simulation")
-    p.add_argument("--microbatch-range", default="1-16",
+    p.add_argument("--microbatch-range", default=None,
                    help="microbatch counts to try: LO-HI (the powers of two between) or a list like 2,4,8 "
-                        "(default: 1-16)")
+                        "(default: 1-16; with --hardware 1-256)")
     p.add_argument("--schedules", type=_comma_list(str, sorted(SCHEDULES)), default=sorted(SCHEDULES),
                    help="schedules to try, comma-separated (default: all)")
     p.add_argument("--zero-levels", type=_comma_list(int, [0, 1, 2, 3]), default=[0, 1, 2, 3],
@@ -304,6 +336,7 @@ def add_tune(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="where ranks run (default: cpu)")
     p.add_argument("--json", action="store_true", help="print the ranking and the best strategy as JSON on stdout")
     p.add_argument("--no-progress-bar", action="store_true", help="no progress bar even on a terminal")
+    add_precision(p)  # --hardware and --calibrate: the dtype computed in (default bf16; calibrate: fp32 on a CPU)
 
 
 def _steps_per_call(text: str) -> int | str:
@@ -470,8 +503,8 @@ _TRAINING = (add_model, add_pipeline, add_parallelism, add_run, add_optimization
 SUBCOMMANDS: dict[str, tuple[str, tuple[Group, ...]]] = {
     "train": ("train a model with a strategy on Ray", (*_TRAINING, _add_train, add_checkpoints)),
     "check": ("compare a strategy with single-device training", (*_TRAINING, _add_check)),
-    "simulate": ("simulate a schedule on a synthetic model (no torch work)",
-                 (add_pipeline, _add_simulate, add_simulation)),
+    "simulate": ("simulate a schedule on a synthetic model (no torch work), or price it on --hardware",
+                 (add_pipeline, _add_simulate, add_simulation, add_planning)),
     "plan": ("compile a strategy to a program and save it as JSON", (add_pipeline, _add_plan_source, _add_plan_output)),
     "show": ("print a saved program as a rank x step grid, simulate it", (_add_program, add_simulation)),
     "export": ("write a checkpoint's model as a plain single-device state_dict", (_add_export,)),

@@ -128,6 +128,17 @@ def _compiled(strategy: Strategy, graph: Graph, steps: _Steps, *, memory: bool) 
 
 
 def simulate_command(args: argparse.Namespace) -> int:
+    if args.hardware is not None:  # a model's strategy priced on hardware (imports torch: only here)
+        from piper_train.cli.planning import simulate_plan
+
+        return simulate_plan(args)
+    given = [flag for flag, value in (("--devices", args.devices), ("--model", args.model),
+                                      ("--batch-size", args.batch_size), ("--seq-len", args.seq_len))
+             if value is not None]
+    given += [flag for flag, on in (("--tp", args.tp != 1), ("--zero", args.plan_zero != 0),
+                                    ("--recompute", args.plan_recompute != "none")) if on]
+    if given:
+        raise ValueError(f"{', '.join(given)} price a model's strategy on hardware: give --hardware too")
     check_size(args)
     request = StrategyRequest.from_args(args)
     strategy = request.resolve(args.stages)

@@ -110,7 +110,21 @@ def _recompute(choice: str | None, budget: int | None) -> tuple[bool, ...]:
 
 
 def tune_command(args: argparse.Namespace) -> int:
-    microbatches = _microbatches(args.microbatch_range)
+    if args.calibrate:  # measure this machine into a hardware file (cli.planning)
+        from piper_train.cli.planning import calibrate
+
+        return calibrate(args)
+    if args.hardware is not None:  # plan for hardware that need not be here (cli.planning)
+        from piper_train.cli.planning import tune_plan
+
+        return tune_plan(args, None if args.microbatch_range is None else _microbatches(args.microbatch_range))
+    if args.tps is not None:
+        raise ValueError("--tp lists the tensor-parallel degrees --hardware plans; without --hardware, tune "
+                         "searches every degree the model can be cut to")
+    if args.precision is not None:
+        raise ValueError("--precision is the dtype --hardware plans in and --calibrate measures in; without them, "
+                         "tune profiles the model in its own dtypes")
+    microbatches = _microbatches(args.microbatch_range or "1-16")
     comm = None
     if (args.latency_us is None) != (args.bandwidth_mbs is None):
         raise ValueError("--latency-us and --bandwidth-mbs give the link together; give both or neither")

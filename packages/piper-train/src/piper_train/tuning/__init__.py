@@ -8,6 +8,11 @@ torch: a saved profile and a captured graph are all they need. ``profiler`` (mea
 runtime) and ``api`` (``tune``, ``validate``) use torch and Ray; they are imported on first
 use. (piper-scheduler cannot host the search: it depends only on piper-ir, and the search
 builds programs with the schedule library and the memory planner.)
+
+Planning for hardware that is not here (``piper tune --hardware``, docs/planning.md):
+``census`` counts a Hugging Face config's operators on fake tensors (torch, no weights) and
+``planner`` prices every strategy from that count and a hardware file in closed form
+(no torch); ``calibrate`` measures this machine into such a file (``piper tune --calibrate``).
 """
 
 import importlib
@@ -23,6 +28,13 @@ _LAZY = {
     "search": "piper_train.tuning.search",
     "SearchResult": "piper_train.tuning.search",
     "Evaluation": "piper_train.tuning.search",
+    "Census": "piper_train.tuning.census",
+    "hf_census": "piper_train.tuning.census",
+    "Planner": "piper_train.tuning.planner",
+    "Plan": "piper_train.tuning.planner",
+    "Setting": "piper_train.tuning.planner",
+    "Calibration": "piper_train.tuning.calibrate",
+    "measure": "piper_train.tuning.calibrate",
 }
 
 __all__ = list(_LAZY)

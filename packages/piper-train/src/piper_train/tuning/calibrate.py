@@ -1,0 +1,335 @@
+"""Measure the machine at hand into a hardware file: ``piper tune --calibrate`` (docs/planning.md).
+
+The analytic planner (``tuning.planner``) prices a step from four figures of a device; this
+module measures each of them on the device torch computes on here (the CPU, or the first GPU
+when CUDA is available) and writes them as a hardware file (``piper_train.hardware``'s schema:
+data only), so ``piper tune --hardware FILE`` predicts this machine's runs:
+
+- ``peak_tflops[dtype]``: the best matrix-product throughput over square products of
+  ``peak_size``; ``flop_efficiency``: what the products of the model's sizes reach of it: each
+  shape's forward, input-gradient and weight-gradient products, each with tensors of its own,
+  run one after another as a step runs them (so caches hold what a step's would), their FLOPs
+  over their time;
+- ``memory_tb_per_s``: the bytes a decoder layer's memory-bound operators (``ELEMENTWISE``: add,
+  multiply, SiLU, softmax, an RMS norm) move over their summed time, on tensors of the model's
+  activation size (in cache or not, as the run has them), ``memory_efficiency`` 1 (the figure
+  is what the kernels reached);
+- ``op_overhead_us``: what one operator costs beyond its work (a chain of one-element
+  multiplies, forward and backward: dispatch, autograd's bookkeeping, and on a GPU the
+  launch), which a small model's many small operators pay;
+- the link (CPU only): ``intra_node_gb_per_s`` and ``intra_node_latency_us`` fitted to ring
+  all-reduces of a small and a large tensor between ``devices`` ranks over the ``local``
+  runtime's gloo groups (threads of this process, loopback: what ``--runtime local``'s ranks
+  use), ``inter_node_*`` the same (one host), ``devices_per_node`` = ``devices``,
+  ``link_efficiency`` 1. On a GPU the link is not measured (one process, one device): its
+  fields come from ``base`` (a shipped part's file) or are left out.
+
+On the CPU every measurement runs on ``devices`` threads at once, one torch thread each, as the
+local runtime runs its ranks: a device's figures are what one rank gets while the others work.
+Each figure is the median of at least ``repeats`` timed calls over at least ``seconds`` after a
+warm-up (long enough that a busy machine's scheduler gives the ranks their share, as it does a
+run's steps); ``source`` records how,
+when and under what load average it was measured. The machine's load moves every figure: a
+file measured on a busy machine predicts runs on an equally busy one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+
+from piper_runtime import TORCH_THREADS
+from piper_train.hardware import Hardware
+
+_WORLDS = itertools.count(1)  # keys of the local backend's in-process stores (``_link``)
+ELEMENTS = 1 << 20  # elements of the elementwise operator's tensors without a model (4 MiB in fp32)
+#: The memory-bound operators of a decoder layer, each with the tensors of the size measured it
+#: reads and writes: what ``memory_tb_per_s`` is measured over (a CPU computes SiLU's and
+#: softmax's exponentials slower than it moves their bytes; an add alone would be too fast).
+ELEMENTWISE: tuple[tuple[Callable[[torch.Tensor, torch.Tensor], object], int], ...] = (
+    (torch.add, 3), (torch.mul, 3), (lambda a, _: torch.nn.functional.silu(a), 2),
+    (lambda a, _: torch.softmax(a, -1), 2), (lambda a, _: torch.rsqrt(a.pow(2).mean(-1, keepdim=True)) * a, 5),  # pow 2, mean 1, mul 2
+)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+
+
+@attrs.frozen
+class Calibration:
+    """What to measure: ``devices`` ranks at once (CPU), in ``dtype``; the model's matrix
+    products as (m, k, n) and its activation's elements (default: square products of
+    ``peak_size`` and tensors of ``elementwise_elements``); all-reduces of one float per rank
+    and of ``link_large`` bytes; at least ``repeats`` timed calls and ``seconds`` of calling per figure
+    (on a shared machine a kernel timed briefly after a sleep gets a core to itself, while a
+    step that runs on takes its share)."""
+
+    devices: int = 1
+    dtype: str = "fp32"
+    matmuls: tuple[tuple[int, int, int], ...] = ()
+    elementwise_elements: int = ELEMENTS
+    peak_size: int = 1024
+    link_large: int = 8 << 20
+    repeats: int = 5
+    seconds: float = 0.5
+
+    def __attrs_post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--precision {self.dtype}: calibration measures {', '.join(DTYPES)}")
+        if self.devices < 1 or self.repeats < 1:
+            raise ValueError("calibration needs --devices >= 1 and repeats >= 1")
+
+
+@attrs.frozen
+class Measured:
+    """The figures measured (module doc), in SI units; ``link`` is None when not measured."""
+
+    device: str
+    ranks: int  # measured at once
+    dtype: str
+    peak_flops: float
+    model_flops: float  # FLOP/s of the model's products
+    bandwidth: float  # bytes/s of the memory-bound operators (ELEMENTWISE)
+    op_overhead: float  # seconds
+    link_bandwidth: float | None
+    link_latency: float | None
+    load: float | None
+    seconds: float
+    memory_bytes: int | None = None  # the device's (a GPU's), or this host's shared by the ranks
+
+    @property
+    def flop_efficiency(self) -> float:
+        return min(1.0, self.model_flops / self.peak_flops)
+
+
+def model_matmuls(config: object, tokens: int) -> tuple[tuple[int, int, int], ...]:
+    """A decoder layer's and the head's matrix products (m, k, n) for ``tokens`` tokens, from a
+    transformers config's sizes (``hidden_size``, ``intermediate_size``, heads, ``vocab_size``;
+    ``census.hf_config``): the projections of attention and the MLP, and the LM head."""
+    hidden = int(config.hidden_size)  # type: ignore[attr-defined]
+    heads = int(getattr(config, "num_attention_heads", None) or 1)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    inner = int(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden)
+    vocab = int(getattr(config, "vocab_size", None) or hidden)
+    return ((tokens, hidden, heads * head_dim), (tokens, hidden, kv), (tokens, hidden, kv),
+            (tokens, heads * head_dim, hidden), (tokens, hidden, inner), (tokens, hidden, inner),
+            (tokens, inner, hidden), (tokens, hidden, vocab))
+
+
+def _on_ranks(devices: int, body: Callable[[int], float], cuda: bool = False) -> float:
+    """``body(rank)`` on ``devices`` threads started together, one torch thread each, as the
+    local runtime's ranks compute (and as OpenMP should on a busy machine: its threads'
+    barriers spin while the cores run other work); the median of what they return. On a GPU:
+    on this thread."""
+    if cuda:
+        return body(0)
+    out: list[float] = [0.0] * devices
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(devices)
+
+    def run(rank: int) -> None:
+        try:
+            torch.set_num_threads(TORCH_THREADS)
+            barrier.wait()
+            out[rank] = body(rank)
+        except BaseException as err:  # re-raised on the caller's thread
+            errors.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"calibrate-{r}") for r in range(devices)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return statistics.median(out)
+
+
+def _timed(fn: Callable[[], object], repeats: int, sync: Callable[[], None], seconds: float = 0.0) -> float:
+    """Median seconds of ``fn`` over at least ``repeats`` calls and ``seconds`` of calling,
+    after one warm-up."""
+    fn()
+    sync()
+    times: list[float] = []
+    began = time.perf_counter()
+    while len(times) < repeats or time.perf_counter() - began < seconds:
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(cal: Calibration) -> Measured:
+    """Measure ``cal`` on this machine (module doc)."""
+    started = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    devices = 1 if cuda else cal.devices
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    dtype = DTYPES[cal.dtype]
+
+    def matmul_seconds(shapes: Sequence[tuple[int, int, int]]) -> Callable[[int], float]:
+        def body(_: int) -> float:
+            total = 0.0
+            for m, k, n in shapes:
+                a = torch.randn(m, k, device=device).to(dtype)
+                b = torch.randn(k, n, device=device).to(dtype)
+                total += _timed(lambda a=a, b=b: torch.mm(a, b), cal.repeats, sync, cal.seconds / len(shapes))
+            return total
+        return body
+
+    def sweep_seconds(shapes: Sequence[tuple[int, int, int]]) -> Callable[[int], float]:
+        # every product of a layer's step, each with tensors of its own, one after another as a step
+        # runs them: what stays in cache between them is what a step keeps
+        def body(_: int) -> float:
+            sets = [(torch.randn(m, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype),
+                     torch.randn(m, n, device=device).to(dtype)) for m, k, n in shapes]
+
+            def step() -> None:
+                for x, w, g in sets:
+                    torch.mm(x, w.t())  # forward: x W^T
+                    torch.mm(g, w)  # input gradient
+                    torch.mm(g.t(), x)  # weight gradient
+
+            return _timed(step, cal.repeats, sync, cal.seconds)
+        return body
+
+    square = ((cal.peak_size,) * 3,)
+    peak = 2 * cal.peak_size**3 / _on_ranks(devices, matmul_seconds(square), cuda)
+    shapes = cal.matmuls or square
+    model = 3 * sum(2 * m * k * n for m, k, n in shapes) / _on_ranks(devices, sweep_seconds(shapes), cuda)
+    peak = max(peak, model)  # the best product seen is the peak
+
+    def elementwise_seconds(elements: int) -> Callable[[int], float]:
+        def body(_: int) -> float:
+            a = torch.randn(elements // 64, 64, device=device).to(dtype)
+            b = torch.randn(elements // 64, 64, device=device).to(dtype)
+            return sum(_timed(lambda op=op: op(a, b), cal.repeats, sync, cal.seconds / len(ELEMENTWISE))
+                       for op, _ in ELEMENTWISE)
+        return body
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    def tiny_seconds(_: int) -> float:
+        # 100 one-element multiplies and their backward (100 more operators), back to back as in a
+        # training step: the dispatch, autograd's bookkeeping and, on a GPU, the queued launches
+        x = torch.ones(1, device=device, dtype=dtype, requires_grad=True)
+
+        def chain() -> None:
+            y = x
+            for _ in range(100):
+                y = y * 1.0
+            y.backward()
+
+        return _timed(chain, cal.repeats, sync, cal.seconds) / 200
+
+    tiny = _on_ranks(devices, tiny_seconds, cuda)
+    elements = cal.elementwise_elements // 64 * 64
+    moved = sum(tensors for _, tensors in ELEMENTWISE) * elements * itemsize
+    bandwidth = moved / _on_ranks(devices, elementwise_seconds(elements), cuda)  # their dispatch included
+    link_bw = link_lat = None
+    if not cuda and devices > 1:
+        link_bw, link_lat = _link(cal)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return Measured(torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine()),
+                    devices, cal.dtype, peak, model, bandwidth, tiny, link_bw, link_lat, load,
+                    time.perf_counter() - started, _memory(cuda, devices))
+
+
+def _memory(cuda: bool, devices: int) -> int | None:
+    """The first GPU's memory, or this host's physical memory divided among ``devices`` ranks."""
+    if cuda:
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // devices
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _link(cal: Calibration) -> tuple[float, float]:
+    """Bandwidth (bytes/s) and latency (s) of the local runtime's links, fitted to ring
+    all-reduces of one float per rank and of ``link_large`` bytes among ``devices`` threads:
+    ``2(k-1)(latency + n/k/bandwidth)`` (``piper_scheduler.analytic.Link``)."""
+    from piper_runtime.backends import backend_factory
+
+    k = cal.devices
+    world = -next(_WORLDS)  # the local runtime keys its runs' stores 1, 2, ...: a negative key is ours alone
+
+    def body(rank: int) -> tuple[float, float]:
+        backend = backend_factory("local")()
+        backend.connect(rank, k, "", world, 60.0)
+        try:
+            comm = backend.communicator(range(k))
+            small = torch.zeros(k)  # one float per rank
+            large = torch.zeros(max(cal.link_large // 4, k))
+            return (_timed(lambda: comm.all_reduce(small), cal.repeats, lambda: None),
+                    _timed(lambda: comm.all_reduce(large), cal.repeats, lambda: None))
+        finally:
+            backend.shutdown()
+
+    times: list[tuple[float, float]] = [(0.0, 0.0)] * k
+
+    def store(rank: int) -> float:
+        times[rank] = body(rank)
+        return 0.0
+
+    _on_ranks(k, store)
+    return fit_link(statistics.median(t[0] for t in times), statistics.median(t[1] for t in times),
+                    max(cal.link_large // 4, k) * 4, k)
+
+
+def fit_link(small_s: float, large_s: float, large_bytes: int, ranks: int) -> tuple[float, float]:
+    """The (bandwidth bytes/s, latency s) under which ``Link.all_reduce`` takes ``small_s`` for
+    a message too small to count and ``large_s`` for ``large_bytes``, on ``ranks`` ranks: the
+    ring's ``2(k-1)`` steps each pay the latency and ``n/k`` bytes."""
+    steps = 2 * (ranks - 1)
+    latency = small_s / steps
+    per_step = max(large_s / steps - latency, 1e-12)
+    return (large_bytes / ranks) / per_step, latency
+
+
+def hardware_file(m: Measured, cal: Calibration, base: Hardware | None = None, name: str = "calibrated") -> dict:
+    """The hardware file (a JSON object: ``piper_train.hardware``'s schema) of ``m``; fields
+    not measured (a GPU's links) come from ``base`` where it has them, peaks excepted."""
+    out: dict[str, object] = {}
+    if base is not None:
+        out.update({k: v for k, v in attrs.asdict(base).items() if v not in (None, "")})
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    load = "unknown" if m.load is None else f"{m.load:.1f}"
+    what = f"{m.device}, {m.ranks} rank(s) at once"
+    out.update({
+        "name": name,
+        "description": f"measured: {what}",
+        # the measured dtype only: the efficiencies measured in it would misprice the base's others
+        "peak_tflops": {m.dtype: m.peak_flops / 1e12},
+        "memory_tb_per_s": m.bandwidth / 1e12,
+        "flop_efficiency": m.flop_efficiency,
+        "memory_efficiency": 1.0,
+        "op_overhead_us": m.op_overhead * 1e6,
+        **({"memory_gib": m.memory_bytes / 2**30} if m.memory_bytes else {}),
+        "source": (f"piper tune --calibrate, {when}, load average {load} on {os.cpu_count()} CPUs; {m.dtype}; each "
+                   f"figure the median of {cal.repeats} or more calls over {cal.seconds:g} s or more: matrix "
+                   f"products ({len(cal.matmuls) or 1} shapes, forward and both gradients), add, multiply, SiLU, "
+                   f"softmax and an RMS norm on {cal.elementwise_elements} elements, one-element multiplies and "
+                   "their backward for the per-operator cost"
+                   + (f", ring all-reduces of one float per rank and of {cal.link_large} bytes over the local "
+                      f"runtime's gloo groups among {cal.devices} threads" if m.link_bandwidth else
+                      "; links not measured")),
+    })
+    if m.link_bandwidth is not None and m.link_latency is not None:
+        gb, us = m.link_bandwidth / 1e9, m.link_latency * 1e6
+        out.update({"devices_per_node": cal.devices, "intra_node_gb_per_s": gb, "inter_node_gb_per_s": gb,
+                    "intra_node_latency_us": us, "inter_node_latency_us": us, "link_efficiency": 1.0})
+    return out
+
+
+__all__ = ["Calibration", "Measured", "fit_link", "hardware_file", "measure", "model_matmuls"]

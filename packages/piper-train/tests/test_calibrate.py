@@ -1,0 +1,110 @@
+"""``piper_train.tuning.calibrate``: this machine measured into a hardware file the planner
+reads (docs/planning.md, "Calibration")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from piper_scheduler.analytic import Link, Roofline
+from piper_train.hardware import load_hardware
+from piper_train.tuning.calibrate import (
+    Calibration,
+    Measured,
+    fit_link,
+    hardware_file,
+    measure,
+    model_matmuls,
+)
+from piper_train.tuning.census import hf_census, hf_config
+from piper_train.tuning.planner import Planner, Setting
+from piper_train.tuning.space import Candidate
+
+TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64}
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    return f"hf:{path}"
+
+
+def test_fitted_link_reproduces_both_all_reduces():
+    for ranks in (2, 4, 8):
+        bandwidth, latency = fit_link(3e-4, 5e-2, 8 << 20, ranks)
+        link = Link(bandwidth, latency)
+        # the small message's bytes are negligible; the large one's time is reproduced exactly
+        assert link.all_reduce(1e-9, ranks) == pytest.approx(3e-4)
+        assert link.all_reduce(8 << 20, ranks) == pytest.approx(5e-2)
+
+
+def test_roofline_charges_each_operator_its_overhead():
+    ops = [(1e6, 1e3), (0.0, 4e6), (0.0, 0.0)]
+    bare = Roofline(1e9, 1e9).seconds(ops)
+    assert bare == pytest.approx(1e-3 + 4e-3)
+    assert Roofline(1e9, 1e9, overhead=1e-5).seconds(ops) == pytest.approx(bare + 3e-5)
+
+
+def test_model_matmuls_are_the_configs_projections(tiny):
+    shapes = model_matmuls(hf_config(tiny), 16)
+    # q (4 heads x 8), k and v (2 KV heads x 8), o, gate, up, down, LM head
+    assert shapes == ((16, 32, 32), (16, 32, 16), (16, 32, 16), (16, 32, 32), (16, 32, 64), (16, 32, 64),
+                      (16, 64, 32), (16, 32, 64))
+
+
+def test_measure_writes_a_file_the_planner_reads(tmp_path, tiny):
+    cal = Calibration(devices=2, matmuls=model_matmuls(hf_config(tiny), 8), elementwise_elements=4096,
+                      peak_size=64, link_large=1 << 16, repeats=2, seconds=0.0)
+    m = measure(cal)
+    assert m.ranks == 2 and m.peak_flops >= m.model_flops > 0 and m.bandwidth > 0 and m.op_overhead > 0
+    assert m.link_bandwidth and m.link_latency  # two ranks: the local runtime's gloo link was measured
+    data = hardware_file(m, cal, name="here")
+    path = tmp_path / "here.json"
+    path.write_text(json.dumps(data))
+    hw = load_hardware(str(path))  # the schema hardware.py reads: data only
+    assert hw.peak("fp32") * 1e12 == pytest.approx(m.peak_flops)
+    assert hw.flop_efficiency * hw.peak("fp32") * 1e12 == pytest.approx(m.model_flops)  # the model's products
+    assert hw.memory_tb_per_s * 1e12 == pytest.approx(m.bandwidth)
+    assert hw.op_overhead_us == pytest.approx(m.op_overhead * 1e6)
+    assert hw.devices_per_node == 2 and hw.intra_node_gb_per_s == pytest.approx(m.link_bandwidth / 1e9)
+    assert "piper tune --calibrate" in hw.source and "load average" in hw.source
+    # the planner prices with it: each operator pays the measured overhead on top of its roofline
+    census = hf_census(tiny, 8, dtype=torch.float32)
+    planner = Planner(Setting(census, hw, 2, 4, dtype="fp32"))
+    plan = planner.price(Candidate("1f1b", 1, 1, 2, 1, 1, 0, None, False))
+    assert plan.fits and plan.step_seconds > 0
+    ops = sum(len(census.layer.ops.get(p, ())) for p in ("F", "BI", "BW")) * census.layers \
+        + sum(len(part.ops.get(p, ())) for part in (census.embed, census.head) for p in ("F", "BI", "BW"))
+    bare = Planner(Setting(census, load_hardware(str(_without_overhead(path))), 2, 4, dtype="fp32"))
+    compute = sum(plan.parts[p] for p in ("F", "BI", "BW"))
+    compute_bare = sum(bare.price(plan.candidate).parts[p] for p in ("F", "BI", "BW"))
+    assert compute - compute_bare == pytest.approx(ops * m.op_overhead)
+
+
+def _without_overhead(path: Path) -> Path:
+    data = json.loads(path.read_text())
+    del data["op_overhead_us"]
+    out = path.with_name("bare.json")
+    out.write_text(json.dumps(data))
+    return out
+
+
+def test_fields_not_measured_come_from_the_base_file():
+    m = Measured("GPU", 1, "bf16", 500e12, 400e12, 3e12, 4e-6, None, None, 1.0, 2.0, 80 * 2**30)
+    data = hardware_file(m, Calibration(dtype="bf16"), load_hardware("h100"), name="mine")
+    h100 = load_hardware("h100")
+    assert data["intra_node_gb_per_s"] == h100.intra_node_gb_per_s  # the link was not measured
+    assert data["peak_tflops"] == {"bf16": 500}  # the base's other peaks would be priced at bf16's efficiency
+    assert data["flop_efficiency"] == pytest.approx(0.8) and "links not measured" in data["source"]
+
+
+def test_calibration_options_are_checked():
+    with pytest.raises(ValueError, match="--precision fp8"):
+        Calibration(dtype="fp8")
+    with pytest.raises(ValueError, match="--devices"):
+        Calibration(devices=0)
