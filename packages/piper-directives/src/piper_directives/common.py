@@ -84,6 +84,16 @@ def to_devices(value: object) -> tuple[int, ...]:
     return (value,) if isinstance(value, int) else tuple(value)  # type: ignore[call-overload]
 
 
+def check_degree(directive: str, devices: tuple[int, ...], degree: object, groups: str) -> None:
+    """A group directive's ``degree``: an int >= 2 that divides its ``devices`` (``groups`` says
+    what each group of ``degree`` devices is); else ``DirectiveError`` naming ``directive``."""
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 2 or len(devices) % degree:
+        raise DirectiveError(
+            f"degree must be an int >= 2 that divides the {len(devices)} devices ({groups}), got {degree!r}",
+            directive=directive,
+        )
+
+
 def json_fields(cls: type) -> tuple[frozenset[str], frozenset[str]]:
     """The JSON fields of directive class ``cls`` and the required ones among them."""
     fields = [f for f in attrs.fields(cls) if f.name != "where"]

@@ -38,6 +38,7 @@ import attrs
 
 from piper_directives.common import (
     JsonObject,
+    check_degree,
     devices_from_json,
     filter_from_json,
     to_devices,
@@ -70,13 +71,8 @@ class ContextParallel:
                 f"ContextParallel needs a device group of at least two devices, got {list(self.devices)}",
                 directive=str(self),
             )
-        d = self.degree
-        if isinstance(d, bool) or not isinstance(d, int) or d < 2 or len(self.devices) % d:
-            raise DirectiveError(
-                f"degree must be an int >= 2 that divides the {len(self.devices)} devices (the ranks each "
-                f"sequence is cut over; the groups are data-parallel replicas), got {d!r}",
-                directive=str(self),
-            )
+        check_degree(str(self), self.devices, self.degree,
+                     "the ranks each sequence is cut over; the groups are data-parallel replicas")
 
     def __str__(self) -> str:
         degree = "" if self.degree == len(self.devices) else f", degree={self.degree}"

@@ -38,6 +38,7 @@ import attrs
 
 from piper_directives.common import (
     JsonObject,
+    check_degree,
     devices_from_json,
     filter_from_json,
     to_devices,
@@ -127,13 +128,8 @@ class Shard:
                 f"sequence_parallel must be True or False, and True only for kind='tp'; got {self.sequence_parallel!r}",
                 directive=str(self),
             )
-        d = self.degree
-        if isinstance(d, bool) or not isinstance(d, int) or d < 2 or len(self.devices) % d:
-            raise DirectiveError(
-                f"degree must be an int >= 2 that divides the {len(self.devices)} devices (the size of each "
-                f"shard group; the groups are data-parallel replicas), got {d!r}",
-                directive=str(self),
-            )
+        check_degree(str(self), self.devices, self.degree,
+                     "the size of each shard group; the groups are data-parallel replicas")
 
     def __str__(self) -> str:
         degree = "" if self.degree == len(self.devices) else f", degree={self.degree}"
