@@ -160,11 +160,11 @@ class SizedStrategy:
 
 def device_count(strategy: Strategy | Callable[[int], Strategy]) -> int | None:
     """How many ranks ``strategy`` runs on, where that is known before the model is captured
-    (a ``Strategy``'s ``Place`` directives, a ``SizedStrategy``'s ``devices``)."""
+    (the devices a ``Strategy``'s directives name, a ``SizedStrategy``'s ``devices``)."""
     if isinstance(strategy, SizedStrategy):
         return strategy.devices
     if isinstance(strategy, Strategy):
-        devices = {d for place in strategy.of(Place) for d in place.devices}
+        devices = {d for directive in strategy.directives for d in getattr(directive, "devices", ())}
         return max(devices) + 1 if devices else None
     return None
 

@@ -174,6 +174,7 @@ class _EarlyStart:
 
     def __init__(self, num_cpus: int) -> None:
         self.num_cpus = num_cpus
+        self.claimed = False  # a runtime took the cluster as it is: it is never restarted under it
         self.error: BaseException | None = None
         self.started = threading.Event()  # ray.init returned, or failed (``error``)
         self.done = threading.Event()  # the cluster is stopped: the thread may end
@@ -209,19 +210,21 @@ def start_early(address: str | None, num_cpus: int) -> None:
 
 def _await_early_start(address: str | None, num_cpus: int | None) -> None:
     """Wait for a background start (``start_early``); raise its error; stop the cluster it
-    started when this call wants another (a cluster address, or more CPUs than it has)."""
+    started when the first call for it wants another (a cluster address, or more CPUs than it
+    has); once a call took it, later ones find Ray up and reuse it, as ``ensure_ray`` does."""
     global _early
     early = _early
-    if early is None or early.thread is threading.current_thread():
+    if early is None or early.claimed or early.thread is threading.current_thread():
         return
     early.started.wait()  # ray.init's own timeouts bound it
     if early.error is not None:
         _early = None
         early.done.set()
         raise early.error
-    wanted = requested_address(address) is not None or (num_cpus or 0) > early.num_cpus
-    if wanted:
+    if requested_address(address) is not None or (num_cpus or 0) > early.num_cpus:
         shutdown()
+    else:
+        early.claimed = True
 
 
 def split_address(address: str) -> tuple[str, int]:
