@@ -46,8 +46,8 @@ from piper_directives.common import (
     user_location,
     written_at_or,
 )
-from piper_directives.groups import placement_groups, segments_on_group
-from piper_ir import DirectiveError, Filter, Graph, Phase, Sharding, ShardKind, TensorMeta, Value, compute_id
+from piper_directives.groups import directive_per_segment, placement_groups
+from piper_ir import DirectiveError, Filter, Graph, Sharding, ShardKind, TensorMeta, Value
 
 if TYPE_CHECKING:
     from piper_directives.strategy import Strategy
@@ -103,27 +103,11 @@ def _chosen(graph: Graph, cps: Sequence[ContextParallel]) -> dict[str, ContextPa
             "supported yet",
             directive=str(cps[0]),
         )
-    group = placement_groups(graph)
-    chosen: dict[str, ContextParallel] = {}
-    for cp in cps:
-        for seg in segments_on_group(graph, cp, group):
-            chosen.setdefault(seg.id, cp)
-    loss = graph.loss_segment()
-    if loss.id not in chosen:  # the loss runs where the model's output is made
-        owner = next((chosen[s] for s, g in group.items() if s in chosen and g == group.get(loss.id)), None)
-        if owner is not None:
-            chosen[loss.id] = owner
-    for seg in graph.segments:
-        devices = group.get(seg.id, ())
-        if len(devices) > 1 and seg.id not in chosen:
-            raise DirectiveError(
-                f"segment {seg.id} ({seg.tags}) is placed on {list(devices)} without a ContextParallel while "
-                "other groups cut their sequences; give every multi-device group one (data x context "
-                "parallelism: ContextParallel(..., degree=k) over the whole group)",
-                directive=str(cps[0]),
-                nodes=[compute_id(Phase.F, seg.id)],
-            )
-    return chosen
+    return directive_per_segment(
+        graph, cps, placement_groups(graph),
+        "a ContextParallel while other groups cut their sequences; give every multi-device group one (data x "
+        "context parallelism: ContextParallel(..., degree=k) over the whole group)",
+    )
 
 
 def context_all(graph: Graph, cps: Sequence[ContextParallel]) -> Graph:

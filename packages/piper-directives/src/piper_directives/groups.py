@@ -2,14 +2,15 @@
 matches, and the group each segment runs on.
 
 ``Place`` uses these to build a placement; ``Shard`` and ``Replicate`` describe a placement
-already made, and use them to check they name the group a ``Place`` made; ``data_parallel``
+already made, and use them to check they name the group a ``Place`` made (``directive_per_segment``:
+one ``Shard`` or ``ContextParallel`` per segment of every multi-device group); ``data_parallel``
 uses ``segment_group`` for regions placed per microbatch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from piper_ir import (
     MB,
@@ -81,3 +82,32 @@ def segments_on_group(graph: Graph, directive: OnGroup, group: dict[str, tuple[i
                 nodes=[compute_id(Phase.F, seg.id)],
             )
         yield seg
+
+
+G = TypeVar("G", bound=OnGroup)
+
+
+def directive_per_segment(graph: Graph, directives: list[G], group: dict[str, tuple[int, ...]],
+                          missing: str) -> dict[str, G]:
+    """Segment id -> the first of ``directives`` (``Shard``s, ``ContextParallel``s) whose group
+    it runs on; the loss segment, unmatched, takes its producer's group's (it runs where the
+    model's output is made). Every segment placed on several devices must have one: else a
+    ``DirectiveError`` naming it and ``missing`` (what is missing and how to give it)."""
+    chosen: dict[str, G] = {}
+    for directive in directives:
+        for seg in segments_on_group(graph, directive, group):
+            chosen.setdefault(seg.id, directive)
+    loss = graph.loss_segment()
+    if loss.id not in chosen:
+        owner = next((chosen[s] for s, g in group.items() if s in chosen and g == group.get(loss.id)), None)
+        if owner is not None:
+            chosen[loss.id] = owner
+    for seg in graph.segments:
+        devices = group.get(seg.id, ())
+        if len(devices) > 1 and seg.id not in chosen:
+            raise DirectiveError(
+                f"segment {seg.id} ({seg.tags}) is placed on {list(devices)} without {missing}",
+                directive=str(directives[0]),
+                nodes=[compute_id(Phase.F, seg.id)],
+            )
+    return chosen

@@ -45,8 +45,8 @@ from piper_directives.common import (
     to_filter,
     user_location,
 )
-from piper_directives.groups import OnGroup, placement_groups, segments_on_group
-from piper_ir import DirectiveError, Filter, Graph, Phase, SegmentRole, Sharding, ShardKind, compute_id
+from piper_directives.groups import OnGroup, directive_per_segment, placement_groups, segments_on_group
+from piper_ir import DirectiveError, Filter, Graph, SegmentRole, Sharding, ShardKind
 
 #: Plan styles: Linears cut on their outputs / inputs (``shard_groups``), by vocabulary the head
 #: (its logits sliced, the loss a parallel cross-entropy) and the embedding (``shard_vocab``), and
@@ -181,25 +181,11 @@ def shard_all(graph: Graph, shards: Sequence[Shard], replicated: Sequence[OnGrou
     if kinds == {ShardKind.EP}:
         return _shard_experts(graph, shards)
     group = placement_groups(graph)
-    chosen: dict[str, Shard] = {}
-    for shard in shards:
-        for seg in segments_on_group(graph, shard, group):
-            chosen.setdefault(seg.id, shard)
-    loss = graph.loss_segment()
-    if loss.id not in chosen:  # the loss runs, replicated, on the group of its producer
-        owner = next((chosen[s] for s, g in group.items() if s in chosen and g == group.get(loss.id)), None)
-        if owner is not None:
-            chosen[loss.id] = owner
-    for seg in graph.segments:
-        devices = group.get(seg.id, ())
-        if len(devices) > 1 and seg.id not in chosen:
-            raise DirectiveError(
-                f"segment {seg.id} ({seg.tags}) is placed on {list(devices)} without a Shard while other "
-                "groups are tensor-parallel; shard every multi-device group (data x tensor parallelism: "
-                "Shard(..., degree=k) over the whole group, plus a Replicate for the ZeRO level)",
-                directive=str(shards[0]),
-                nodes=[compute_id(Phase.F, seg.id)],
-            )
+    chosen = directive_per_segment(
+        graph, shards, group,
+        "a Shard while other groups are tensor-parallel; shard every multi-device group (data x tensor "
+        "parallelism: Shard(..., degree=k) over the whole group, plus a Replicate for the ZeRO level)",
+    )
     pure = {s.devices for s in chosen.values() if s.degree == len(s.devices)}
     for rep in replicated:
         if rep.devices in pure:
