@@ -186,8 +186,9 @@ def test_a_checkpoint_the_disk_refuses_fails_the_run_and_keeps_the_ones_before(t
 @pytest.mark.parametrize(
     ("model", "strategy"),
     [("transformer", build_schedule("1f1b", 1, 2, stages=2, tp=2, dp=2, zero=3)),
-     ("moe", build_schedule("gpipe", 1, 2, stages=2, ep=2, zero=1))],
-    ids=["tp2-dp2-zero3", "ep2-zero1"],
+     ("moe", build_schedule("gpipe", 1, 2, stages=2, ep=2, zero=1)),
+     ("moe", build_schedule("gpipe", 1, 2, stages=2, tp=2, ep=2, zero=1))],
+    ids=["tp2-dp2-zero3", "ep2-zero1", "tp2-ep2-zero1"],
 )
 def test_tensor_and_expert_parallel_checkpoints_resume_exactly_and_reshard(model, strategy, tmp_path) -> None:
     """Parameters cut across ranks (a fused q/k/v weight in three blocks, experts), their ZeRO

@@ -16,6 +16,7 @@ from piper_directives import (
     capture,
     expert_parallel,
     one_f_one_b,
+    parallelize,
     shard_modules,
 )
 from piper_directives.expert_code import ExpertParallelComm
@@ -112,13 +113,13 @@ def test_region_without_an_expert_module() -> None:
         shard_modules(strategy.apply(captured.graph), captured.modules)
 
 
-def test_tensor_and_expert_parallelism_do_not_mix_yet() -> None:
+def test_shards_of_two_kinds_do_not_mix() -> None:
     captured = _capture(MoE())
     strategy = Strategy([
         Split(2), Place({"PP": 0}, (0, 1)), Place({"PP": 1}, (2, 3)),
         Shard({"PP": 0}, (0, 1), kind="ep"), Shard({"PP": 1}, (2, 3)),
     ])
-    with pytest.raises(DirectiveError, match="tensor and expert parallelism in one strategy"):
+    with pytest.raises(DirectiveError, match="Shards of different kinds in one strategy .* expert_degree"):
         strategy.apply(captured.graph)
 
 
@@ -153,3 +154,40 @@ def test_expert_parallel_zero_adds_replicates() -> None:
     assert [d for d in strategy.directives if isinstance(d, Replicate)] == [Replicate({"PP": 0}, (0, 1), zero=1)]
     with pytest.raises(DirectiveError, match="zero= is for a strategy without Replicate"):
         expert_parallel(one_f_one_b(1, 2, dp=2), 2, zero=1)
+
+
+def test_tensor_with_expert_parallelism_cuts_the_experts_over_the_wider_group() -> None:
+    """tp=2 x ep=2: two tensor-parallel groups, data-parallel replicas of each other, the experts
+    split over all four ranks (one each), the router reduced per tensor-parallel position, the
+    experts in no bucket (each lives on one rank); with dp=2 each expert is reduced over the two
+    ranks holding it."""
+    captured = _capture(MoE(blocks=1))
+    graph, _ = shard_modules(parallelize(one_f_one_b(1, 2), tp=2, ep=2).apply(captured.graph), captured.modules)
+    sh = graph.sharding[0]
+    assert (sh.devices, sh.kind, sh.degree, sh.expert_degree) == ((0, 1, 2, 3), "tp", 2, 4)
+    assert [(p.name, p.dim, p.experts) for p in sh.params] == [("experts.0.w", 0, True)]
+    assert sh.local_meta("experts.0.w", dict(graph.segments[0].params)["experts.0.w"]).shape == (1, 8, 8)
+    assert {(b.devices, b.params) for b in graph.buckets if b.segment == "s0"} == {
+        ((0, 2), ("routers.0.weight", "routers.0.bias")), ((1, 3), ("routers.0.weight", "routers.0.bias"))
+    }
+    graph, _ = shard_modules(parallelize(one_f_one_b(1, 2), dp=2, tp=2, ep=2).apply(captured.graph), captured.modules)
+    experts = {b.devices for b in graph.buckets if b.segment == "s0" and "experts.0.w" in b.params}
+    assert experts == {(0, 4), (1, 5), (2, 6), (3, 7)}
+
+
+def test_expert_degree_rules() -> None:
+    with pytest.raises(DirectiveError, match="expert_degree must be a multiple of the degree"):
+        Shard({"PP": 0}, (0, 1, 2, 3), degree=2, expert_degree=3)
+    with pytest.raises(DirectiveError, match="expert_degree must be a multiple of the degree"):
+        Shard({"PP": 0}, (0, 1, 2, 3), kind="ep", degree=2, expert_degree=4)
+    with pytest.raises(DirectiveError, match="sequence parallelism with an expert-parallel group"):
+        Shard({"PP": 0}, (0, 1, 2, 3), degree=2, expert_degree=4, sequence_parallel=True)
+    shard = Shard({"PP": 0}, (0, 1, 2, 3), degree=2, expert_degree=4)
+    assert "expert_degree=4" in str(shard)
+    assert Strategy.from_json(Strategy([Place({"PP": 0}, (0, 1, 2, 3)), shard]).to_json()).directives[1] == shard
+
+
+def test_tensor_with_expert_parallelism_needs_experts_the_group_divides() -> None:
+    captured = _capture(MoE(num=6, blocks=1))
+    with pytest.raises(DirectiveError, match="expert-parallel group of 4 ranks does not divide the experts of experts.0"):
+        shard_modules(parallelize(one_f_one_b(1, 2), tp=2, ep=2).apply(captured.graph), captured.modules)

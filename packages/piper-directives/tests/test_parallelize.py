@@ -112,7 +112,7 @@ def test_every_device_holds_a_region() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"tp": 2, "ep": 2}, "tensor and expert parallelism in one strategy are not supported yet"),
+        ({"tp": 2, "ep": 2, "sp": True}, "parallelize: sequence parallelism .sp. with expert parallelism .ep. is not"),
         ({"tp": 0}, "parallelize: tp must be a positive int, got 0"),
         ({"ep": True}, "parallelize: ep must be a positive int, got True"),
         ({"zero": 1}, "parallelize: ZeRO-1 shards over data-parallel replicas; it needs dp >= 2"),
@@ -128,7 +128,7 @@ def test_errors(kwargs: dict, message: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "options"),
     [
-        ({"tp": 2, "ep": 2}, ("tp", "ep")),
+        ({"tp": 0}, ("tp",)),
         ({"zero": 1}, ("zero", "dp")),
         ({"zero": 1, "tp": 2}, ("zero", "dp")),
         ({"dp": 0}, ("dp",)),

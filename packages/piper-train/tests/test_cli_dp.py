@@ -104,8 +104,8 @@ def test_ep_composes_with_a_schedule_and_a_strategy_file(tmp_path: Path) -> None
     ("argv", "message"),
     [
         (["check", "--ep", "0"], "--ep must be >= 1"),
-        (["train", "--ep", "2", "--tp", "2"], "--tp 2 with --ep 2: tensor and expert parallelism in one strategy "
-                                              "are not supported yet"),
+        (["train", "--ep", "2", "--tp", "2", "--sp"], "--sp with --ep (sequence parallelism with expert parallelism) "
+                                                      "is not supported yet"),
         (["check", "--recompute", "all", "--tp", "2"], "--recompute with --tp or --ep: recomputing a tensor- or "
                                                        "expert-parallel region"),
         (["train", "--recompute", "0"], "expected none, all or a region interval N >= 1; got '0'"),
@@ -138,6 +138,15 @@ def test_tp_and_ep_compose_with_dp_and_zero() -> None:
     assert {d.zero for d in ep.directives if isinstance(d, Replicate)} == {2}
     alone = built(zero=1, ep=2)  # ZeRO over the expert-parallel group, which is data-parallel
     assert [(d.devices, d.zero) for d in alone.directives if isinstance(d, Replicate)] == [((0, 1), 1), ((2, 3), 1)]
+    # --tp with --ep: ep tensor-parallel groups side by side (data-parallel replicas of each other,
+    # replica j of stage r on r + j * pp), the experts over their tp * ep ranks.
+    both = built(zero=1, tp=2, ep=2)
+    assert [(d.devices, d.kind, d.degree, d.expert_degree) for d in both.directives if isinstance(d, Shard)] == [
+        ((0, 1, 4, 5), "tp", 2, 4), ((2, 3, 6, 7), "tp", 2, 4)
+    ]
+    assert [(d.devices, d.zero) for d in both.directives if isinstance(d, Replicate)] == [
+        ((0, 1, 4, 5), 1), ((2, 3, 6, 7), 1)
+    ]
 
 
 

@@ -28,7 +28,11 @@ segment modules, and returns both rewritten (docs/ir-conventions.md, section 9):
 
 Under tensor parallelism (``shard_code``, one group seeing the same tokens) expert calls are
 rewritten by ``shard_experts_tp`` instead: each rank runs its block of experts on the tokens
-routed to them, with no all-to-all (TP with EP in one group).
+routed to them, with no all-to-all (TP with EP in one group). With an expert-parallel group
+beside the tensor-parallel one (``Sharding.expert_degree``: several tensor-parallel groups
+that are data-parallel replicas), each rank of a tensor-parallel group takes its share of
+the group's tokens and the all-to-alls above route them over the expert-parallel group,
+whose every rank holds its own block of experts (``ParamShard.experts``).
 
 Regions that call no expert module stay data-parallel over the group (their Sharding cuts
 nothing), so an embedding or a head in a region of its own runs beside expert regions.
@@ -80,6 +84,8 @@ class ExpertParallelComm(GroupCollectives[AllToAll]):
     """The all-to-alls of one expert-parallel group (the ``ep`` group's communicators).
     Unbound (the default) it is one rank holding every expert: dispatch and combine are
     identities."""
+
+    traffic = "ep"  # the communicator the runtime binds (``piper_runtime.rank.sharding``)
 
     def __init__(self, degree: int, num_experts: int) -> None:
         super().__init__(degree)
@@ -277,7 +283,10 @@ def shard_experts_tp(gm: torch.fx.GraphModule, calls: Sequence[torch.fx.Node], s
     runs them on the tokens routed to them (read through ``f``: each rank's gradient of the
     tokens is its experts' part, summed in backward), writes zeros for the others, and ``g``
     sums the group's results: exactly one device's output, each expert's gradient from every
-    token routed to it."""
+    token routed to it. With an expert-parallel group (``Sharding.expert_degree``):
+    ``_shard_experts_tp_ep``."""
+    if sh.expert_degree > 1:
+        return _shard_experts_tp_ep(gm, calls, sh, comm)
     g = gm.graph
     params: list[ParamShard] = []
     for call in calls:
@@ -302,5 +311,58 @@ def shard_experts_tp(gm: torch.fx.GraphModule, calls: Sequence[torch.fx.Node], s
 
 
 def divides_experts(gm: torch.fx.GraphModule, call: torch.fx.Node, sh: Sharding) -> bool:
-    """Whether the group's degree divides the experts of ``call``'s module."""
-    return _num_experts(gm.get_submodule(call.target), call.target, sh) % sh.degree == 0
+    """Whether the group the experts are split over (the expert-parallel one when the
+    segment has one, else the tensor-parallel one) divides the experts of ``call``'s module."""
+    return _num_experts(gm.get_submodule(call.target), call.target, sh) % experts_degree(sh) == 0
+
+
+def experts_degree(sh: Sharding) -> int:
+    """How many ways a tensor-parallel segment's experts are split: over its expert-parallel
+    group when it has one, else over its tensor-parallel group."""
+    return sh.expert_degree if sh.expert_degree > 1 else sh.degree
+
+
+def tp_share(comm: nn.Module, ep: ExpertParallelComm, ids: torch.Tensor) -> torch.Tensor:
+    """The positions of the tokens this rank of a tensor-parallel group routes over the
+    expert-parallel group: its contiguous share (block ``position`` of ``degree``, uneven
+    when the degree does not divide the tokens). Unbound (no group: rank 0's experts alone),
+    the tokens routed to the first block of experts, whose ids are then local already."""
+    if not ep.bound:
+        return (ids < ep.num_experts // ep.degree).nonzero().squeeze(1)
+    n, position = ids.shape[0], comm.position
+    return torch.arange(position * n // comm.degree, (position + 1) * n // comm.degree, device=ids.device)
+
+
+def _shard_experts_tp_ep(gm: torch.fx.GraphModule, calls: Sequence[torch.fx.Node], sh: Sharding,
+                         comm: str) -> list[ParamShard]:
+    """``shard_experts_tp`` for a segment with an expert-parallel group (module doc): per
+    call, ``f`` on the tokens (each rank's gradient is its share's, summed in backward), this
+    rank's share, the dispatch/combine all-to-alls over the ``expert_degree`` group, the
+    results placed at the share's positions and summed over the tensor-parallel group by
+    ``g``: one device's output, each expert's gradient from every token routed to it."""
+    g = gm.graph
+    params: list[ParamShard] = []
+    for k, call in enumerate(calls):
+        experts = gm.get_submodule(call.target)
+        num = _num_experts(experts, call.target, sh)
+        _refuse_random(experts, call, sh)
+        params.extend(ParamShard(f"{call.target}.{name}", 0, experts=True) for name, _ in experts.named_parameters())
+        ep = f"{COMM}_{k}"
+        gm.add_submodule(ep, ExpertParallelComm(sh.expert_degree, num))
+        tokens, ids = call.args[0], call.args[1]
+        with g.inserting_before(call):
+            whole = g.call_module(comm, (tokens, "f"))
+            idx = g.call_function(tp_share, (g.get_attr(comm), g.get_attr(ep), ids))
+            mine = g.call_function(torch.index_select, (whole, 0, idx))
+            mine_ids = g.call_function(torch.index_select, (ids, 0, idx))
+            dispatch = g.call_module(ep, ("dispatch", mine, mine_ids))
+            parts = [g.call_function(operator.getitem, (dispatch, i)) for i in range(5)]
+        call.args = (parts[0], parts[1], *call.args[2:])
+        with g.inserting_after(call):
+            combined = g.call_module(ep, ("combine", call, *parts[2:]))
+        with g.inserting_after(combined):
+            placed = g.call_function(tp_place, (combined, idx, whole))
+        with g.inserting_after(placed):
+            summed = g.call_module(comm, (placed, "g"))
+        call.replace_all_uses_with(summed, delete_user_cb=lambda user, keep=combined: user is not keep)
+    return params

@@ -27,7 +27,7 @@ from piper_directives.common import written_at_or
 from piper_directives.groups import segment_group
 from piper_directives.place import Place
 from piper_directives.replicate import DEFAULT_BUCKET_MB, Replicate
-from piper_directives.shard import Shard, mixed_kinds_problem
+from piper_directives.shard import Shard
 from piper_directives.strategy import Directive, Strategy
 from piper_ir import MB, DirectiveError, Filter, ShardKind
 
@@ -47,18 +47,14 @@ def check_degrees(caller: str | None = None, *, dp: int = 1, zero: int = 0, tp: 
     """The one statement of the rules on parallelism degrees, which ``parallelize`` and its
     building blocks apply and the ``piper`` command relies on: each degree a positive int,
     ``zero`` a ZeRO level (0-3) with replicas to shard over (``dp >= 2``, or ``ep >= 2``: an
-    expert-parallel group is data-parallel for its non-expert weights), and not tensor and
-    expert parallelism at once (``mixed_kinds_problem``). ``caller`` prefixes the message
-    (the function the user called). Raises ``DegreeError``."""
+    expert-parallel group is data-parallel for its non-expert weights). ``caller`` prefixes
+    the message (the function the user called). Raises ``DegreeError``."""
     prefix = f"{caller}: " if caller else ""
     for what, v in (("dp", dp), ("tp", tp), ("ep", ep)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise DegreeError(f"{prefix}{what} must be a positive int, got {v!r}", options=(what,))
     if isinstance(zero, bool) or not isinstance(zero, int) or zero not in (0, 1, 2, 3):
         raise DegreeError(f"{prefix}zero must be one of 0, 1, 2, 3, got {zero!r}", options=("zero",))
-    mixed = mixed_kinds_problem(kind for kind, v in ((ShardKind.TP, tp), (ShardKind.EP, ep)) if v > 1)
-    if mixed is not None:
-        raise DegreeError(prefix + mixed, options=("tp", "ep"))
     if zero and dp < 2 and ep < 2:
         raise DegreeError(
             f"{prefix}ZeRO-{zero} shards over data-parallel replicas; it needs dp >= 2 (or ep >= 2, whose "
@@ -72,13 +68,22 @@ def parallelize(pipeline: Strategy, *, dp: int = 1, zero: int = 0, tp: int = 1, 
     """``pipeline`` (a pipeline-only program: one device per ``Place``, no Replicate or
     Shard) over ``dp`` data-parallel replicas with ZeRO level ``zero``, each stage of each
     replica tensor-parallel over ``tp`` or expert-parallel over ``ep`` adjacent devices
-    (module doc for the layout). With every degree 1 and ``zero=0``, ``pipeline`` itself.
+    (module doc for the layout), or both: ``ep`` tensor-parallel groups side by side, data-parallel
+    replicas for all but the experts, which are split over their ``tp * ep`` ranks
+    (``Shard.expert_degree``). With every degree 1 and ``zero=0``, ``pipeline`` itself.
     ``tp_plan``: the ``Shard``s' plan by module path (``tensor_parallel``'s ``plan``); ``sp``:
     sequence parallelism (``tensor_parallel``'s, needs ``tp > 1``)."""
     check_degrees("parallelize", dp=dp, zero=zero, tp=tp, ep=ep)
     if sp and tp < 2:
         raise DegreeError("parallelize: sequence parallelism (sp) shards the code between tensor-parallel "
                           "regions; it needs tp >= 2", options=("sp", "tp"))
+    if sp and ep > 1:
+        raise DegreeError("parallelize: sequence parallelism (sp) with expert parallelism (ep) is not supported yet",
+                          options=("sp", "ep"))
+    if tp > 1 and ep > 1:
+        # The ep groups are data-parallel replicas of each other (innermost of them), the
+        # experts split over their tp * ep ranks: tensor_parallel's expert_degree.
+        return tensor_parallel(data_parallel(pipeline, dp * ep, zero), tp, plan=tp_plan or None, ep=ep)
     if ep > 1 and dp == 1:
         # An expert-parallel group is data-parallel for everything but the experts by itself
         # (the batch is cut among its ranks), so ZeRO applies to it without data-parallel
@@ -143,7 +148,7 @@ def data_parallel(strategy: Strategy, dp: int, zero: int = 0, *, bucket_mb: floa
 
 
 def tensor_parallel(strategy: Strategy, tp: int, *, plan: Mapping[str, str] | None = None,
-                    sp: bool = False) -> Strategy:
+                    sp: bool = False, ep: int = 1) -> Strategy:
     """``strategy``, a pipeline program (optionally data-parallel, from ``data_parallel``),
     with every region run tensor-parallel over ``tp`` adjacent devices: device ``d`` becomes
     ``d*tp, ..., d*tp + tp - 1``, so ``Place(filter, (r,))`` becomes ``Place(filter, (r*tp,
@@ -153,8 +158,10 @@ def tensor_parallel(strategy: Strategy, tp: int, *, plan: Mapping[str, str] | No
     ``Shard(degree=tp)`` and its ``Replicate`` moved onto it: DP x TP. Split and Order stay.
     ``plan``: every ``Shard``'s plan by module path (``Shard``; None: found automatically).
     ``sp``: sequence parallelism between the tensor-parallel regions (``Shard``'s
-    ``sequence_parallel``)."""
-    return _shard_every_stage(strategy, tp, ShardKind.TP, "tensor_parallel", plan=plan, sp=sp)
+    ``sequence_parallel``). ``ep``: tensor with expert parallelism, the experts split over
+    ``ep`` consecutive tensor-parallel groups (``Shard.expert_degree = tp * ep``), which must be
+    data-parallel replicas (``strategy`` replicated ``ep`` times, or a multiple)."""
+    return _shard_every_stage(strategy, tp, ShardKind.TP, "tensor_parallel", plan=plan, sp=sp, ep=ep)
 
 
 def expert_parallel(strategy: Strategy, ep: int, *, zero: int | None = None) -> Strategy:
@@ -171,7 +178,7 @@ def expert_parallel(strategy: Strategy, ep: int, *, zero: int | None = None) -> 
 
 def _shard_every_stage(
     strategy: Strategy, degree: int, kind: ShardKind, name: str, *, zero: int | None = None,
-    plan: Mapping[str, str] | None = None, sp: bool = False,
+    plan: Mapping[str, str] | None = None, sp: bool = False, ep: int = 1,
 ) -> Strategy:
     check_degrees(name, zero=zero or 0, **{str(kind.value): degree})
     if degree == 1:
@@ -190,7 +197,8 @@ def _shard_every_stage(
             group = widen(d.devices)
             out.append(Place(d.filter, group, d.stream, where=d.where))
             shards.append(Shard(d.filter, group, kind=kind, degree=degree, plan=plan,
-                                sequence_parallel=sp, where=written_at_or(d.where)))
+                                sequence_parallel=sp, expert_degree=degree * ep if ep > 1 else 1,
+                                where=written_at_or(d.where)))
             if zero is not None:
                 out.append(Replicate(d.filter, group, zero, where=written_at_or(d.where)))
         elif isinstance(d, Replicate):

@@ -199,14 +199,25 @@ def segment_buckets(
     ``ep`` segment (the experts); such buckets come per position, ``bucket:<seg>:<kind><t>:<k>``
     on ``devices=holders(t)``, with the shard's sizes (``Sharding.local_meta``). An ``ep``
     segment's other parameters are data-parallel over the whole group; its ``cut`` ones, when
-    ``degree == len(devices)``, live on one rank each and get no bucket."""
+    ``degree == len(devices)``, live on one rank each and get no bucket. The experts of a
+    tensor- and expert-parallel segment (``ParamShard.experts``) are an ``ep`` segment's
+    ``cut`` ones over its ``expert_degree`` ranks: ``bucket:<seg>:ep<e>:<k>`` on
+    ``holders(e, expert_degree)``, none when that group is all of ``devices``."""
     def shards(n: int) -> int:
         return n if rep.zero >= 1 else 1
 
     if sharding is None:
         return make_buckets(seg, rep.bucket_bytes, shards(len(rep.devices)))
-    per_position = set(cut) if sharding.kind is ShardKind.EP else {name for name, _ in seg.params}
+    experts = {p.name for p in sharding.params if p.experts}
+    per_position = set(cut) if sharding.kind is ShardKind.EP else {name for name, _ in seg.params} - experts
     out: list[Bucket] = []
+    if experts and sharding.expert_degree < len(sharding.devices):
+        local = attrs.evolve(
+            seg, params=tuple((n, sharding.local_meta(n, m)) for n, m in seg.params if n in experts)
+        )
+        for e in range(sharding.expert_degree):
+            holders = sharding.holders(e, sharding.expert_degree)
+            out += make_buckets(local, rep.bucket_bytes, shards(len(holders)), f"ep{e}", holders)
     if sharding.kind is ShardKind.EP:
         whole = attrs.evolve(seg, params=tuple((n, m) for n, m in seg.params if n not in cut))
         out += make_buckets(whole, rep.bucket_bytes, shards(len(rep.devices)))

@@ -90,7 +90,15 @@ class Shard:
     the tensor-parallel regions run on sequence shards, the rows' all-reduces becoming
     reduce-scatters and the columns' inputs all-gathered (``shard_sequence``). An option of
     the tensor-parallel Shard rather than a kind of its own: the groups, the cut weights and
-    the communicators are tensor parallelism's, only the collectives inside differ."""
+    the communicators are tensor parallelism's, only the collectives inside differ.
+
+    ``expert_degree`` (``kind="tp"``): tensor with expert parallelism. The expert modules'
+    experts are split over runs of ``expert_degree`` consecutive ranks of ``devices`` (a
+    multiple of ``degree``: that many tensor-parallel groups, data-parallel replicas of each
+    other, which a ``Replicate`` on the same devices makes so), each rank holding ``E /
+    expert_degree`` experts; each rank of a tensor-parallel group routes its share of the
+    group's tokens to them with all-to-alls (as Megatron and torchtitan's expert parallelism
+    borrows the tensor-parallel ranks). Attention and the rest stay tensor-parallel."""
 
     op: ClassVar[str] = "shard"
 
@@ -100,6 +108,7 @@ class Shard:
     degree: int = attrs.field(default=attrs.Factory(lambda self: len(self.devices), takes_self=True))
     plan: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_to_plan)
     sequence_parallel: bool = False
+    expert_degree: int = 1
     where: str = attrs.field(factory=user_location, eq=False)
 
     def __attrs_post_init__(self) -> None:
@@ -130,13 +139,29 @@ class Shard:
             )
         check_degree(str(self), self.devices, self.degree,
                      "the size of each shard group; the groups are data-parallel replicas")
+        if self.expert_degree != 1:
+            ok = (self.kind is ShardKind.TP and isinstance(self.expert_degree, int)
+                  and not isinstance(self.expert_degree, bool) and self.expert_degree > self.degree
+                  and self.expert_degree % self.degree == 0 and len(self.devices) % self.expert_degree == 0)
+            if not ok:
+                raise DirectiveError(
+                    f"expert_degree must be a multiple of the degree ({self.degree}) above it that divides the "
+                    f"{len(self.devices)} devices, for kind='tp'; got {self.expert_degree!r}",
+                    directive=str(self),
+                )
+            if self.sequence_parallel:
+                raise DirectiveError(
+                    "sequence parallelism with an expert-parallel group (expert_degree) is not supported yet",
+                    directive=str(self),
+                )
 
     def __str__(self) -> str:
         degree = "" if self.degree == len(self.devices) else f", degree={self.degree}"
         kind = self.kind.value if isinstance(self.kind, ShardKind) else self.kind
         plan = f", plan={dict(self.plan)}" if self.plan and isinstance(self.plan, tuple) else ""
         sp = ", sequence_parallel=True" if self.sequence_parallel is True else ""
-        return f"Shard({self.filter}, devices={list(self.devices)}, kind={kind!r}{degree}{plan}{sp}) at {self.where}"
+        ep = f", expert_degree={self.expert_degree}" if self.expert_degree != 1 else ""
+        return f"Shard({self.filter}, devices={list(self.devices)}, kind={kind!r}{degree}{plan}{sp}{ep}) at {self.where}"
 
     def to_json(self) -> JsonObject:
         out = {"op": self.op, "filter": self.filter.as_dict(), "devices": list(self.devices), "kind": self.kind.value}
@@ -144,6 +169,8 @@ class Shard:
             out["plan"] = dict(self.plan)
         if self.sequence_parallel:
             out["sequence_parallel"] = True
+        if self.expert_degree != 1:
+            out["expert_degree"] = self.expert_degree
         return out if self.degree == len(self.devices) else {**out, "degree": self.degree}
 
     @classmethod
@@ -153,11 +180,12 @@ class Shard:
 
 
 def mixed_kinds_problem(kinds: Iterable[ShardKind]) -> str | None:
-    """Why Shards of these kinds cannot share one strategy, or None. The one statement of
-    the rule: ``shard_all`` applies it to a strategy's Shards, ``check_degrees`` to the
-    ``tp``/``ep`` degrees asked of ``parallelize`` (before a strategy is built)."""
+    """Why Shards of these kinds cannot share one strategy, or None: ``shard_all`` applies it
+    to a strategy's Shards (tensor with expert parallelism is one tensor-parallel Shard with an
+    ``expert_degree``)."""
     if len(set(kinds)) > 1:
-        return "tensor and expert parallelism in one strategy are not supported yet"
+        return ("Shards of different kinds in one strategy are not supported; for tensor with expert parallelism "
+                "give the tensor-parallel Shard an expert_degree (parallelize(tp=, ep=) does)")
     return None
 
 
@@ -197,7 +225,8 @@ def shard_all(graph: Graph, shards: Sequence[Shard], replicated: Sequence[OnGrou
             )
     sharding = tuple(
         Sharding(seg.id, chosen[seg.id].devices, chosen[seg.id].kind, chosen[seg.id].degree, origin=str(chosen[seg.id]),
-                 plan=chosen[seg.id].plan, sequence_parallel=chosen[seg.id].sequence_parallel)
+                 plan=chosen[seg.id].plan, sequence_parallel=chosen[seg.id].sequence_parallel,
+                 expert_degree=chosen[seg.id].expert_degree if seg.role is SegmentRole.STAGE else 1)
         for seg in graph.segments
         if seg.id in chosen
     )

@@ -206,6 +206,13 @@ def shard_modules(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph
                 f"there: {', '.join(_paths_listed(existing)) or 'none'}",
                 directive=origin,
             )
+    expert_parallel = [r for r in records if r.expert_degree > 1]
+    if expert_parallel and not any(p.experts for r in expert_parallel for p in r.params):
+        raise DirectiveError(
+            "no region it matches calls an expert module (an nn.Module with piper_experts = True, called as "
+            "experts(tokens, expert_ids)), so there is nothing to shard across experts (expert_degree)",
+            directive=expert_parallel[0].origin,
+        )
     if not any(r.collectives for r in records):
         raise DirectiveError(
             "no region it matches holds a column-/row-parallel Linear pair (a Linear whose output "
@@ -341,14 +348,23 @@ def _tp_experts(gm: torch.fx.GraphModule, sh: Sharding) -> list[torch.fx.Node]:
     those it names ``experts`` (refused where the degree does not divide them)."""
     code = _experts_code()
     calls = code.expert_calls(gm)
+    if not sh.plan and sh.expert_degree > 1:  # experts asked for: each call must split
+        for c in calls:
+            if not code.divides_experts(gm, c, sh):
+                raise DirectiveError(
+                    f"the expert-parallel group of {sh.expert_degree} ranks does not divide the experts of "
+                    f"{c.target} ({describe(c)})",
+                    directive=sh.origin,
+                )
+        return calls
     if not sh.plan:
         return [c for c in calls if code.divides_experts(gm, c, sh)]
     named = [c for c in calls if shard_groups.style_for(str(c.target), sh.plan) == "experts"]
     for c in named:
         if not code.divides_experts(gm, c, sh):
             raise DirectiveError(
-                f"the plan names {c.target} experts, but the tensor-parallel degree {sh.degree} does not divide "
-                f"its experts ({describe(c)})",
+                f"the plan names {c.target} experts, but the group they are split over ({code.experts_degree(sh)} "
+                f"ranks) does not divide its experts ({describe(c)})",
                 directive=sh.origin,
             )
     return named
@@ -568,7 +584,7 @@ def _shard_copy(gm: torch.fx.GraphModule, sh: Sharding, params: tuple[ParamShard
             p = probe.get_parameter(spec.name)
             if id(p) not in cut:
                 cut.add(id(p))
-                p.data = shard_tensor(p.data, spec, sh.degree, 0)
+                p.data = shard_tensor(p.data, spec, sh.degree_of(spec), 0)
     return probe
 
 

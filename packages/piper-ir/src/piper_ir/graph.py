@@ -347,11 +347,16 @@ class ParamShard:
     attention projection: ``groups=3``); each block is cut into ``degree`` equal contiguous
     pieces, and rank ``r`` of the group holds the ``r``-th piece of every block, concatenated
     in block order.
+
+    ``experts``: the parameter holds experts (on ``dim``) of a tensor-parallel segment that is
+    also expert-parallel; it is cut over the segment's expert-parallel group
+    (``Sharding.expert_degree`` ranks) rather than over its tensor-parallel group.
     """
 
     name: str
     dim: int
     groups: int = 1
+    experts: bool = False
 
     def pieces(self, size: int, degree: int, rank: int) -> tuple[tuple[int, int], ...]:
         """The ``(start, length)`` ranges of dimension ``dim`` (of ``size`` entries) that
@@ -388,6 +393,15 @@ class Sharding:
     ``plan``: the ``Shard``'s tensor-parallel plan by module path, ``(pattern, style)`` pairs
     (``"colwise"``/``"rowwise"``; ``*`` matches one path component); empty: the torch-side
     rewrite finds the Linears to cut itself.
+
+    ``expert_degree`` (``kind="tp"``, 1 otherwise): tensor with expert parallelism. The
+    expert-parallel groups are runs of ``expert_degree`` consecutive ranks of ``devices`` (a
+    multiple of ``degree``: several tensor-parallel groups that are data-parallel replicas of
+    each other); the expert parameters (``ParamShard.experts``) are cut over them, the tokens
+    of each tensor-parallel group split among its ranks and routed with all-to-alls on the
+    group's ``ep`` communicator (piper_directives.expert_code, docs/ir-conventions.md,
+    section 9). The methods below take the ``degree`` of the cut they ask about (default: the
+    tensor-parallel one); ``degree_of`` says which a parameter has.
     """
 
     segment: str
@@ -401,24 +415,35 @@ class Sharding:
     #: ``kind="tp"`` only: the code between tensor-parallel regions runs on sequence shards
     #: (Megatron's sequence parallelism; piper_directives.shard_sequence)
     sequence_parallel: bool = False
+    expert_degree: int = 1
 
-    def group_of(self, rank: int) -> tuple[int, ...]:
+    def degree_of(self, spec: ParamShard) -> int:
+        """How many ways parameter ``spec`` is cut: over the expert-parallel group for the
+        experts of a tensor- and expert-parallel segment, else over the shard group."""
+        return self.expert_degree if spec.experts else self.degree
+
+    def group_of(self, rank: int, degree: int | None = None) -> tuple[int, ...]:
         """The shard group of ``rank``: ``devices`` cut into consecutive runs of ``degree``
-        ranks (the whole of ``devices`` unless the segment is also data-parallel)."""
-        i = self.devices.index(rank) // self.degree * self.degree
-        return self.devices[i : i + self.degree]
+        ranks (default ``self.degree``; the whole of ``devices`` unless the segment is also
+        data-parallel)."""
+        d = degree or self.degree
+        i = self.devices.index(rank) // d * d
+        return self.devices[i : i + d]
 
-    def groups(self) -> tuple[tuple[int, ...], ...]:
-        """Every shard group, in order."""
-        return tuple(self.devices[i : i + self.degree] for i in range(0, len(self.devices), self.degree))
+    def groups(self, degree: int | None = None) -> tuple[tuple[int, ...], ...]:
+        """Every shard group (runs of ``degree``, default ``self.degree``), in order."""
+        d = degree or self.degree
+        return tuple(self.devices[i : i + d] for i in range(0, len(self.devices), d))
 
-    def position(self, rank: int) -> int:
-        """Which shard ``rank`` holds (its position in its shard group)."""
-        return self.devices.index(rank) % self.degree
+    def position(self, rank: int, degree: int | None = None) -> int:
+        """Which shard ``rank`` holds (its position in its run of ``degree``, default
+        ``self.degree``)."""
+        return self.devices.index(rank) % (degree or self.degree)
 
-    def holders(self, position: int) -> tuple[int, ...]:
-        """The ranks holding shard ``position``, one per data-parallel replica, in order."""
-        return self.devices[position :: self.degree]
+    def holders(self, position: int, degree: int | None = None) -> tuple[int, ...]:
+        """The ranks holding shard ``position`` of a ``degree``-way cut (default
+        ``self.degree``), one per data-parallel replica of the group, in order."""
+        return self.devices[position :: degree or self.degree]
 
     def local_meta(self, name: str, meta: TensorMeta) -> TensorMeta:
         """The meta of one rank's shard of parameter ``name`` (``meta`` if it is not cut)."""
@@ -426,7 +451,7 @@ class Sharding:
         if spec is None:
             return meta
         shape = list(meta.shape)
-        shape[spec.dim] //= self.degree
+        shape[spec.dim] //= self.degree_of(spec)
         return attrs.evolve(meta, shape=tuple(shape))
 
 

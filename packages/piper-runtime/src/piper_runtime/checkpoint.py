@@ -158,8 +158,9 @@ def cuts_of(program: Program, rank: int, modules: Mapping[str, nn.Module]) -> di
             continue
         for spec in sh.params:
             full = list(modules[sh.segment].get_parameter(spec.name).shape)
-            full[spec.dim] *= sh.degree
-            pieces = spec.pieces(full[spec.dim], sh.degree, sh.position(rank))
+            degree = sh.degree_of(spec)
+            full[spec.dim] *= degree
+            pieces = spec.pieces(full[spec.dim], degree, sh.position(rank, degree))
             cuts[spec.name] = Cut(spec.dim, pieces, tuple(full))
     return cuts
 

@@ -76,7 +76,8 @@ def communicators_for(graph: Graph) -> tuple[Communicator, ...]:
     """One communicator per traffic class the graph's SEND nodes use, in a fixed order, then
     one per (stream, device group) of its collectives, in order of first use in the graph,
     then one per tensor- or expert-parallel group whose segments issue collectives (traffic
-    ``tp`` or ``ep``), then the gradient norm's (traffic ``norm``)."""
+    ``tp`` or ``ep``; a tensor- and expert-parallel segment has both, ``ep`` over its
+    ``expert_degree`` ranks), then the gradient norm's (traffic ``norm``)."""
     used = {communicator_for(n.value or "") for n in graph.nodes if n.kind is SEND}
     ranks = tuple(range(graph.world_size))
     out = [Communicator(c, ranks, _TRAFFIC[c]) for c in (PP_FWD, PP_BWD) if c in used]
@@ -90,6 +91,9 @@ def communicators_for(graph: Graph) -> tuple[Communicator, ...]:
         if sh.collectives:
             for group in sh.groups():
                 tp.setdefault(tp_communicator(group, sh.kind), (group, sh.kind))
+            if sh.expert_degree > 1:
+                for group in sh.groups(sh.expert_degree):
+                    tp.setdefault(tp_communicator(group, "ep"), (group, "ep"))
     out += [Communicator(c, ranks, kind) for c, (ranks, kind) in tp.items()]
     norms = {norm_communicator(n.devices): n.devices for n in graph.nodes if n.kind is GRAD_NORM}
     out += [Communicator(c, ranks, "norm") for c, ranks in norms.items()]

@@ -462,10 +462,15 @@ def _instruction(
     meta = communicator = peer = None
     if kind is COMPUTE:  # most instructions: tested first
         # A tensor-parallel segment's compute issues all-reduces on its group inside, an
-        # expert-parallel one all-to-alls.
+        # expert-parallel one all-to-alls; a tensor- and expert-parallel one both, named by
+        # the wider group (its expert-parallel one, which holds the tensor-parallel one: every
+        # member issues the segment's compute in one order).
         sh = tables.collectives.get(n.segment or "") if n.phase is not None else None
         if sh is not None:
-            communicator = tp_communicator(sh.group_of(rank), sh.kind)
+            if sh.expert_degree > 1:
+                communicator = tp_communicator(sh.group_of(rank, sh.expert_degree), "ep")
+            else:
+                communicator = tp_communicator(sh.group_of(rank), sh.kind)
     elif kind is SEND or kind is RECV:
         transfer = tables.transfers.get(n.value or "")
         if transfer is None:

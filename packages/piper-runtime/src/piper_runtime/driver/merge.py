@@ -146,11 +146,12 @@ def _unshard_tp(
     out: dict[str, torch.Tensor] = {}
     for sh in program.sharding:
         for spec in sh.params:
+            degree = sh.degree_of(spec)
             pieces = {
-                sh.position(rank): held[spec.name]
+                sh.position(rank, degree): held[spec.name]
                 for rank, held in per_rank
                 if rank in sh.devices and spec.name in held
             }
             if pieces:
-                out[spec.name] = unshard_tensors(pieces, spec, sh.degree)
+                out[spec.name] = unshard_tensors(pieces, spec, degree)
     return out

@@ -35,7 +35,6 @@ def cut_parameters(program: Program, rank: int, modules: Mapping[str, nn.Module]
                 f"rank {rank}: segment {sh.segment} is sharded over {list(sh.devices)}, not on this rank",
                 ranks=(rank,),
             )
-        position = sh.devices.index(rank) % sh.degree
         module = modules[sh.segment]
         with torch.no_grad():
             for spec in sh.params:
@@ -49,40 +48,47 @@ def cut_parameters(program: Program, rank: int, modules: Mapping[str, nn.Module]
                 if id(p) in cut:  # a tied parameter the holders share (alias_tied), cut alike by each
                     continue
                 cut[id(p)] = p
-                p.data = shard_tensor(p.data, spec, sh.degree, position)
+                degree = sh.degree_of(spec)
+                p.data = shard_tensor(p.data, spec, degree, sh.position(rank, degree))
 
 
 def unbucketed_experts(program: Program, rank: int) -> dict[str, tuple[str, ...]]:
-    """Per expert-parallel segment, its expert parameters that no bucket on this rank covers
-    (each expert on one rank of its group, no data-parallel replicas of the group): they are
-    trained where they live, without any reduction."""
+    """Per expert-parallel segment (or tensor- and expert-parallel one), its expert parameters
+    that no bucket on this rank covers (each expert on one rank of its group, no data-parallel
+    replicas of the group): they are trained where they live, without any reduction."""
     bucketed = {(b.segment, n) for b in program.buckets if not b.devices or rank in b.devices for n in b.params}
     return {
-        sh.segment: tuple(spec.name for spec in sh.params if (sh.segment, spec.name) not in bucketed)
+        sh.segment: tuple(spec.name for spec in sh.params
+                          if (sh.kind is ShardKind.EP or spec.experts) and (sh.segment, spec.name) not in bucketed)
         for sh in program.sharding
-        if sh.kind is ShardKind.EP
+        if sh.kind is ShardKind.EP or sh.expert_degree > 1
     }
 
 
 def bind_collectives(program: Program, rank: int, modules: Mapping[str, nn.Module], comms: Communicators) -> None:
-    """Give each sharded segment's modules the communicators of this rank's shard group."""
+    """Give each sharded segment's modules the communicators of this rank's shard group: the
+    ``traffic`` a module declares (``"ep"`` for the all-to-alls of a tensor- and
+    expert-parallel segment, whose group is its ``expert_degree`` ranks), else the segment's
+    kind."""
     for sh in program.sharding:
         if sh.segment not in modules or not sh.collectives:
             continue
-        group = sh.group_of(rank)  # this rank's shard group (data x tensor: one of several)
-        comm = next(
-            (c for c in program.communicators if c.traffic == sh.kind and tuple(c.ranks) == group),
-            None,
-        )
-        if comm is None:
-            raise ExecutionError(
-                f"rank {rank}: no {sh.kind} communicator over {list(group)} for segment {sh.segment}",
-                ranks=(rank,),
-            )
         bound = 0
         for m in modules[sh.segment].modules():
             bind = getattr(m, "bind_communicator", None)
             if callable(bind):
+                traffic = getattr(m, "traffic", None) or sh.kind
+                # this rank's shard group (data x tensor: one of several)
+                group = sh.group_of(rank, sh.expert_degree if traffic != sh.kind else None)
+                comm = next(
+                    (c for c in program.communicators if c.traffic == traffic and tuple(c.ranks) == group),
+                    None,
+                )
+                if comm is None:
+                    raise ExecutionError(
+                        f"rank {rank}: no {traffic} communicator over {list(group)} for segment {sh.segment}",
+                        ranks=(rank,),
+                    )
                 accepts = inspect.signature(bind).parameters
                 extra = {"position": group.index(rank)} if "position" in accepts else {}
                 if "backward_comm" in accepts:

@@ -606,6 +606,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--tp-plan says how --tp cuts the model: give --tp 2 or more")
     if getattr(args, "sp", False) and getattr(args, "tp", 1) < 2:
         parser.error("--sp shards the sequence between --tp's regions: give --tp 2 or more")
+    if getattr(args, "sp", False) and (getattr(args, "ep", 1) or 1) > 1:
+        parser.error("--sp with --ep (sequence parallelism with expert parallelism) is not supported yet")
     check_parallelism(parser, args)
     check_runtime(parser, args)
     per_call = getattr(args, "steps_per_call", 1)
