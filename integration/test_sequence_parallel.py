@@ -5,7 +5,7 @@ shards (rows reduce-scatter, columns all-gather, piper_directives.shard_sequence
 The oracle is ``run_check`` (``piper check``) against one device, 2 AdamW steps: examples/llama
 (4 query heads, 2 kv heads, SwiGLU, tied embedding/head cut by vocabulary) in float64 at pp=1,
 pp=2 under 1F1B and DualPipeV, and DP2 x ZeRO-1, in float32 at pp=1; multi-query attention (1 kv
-head, fewer than the 2 ranks) and 4 kv heads for 8 query heads (more); GPT-2 with dropout 0.1 on the embeddings and residual branches
+head, fewer than the 2 ranks) and 4 kv heads for 8 query heads (more); GPT-2 with dropout 0.1 on the embeddings, residual branches and attention weights
 (every rank draws one device's mask and keeps its slice); the command line, and its refusal of
 ``--sp`` without ``--tp``."""
 

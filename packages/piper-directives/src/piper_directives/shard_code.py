@@ -33,13 +33,15 @@ captured segment modules, and returns both rewritten:
   embedding, head and loss).
 
 Regions with nothing to cut stay whole on every rank of the group (the same data, no
-communication: replicated over it). Dropout (any random draw) on the cut activations between a pair's
-Linears is refused: no rank could draw one device's mask for its piece; dropout on whole
-activations draws one device's masks (every rank of a group draws the same, for its
-data-parallel shard: ``piper_semantics.randomness``).
+communication: replicated over it). Dropout on the cut activations between a column and a row
+Linear draws the whole activation's mask on every rank and keeps the rank's piece
+(``shard_dropout``); any other random draw there is refused. Dropout on whole activations
+draws one device's masks (every rank of a group draws the same, for its data-parallel shard:
+``piper_semantics.randomness``).
 
 Errors (``DirectiveError`` naming the ``Shard``): a TP degree that does not divide the heads or
-the hidden size, a column output reshaped another way, dropout inside a pair, a recomputed
+the hidden size, a column output reshaped another way, a random draw inside a pair other than
+dropout, a recomputed
 region holding a pair, an operation in a column group not known to act per head (named with
 its module, line and rule), and a strategy whose ``Shard``s find no Linear pair or column group
 in any region. The rewritten code is run once on one rank's shard of the weights (collectives
@@ -67,12 +69,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from piper_directives import shard_groups, shard_sequence, shard_vocab
+from piper_directives import shard_dropout, shard_groups, shard_sequence, shard_vocab
 from piper_directives.collective_code import GroupCollectives
 from piper_directives.diagnose import describe
 from piper_directives.segment_module import like
 from piper_directives.shard_buckets import sharded_buckets
-from piper_directives.shard_heads import op_name
 from piper_ir import DirectiveError, Graph, ParamShard, Segment, SegmentRole, Sharding, ShardKind
 
 COMM = "piper_tp"
@@ -153,6 +154,8 @@ class _Pair:
     groups: int
     # an unflatten(-1, (..., heads, -1)) whose -1 is the head size: its head count, on a shard
     resize: tuple[torch.fx.Node, tuple[int, ...]] | None = None
+    # the dropouts between them, drawn on cut activations (``shard_dropout``)
+    draws: tuple[torch.fx.Node, ...] = ()
 
 
 def shard_modules(graph: Graph, modules: Mapping[str, nn.Module]) -> tuple[Graph, dict[str, nn.Module]]:
@@ -269,8 +272,11 @@ def _rewrite(
         return module, (), 0
     gm.add_submodule(COMM, TensorParallelComm(sh.degree))
     params: list[ParamShard] = []
+    # The draws on cut activations, with their column and row Linears (``shard_dropout``).
+    ends = {n: (p.col, p.row) for p in pairs for n in p.draws}
     for group in groups:
-        _refuse_random(gm, group.columns[0].node, group.plan.origin.keys(), group.row.node, sh)
+        col, row = group.columns[0].node, group.row.node
+        ends.update(dict.fromkeys(shard_dropout.cut_draws(gm, col, set(group.plan.origin.keys()), row, sh), (col, row)))
         params.extend(shard_groups.rewrite(gm, group, COMM))
     g = gm.graph
     for pair in pairs:
@@ -311,6 +317,8 @@ def _rewrite(
     params = _canonical(gm, params)
     g.lint()
     gm.recompile()
+    if ends:
+        _whole_masks(module, gm, ends, sh, args, params)
     return gm, tuple(params), len(pairs) + len(groups) + len(embedded) + len(heads) + len(experts)
 
 
@@ -388,7 +396,7 @@ def _find_pairs(gm: torch.fx.GraphModule, sh: Sharding) -> list[_Pair]:
         row = reached.pop()
         if row in rows or not _closed(col, region, row, free):
             continue
-        _refuse_random(gm, col, region, row, sh)
+        draws = tuple(shard_dropout.cut_draws(gm, col, region, row, sh))
         groups, resize = _groups(gm, col, sh)
         col_mod, row_mod = gm.get_submodule(col.target), gm.get_submodule(row.target)
         if groups == 1 and col_mod.out_features % sh.degree:
@@ -404,58 +412,8 @@ def _find_pairs(gm: torch.fx.GraphModule, sh: Sharding) -> list[_Pair]:
                 directive=sh.origin,
             )
         rows.add(row)
-        pairs.append(_Pair(col, row, groups, resize))
+        pairs.append(_Pair(col, row, groups, resize, draws))
     return pairs
-
-
-_RANDOM_FUNCTIONS = frozenset({
-    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
-    "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "bernoulli", "multinomial",
-    "normal", "randperm", "bernoulli_", "uniform_", "normal_",
-})
-
-
-def _draws(gm: torch.fx.GraphModule, n: torch.fx.Node) -> bool:
-    """Whether ``n`` draws random numbers in training: dropout (module or function),
-    attention with ``dropout_p > 0``, or a sampling function."""
-    if n.op == "call_module":
-        m = gm.get_submodule(n.target)
-        return isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training
-    if n.op not in ("call_function", "call_method"):
-        return False
-    name = op_name(n.target).removeprefix("native_")
-    if name == "scaled_dot_product_attention":
-        p = n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0)
-        return not isinstance(p, int | float) or p > 0
-    if name in ("dropout", "alpha_dropout", "feature_alpha_dropout") or name.startswith("dropout"):
-        p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5)
-        training = n.kwargs.get("training", n.args[2] if len(n.args) > 2 else True)
-        return training is not False and (not isinstance(p, int | float) or p > 0)
-    return name in _RANDOM_FUNCTIONS
-
-
-def _refuse_random(gm: torch.fx.GraphModule, col: torch.fx.Node, region: set, row: torch.fx.Node, sh: Sharding) -> None:
-    """Random numbers drawn between a column- and a row-parallel Linear are drawn on the cut
-    activations (a rank's heads or hidden units): no rank can draw single-device training's
-    mask for its piece, so the run would differ from one device. Refused by name."""
-    cname, rname = _label(col), _label(row)
-    for n in gm.graph.nodes:
-        if n in region and _draws(gm, n):
-            raise DirectiveError(
-                f"{describe(n)} draws random numbers (dropout) between column-parallel {cname} and "
-                f"row-parallel {rname}, on activations tensor parallelism cuts across ranks: no rank "
-                "could draw the masks one device draws. Set that dropout to 0, or move it after "
-                f"{rname} (dropout on whole activations, such as the residual stream, is fine)",
-                directive=sh.origin,
-            )
-
-
-def _label(n: torch.fx.Node) -> str:
-    """A Linear's module path: ``n.target``, or its weight's without ``.weight``."""
-    if n.op == "call_module":
-        return str(n.target)
-    w = n.args[1] if len(n.args) > 1 else None
-    return w.target.removesuffix(".weight") if isinstance(w, torch.fx.Node) else n.name
 
 
 def _closed(col: torch.fx.Node, region: set[torch.fx.Node], row: torch.fx.Node, free: dict) -> bool:
@@ -615,6 +573,32 @@ def _check_shapes(graph: Graph, sh: Sharding, gm: torch.fx.GraphModule, params: 
                 f"not {tuple(want)}",
                 directive=sh.origin,
             )
+
+
+def _whole_masks(module: torch.fx.GraphModule, gm: torch.fx.GraphModule,
+                 ends: dict[torch.fx.Node, tuple[torch.fx.Node, torch.fx.Node]], sh: Sharding,
+                 args: list[torch.Tensor], params: list[ParamShard]) -> None:
+    """The draws on cut activations rewritten to one device's masks (``shard_dropout``), from
+    their inputs' shapes on one device (``module``) and on rank 0's shard (``gm``)."""
+    names = {n.name for n in ends}
+    full = {n: tuple(s) for n, s in _input_shapes(module, args, names).items()}
+    local = {n: tuple(s) for n, s in _input_shapes(_shard_copy(gm, sh, tuple(params)), args, names).items()}
+    shard_dropout.draw_whole_masks(gm, list(ends), COMM, sh, full, local, ends)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _input_shapes(gm: torch.fx.GraphModule, args: list[torch.Tensor], names: set[str]) -> dict[str, torch.Size]:
+    """The shape of the first input of each node named in ``names``, from a run of a copy."""
+    probe = copy.deepcopy(gm)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        ShapeProp(probe).propagate(*args)
+    out = {}
+    for n in probe.graph.nodes:
+        first = n.args[0] if n.args else None
+        if n.name in names and isinstance(first, torch.fx.Node) and first.meta.get("tensor_meta") is not None:
+            out[n.name] = first.meta["tensor_meta"].shape
+    return out
 
 
 def _shapes(gm: torch.fx.GraphModule, args: list[torch.Tensor]) -> None:
