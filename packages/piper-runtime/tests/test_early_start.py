@@ -1,14 +1,22 @@
 """``prepare_runtime``: the Ray runtime's embedded cluster started on a thread of its own while
 the driver captures and compiles, found running by the runtime later; restarted when the
 runtime needs more CPUs than it was started with; no idle task workers prestarted; SIGTERM
-still the program's to handle. Each case
-in a fresh interpreter (this one's Ray is the test session's)."""
+still the program's to handle; the rank workers started with it run the program, and only
+workers that fit are taken. Each cluster in a fresh interpreter (this one's Ray is the test
+session's)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+import attrs
+
+from piper_runtime import ClusterOptions
+from piper_runtime.driver.early_workers import EarlyWorkers, WorkerRequest
 
 SCRIPT = """
 import json, os, signal, threading, time
@@ -67,3 +75,65 @@ def test_a_cluster_started_early_is_the_one_the_runtime_uses_and_stops() -> None
 def test_a_cluster_started_early_with_too_few_cpus_is_started_again() -> None:
     seen = _run(hinted=1, needed=64)
     assert seen["answered"] and seen["cpus"] == 64
+
+
+WORKERS = """
+import json, sys
+import ray
+sys.path.insert(0, {tests!r})
+from test_runtime import MSE, Stage0, Stage1, _batch, _layers, gpipe_program
+from piper_runtime import OptimizerSpec, RunOptions, Runtime, prepare_runtime
+from piper_runtime.driver import cluster
+
+prepare_runtime(RunOptions(), 2)  # as the driver does before capturing
+early = cluster._early
+early.workers_started.wait(60)
+handles = list(early.workers.workers) if early.workers else []
+started = [w._actor_id.hex() for w in handles]
+l0, l1 = _layers()
+rt = Runtime(gpipe_program(), {{"s0": Stage0(l0), "s1": Stage1(l1), "loss": MSE()}}, OptimizerSpec("sgd", lr=0.1),
+             runtime="ray")
+used = [w._actor_id.hex() for w in rt._ranks.workers]
+x, t = _batch(0)
+loss = float(rt.step((x,), (t,)).loss)
+def answers(worker):
+    try:
+        return ray.get(worker.ping.remote(), timeout=20) > 0
+    except Exception:  # killed: Ray refuses the call, or the call fails
+        return False
+alive = [answers(w) for w in handles]  # while the runtime holds them
+rt.shutdown()
+cluster.shutdown()
+print(json.dumps({{"started": started, "used": used, "loss": loss, "alive": alive}}))
+"""
+
+
+def _workers() -> dict:
+    script = WORKERS.format(tests=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PIPER_REUSE_WORKERS": "0"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_workers_started_with_the_cluster_run_the_program() -> None:
+    """The two rank workers started while the program was captured and compiled (before it
+    existed) are the ones that run it, each rank the worker in its bundle, and they train."""
+    seen = _workers()
+    assert len(seen["started"]) == 2 and sorted(seen["used"]) == sorted(seen["started"])
+    assert seen["loss"] > 0 and all(seen["alive"])
+
+
+def test_workers_fit_only_what_the_runtime_would_start() -> None:
+    """``RayRanks`` takes early workers only for the same world size, CPUs and GPUs per rank,
+    backend, placement and worker environment; any other are discarded (killed, bundles given
+    back) and it starts its own."""
+    cluster = ClusterOptions(runtime="ray")
+    early = EarlyWorkers(WorkerRequest(2, cluster), "cpu", "", (("OMP_NUM_THREADS", "1"),), None, ())
+    env = {"OMP_NUM_THREADS": "1"}
+    assert early.fits(2, cluster, env)
+    assert not early.fits(4, cluster, env)
+    for other in (attrs.evolve(cluster, cpus_per_rank=2.0), attrs.evolve(cluster, placement="spread"),
+                  attrs.evolve(cluster, backend="cpu"), attrs.evolve(cluster, ranks_per_gpu=2)):
+        assert not early.fits(2, other, env)
+    assert not early.fits(2, cluster, {**env, "GLOO_SOCKET_IFNAME": "lo"})

@@ -10,6 +10,7 @@ one process, with ``register_runtime``. ``RunOptions.cluster.runtime`` names the
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import entry_points
@@ -149,10 +150,17 @@ def prepare_runtime(options: RunOptions, world: int) -> None:
     (``piper_runtime.driver.cluster.start_early``; its processes start on the machine's other
     cores). The other runtimes start nothing ahead, nor does ``ray`` with the ``cuda`` backend
     (refused without a GPU before anything starts) or a cluster address (connecting is quick).
-    A wrong ``world`` costs nothing but time: a cluster with too few CPUs is started again."""
+    Without worker reuse the same thread then starts the ``world`` rank workers, which import
+    what a rank needs meanwhile (``piper_runtime.driver.early_workers``). A wrong ``world``
+    costs nothing but time: a cluster with too few CPUs is started again, workers that do not
+    fit are replaced."""
     cluster = options.cluster
     if cluster.runtime != "ray" or cluster.backend == "cuda" or world < 1:
         return
     from piper_runtime.driver.cluster import embedded_cpus, start_early
+    from piper_runtime.driver.early_workers import WorkerRequest
+    from piper_runtime.driver.pool import REUSE_ENV
 
-    start_early(cluster.address, embedded_cpus(world, cluster.cpus_per_rank))
+    reuse = cluster.reuse_workers if cluster.reuse_workers is not None else os.environ.get(REUSE_ENV, "") == "1"
+    request = None if reuse is not False else WorkerRequest(world, cluster)
+    start_early(cluster.address, embedded_cpus(world, cluster.cpus_per_rank), request)

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import ray
 
 from piper_ir import ClusterError
-from piper_runtime.driver import ray_env, reaper
+from piper_runtime.driver import early_workers, ray_env, reaper
 from piper_runtime.rendezvous import LOOPBACK, SOCKET_ENV, is_loopback
 
 # Environment every Piper worker gets, and what it gets from the driver's where set there.
@@ -167,16 +167,19 @@ def embedded_cpus(world: int, cpus_per_rank: float) -> int:
 
 
 class _EarlyStart:
-    """``ensure_ray(None, num_cpus)`` on a thread of its own (``start_early``). The thread
-    stays until ``shutdown``: Ray's processes get Linux's parent-death signal, which follows
-    the *thread* that started them (measured: the GCS died as soon as a short-lived starting
-    thread ended)."""
+    """``ensure_ray(None, num_cpus)`` on a thread of its own (``start_early``), then, given a
+    ``request``, the rank workers it asks for (``early_workers.start``). The thread stays until
+    ``shutdown``: Ray's processes get Linux's parent-death signal, which follows the *thread*
+    that started them (measured: the GCS died as soon as a short-lived starting thread ended)."""
 
-    def __init__(self, num_cpus: int) -> None:
+    def __init__(self, num_cpus: int, request: early_workers.WorkerRequest | None = None) -> None:
         self.num_cpus = num_cpus
+        self.request = request
+        self.workers: early_workers.EarlyWorkers | None = None  # until a runtime takes them
         self.claimed = False  # a runtime took the cluster as it is: it is never restarted under it
         self.error: BaseException | None = None
         self.started = threading.Event()  # ray.init returned, or failed (``error``)
+        self.workers_started = threading.Event()  # the workers were started, or will not be
         self.done = threading.Event()  # the cluster is stopped: the thread may end
         self.thread = threading.Thread(target=self._run, name="piper-ray-start", daemon=True)
         self.thread.start()
@@ -189,6 +192,14 @@ class _EarlyStart:
             self.error = exc
         finally:
             self.started.set()
+        try:
+            if self.error is None and self.request is not None:
+                # A failure here costs only the head start: the runtime starts its own workers.
+                self.workers = early_workers.start(self.request)
+        except Exception:
+            self.workers = None
+        finally:
+            self.workers_started.set()
         self.done.wait()
 
 
@@ -196,16 +207,31 @@ _early: _EarlyStart | None = None
 _early_lock = threading.Lock()
 
 
-def start_early(address: str | None, num_cpus: int) -> None:
+def start_early(address: str | None, num_cpus: int, request: early_workers.WorkerRequest | None = None) -> None:
     """Start the embedded cluster in the background, for a later ``ensure_ray`` to find
-    running: the driver captures and compiles meanwhile (the cluster's processes start on
-    the machine's other cores). Nothing where Ray is up, a cluster address is given (a
+    running, and with a ``request`` the rank workers it asks for (``take_early_workers``):
+    the driver captures and compiles meanwhile (the cluster's processes start on the
+    machine's other cores). Nothing where Ray is up, a cluster address is given (a
     connection is quick, and its errors belong to the caller), or a start is under way."""
     global _early
     with _early_lock:
         if _early is not None or ray.is_initialized() or requested_address(address) is not None:
             return
-        _early = _EarlyStart(num_cpus)
+        _early = _EarlyStart(num_cpus, request)
+
+
+def take_early_workers(timeout_s: float = CONNECT_TIMEOUT_S) -> early_workers.EarlyWorkers | None:
+    """The workers the background start made for its request, handed out once; None where it
+    had none, their start failed, or the cluster they ran on was stopped since."""
+    early = _early
+    if early is None or early.request is None:
+        return None
+    early.workers_started.wait(timeout_s)
+    with _early_lock:
+        if _early is not early:
+            return None
+        workers, early.workers = early.workers, None
+    return workers
 
 
 def _await_early_start(address: str | None, num_cpus: int | None) -> None:

@@ -198,6 +198,45 @@ class Placement:
         remover.join(timeout_s)
 
 
+@attrs.frozen
+class Reservation:
+    """One bundle per rank, reserved before the program is known (``reserve``): the
+    placement group and each bundle's node; ``assign`` makes it a ``Placement``."""
+
+    group: Any  # ray.util.placement_group.PlacementGroup
+    bundle_nodes: tuple[str, ...]  # bundle -> Ray node id
+    address_of: Mapping[str, str]  # node id -> its address
+    cpus_per_rank: float
+    gpus_per_rank: float
+    policy: str
+
+    def bundle_options(self, bundle: int) -> dict[str, Any]:
+        """The actor options that start an actor in ``bundle``."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {
+            "num_cpus": self.cpus_per_rank,
+            "num_gpus": self.gpus_per_rank,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle),
+        }
+
+    def assign(self, program: Program) -> Placement:
+        """Which rank of ``program`` goes to which bundle (module doc)."""
+        if program.world_size != len(self.bundle_nodes):
+            raise ValueError(f"{len(self.bundle_nodes)} bundles reserved for a program of {program.world_size} ranks")
+        bundles = assign_ranks(affinity_units(program), list(self.bundle_nodes))
+        nodes = tuple(self.bundle_nodes[b] for b in bundles)
+        return Placement(
+            self.group,
+            tuple(bundles),
+            nodes,
+            tuple(self.address_of.get(nd, LOOPBACK) for nd in nodes),
+            self.cpus_per_rank,
+            self.gpus_per_rank,
+            self.policy,
+        )
+
+
 def place_ranks(
     program: Program,
     *,
@@ -208,6 +247,21 @@ def place_ranks(
     timeout_s: float = 30.0,
 ) -> Placement:
     """Reserve one bundle per rank (module doc) and decide which rank goes where."""
+    reserved = reserve(program.world_size, cpus_per_rank=cpus_per_rank, gpus_per_rank=gpus_per_rank, policy=policy,
+                       backend=backend, timeout_s=timeout_s)
+    return reserved.assign(program)
+
+
+def reserve(
+    world: int,
+    *,
+    cpus_per_rank: float = 1.0,
+    gpus_per_rank: float = 0.0,
+    policy: str = "pack",
+    backend: str = "cpu",
+    timeout_s: float = 30.0,
+) -> Reservation:
+    """Reserve one bundle for each of ``world`` ranks (module doc), within ``timeout_s``."""
     import ray
     from ray.exceptions import GetTimeoutError
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
@@ -216,7 +270,6 @@ def place_ranks(
         raise ValueError(f"placement policy must be one of {list(POLICIES)}, got {policy!r}")
     if cpus_per_rank <= 0:
         raise ValueError(f"cpus_per_rank must be > 0, got {cpus_per_rank!r}")
-    world = program.world_size
     check_resources(world, cpus_per_rank, gpus_per_rank, ray.cluster_resources(), backend)
     bundle: dict[str, float] = {"CPU": cpus_per_rank}
     if gpus_per_rank > 0:
@@ -233,16 +286,5 @@ def place_ranks(
             "node with enough of them)"
         ) from None
     table = placement_group_table(group)["bundles_to_node_id"]
-    bundle_nodes = [table[b] for b in range(world)]
     address_of = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
-    bundles = assign_ranks(affinity_units(program), bundle_nodes)
-    nodes = tuple(bundle_nodes[b] for b in bundles)
-    return Placement(
-        group,
-        tuple(bundles),
-        nodes,
-        tuple(address_of.get(nd, LOOPBACK) for nd in nodes),
-        cpus_per_rank,
-        gpus_per_rank,
-        policy,
-    )
+    return Reservation(group, tuple(table[b] for b in range(world)), address_of, cpus_per_rank, gpus_per_rank, policy)

@@ -2,8 +2,9 @@
 
 Start-up: connect to Ray (``cluster``), pick the backend, reserve one placement-group bundle
 per rank (``placement``: policy ``pack`` or ``spread``, fails fast when the cluster is too
-small), start the actors in their bundles (or, reusing workers on a one-node cluster, take
-them from a ``WorkerPool``: ``pool``); the rendezvous address is loopback when every rank is
+small), start the actors in their bundles (or take the ones started with the embedded
+cluster while the driver captured and compiled, ``early_workers``; or, reusing workers on a
+one-node cluster, take them from a ``WorkerPool``: ``pool``); the rendezvous address is loopback when every rank is
 on one node, else the address Ray reports for rank 0's node, with a port that rank 0's own
 process opens and keeps for its TCP store (``piper_runtime.rendezvous``).
 
@@ -22,7 +23,13 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from piper_ir import ClusterError, Program
 from piper_runtime.backends import BackendFactory, backend_factory, cuda_missing
-from piper_runtime.driver.cluster import choose_backend, embedded_cpus, ensure_ray, worker_env
+from piper_runtime.driver.cluster import (
+    choose_backend,
+    embedded_cpus,
+    ensure_ray,
+    take_early_workers,
+    worker_env,
+)
 from piper_runtime.driver.placement import Placement, check_resources, place_ranks
 from piper_runtime.driver.pool import MONITOR, WRITER, WorkerSpec, kill_workers, pool_for, worker_actor
 from piper_runtime.driver.ranks import RankFailure
@@ -54,7 +61,16 @@ class RayRanks:
                 raise ClusterError(f"backend 'cuda' needs a GPU for each rank, and this machine has none usable: {lacking}")
         ensure_ray(cluster.address, num_cpus=embedded_cpus(world, cluster.cpus_per_rank))
         ship_by_value(by_value)  # before anything is pickled for the workers
-        self.backend_name, self.backend_reason = choose_backend(cluster.backend, world, 1.0 / cluster.ranks_per_gpu)
+        # Workers started while the driver captured and compiled (``early_workers``), if they fit.
+        early = take_early_workers()
+        if early is not None and (pool_for(cluster.reuse_workers) is not None or not early.fits(world, cluster,
+                                                                                                 worker_env())):
+            early.discard()
+            early = None
+        if early is not None:
+            self.backend_name, self.backend_reason = early.backend, early.backend_reason
+        else:
+            self.backend_name, self.backend_reason = choose_backend(cluster.backend, world, 1.0 / cluster.ranks_per_gpu)
         if log is not None:
             log(self.backend_reason)
         # Workers get the factory itself, so a backend registered in this process only works too.
@@ -71,6 +87,11 @@ class RayRanks:
             # first (a clean close into the pool detaches it instead).
             self._finalizer = weakref.finalize(self, kill_workers, list(self.workers))
             self.address = LOOPBACK
+        elif early is not None:
+            self.placement = early.reserved.assign(program)
+            self.workers = [early.workers[bundle] for bundle in self.placement.bundles]
+            self._finalizer = weakref.finalize(self, _kill, list(self.workers), self.placement)
+            self.address = self.placement.rendezvous_address
         else:
             self.placement = place_ranks(
                 program,

@@ -98,6 +98,15 @@ class RankWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    def warm(self) -> None:
+        """Import now what this rank's first step would: an optimizer step imports torch's
+        compiler stack (``torch._dynamo``, sympy; about 800 modules, a second or two of CPU).
+        Called on workers started before their program exists (``early_workers``); touches
+        no random generator and keeps nothing."""
+        p = nn.Parameter(torch.zeros(2))
+        p.grad = torch.zeros(2)
+        torch.optim.AdamW([p]).step()
+
     def host(self) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
         """``piper_runtime.rank.cores.host_report``: this host, its free and claimed cores."""
         return host_report()
