@@ -6,7 +6,10 @@ tp=2 (``shard_modules``); its forward runs on one device and on two ranks (threa
 shared-buffer communicator that counts the bytes each rank hands to a collective). The bytes a
 forward keeps for its backward are the distinct storages of ``saved_tensors_hooks`` minus
 the parameters; ``piper_memory.estimate`` given a one-device profile (``activation_bytes``, as
-``piper tune`` does) counts one device's bytes, with or without TP or SP. Traffic: the bytes a
+``piper tune`` did before it profiled one rank of each variant) counts one device's bytes, with or
+without TP or SP (the "estimate / measured" column). benchmarks/bench_sharded_memory.py holds the
+estimate ``piper tune`` now makes, with one rank's profile, against the runtime's measurement,
+for TP, SP, the vocabulary-parallel head and CP (docs/memory.md). Traffic: the bytes a
 rank sends per forward and backward in ring algorithms (all-reduce 2(n-1)/n B, reduce-scatter
 (n-1)/n B, all-gather (n-1) b for B the whole tensor and b a rank's slice).
 

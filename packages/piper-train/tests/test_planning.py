@@ -205,3 +205,54 @@ def test_hardware_planning_fields_are_checked(tmp_path):
         load_hardware(str(path))
     h100 = load_hardware("h100")
     assert h100.planning("intra_node_gb_per_s") == 450 and h100.planning("flop_efficiency") == 0.6
+
+
+def test_sequence_parallelism_keeps_the_step_and_cuts_the_hidden_sized_activations(tiny):
+    """SP turns each of TP's all-reduces into a reduce-scatter and an all-gather of the same
+    tensor (the same ring time), and cuts the activations TP leaves whole (those of the hidden
+    size) by tp; without SP a TP rank keeps them whole (Part.kept_per_rank)."""
+    p = planner(tiny, devices=4, batch=8)
+    layer = p.setting.census.layer
+    assert 0 < layer.hidden_saved_bytes < layer.saved_bytes
+    assert layer.kept_per_rank(1) == layer.saved_bytes
+    tp, sp = p.price(Candidate("1f1b", 1, 2, 1, 4)), p.price(Candidate("1f1b", 1, 2, 1, 4, sp=True))
+    assert tp.fits and sp.fits and sp.candidate.label == "1f1b pp=1 tp=4 sp mb=2"
+    assert sp.step_seconds == tp.step_seconds and sp.parts["tp_comm_per_layer"] == tp.parts["tp_comm_per_layer"] > 0
+    # 1F1B on one rank holds one microbatch (4 sequences) of every layer: the hidden-sized part, 3/4 of it
+    layers, sequences = p.setting.census.layers, 8 // 2
+    assert tp.peak_bytes - sp.peak_bytes == pytest.approx(layers * sequences * layer.hidden_saved_bytes * 3 / 4, abs=1)
+    assert layer.kept_per_rank(4) == pytest.approx(layer.hidden_saved_bytes + (layer.saved_bytes
+                                                                               - layer.hidden_saved_bytes) / 4)
+
+
+def test_context_parallelism_prices_the_key_value_gathers_and_reduces_over_dp_x_cp(tiny):
+    p = planner(tiny, devices=4, batch=8)
+    c = p.setting.census
+    plan = p.price(Candidate("1f1b", 1, 2, 2, 1, 1, 1, cp=2))
+    assert plan.fits and plan.candidate.label == "1f1b pp=1 dp=2 cp=2 zero=1 mb=2"
+    sequences = 8 // (2 * 2)
+    kv = 2 * c.kv_heads * (c.hidden // c.heads) * c.seq_len * c.dtype_bytes  # one layer, one whole sequence
+    gather = 2 * p.topology.link(2).all_gather(kv * sequences, 2)  # keys and values, over the node's link
+    assert plan.parts["cp_comm_per_layer"] == pytest.approx(gather) and gather > 0
+    # each rank computes half of every sequence, plus the gathers in each direction
+    lt, et, ht = (p.phase_times(k, sequences, 2) for k in range(3))
+    assert plan.parts["F"] == pytest.approx(c.layers * (lt["F"] + gather) + et["F"] + ht["F"])
+    assert plan.parts["BI"] == pytest.approx(c.layers * (lt["BI"] + gather) + et["BI"] + ht["BI"])
+    # ZeRO-1 shards the optimizer state over the dp x cp = 4 replicas
+    whole = p.price(Candidate("1f1b", 1, 2, 2, 1, 1, 0, cp=2))
+    assert whole.parts["state_bytes"] - plan.parts["state_bytes"] == pytest.approx(c.params * 8 * 3 / 4)
+
+
+def test_planner_refuses_sp_and_cp_where_the_library_does(tiny):
+    p = planner(tiny, devices=4, batch=8)
+    assert "tp >= 2" in p.price(Candidate("1f1b", 1, 2, 4, sp=True)).reason
+    assert "tensor parallelism" in p.price(Candidate("1f1b", 1, 2, 1, 2, cp=2)).reason
+    assert "does not divide the sequence" in planner(tiny, devices=3, batch=3).price(
+        Candidate("1f1b", 1, 1, 1, cp=3)).reason  # 32 tokens
+    assert "recomputed" in p.price(Candidate("1f1b", 1, 2, 2, recompute=True, cp=2)).reason
+    space = candidates(4, schedules=("1f1b",), microbatches=(2,), zeros=(0,), pps=(1,), sp=(False, True), cps=(1, 2))
+    assert sorted(c.label for c in space) == sorted([
+        "1f1b pp=1 dp=4 mb=2", "1f1b pp=1 dp=4 mb=2 recompute", "1f1b pp=1 dp=2 tp=2 mb=2",
+        "1f1b pp=1 dp=2 tp=2 mb=2 recompute", "1f1b pp=1 dp=2 tp=2 sp mb=2", "1f1b pp=1 dp=2 tp=2 sp mb=2 recompute",
+        "1f1b pp=1 tp=4 mb=2", "1f1b pp=1 tp=4 mb=2 recompute", "1f1b pp=1 tp=4 sp mb=2",
+        "1f1b pp=1 tp=4 sp mb=2 recompute", "1f1b pp=1 dp=2 cp=2 mb=2"])

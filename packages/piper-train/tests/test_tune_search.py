@@ -186,3 +186,27 @@ def test_search_modules_import_no_torch() -> None:
     code = ("import sys; import piper_train.tuning.search, piper_train.tuning.space, piper_train.tuning.costs; "
             "sys.exit('torch' in sys.modules or 'ray' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def test_sharded_variants_use_their_own_times_and_one_ranks_activations() -> None:
+    """A tp-with-sp or cp candidate is simulated with its variant's measured times (their
+    collectives inside, as TP's are) and estimated with what one rank of the variant keeps
+    (``rank_activation_bytes``); one device's bytes only where that was not measured."""
+    profile = _profile()
+    half = {seg: b / 2 for seg, b in profile.activation_bytes.items()}
+    compute = {**profile.compute, "tp2sp": {4: _times(4, 1.5)}, "cp2": {4: _times(4, 1.2)}}
+    profile = attrs.evolve(profile, compute=compute, rank_activation_bytes={"cp2": half, "tp2sp": half})
+    graph = _graph()
+    for candidate in (Candidate("1f1b", 1, 2, tp=2, sp=True), Candidate("1f1b", 1, 2, cp=2)):
+        assert segment_activation_bytes(profile, candidate) == {s: int(b * 4) for s, b in half.items()}
+        plain = attrs.evolve(candidate, sp=False, cp=1, tp=1)
+        assert segment_activation_bytes(profile, plain) == {s: int(b * 4) for s, b in profile.activation_bytes.items()}
+        e = search(graph, profile, [candidate]).evaluations[0]
+        assert e.status == OK, e.reason
+        program = compile_candidate(graph, candidate, REGIONS)
+        assert e.makespan == pytest.approx(simulate(program, cost_model(profile, candidate)).makespan)
+        estimates = estimate_memory(program, activation_bytes=segment_activation_bytes(profile, candidate))
+        assert e.peak_bytes == max(x.required_bytes for x in estimates.values())
+    # the same compute without the measured variant: not guessed
+    missing = search(graph, profile, [Candidate("1f1b", 1, 4, tp=2, sp=True)]).evaluations[0]
+    assert missing.status == INVALID and "no profile for tp2sp" in missing.reason

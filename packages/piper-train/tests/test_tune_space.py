@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import itertools
 
+import attrs
 import pytest
 
-from piper_directives import Place, Strategy, build_schedule
+from piper_directives import ContextParallel, Place, Shard, Strategy, build_schedule
 from piper_directives.synthetic import synthetic_graph
 from piper_ir import DirectiveError, to_json
 from piper_memory import plan_memory
@@ -19,6 +20,7 @@ from piper_train.tuning.space import (
     enumerate_space,
     even_bounds,
     factorizations,
+    variant_degrees,
 )
 
 
@@ -117,3 +119,31 @@ def test_bad_bounds_are_refused() -> None:
         Candidate("1f1b", 2, 4, bounds=(0, 8, 8)).strategy(8)
     with pytest.raises(DirectiveError, match="cannot be spread evenly"):
         Candidate("1f1b", 4, 4).strategy(6)
+
+
+def test_sequence_and_context_parallel_candidates() -> None:
+    """``sp`` doubles each tp > 1 candidate (never one without tp), ``cps`` adds pp x dp x cp
+    candidates (no tp/ep, no recomputation: the library refuses both with cp); each strategy
+    is what parallelize/context_parallel build, and a variant names its profile."""
+    base = enumerate_space(4, 8, microbatches=[2], schedules=["1f1b"], recompute=(False, True))
+    space = enumerate_space(4, 8, microbatches=[2], schedules=["1f1b"], recompute=(False, True), sp=(False, True),
+                            cps=(1, 2, 4))
+    assert set(base) <= set(space) and len(space) == len(set(space))
+    sp = [c for c in space if c.sp]
+    assert sp and all(c.tp > 1 and not c.recompute for c in sp)
+    assert {attrs.evolve(c, sp=False) for c in sp} == {c for c in base if c.tp > 1}
+    cp = [c for c in space if c.cp > 1]
+    assert {(c.pp, c.dp, c.cp) for c in cp} == {(1, 2, 2), (2, 1, 2), (1, 1, 4)}
+    assert all(c.tp == c.ep == 1 and not c.recompute and c.devices == 4 for c in cp)
+    assert all(c.zero == 0 or c.dp > 1 for c in cp)
+    for c in (*sp, *cp):
+        assert variant_degrees(c.variant) == (c.tp, c.ep, c.cp, c.sp)
+        directives = c.strategy(8).directives
+        if c.cp > 1:
+            groups = [d for d in directives if isinstance(d, ContextParallel)]
+            assert groups and all(d.degree == c.cp for d in groups)
+        else:
+            assert all(d.sequence_parallel for d in directives if isinstance(d, Shard))
+    assert Candidate("1f1b", 2, 4, 2, cp=2).label == "1f1b pp=2 dp=2 cp=2 mb=4"
+    assert Candidate("1f1b", 2, 4, tp=2, sp=True).label == "1f1b pp=2 tp=2 sp mb=4"
+    assert variant_degrees("none") == (1, 1, 1, False)

@@ -36,10 +36,18 @@ categories ``piper_runtime.rank.memory.RankMemory`` measures:
   recomputed forward's activations while it runs (until ``BW`` after a split backward),
   and, at its start, the gradients of its outputs and those it makes of its inputs too.
   The IR does not describe a segment's interior, so by default this is the segment's
-  outputs (``Segment.outputs`` value metas, one replica's shard of one microbatch), a lower
+  outputs (``Segment.outputs`` value metas, one replica's shard of one microbatch; a
+  context-parallel rank's chunk of the sequence, as the rewrite records it; logits a
+  vocabulary-parallel loss reads, which the IR records whole, as one rank's slice, 1/tp), a lower
   bound that is exact in its *shape* across schedules (GPipe holds M microbatches, 1F1B at
-  most the number of stages). ``activation_bytes`` (segment id -> bytes one forward keeps,
-  e.g. profiled once on one device) replaces it per segment.
+  most the number of stages). ``activation_bytes`` (segment id -> bytes one forward keeps on
+  this rank) replaces it per segment: ``piper tune`` profiles them on one device, and for
+  tensor-, sequence- and context-parallel candidates on one rank of the group as the runtime
+  runs it (``piper_train.tuning.profiler.rank_activation_bytes``: TP's column outputs cut and
+  the rest whole, SP's between-region code on sequence shards, CP's chunks with the gathered
+  keys and values whole, vocabulary-cut logits), since what a sharded rank keeps inside a
+  segment is not in the IR (one device's bytes were 1.6-2.4x a TP rank's, and those divided
+  by the degree 0.59-0.88x an SP rank's; docs/memory.md).
 
 ``peak_bytes`` is the largest simultaneous sum of all five over the order, the figure a
 per-rank budget has to hold; ``total_bytes`` (model state plus activations, each at its own
@@ -64,6 +72,7 @@ from piper_ir import (
     Program,
     Residency,
     SegmentRole,
+    ShardKind,
     TensorMeta,
     grad_name,
 )
@@ -208,6 +217,21 @@ def _aliased(program: Program, segments: set[str]) -> set[tuple[str, str]]:
     return out
 
 
+def _vocabulary_sliced(program: Program) -> dict[str, int]:
+    """Value -> tensor-parallel degree for the logits a vocabulary-parallel loss reads: a loss
+    segment sharded ``tp`` that issues a collective (its cross-entropy's all-reduce) receives
+    each rank's slice of the head's output, which the IR records whole (shard_vocab)."""
+    batch = {*program.inputs, *program.targets}
+    out: dict[str, int] = {}
+    for sh in program.sharding:
+        seg = program.segment_by_id.get(sh.segment)
+        if seg is None or seg.role is not SegmentRole.LOSS or sh.kind is not ShardKind.TP:
+            continue
+        if sh.collectives and sh.degree > 1:
+            out.update((v, sh.degree) for v in seg.inputs if v not in batch)
+    return out
+
+
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**16 else f"{int(nbytes)} B"
 
@@ -256,7 +280,7 @@ class _RankReplay:
         self.full: dict[str, dict[str, int]] = {}  # segment -> {bucket or segment: full bytes}
         self.bucket = {b.id: b for b in program.buckets}
         # Tensor parallelism (Program.sharding): a listed parameter is cut ``degree`` ways.
-        tp_cut = {(sh.segment, p.name): sh.degree for sh in program.sharding for p in sh.params}
+        tp_cut = {(sh.segment, p.name): sh.degree_of(p) for sh in program.sharding for p in sh.params}
         self.early: set[str] = set()  # segments with sharded gradients: reduce-scattered during the backward
         self.inflight = _Tally()  # bucket -> buffers of its running reduce-scatter
         mine = program.plan(rank).segments()
@@ -285,6 +309,7 @@ class _RankReplay:
             else:
                 self.full[seg_id] = {seg_id: full}
         self.activation_bytes = dict(activation_bytes or {})
+        self.sliced = _vocabulary_sliced(program)
         self.kept: dict[str, int] = {}  # segment -> _kept_bytes (the same for every microbatch)
         self.pass_grads: dict[str, int] = {}  # segment -> _pass_grad_bytes
         self.recv_positions = [k for k, ins in enumerate(self.instructions) if ins.kind is RECV]
@@ -311,8 +336,15 @@ class _RankReplay:
         if seg_id in self.activation_bytes:
             return int(self.activation_bytes[seg_id])
         seg = self.program.segment_by_id[seg_id]
-        values = self.program.value_by_name
-        return sum(values[v].meta.nbytes() for v in seg.outputs if v in values)
+        return sum(self._value_bytes(v) for v in seg.outputs)
+
+    def _value_bytes(self, name: str) -> int:
+        """One rank's bytes of value ``name`` (0 if unknown): its meta's, or one slice of
+        vocabulary-cut logits (``_vocabulary_sliced``)."""
+        value = self.program.value_by_name.get(name)
+        if value is None:
+            return 0
+        return value.meta.nbytes() // self.sliced.get(name, 1)
 
     def _kept_bytes(self, seg_id: str) -> int:
         """What a forward leaves held until its backward: its activations, or for a segment
@@ -329,7 +361,7 @@ class _RankReplay:
         of its inputs (those that need one), which it makes."""
         seg = self.program.segment_by_id[seg_id]
         values = self.program.value_by_name
-        return sum(values[v].meta.nbytes() for v in (*seg.outputs, *seg.inputs)
+        return sum(self._value_bytes(v) for v in (*seg.outputs, *seg.inputs)
                    if v in values and values[v].meta.requires_grad)
 
     def _sample(self, position: int, transient: int = 0) -> None:

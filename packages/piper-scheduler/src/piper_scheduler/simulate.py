@@ -17,7 +17,9 @@ completed (docs/schedules.md derives what this does to DualPipe's bubble).
 
 A segment that recomputes its activations (``Segment.recompute``) runs its forward again at
 the start of its backward: its ``B`` (or ``BI``, the half that comes first) is charged its
-``F`` on top.
+``F`` on top. A compute instruction is also charged the time its segment's own collectives
+take (``CostModel.collectives``: tensor, sequence and context parallelism's, priced by
+``costs.sharded_collectives``), which run inside it on its stream.
 
 Start times follow from dependencies alone, so the order in which streams are visited does
 not change the result (a dataflow fixpoint, computed with a worklist).
@@ -48,7 +50,7 @@ def simulate(program: Program, costs: CostModel | None = None) -> Timeline:
     recomputed = {seg.id for seg in program.segments if seg.recompute}
 
     def compute_cost(ins: Instruction) -> float:
-        cost = costs.compute_cost(ins.segment, ins.phase)
+        cost = costs.compute_cost(ins.segment, ins.phase) + costs.collective_cost(ins.segment, ins.phase)
         if ins.segment in recomputed and ins.phase in (Phase.B, Phase.BI):
             cost += costs.compute_cost(ins.segment, Phase.F)  # the forward again, first
         return cost

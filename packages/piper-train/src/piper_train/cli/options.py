@@ -13,8 +13,8 @@ take it, and the checks argparse cannot express.
 | length, evaluation, metrics | --steps, --epochs, --eval-every, --eval-batches, --metrics, --tensorboard, --wandb, --profile-step, --steps-per-call, --on-nan, ... | train |
 | checkpoints | --checkpoint-dir, --checkpoint-every, --keep-checkpoints, --checkpoint-async, --resume, --max-restarts | train |
 | simulation | --cost, --json, --png, --trace | simulate, show |
-| planning | --hardware, --devices, --model hf:CONFIG, --batch-size, --seq-len, --tp, --zero, --recompute (docs/planning.md) | simulate (tune: --hardware, --tp) |
-| tune | --devices, --calibrate, --precision, --stages, --memory-budget-mb, --microbatch-range, --schedules, --zero-levels, --recompute, --top, --out, --validate, ... | tune |
+| planning | --hardware, --devices, --model hf:CONFIG, --batch-size, --seq-len, --tp, --zero, --recompute, --sp, --cp (docs/planning.md) | simulate (tune: --hardware, --tp) |
+| tune | --devices, --calibrate, --precision, --stages, --memory-budget-mb, --microbatch-range, --schedules, --zero-levels, --recompute, --sp, --cp, --top, --out, --validate, ... | tune |
 """
 
 from __future__ import annotations
@@ -279,6 +279,11 @@ def add_planning(p: argparse.ArgumentParser) -> None:
                    help="with --hardware: ZeRO level (default: 0)")
     p.add_argument("--recompute", dest="plan_recompute", choices=["none", "all"], default="none",
                    help="with --hardware: recompute every layer's activations in its backward (default: none)")
+    p.add_argument("--sp", dest="plan_sp", action="store_true",
+                   help="with --hardware and --tp > 1: sequence parallelism between the tensor-parallel regions")
+    p.add_argument("--cp", dest="plan_cp", type=int, default=1,
+                   help="with --hardware: context-parallel degree (each sequence cut over cp adjacent devices; not "
+                        "with --tp); data-parallel replicas = devices / (pp x cp) (default: 1)")
     add_precision(p)  # with --hardware: the dtype computed in (default bf16)
 
 
@@ -296,6 +301,12 @@ def add_tune(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", dest="tps", type=_comma_list(int), default=None,
                    help="with --hardware: tensor-parallel degrees to try, comma-separated (default: every divisor "
                         "of --devices up to a node)")
+    p.add_argument("--sp", dest="sp_search", choices=["none", "all", "search"], default=None,
+                   help="sequence parallelism for every candidate with tensor parallelism: never, always, or both "
+                        "ways (default: none; each tp degree searched with it is one more variant to profile)")
+    p.add_argument("--cp", dest="cps", type=_comma_list(int), default=None,
+                   help="context-parallel degrees to try besides none, comma-separated, each dividing --devices "
+                        "and the sequence length: pp x dp x cp candidates (no tp/ep with cp) (default: none)")
     p.add_argument("--stages", type=int, help="annotated regions of a built-in model (default: 2 x --devices)")
     p.add_argument("--memory-budget-mb", type=finite_float, default=None,
                    help="per-rank memory budget: strategies whose estimate exceeds it are pruned before simulation")

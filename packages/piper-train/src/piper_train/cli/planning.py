@@ -78,8 +78,13 @@ def tune_plan(args: argparse.Namespace, microbatches: tuple[int, ...] | None) ->
     per_node = int(setting.hardware.planning("devices_per_node"))
     tps = args.tps or [t for t in range(1, per_node + 1) if args.devices % t == 0 and per_node % t == 0]
     recompute = {"none": (False,), "all": (True,), "search": (False, True)}[args.recompute or "search"]
+    sp = {"none": (False,), "all": (True,), "search": (False, True)}[args.sp_search or "none"]
+    cps = (1, *sorted(set(args.cps or ()) - {1}))
+    for cp in cps:
+        if cp < 1 or args.devices % cp:
+            raise ValueError(f"--cp: degree {cp} does not divide --devices {args.devices}")
     space = candidates(args.devices, schedules=args.schedules, microbatches=counts, zeros=args.zero_levels, tps=tps,
-                       pps=args.pp, recompute=recompute)
+                       pps=args.pp, recompute=recompute, sp=sp, cps=cps)
     plans = rank(planner.price(c) for c in space)
     fitting = [p for p in plans if p.fits]
     seconds = time.perf_counter() - started
@@ -114,19 +119,26 @@ def tune_plan(args: argparse.Namespace, microbatches: tuple[int, ...] | None) ->
 def simulate_plan(args: argparse.Namespace) -> int:
     """``piper simulate --hardware``: one strategy priced, and its pipeline simulated."""
     if args.strategy is not None:
-        raise ValueError("--strategy with --hardware: give the strategy as --schedule, --pp, --tp, --zero, "
-                         "--microbatches, --recompute")
+        raise ValueError("--strategy with --hardware: give the strategy as --schedule, --pp, --tp, --sp, --cp, "
+                         "--zero, --microbatches, --recompute")
     if args.devices is None:
-        raise ValueError("--hardware needs --devices (pp x tp x data-parallel replicas)")
-    if args.devices % (args.pp * args.tp):
-        raise ValueError(f"--devices {args.devices} is not a multiple of --pp {args.pp} x --tp {args.tp}")
-    dp = args.devices // (args.pp * args.tp)
+        raise ValueError("--hardware needs --devices (pp x tp x cp x data-parallel replicas)")
+    if args.plan_cp < 1:
+        raise ValueError(f"--cp must be >= 1, got {args.plan_cp}")
+    if args.plan_sp and args.tp < 2:
+        raise ValueError("--sp: sequence parallelism shards the code between tensor-parallel regions; it needs --tp >= 2")
+    if args.plan_cp > 1 and args.tp > 1:
+        raise ValueError("--cp with --tp: context parallelism with tensor parallelism is not supported")
+    if args.devices % (args.pp * args.tp * args.plan_cp):
+        raise ValueError(f"--devices {args.devices} is not a multiple of --pp {args.pp} x --tp {args.tp} x --cp "
+                         f"{args.plan_cp}")
+    dp = args.devices // (args.pp * args.tp * args.plan_cp)
     from piper_train.cli.scheduling import check_size  # the simulated schedule's size limit
 
     check_size(args, args.pp * CHUNKS.get(args.schedule, 1), args.microbatches)
     setting = _setting(args, args.devices)
     candidate = Candidate(args.schedule, args.pp, args.microbatches, dp, args.tp, 1, args.plan_zero, None,
-                          args.plan_recompute == "all")
+                          args.plan_recompute == "all", args.plan_sp, args.plan_cp)
     plan = Planner(setting).price(candidate)
     if not plan.peak_bytes:
         raise ValueError(f"{candidate.label} cannot run: {plan.reason}")

@@ -136,7 +136,8 @@ def simulate_command(args: argparse.Namespace) -> int:
                                       ("--batch-size", args.batch_size), ("--seq-len", args.seq_len))
              if value is not None]
     given += [flag for flag, on in (("--tp", args.tp != 1), ("--zero", args.plan_zero != 0),
-                                    ("--recompute", args.plan_recompute != "none")) if on]
+                                    ("--recompute", args.plan_recompute != "none"), ("--sp", args.plan_sp),
+                                    ("--cp", args.plan_cp != 1)) if on]
     if given:
         raise ValueError(f"{', '.join(given)} price a model's strategy on hardware: give --hardware too")
     check_size(args)

@@ -109,6 +109,20 @@ def _recompute(choice: str | None, budget: int | None) -> tuple[bool, ...]:
     return {"none": (False,), "all": (True,), "search": (False, True)}[choice]
 
 
+def _sp_choices(choice: str | None) -> tuple[bool, ...]:
+    """The sequence-parallel choices ``--sp`` asks for (default none: each tp degree searched
+    with it is one more variant to profile)."""
+    return {"none": (False,), "all": (True,), "search": (False, True)}[choice or "none"]
+
+
+def _cp_degrees(cps: list[int] | None, devices: int) -> tuple[int, ...]:
+    """The context-parallel degrees ``--cp`` asks for (each dividing ``--devices``), and 1."""
+    for cp in cps or ():
+        if cp < 1 or devices % cp:
+            raise ValueError(f"--cp: degree {cp} does not divide --devices {devices}")
+    return (1, *sorted(set(cps or ()) - {1}))
+
+
 def tune_command(args: argparse.Namespace) -> int:
     if args.calibrate:  # measure this machine into a hardware file (cli.planning)
         from piper_train.cli.planning import calibrate
@@ -142,7 +156,8 @@ def tune_command(args: argparse.Namespace) -> int:
             load_weights(model.model, args.init_from)
         report = tune(model, args.devices, stages=args.stages, memory_budget_bytes=budget,
                       microbatches=microbatches, schedules=args.schedules, zeros=args.zero_levels, pps=args.pp,
-                      recompute=_recompute(args.recompute, budget),
+                      recompute=_recompute(args.recompute, budget), sp=_sp_choices(args.sp_search),
+                      cps=_cp_degrees(args.cps, args.devices),
                       optimizer=optimizer, backend=args.backend, address=args.address,
                       cache_dir=None if args.no_cache else (args.cache_dir or DEFAULT_CACHE), comm=comm,
                       profile_steps=args.profile_steps, seed=args.seed,

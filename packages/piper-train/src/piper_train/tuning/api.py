@@ -21,8 +21,15 @@ from pathlib import Path
 import attrs
 import ray
 
-from piper_directives import SCHEDULES, CapturedModel, capture, shard_modules, sharded_buckets
-from piper_ir import ClusterError, Graph, MemoryPlanError, PiperError
+from piper_directives import (
+    SCHEDULES,
+    CapturedModel,
+    capture,
+    context_modules,
+    shard_modules,
+    sharded_buckets,
+)
+from piper_ir import ClusterError, Graph, MemoryPlanError, PiperError, ShardKind
 from piper_runtime import OptimizerSpec, ensure_ray
 from piper_train.models import ModelSpec
 from piper_train.trainer import Trainer
@@ -108,6 +115,8 @@ def tune(
     kinds: Sequence[str] = ("tp", "ep"),
     pps: Sequence[int] | None = None,
     recompute: Sequence[bool] = (False,),
+    sp: Sequence[bool] = (False,),
+    cps: Sequence[int] = (1,),
     optimizer: OptimizerSpec | None = None,
     backend: str | None = "cpu",
     address: str | None = None,
@@ -126,7 +135,9 @@ def tune(
     ``memory_budget_bytes`` is per rank; a budget no candidate fits raises ``MemoryPlanError``
     naming the smallest estimated requirement. ``pps`` limits the pipeline degrees, ``kinds``
     the shard kinds (``"tp"``, ``"ep"``), ``recompute`` the recomputation choices
-    (``(False, True)``: each candidate without tp/ep also with every region recomputed).
+    (``(False, True)``: each candidate without tp/ep/cp also with every region recomputed),
+    ``sp`` the sequence-parallel choices of each tp > 1 candidate (``(False, True)``: both),
+    ``cps`` the context-parallel degrees (``(1, 2)``: pp x dp x (tp or ep) and pp x dp x 2).
     ``comm`` = (latency s, bandwidth bytes/s) replaces the measured link. ``keep=K`` ranks only the best K exactly (``search``: the
     rest are compiled only while they could still enter the top K); ``None`` ranks every
     candidate. ``progress(total)`` returns what hears each evaluation.
@@ -152,9 +163,12 @@ def tune(
         profiler.need("none", captured.batch_size, False)
         weights = profiler.profile.region_weights()
     candidates = enumerate_space(devices, regions, microbatches=microbatches, schedules=schedules, zeros=zeros,
-                                 kinds=kinds, weights=weights, pps=pps, recompute=recompute)
+                                 kinds=kinds, weights=weights, pps=pps, recompute=recompute, sp=sp, cps=cps)
     shard = _Sharder(captured)
     buildable = _buildable(candidates, captured, regions, shard)
+    for variant in sorted({c.variant for c in buildable} - {"none"}):
+        if not variant.startswith("ep"):  # an expert group's ranks keep what one device keeps of their tokens
+            profiler.need_activations(variant)
     for variant, local, split in _needs(buildable, captured.batch_size):
         try:
             profiler.need(variant, local, split)
@@ -197,7 +211,7 @@ def _buildable(candidates: Iterable[Candidate], captured: CapturedModel, regions
         except PiperError:
             continue
         if c.variant not in variants:
-            one = Candidate("1f1b", 1, batch // c.ep if c.ep > 1 else 1, tp=c.tp, ep=c.ep)
+            one = Candidate("1f1b", 1, batch // c.ep if c.ep > 1 else 1, tp=c.tp, ep=c.ep, sp=c.sp, cp=c.cp)
             try:
                 shard(one.strategy(regions).apply(captured.graph))
                 variants[c.variant] = True
@@ -211,23 +225,28 @@ def _buildable(candidates: Iterable[Candidate], captured: CapturedModel, regions
 class _Sharder:
     """``Trainer``'s tensor/expert-parallel graph rewrite (``shard_modules``: which
     parameters each group cuts, the buckets rebuilt on the shards), remembered per
-    (segment, kind, degree): the rewrite runs the segments' code, far longer than compiling,
+    (segment, kind, degree, sequence-parallel): the rewrite runs the segments' code, far longer than compiling,
     and what it decides does not depend on the placement. A graph whose shardings are all
     known is rewritten from memory with the same bucket builders; a combination that failed
-    fails again with the same error."""
+    fails again with the same error. A context-parallel graph goes through
+    ``context_modules``, whose result (each rank's value shapes, each segment's gather count)
+    depends on the values' shapes and the degree only, and is remembered per those."""
 
     def __init__(self, captured: CapturedModel) -> None:
         self.modules = captured.modules
         self.known: dict[tuple, tuple] = {}
         self.failed: dict[frozenset, PiperError] = {}
+        self.context: dict[tuple, tuple] = {}  # (degree, values) -> (values, segment -> gathers)
 
     def __call__(self, graph: Graph) -> Graph:
         if not graph.sharding:
             return graph
-        kinds = frozenset((sh.kind, sh.degree) for sh in graph.sharding)
+        kinds = frozenset((sh.kind, sh.degree, sh.sequence_parallel) for sh in graph.sharding)
         if kinds in self.failed:
             raise self.failed[kinds]
-        if all((sh.segment, sh.kind, sh.degree) in self.known for sh in graph.sharding):
+        if any(sh.kind is ShardKind.CP for sh in graph.sharding):
+            return self._context(graph, kinds)
+        if all((sh.segment, sh.kind, sh.degree, sh.sequence_parallel) in self.known for sh in graph.sharding):
             return self._replay(graph)
         try:
             out = shard_modules(graph, self.modules)[0]
@@ -235,13 +254,26 @@ class _Sharder:
             self.failed[kinds] = err
             raise
         for sh in out.sharding:
-            self.known[(sh.segment, sh.kind, sh.degree)] = (sh.params, sh.collectives)
+            self.known[(sh.segment, sh.kind, sh.degree, sh.sequence_parallel, sh.expert_degree)] = (sh.params, sh.collectives)
         return out
+
+    def _context(self, graph: Graph, kinds: frozenset) -> Graph:
+        key = (tuple(sorted(sh.degree for sh in graph.sharding)), graph.values)
+        if key not in self.context:
+            try:
+                out = context_modules(graph, self.modules)[0]
+            except PiperError as err:
+                self.failed[kinds] = err
+                raise
+            self.context[key] = (out.values, {sh.segment: sh.collectives for sh in out.sharding})
+        values, counts = self.context[key]
+        sharding = tuple(attrs.evolve(sh, collectives=counts.get(sh.segment, sh.collectives)) for sh in graph.sharding)
+        return attrs.evolve(graph, values=values, sharding=sharding)
 
     def _replay(self, graph: Graph) -> Graph:
         records = []
         for sh in graph.sharding:
-            params, collectives = self.known[(sh.segment, sh.kind, sh.degree)]
+            params, collectives = self.known[(sh.segment, sh.kind, sh.degree, sh.sequence_parallel, sh.expert_degree)]
             records.append(attrs.evolve(sh, params=params, collectives=collectives))
         graph = attrs.evolve(graph, sharding=tuple(records))
         return attrs.evolve(graph, buckets=sharded_buckets(graph))

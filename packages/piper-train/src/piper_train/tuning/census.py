@@ -25,7 +25,10 @@ that records, for every aten operator,
   of the backward); the embedding's operators apart (they run on the first stage only);
 
 and, with ``saved_tensors_hooks``, the bytes the forward keeps for the backward (activation
-memory; parameters excluded, each storage once). Costs scale linearly with the tokens of a
+memory; parameters excluded, each storage once), and of them the bytes of tensors whose last
+axis is the hidden size (the residual stream: norms' inputs and outputs, the column Linears'
+inputs, the row Linears' outputs), which tensor parallelism leaves whole on every rank and
+sequence parallelism cuts; the rest (attention heads, the MLP's intermediate) TP cuts. Costs scale linearly with the tokens of a
 microbatch (attention's quadratic part is exact at ``seq_len`` and scales with the
 sequences). Mixture-of-experts configs are refused: their routing picks each expert's tokens
 from values fake tensors do not have, so the experts' FLOPs cannot be counted this way
@@ -56,13 +59,22 @@ Ops = tuple[tuple[float, float], ...]  # (FLOPs, bytes) of each operator
 @attrs.frozen
 class Part:
     """One layer, or the rest of the model, for one sequence: per phase the (FLOPs, bytes)
-    of each operator; the bytes its forward keeps for the backward; its parameter count; and
-    the bytes of its outputs (what a pipeline stage boundary sends)."""
+    of each operator; the bytes its forward keeps for the backward; its parameter count; the
+    bytes of its outputs (what a pipeline stage boundary sends); and the part of
+    ``saved_bytes`` whose tensors' last axis is the hidden size (module doc)."""
 
     ops: dict[str, Ops]
     saved_bytes: int
     params: int
     output_bytes: int = 0
+    hidden_saved_bytes: int = 0
+
+    def kept_per_rank(self, tp: int = 1, sp: bool = False) -> float:
+        """What one rank of a ``tp``-way tensor-parallel group keeps of ``saved_bytes``: the
+        cut part divided, the hidden-sized part whole, or divided too under sequence
+        parallelism."""
+        cut = self.saved_bytes - self.hidden_saved_bytes
+        return (self.saved_bytes if sp else cut + tp * self.hidden_saved_bytes) / tp
 
     def flops(self, phase: str | None = None) -> float:
         phases = PHASES if phase is None else (phase,)
@@ -159,16 +171,20 @@ def _storage_key(t: torch.Tensor) -> int:
     return StorageWeakRef(t.untyped_storage()).cdata
 
 
-def _run(model: nn.Module, seq_len: int) -> tuple[dict[str, Ops], int, int]:
+def _run(model: nn.Module, seq_len: int, hidden: int) -> tuple[dict[str, Ops], int, int, int]:
     """One forward and backward of one sequence (module doc): the ops per phase, the bytes
-    saved for the backward, and the bytes of the logits."""
+    saved for the backward, of them those of tensors whose last axis is ``hidden``, and the
+    bytes of the logits."""
     weights = {_storage_key(p) for p in model.parameters()}
     saved: dict[int, int] = {}
+    wide: set[int] = set()  # storages saved as a tensor of the hidden size
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
         if key not in weights:
             saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
+            if t.dim() >= 2 and t.shape[-1] == hidden:
+                wide.add(key)
         return t
 
     recorder = _Recorder()
@@ -179,7 +195,7 @@ def _run(model: nn.Module, seq_len: int) -> tuple[dict[str, Ops], int, int]:
         recorder.phase = "B"
         loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return recorder.phases(grads), sum(saved.values()), _nbytes(logits)
+    return recorder.phases(grads), sum(saved.values()), sum(saved[k] for k in wide), _nbytes(logits)
 
 
 def hf_census(spec: str, seq_len: int, *, dtype: torch.dtype = torch.bfloat16) -> Census:
@@ -201,6 +217,7 @@ def hf_census(spec: str, seq_len: int, *, dtype: torch.dtype = torch.bfloat16) -
     if not isinstance(layers, int) or layers < 1:
         raise ValueError(f"--model {spec}: the config says no number of layers (num_hidden_layers); planning needs "
                          "a decoder of identical layers")
+    hidden = int(base.hidden_size)
     parts = []
     for count in (0, 1):
         try:
@@ -210,21 +227,21 @@ def hf_census(spec: str, seq_len: int, *, dtype: torch.dtype = torch.bfloat16) -
             with FakeTensorMode():
                 model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=dtype)
                 model.eval()  # dropout off, as piper_train.flops counts: it adds no FLOPs, and fused attention has none
-                ops, saved, logits = _run(model, seq_len)
+                ops, saved, wide, logits = _run(model, seq_len, hidden)
         except (ValueError, RuntimeError, TypeError, NotImplementedError, IndexError) as err:
             raise ValueError(f"--model {spec}: cannot count it on fake tensors: {str(err).splitlines()[0]}") from None
         params = sum(p.numel() for p in model.parameters())
-        parts.append((ops, saved, logits, params, model))
-    (ops0, saved0, logits0, params0, model0), (ops1, saved1, _, params1, _) = parts
+        parts.append((ops, saved, wide, logits, params, model))
+    (ops0, saved0, wide0, logits0, params0, model0), (ops1, saved1, wide1, _, params1, _) = parts
     embed_params = sum(p.numel() for p in model0.get_input_embeddings().parameters())
     embed_ops = {"F": ops0.get("EF", ()), "BW": ops0.get("EBW", ())}
     layer_ops = {p: _inserted(ops0.get(p, ()), ops1.get(p, ()), spec) for p in PHASES}
-    hidden = int(base.hidden_size)
     heads = int(base.num_attention_heads)
     token_bytes = hidden * torch.finfo(dtype).bits // 8
     return Census(
         model=spec, seq_len=seq_len, layers=layers,
-        layer=Part(layer_ops, max(saved1 - saved0, 0), params1 - params0, token_bytes * seq_len),
+        layer=Part(layer_ops, max(saved1 - saved0, 0), params1 - params0, token_bytes * seq_len,
+                   min(max(wide1 - wide0, 0), max(saved1 - saved0, 0))),
         embed=Part(embed_ops, 0, embed_params, token_bytes * seq_len),
         head=Part({p: ops0.get(p, ()) for p in PHASES}, saved0, params0 - embed_params, logits0),
         hidden=hidden, heads=heads, kv_heads=int(getattr(base, "num_key_value_heads", None) or heads),

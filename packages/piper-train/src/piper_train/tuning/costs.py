@@ -4,9 +4,13 @@ A ``Profile`` is plain data, written to and read from JSON (the on-disk cache):
 
 - ``compute[variant][local batch][segment][phase]``: seconds of one instruction of that
   segment and phase (F, B, BI, BW, OPT), measured on the runtime with each region run as
-  the variant says (``none``, ``tpK``: tensor-parallel over K ranks, ``epK``: expert-parallel)
+  the variant says (``none``, ``tpK``: tensor-parallel over K ranks, ``tpKsp``: with sequence
+  parallelism, ``epK``: expert-parallel, ``cpK``: context-parallel), collectives included
   for a microbatch of that many samples per rank;
 - ``activation_bytes``: per segment, what one forward keeps for its backward, per sample;
+  ``rank_activation_bytes[variant]`` the same on one rank of a sharded variant (``tpK``,
+  ``tpKsp``, ``cpK``: TP's cut column outputs, SP's sequence shards, CP's chunks, a
+  vocabulary-cut head's logits), measured as that rank runs it;
 - per-instruction costs of the executor (``overhead`` per compute instruction,
   ``comm_overhead`` per message), ``startup`` and ``tail`` of a rank's step, ``dispatch``
   (the driver's per-step cost on top of the slowest rank);
@@ -45,6 +49,7 @@ class Profile:
     regions: int
     compute: Table = attrs.field(factory=dict)
     activation_bytes: dict[str, float] = attrs.field(factory=dict)  # per sample
+    rank_activation_bytes: dict[str, dict[str, float]] = attrs.field(factory=dict)  # variant -> per sample
     collective_share: dict[str, float] = attrs.field(factory=dict)  # variant -> share of compute in collectives
     overhead: float = 0.0
     comm_overhead: float = 0.0
@@ -103,9 +108,12 @@ class Profile:
 
 def segment_activation_bytes(profile: Profile, candidate: Candidate) -> dict[str, int]:
     """Per segment, the bytes one forward of one microbatch keeps on one rank (what
-    ``piper_memory.estimate_memory`` takes as ``activation_bytes``)."""
+    ``piper_memory.estimate_memory`` takes as ``activation_bytes``): a rank of the
+    candidate's variant where that was measured, else one device's (for a sharded variant an
+    upper bound: TP ranks keep 1.6-2.4x less)."""
     local = candidate.local_batch(profile.batch)
-    return {seg: int(per_sample * local) for seg, per_sample in profile.activation_bytes.items()}
+    per_sample = profile.rank_activation_bytes.get(candidate.variant, profile.activation_bytes)
+    return {seg: int(b * local) for seg, b in per_sample.items()}
 
 
 def cost_model(profile: Profile, candidate: Candidate) -> CostModel:

@@ -8,10 +8,19 @@ ranks up to their layers, so one candidate is priced from the slowest pipeline r
 - **compute**: that rank's layers (and the embedding on the first stage, the head and loss
   on the last) per microbatch, each phase (``F``, ``BI``, ``BW``) by the hardware's roofline
   (``piper_scheduler.analytic.Roofline``) over the census's operators, the microbatch's
-  sequences times each operator's cost, divided by the tensor-parallel degree; a recomputed
+  sequences times each operator's cost, divided by the tensor-parallel degree (or the
+  context-parallel one: each rank computes its chunk of every sequence); a recomputed
   layer runs its forward again in its backward;
 - **tensor parallelism** (Megatron's): two all-reduces of the layer's activation per layer in
-  the forward and two in the backward, over the node's link (TP stays inside a node);
+  the forward and two in the backward, over the node's link (TP stays inside a node). With
+  **sequence parallelism** each all-reduce becomes a reduce-scatter and an all-gather of the
+  same tensor: the same bytes and time under ring algorithms, so the step is TP's;
+- **context parallelism** (Piper's all-gather form): per layer the forward all-gathers the
+  keys and values of the whole sequences over the ``cp`` ranks and the backward
+  reduce-scatters their gradients (``2 x kv_heads x d_head x seq_len`` elements per
+  sequence each way), over the link the group spans (adjacent devices: the node's while it
+  fits); the ``cp`` ranks are data-parallel replicas for the gradient reduction and ZeRO
+  (over ``dp x cp`` ranks);
 - **pipeline**: ``piper_scheduler.analytic.pipeline_step`` (the schedule's bubble in closed
   form, checked against the simulator) with one boundary transfer per hop;
 - **data parallelism / ZeRO**: the rank's gradients reduced over the ``dp`` replicas
@@ -26,7 +35,10 @@ parameters, gradients and optimizer state (``OPTIMIZER_STATE_FACTOR``) of the ra
 each divided by ``dp`` from the ZeRO level that shards it (optimizer state from 1, gradients
 from 2, parameters from 3), the layers' parameters divided by ``tp`` (the embedding and head
 are not: Piper's tensor parallelism cuts the layers' Linears; a head tied to the embedding
-holds it on the last stage too), twice for DualPipe's mirrored stages; plus activations: the census's saved bytes per layer times the microbatches a
+holds it on the last stage too), twice for DualPipe's mirrored stages; plus activations: the census's saved bytes per layer
+(per rank: under TP the cut part divided by ``tp`` and the hidden-sized part whole,
+``Part.kept_per_rank``; under SP all of it divided; under CP divided by ``cp`` plus the
+gathered keys and values of the whole sequences, which each rank keeps) times the microbatches a
 schedule holds at once on its first rank (GPipe ``M``; 1F1B and ZB-H1 ``min(M, pp)``;
 interleaved 1F1B Megatron's warm-up, ``(2(pp-1) + pp + 1)/2`` rank-microbatches; DualPipe(V)
 ``pp + 1``), or with recomputation each layer's input and one layer's working set.
@@ -66,7 +78,8 @@ class Plan:
     peak_bytes: int
     reason: str = ""
     # seconds: the pipeline, the exposed data-parallel traffic and the optimizer (which add up to the step);
-    # one tensor-parallel collective pair per layer; the slowest rank's F, BI, BW per microbatch; one hop;
+    # one tensor-parallel collective pair per layer (and the context-parallel gathers of one layer, one
+    # direction); the slowest rank's F, BI, BW per microbatch; one hop;
     # and, in bytes, the model state (weights, gradients, optimizer) of the rank with the peak memory
     parts: dict[str, float] = attrs.field(factory=dict)
 
@@ -161,7 +174,7 @@ class Planner:
     # -- one candidate ----------------------------------------------------------------------
     def price(self, cand: Candidate) -> Plan:
         s, c = self.setting, self.setting.census
-        tp, pp, dp, m = cand.tp, cand.pp, cand.dp, cand.microbatches
+        tp, pp, dp, m, cp = cand.tp, cand.pp, cand.dp, cand.microbatches, cand.cp
         problem = self._refusal(cand)
         if problem:
             return _refused(cand, problem)
@@ -172,12 +185,15 @@ class Planner:
             return _refused(cand, f"{c.layers} layers cannot fill {pp * v} pipeline stages")
         stage_layers = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
         ranks = [self._rank_stages(cand.schedule, pp, r) for r in range(pp)]
-        layer_t = self.phase_times(0, sequences, tp)
-        embed_t = self.phase_times(1, sequences, 1)
-        head_t = self.phase_times(2, sequences, 1)
+        layer_t = self.phase_times(0, sequences, tp * cp)  # tp cuts each operator, cp each sequence
+        embed_t = self.phase_times(1, sequences, cp)
+        head_t = self.phase_times(2, sequences, cp)
         act = c.hidden * c.seq_len * sequences * c.dtype_bytes  # one layer's output, the whole microbatch
         tp_link = self.topology.link(tp)
-        tp_comm = 2 * tp_link.all_reduce(act, tp)  # per layer and direction (attention, MLP)
+        tp_comm = 2 * tp_link.all_reduce(act, tp)  # per layer and direction (attention, MLP); SP: RS + AG, the same
+        # per layer and direction: the keys' and values' all-gather (forward) or reduce-scatter (backward)
+        cp_comm = 2 * self.topology.link(cp).all_gather(self._kv_bytes() * sequences, cp)
+        tp_comm += cp_comm
 
         def rank_cost(stages: Iterable[int], weight: float = 1.0) -> dict[str, float]:
             cost = {"F": 0.0, "BI": 0.0, "BW": 0.0}
@@ -194,20 +210,21 @@ class Planner:
 
         costs = [rank_cost(stages, 0.5 if cand.schedule == "dualpipe" else 1.0) for stages in ranks]
         slowest = max(costs, key=lambda x: sum(x.values()))
-        hop_link = self.topology.link(pp, tp * dp) if pp > 1 else self.topology.intra
-        hop = hop_link.p2p(act / tp)
+        hop_link = self.topology.link(pp, tp * dp * cp) if pp > 1 else self.topology.intra
+        hop = hop_link.p2p(act / (tp * cp))
         step, bubble = pipeline_step(cand.schedule, pp, m, slowest["F"], slowest["BI"], slowest["BW"], hop)
         # Data parallelism, optimizer, memory: per rank, from its parameters.
         params = [sum(self._stage_params(k, stage_layers, tp) for k in stages) for stages in ranks]  # DualPipe: 2 stages
-        dp_link = self.topology.link(dp, tp)
+        replicas = dp * cp  # context-parallel ranks reduce their gradients as replicas do
+        dp_link = self.topology.link(replicas, tp)
         busy = m * sum(slowest.values())
-        grad_sync = dp_link.all_reduce(max(params) * FP32, dp)
+        grad_sync = dp_link.all_reduce(max(params) * FP32, replicas)
         gathers = 0.0
         if cand.zero >= 3:  # each microbatch's forward and backward gather the rank's parameters
-            gathers = 2 * m * dp_link.all_gather(max(params) * FP32, dp)
+            gathers = 2 * m * dp_link.all_gather(max(params) * FP32, replicas)
         last = slowest["BI"] + slowest["BW"]  # the last backward, which the gradient reduction overlaps
         exposed = max(grad_sync - last, 0.0) + max(gathers - (busy - last), 0.0)
-        shard = max(params) / (dp if cand.zero >= 1 else 1)
+        shard = max(params) / (replicas if cand.zero >= 1 else 1)
         optimizer = self.roofline.seconds([(0.0, shard * FP32 * 7.0)])  # read p, g, m, v; write p, m, v
         total = step + exposed + optimizer
         peak, state = max(self._memory(cand, stages, p, stage_layers, sequences)
@@ -218,7 +235,8 @@ class Planner:
         reason = "" if peak <= s.budget else \
             f"needs {peak / 2**30:.1f} GiB per device, over the {s.budget / 2**30:.1f} GiB budget"
         return Plan(cand, total, tokens / total, tflops, tflops * 1e12 / self.peak, bubble, int(peak), reason,
-                    {"pipeline": step, "dp_exposed": exposed, "optimizer": optimizer, "tp_comm_per_layer": tp_comm,
+                    {"pipeline": step, "dp_exposed": exposed, "optimizer": optimizer,
+                     "tp_comm_per_layer": tp_comm - cp_comm, "cp_comm_per_layer": cp_comm,
                      "F": slowest["F"], "BI": slowest["BI"], "BW": slowest["BW"], "hop": hop,
                      "state_bytes": state})
 
@@ -229,6 +247,14 @@ class Planner:
             return f"uses {cand.devices} devices, not {s.devices}"
         if cand.ep > 1:
             return "expert parallelism is not planned analytically"
+        if cand.sp and tp < 2:
+            return "sequence parallelism needs tp >= 2"
+        if cand.cp > 1 and tp > 1:
+            return "context parallelism with tensor parallelism is not supported"
+        if c.seq_len % cand.cp:
+            return f"cp={cand.cp} does not divide the sequence of {c.seq_len} tokens"
+        if cand.cp > 1 and cand.recompute:
+            return "a recomputed region cannot issue context-parallel gathers"
         if c.heads % tp or c.hidden % tp:
             return f"tp={tp} does not divide the {c.heads} attention heads and hidden size {c.hidden}"
         if tp > self.topology.per_node:
@@ -258,6 +284,11 @@ class Planner:
             return (r, pp - 1 - r)  # each microbatch runs one of the two (weight 0.5 each)
         return (r,)
 
+    def _kv_bytes(self) -> float:
+        """The keys and values of one layer for one whole sequence."""
+        c = self.setting.census
+        return 2 * c.kv_heads * (c.hidden // c.heads) * c.seq_len * c.dtype_bytes
+
     def _stage_params(self, k: int, stage_layers: Sequence[int], tp: int) -> float:
         c = self.setting.census
         out = stage_layers[k] * c.layer.params / tp
@@ -271,7 +302,7 @@ class Planner:
                 sequences: int) -> tuple[float, float]:
         """A rank's peak bytes and the model state's part of them (module doc)."""
         s, c = self.setting, self.setting.census
-        dp, zero = cand.dp, cand.zero
+        dp, zero, cp = cand.dp * cand.cp, cand.zero, cand.cp  # ZeRO shards over the dp x cp replicas
         state = OPTIMIZER_STATE_FACTOR.get(s.optimizer, 2) * FP32
         per_param = (FP32 / (dp if zero >= 3 else 1) + FP32 / (dp if zero >= 2 else 1)
                      + state / (dp if zero >= 1 else 1))
@@ -279,14 +310,16 @@ class Planner:
         layers = sum(stage_layers[k] for k in stages)
         if cand.schedule == "dualpipe":
             layers //= 2
+        # one layer's activations on one rank for one sequence (module doc)
+        kept = c.layer.kept_per_rank(cand.tp, cand.sp) / cp + self._kv_bytes() * (cp - 1) / cp
         if cand.recompute:
-            per_mb = layers * c.layer.output_bytes * sequences
-            working = c.layer.saved_bytes * sequences / cand.tp
+            per_mb = layers * c.layer.output_bytes * sequences / (cand.tp if cand.sp else 1)
+            working = kept * sequences
         else:
-            per_mb = layers * c.layer.saved_bytes * sequences / cand.tp
+            per_mb = layers * kept * sequences
             working = 0.0
         if any(k == len(stage_layers) - 1 for k in stages):
-            per_mb += c.head.saved_bytes * sequences
+            per_mb += c.head.saved_bytes * sequences / cp
         return model + _in_flight(cand.schedule, cand.pp, cand.microbatches) * per_mb + working, model
 
 
@@ -309,15 +342,21 @@ def _refused(cand: Candidate, reason: str) -> Plan:
 
 def candidates(devices: int, *, schedules: Sequence[str] = SCHEDULES, microbatches: Sequence[int],
                zeros: Sequence[int] = (0, 1, 2, 3), tps: Sequence[int] | None = None, pps: Sequence[int] | None = None,
-               recompute: Sequence[bool] = (False, True)) -> list[Candidate]:
-    """Every (schedule, pp, dp, tp, ZeRO, microbatches, recompute) for ``devices`` devices."""
+               recompute: Sequence[bool] = (False, True), sp: Sequence[bool] = (False,),
+               cps: Sequence[int] = (1,)) -> list[Candidate]:
+    """Every (schedule, pp, dp, tp, ZeRO, microbatches, recompute) for ``devices`` devices,
+    each tp > 1 with the sequence-parallel choices ``sp``, and with each context-parallel
+    degree of ``cps`` > 1 the (schedule, pp, dp, ZeRO, microbatches) of the rest (no tp, no
+    recomputation: the library refuses both with cp)."""
     out = []
     divisors = [d for d in range(1, devices + 1) if devices % d == 0]
-    for tp in divisors if tps is None else tps:
+    shapes = [(tp, 1) for tp in (divisors if tps is None else tps)] if 1 in cps else []
+    shapes += [(1, cp) for cp in sorted(set(cps) - {1}) if devices % cp == 0]
+    for tp, cp in shapes:
         for pp in divisors if pps is None else pps:
-            if devices % (tp * pp):
+            if devices % (tp * pp * cp):
                 continue
-            dp = devices // (tp * pp)
+            dp = devices // (tp * pp * cp)
             for zero in zeros:
                 if zero and dp < 2:
                     continue
@@ -325,8 +364,9 @@ def candidates(devices: int, *, schedules: Sequence[str] = SCHEDULES, microbatch
                     for m in microbatches:
                         if pp == 1 and schedule != "1f1b" or pp > 1 and m < pp and schedule != "gpipe":
                             continue  # one rank: every schedule is the same step; fewer microbatches than ranks
-                        for r in recompute:
-                            out.append(Candidate(schedule, pp, m, dp, tp, 1, zero, None, r))
+                        for r in recompute if cp == 1 else (False,):
+                            for q in sorted(set(sp)) if tp > 1 else (False,):
+                                out.append(Candidate(schedule, pp, m, dp, tp, 1, zero, None, r, q, cp))
     return out
 
 

@@ -15,7 +15,17 @@ the executor's own costs and the link, cached on disk.
   batch in this process, counting what the runtime holds for its backward as
   ``piper_train.profile`` does (the storages autograd saves, the forward's inputs and
   outputs; not parameters or the batch), per sample. Until 2026-12-02 the inputs were left
-  out, and estimates of recomputing candidates fell below the measured peak.
+  out, and estimates of recomputing candidates fell below the measured peak. For a sharded
+  variant (``tpK``, ``tpKsp``, ``cpK``; ``rank_activation_bytes``) the same count is taken on
+  one rank of the variant: the model rewritten as the runtime runs it (``shard_modules`` or
+  ``context_modules``), rank 0's piece of the weights, its collectives bound to a stand-in
+  that gives every result its true per-rank shape (``ShapeComm``: an all-gather tiles, a
+  reduce-scatter keeps the first piece, an all-reduce leaves its tensor), on rank 0's chunk of
+  the batch. What a rank keeps under TP (column outputs cut, the rest whole), SP (the code
+  between the regions on sequence shards), CP (each sequence cut, the gathered keys and
+  values whole) and a vocabulary-parallel head (logits cut) is then what it really keeps,
+  with no rule per kind to get wrong: one device's bytes were 1.6-2.4x a TP rank's, and one
+  device's divided by the degree 0.59-0.88x an SP rank's (benchmarks/sp_activation_memory.py).
 - **Link** (``ping_pong``): two processes send tensors of growing size back and forth
   through the CPU backend's point-to-point channel, as two ranks on this host would (shared
   memory, or gloo with ``PIPER_SHM_DISABLE=1``); latency is the smallest one-way time,
@@ -28,7 +38,9 @@ are added to it as the search needs them, so a second run measures nothing.
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import inspect
 import json
 import os
 import socket
@@ -41,14 +53,23 @@ from pathlib import Path
 import attrs
 import torch
 
-from piper_directives import CapturedModel, build_schedule, parallelize
-from piper_ir import NodeKind
+from piper_directives import (
+    CapturedModel,
+    build_schedule,
+    context_degree,
+    context_modules,
+    context_parallel,
+    parallelize,
+    shard_modules,
+)
+from piper_ir import Graph, NodeKind
 from piper_runtime import InstructionTiming, OptimizerSpec, shm_enabled, worker_env
 from piper_runtime.backends import Communicator
 from piper_train.models import ModelSpec
 from piper_train.profile import forward_kept_bytes
 from piper_train.trainer import Trainer
 from piper_train.tuning.costs import Profile
+from piper_train.tuning.space import variant_degrees
 
 DEFAULT_CACHE = Path(os.environ.get("PIPER_CACHE_DIR", Path.home() / ".cache" / "piper")) / "tune"
 Log = Callable[[str], None]
@@ -62,8 +83,8 @@ def usable_cores() -> int:
 
 
 #: What a cached profile holds: one of another format is measured again (2, 2026-12-02: the
-#: activation bytes count the forward's inputs).
-PROFILE_FORMAT = 2
+#: activation bytes count the forward's inputs; 3, 2026-12-05: per-variant activation bytes).
+PROFILE_FORMAT = 3
 
 
 def profile_key(name: str, captured: CapturedModel, backend: str) -> str:
@@ -92,6 +113,86 @@ def activation_bytes(captured: CapturedModel, inputs: Iterable[torch.Tensor], ta
     return {seg: nbytes / captured.batch_size for seg, nbytes in kept.items()}
 
 
+class ShapeComm:
+    """A stand-in communicator for one rank of a group of ``degree``: each collective gives
+    its result the shape the real one would (an all-reduce leaves its tensor, an all-gather
+    tiles this rank's piece, a reduce-scatter keeps the first piece), so a rewritten segment
+    runs on one process with every activation of a rank's size (the values are not a
+    rank's: only sizes are read)."""
+
+    def __init__(self, degree: int) -> None:
+        self.degree = degree
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+        out.copy_(torch.cat([tensor] * (out.shape[0] // max(tensor.shape[0], 1))))
+
+    def reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+        out.copy_(tensor[: out.shape[0]])
+
+
+def one_stage(variant: str, microbatches: int, regions: int):
+    """The profiling runs' strategy: ``regions`` regions on one pipeline rank, widened to the
+    variant's group."""
+    tp, ep, cp, sp = variant_degrees(variant)
+    return context_parallel(parallelize(build_schedule("1f1b", 1, microbatches, stages=regions), tp=tp, ep=ep,
+                                        sp=sp), cp)
+
+
+def rank_activation_bytes(captured: CapturedModel, variant: str, inputs: Iterable[torch.Tensor],
+                          targets: Iterable[torch.Tensor]) -> dict[str, float]:
+    """Per segment, the bytes one forward keeps for its backward on rank 0 of ``variant``'s
+    group, per sample of the batch (module doc); ``activation_bytes`` for ``"none"``."""
+    if variant == "none":
+        return activation_bytes(captured, inputs, targets)
+    regions = len(captured.graph.stage_segments())
+    applied = one_stage(variant, 1, regions).apply(captured.graph)
+    rewrite = context_modules if context_degree(applied) > 1 else shard_modules
+    graph, modules = rewrite(applied, captured.modules)
+    modules = {k: copy.deepcopy(m) for k, m in modules.items()}
+    _rank_zero(graph, modules)
+    values = {name: _piece(t, graph, name) for name, t in (*zip(graph.inputs, inputs, strict=False),
+                                                           *zip(graph.targets, targets, strict=False))}
+    kept = forward_kept_bytes(graph.segments, modules, values)
+    return {seg: nbytes / captured.batch_size for seg, nbytes in kept.items()}
+
+
+def _rank_zero(graph: Graph, modules: dict[str, torch.nn.Module]) -> None:
+    """Cut each sharded segment's parameters to rank 0's piece and bind its collectives to
+    ``ShapeComm``s (as ``piper_runtime.rank.sharding`` does with real communicators)."""
+    from piper_memory.store import shard_tensor
+
+    for sh in graph.sharding:
+        module = modules.get(sh.segment)
+        if module is None:
+            continue
+        cut: set[int] = set()
+        with torch.no_grad():
+            for spec in sh.params:
+                p = module.get_parameter(spec.name)
+                if id(p) not in cut:
+                    cut.add(id(p))
+                    p.data = shard_tensor(p.data, spec, sh.degree_of(spec), 0)
+        for m in module.modules():
+            bind = getattr(m, "bind_communicator", None)
+            if callable(bind):
+                extra = {"position": 0} if "position" in inspect.signature(bind).parameters else {}
+                bind(ShapeComm(getattr(m, "degree", sh.degree)), **extra)
+
+
+def _piece(t: torch.Tensor, graph: Graph, name: str) -> torch.Tensor:
+    """Rank 0's piece of a batch tensor: its leading entries along every dimension the
+    rewritten graph's meta makes shorter (a context-parallel rank's chunk of the sequence)."""
+    meta = graph.value_by_name[name].meta
+    out = t
+    for dim, size in enumerate(meta.shape[1:], 1):  # the batch stays whole: one microbatch of all of it
+        if dim < out.dim() and size < out.shape[dim]:
+            out = out.narrow(dim, 0, size)
+    return out.contiguous()
+
+
 @attrs.frozen
 class RunStats:
     """What one profiling run measured besides compute."""
@@ -118,12 +219,12 @@ def measure(
 ) -> tuple[dict[str, dict[str, float]], RunStats]:
     """Seconds per (segment, phase) for ``variant`` at ``local`` samples per rank and
     microbatch, and the run's other costs (module doc)."""
-    degree = int(variant[2:]) if variant != "none" else 1
+    tp, ep, cp, sp = variant_degrees(variant)
     batch = _batch_size(spec)
-    microbatches = batch // (local * (degree if variant.startswith("ep") else 1))
+    microbatches = batch // (local * ep)  # an expert-parallel group cuts the batch; tp and cp ranks see all of it
     schedule = "zb1p" if split else "1f1b"
-    strategy = parallelize(build_schedule(schedule, 1, microbatches, stages=regions or spec.stages),
-                           tp=degree if variant.startswith("tp") else 1, ep=degree if variant.startswith("ep") else 1)
+    strategy = context_parallel(parallelize(build_schedule(schedule, 1, microbatches, stages=regions or spec.stages),
+                                            tp=tp, ep=ep, sp=sp), cp)
     driver, results = [], []
     # Unfused: the loss's backward would otherwise carry its stage's (piper_runtime.rank.compute),
     # and each region's time is what the search needs.
@@ -296,6 +397,16 @@ class Profiler:
             profile = profile.with_comm(*ping_pong())
             self._save(profile)
         self.profile = profile
+
+    def need_activations(self, variant: str) -> None:
+        """Measure what one rank of ``variant`` keeps (``rank_activation_bytes``) unless known."""
+        if variant == "none" or variant in self.profile.rank_activation_bytes:
+            return
+        self.log(f"profile: activations of one {variant} rank")
+        measured = rank_activation_bytes(self.captured, variant, self.spec.example_inputs, self.spec.example_targets)
+        self.profile = attrs.evolve(self.profile, rank_activation_bytes={**self.profile.rank_activation_bytes,
+                                                                         variant: measured})
+        self._save(self.profile)
 
     def need(self, variant: str, local: int, split: bool) -> None:
         if self.profile.has(variant, local, split):

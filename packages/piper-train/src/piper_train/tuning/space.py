@@ -1,18 +1,21 @@
 """The strategy space ``piper tune`` searches, and each point of it as a directive program.
 
 A ``Candidate`` is one point: a library schedule over ``pp`` pipeline ranks, ``dp``
-data-parallel replicas, tensor- or expert-parallel degree ``tp``/``ep``, a ZeRO level, a
-microbatch count, where the schedule's stages begin among the model's annotated regions
+data-parallel replicas, tensor- or expert-parallel degree ``tp``/``ep`` (with ``sp``: tensor
+parallelism with sequence parallelism between its regions), context-parallel degree ``cp``
+(every sequence cut over ``cp`` adjacent ranks; not with tp/ep, which the library refuses), a
+ZeRO level, a microbatch count, where the schedule's stages begin among the model's annotated regions
 (``bounds``), and whether every region recomputes its activations in its backward
-(``recompute``: less memory, one more forward per microbatch; not with tp/ep, which the
-runtime refuses). ``Candidate.strategy(regions)`` is its program: the schedule built over one
+(``recompute``: less memory, one more forward per microbatch; not with tp/ep/cp, which the
+library refuses). ``Candidate.strategy(regions)`` is its program: the schedule built over one
 region per schedule stage (``build_schedule(..., stages=chunks)``), every ``PP`` filter
-widened to the stage's regions (``rebound``), then ``parallelize`` and, when it recomputes, a ``Recompute`` of every region
+widened to the stage's regions (``rebound``), then ``parallelize`` (``context_parallel`` for cp) and, when it recomputes, a ``Recompute`` of every region
 — the same composition ``piper train`` uses, so the JSON ``piper tune --out`` writes is what ``piper train --strategy``
 runs.
 
 ``enumerate_space`` lists the candidates for a device count: every factorisation
-``pp * dp * k`` (k = tp or ep), every ZeRO level that applies, every schedule and microbatch
+``pp * dp * k`` (k = tp, ep or cp; each cp degree asked for, each tp > 1 without and,
+when asked, with sp), every ZeRO level that applies, every schedule and microbatch
 count, and for each the even split of the regions and, given region weights, the balanced
 one (uneven regions, e.g. an embedding or an LM head, make the even split lopsided), each
 without and (given ``recompute=(False, True)``) with recomputation.
@@ -37,6 +40,7 @@ from piper_directives import (
     Strategy,
     build_schedule,
     check_degrees,
+    context_parallel,
     parallelize,
 )
 from piper_ir import DirectiveError, Filter
@@ -61,10 +65,12 @@ class Candidate:
     zero: int = 0
     bounds: tuple[int, ...] | None = None
     recompute: bool = False
+    sp: bool = False  # sequence parallelism between the tensor-parallel regions (tp >= 2)
+    cp: int = 1  # context-parallel ranks per stage and replica (each sequence cut cp ways)
 
     @property
     def devices(self) -> int:
-        return self.pp * self.dp * self.tp * self.ep
+        return self.pp * self.dp * self.tp * self.ep * self.cp
 
     @property
     def chunks(self) -> int:
@@ -73,8 +79,11 @@ class Candidate:
 
     @property
     def variant(self) -> str:
-        """How each region runs, which decides its compute time: ``none``, ``tpK`` or ``epK``."""
-        return f"tp{self.tp}" if self.tp > 1 else f"ep{self.ep}" if self.ep > 1 else "none"
+        """How each region runs, which decides its compute time (and what it keeps): ``none``,
+        ``tpK``, ``tpKsp`` (with sequence parallelism), ``epK`` or ``cpK``."""
+        if self.tp > 1:
+            return f"tp{self.tp}sp" if self.sp else f"tp{self.tp}"
+        return f"ep{self.ep}" if self.ep > 1 else f"cp{self.cp}" if self.cp > 1 else "none"
 
     @property
     def shards(self) -> int:
@@ -89,7 +98,9 @@ class Candidate:
     @property
     def label(self) -> str:
         parts = [self.schedule, f"pp={self.pp}"]
-        parts += [f"{k}={v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("ep", self.ep)) if v > 1]
+        parts += [f"{k}={v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("ep", self.ep), ("cp", self.cp)) if v > 1]
+        if self.sp:
+            parts.append("sp")
         if self.zero:
             parts.append(f"zero={self.zero}")
         parts.append(f"mb={self.microbatches}")
@@ -116,8 +127,19 @@ class Candidate:
                                  f"into {chunks} non-empty stages")
         pipeline = rebound(build_schedule(self.schedule, self.pp, self.microbatches, stages=chunks, tag=tag),
                            bounds, tag)
-        strategy = parallelize(pipeline, dp=self.dp, zero=self.zero, tp=self.tp, ep=self.ep)
+        strategy = parallelize(pipeline, dp=self.dp, zero=self.zero, tp=self.tp, ep=self.ep, sp=self.sp)
+        strategy = context_parallel(strategy, self.cp)
         return Strategy([*strategy.directives, Recompute({})]) if self.recompute else strategy
+
+
+def variant_degrees(variant: str) -> tuple[int, int, int, bool]:
+    """``(tp, ep, cp, sp)`` of a variant name (``Candidate.variant``: ``none``, ``tpK``,
+    ``tpKsp``, ``epK``, ``cpK``)."""
+    if variant == "none":
+        return 1, 1, 1, False
+    kind, sp = variant[:2], variant.endswith("sp")
+    degree = int(variant[2:-2] if sp else variant[2:])
+    return (degree if kind == "tp" else 1, degree if kind == "ep" else 1, degree if kind == "cp" else 1, sp)
 
 
 def rebound(strategy: Strategy, bounds: Sequence[int], tag: str = "PP") -> Strategy:
@@ -213,16 +235,24 @@ def enumerate_space(
     weights: Sequence[float] | None = None,
     pps: Iterable[int] | None = None,
     recompute: Iterable[bool] = (False,),
+    sp: Iterable[bool] = (False,),
+    cps: Iterable[int] = (1,),
 ) -> list[Candidate]:
     """The candidates for ``devices`` devices and a model of ``regions`` regions (module
     doc). ``weights``, one per region (e.g. profiled forward + backward time), adds the
     balanced split where it differs from the even one. A ZeRO level above 0 needs a group
     to shard over (dp > 1, or ep > 1, whose group is data-parallel for the non-expert
-    weights). ``recompute`` lists the choices tried (recomputing only without tp/ep)."""
+    weights). ``recompute`` lists the choices tried (recomputing only without tp/ep/cp);
+    ``sp`` the sequence-parallel choices of each candidate with tp > 1; ``cps`` the
+    context-parallel degrees (each dividing ``devices``; cp > 1 without tp or ep: pp x dp x cp)."""
     recomputes = sorted(set(recompute))
     microbatches, zeros, schedules, kinds = sorted(set(microbatches)), sorted(set(zeros)), list(schedules), tuple(kinds)
+    sps = sorted(set(sp))
     out: list[Candidate] = []
-    for pp, dp, tp, ep in factorizations(devices, kinds, pps):
+    shapes = [(pp, dp, tp, ep, 1) for pp, dp, tp, ep in factorizations(devices, kinds, pps)] if 1 in set(cps) else []
+    for cp in sorted(c for c in set(cps) if c > 1 and devices % c == 0):
+        shapes += [(pp, dp, 1, 1, cp) for pp, dp, _, _ in factorizations(devices // cp, (), pps)]
+    for pp, dp, tp, ep, cp in shapes:
         for zero in zeros:
             try:  # piper-directives' rule: ZeRO needs replicas to shard over (dp or ep >= 2)
                 check_degrees(dp=dp, zero=zero, tp=tp, ep=ep)
@@ -240,6 +270,7 @@ def enumerate_space(
                 if not layouts:
                     layouts.append(None)  # refused later, with the library's reason
                 for m in microbatches:
-                    out.extend(Candidate(schedule, pp, m, dp, tp, ep, zero, b, r) for r in recomputes
-                               if not (r and (tp > 1 or ep > 1)) for b in layouts)
+                    out.extend(Candidate(schedule, pp, m, dp, tp, ep, zero, b, r, s, cp) for r in recomputes
+                               if not (r and (tp > 1 or ep > 1 or cp > 1)) for b in layouts
+                               for s in (sps if tp > 1 else (False,)))
     return out
