@@ -92,11 +92,11 @@ def test_the_doc_counts_the_rows_within_tolerance(bench, data, priced):
     assert f"{within} of {total} predicted rows" in " ".join(prose.split())  # across a line break too
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="Planner.bounds balances the stages with the layers' cost at tp=1 while "
-                   "they are priced at the candidate's tp and the head is not (docs/published-results.md, item 1)")
 def test_a_faster_memory_never_slows_megatrons_177b_step(bench, data):
     """GPT 177B on 2,304 H100s (tp8 pp6): raising the memory efficiency from 0.7 to 1 must not
-    lengthen the step. It does today: the stage balance moves a layer onto the last stage."""
+    lengthen the step. It did while ``Planner.bounds`` balanced the stages at tp=1 and priced
+    them at tp 8 (docs/published-results.md, item 1): the balance moved a layer onto the last
+    stage."""
     import attrs
 
     from piper_train.hardware import load_hardware

@@ -12,7 +12,9 @@ ranks up to their layers, so one candidate is priced from the slowest pipeline r
   context-parallel one: each rank computes its chunk of every sequence); a recomputed
   layer runs its forward again in its backward;
 - **tensor parallelism** (Megatron's): two all-reduces of the layer's activation per layer in
-  the forward and two in the backward, over the node's link (TP stays inside a node). With
+  the forward and two in the backward, over the node's link (TP stays inside a node); the
+  embedding and the head are cut by vocabulary (``piper_directives.shard_vocab``), the
+  embedding's rows summed by one all-reduce in the forward. With
   **sequence parallelism** each all-reduce becomes a reduce-scatter and an all-gather of the
   same tensor: the same bytes and time under ring algorithms, so the step is TP's;
 - **context parallelism** (Piper's all-gather form): per layer the forward all-gathers the
@@ -24,18 +26,18 @@ ranks up to their layers, so one candidate is priced from the slowest pipeline r
 - **pipeline**: ``piper_scheduler.analytic.pipeline_step`` (the schedule's bubble in closed
   form, checked against the simulator) with one boundary transfer per hop;
 - **data parallelism / ZeRO**: the rank's gradients reduced over the ``dp`` replicas
-  (all-reduce, or reduce-scatter plus the parameters' all-gather with ZeRO 1-3: the same
+  (all-reduce, or reduce-scatter plus the parameters' all-gather with ZeRO 1-2: the same
   volume), over NVLink when the replicas share a node, else the network; what the last
-  microbatch's backward cannot hide is added. ZeRO-3 gathers every layer's parameters for
-  each microbatch's forward and backward, hidden behind compute up to the rank's busy time;
+  microbatch's backward cannot hide is added. ZeRO-3 reduce-scatters the gradients only and
+  gathers every layer's parameters for each microbatch's forward and backward, hidden behind
+  compute up to the rank's busy time;
 - **optimizer**: AdamW's read and write of the rank's parameter shard at memory bandwidth.
 
 Memory per device follows piper-memory's categories (``piper_memory.estimate``): fp32
 parameters, gradients and optimizer state (``OPTIMIZER_STATE_FACTOR``) of the rank's layers,
 each divided by ``dp`` from the ZeRO level that shards it (optimizer state from 1, gradients
-from 2, parameters from 3), the layers' parameters divided by ``tp`` (the embedding and head
-are not: Piper's tensor parallelism cuts the layers' Linears; a head tied to the embedding
-holds it on the last stage too), twice for DualPipe's mirrored stages; plus activations: the census's saved bytes per layer
+from 2, parameters from 3), the parameters divided by ``tp`` (the embedding and head by
+vocabulary; a head tied to the embedding holds it on the last stage too), twice for DualPipe's mirrored stages; plus activations: the census's saved bytes per layer
 (per rank: under TP the cut part divided by ``tp`` and the hidden-sized part whole,
 ``Part.kept_per_rank``; under SP all of it divided; under CP divided by ``cp`` plus the
 gathered keys and values of the whole sequences, which each rank keeps) times the microbatches a
@@ -159,17 +161,20 @@ class Planner:
         c = self.setting.census
         return (c.layer, c.embed, c.head)[index]
 
-    def bounds(self, chunks: int) -> tuple[int, ...] | None:
+    def bounds(self, chunks: int, tp: int = 1) -> tuple[int, ...] | None:
         """The layers of each of ``chunks`` pipeline stages: contiguous, balanced by compute
-        with the embedding on the first layer and the head on the last."""
-        if chunks not in self._bounds:
+        with the embedding on the first layer and the head on the last, each as ``tp`` ranks
+        compute it (the layers, embedding and head are all cut ``tp`` ways: the embedding and
+        head by vocabulary, as ``piper_directives.shard_vocab`` cuts them)."""
+        key = (chunks, tp)
+        if key not in self._bounds:
             c = self.setting.census
-            layer, embed, head = (sum(self.phase_times(k, 1, 1).values()) for k in range(3))
+            layer, embed, head = (sum(self.phase_times(k, 1, tp).values()) for k in range(3))
             weights = [layer] * c.layers
             weights[0] += embed
             weights[-1] += head
-            self._bounds[chunks] = balanced_bounds(weights, chunks)
-        return self._bounds[chunks]
+            self._bounds[key] = balanced_bounds(weights, chunks)
+        return self._bounds[key]
 
     # -- one candidate ----------------------------------------------------------------------
     def price(self, cand: Candidate) -> Plan:
@@ -180,17 +185,19 @@ class Planner:
             return _refused(cand, problem)
         sequences = s.batch // (dp * m)
         v = CHUNKS[cand.schedule]
-        bounds = self.bounds(pp * v)
+        bounds = self.bounds(pp * v, tp)
         if bounds is None:
             return _refused(cand, f"{c.layers} layers cannot fill {pp * v} pipeline stages")
         stage_layers = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
         ranks = [self._rank_stages(cand.schedule, pp, r) for r in range(pp)]
-        layer_t = self.phase_times(0, sequences, tp * cp)  # tp cuts each operator, cp each sequence
-        embed_t = self.phase_times(1, sequences, cp)
-        head_t = self.phase_times(2, sequences, cp)
+        # tp cuts each operator (the embedding and head by vocabulary), cp each sequence
+        layer_t = self.phase_times(0, sequences, tp * cp)
+        embed_t = dict(self.phase_times(1, sequences, tp * cp))
+        head_t = self.phase_times(2, sequences, tp * cp)
         act = c.hidden * c.seq_len * sequences * c.dtype_bytes  # one layer's output, the whole microbatch
         tp_link = self.topology.link(tp)
         tp_comm = 2 * tp_link.all_reduce(act, tp)  # per layer and direction (attention, MLP); SP: RS + AG, the same
+        embed_t["F"] += tp_link.all_reduce(act, tp)  # the vocabulary-parallel embedding's rows summed
         # per layer and direction: the keys' and values' all-gather (forward) or reduce-scatter (backward)
         cp_comm = 2 * self.topology.link(cp).all_gather(self._kv_bytes() * sequences, cp)
         tp_comm += cp_comm
@@ -222,6 +229,8 @@ class Planner:
         gathers = 0.0
         if cand.zero >= 3:  # each microbatch's forward and backward gather the rank's parameters
             gathers = 2 * m * dp_link.all_gather(max(params) * FP32, replicas)
+            # and the gradients are only reduce-scattered: no all-gather of the updated shards
+            grad_sync = dp_link.all_gather(max(params) * FP32, replicas)
         last = slowest["BI"] + slowest["BW"]  # the last backward, which the gradient reduction overlaps
         exposed = max(grad_sync - last, 0.0) + max(gathers - (busy - last), 0.0)
         shard = max(params) / (replicas if cand.zero >= 1 else 1)
@@ -293,9 +302,9 @@ class Planner:
         c = self.setting.census
         out = stage_layers[k] * c.layer.params / tp
         if k == 0:
-            out += c.embed.params
+            out += c.embed.params / tp  # cut by vocabulary
         if k == len(stage_layers) - 1:
-            out += c.head.params + (c.embed.params if c.tied and k > 0 else 0)  # a tied weight: held here too
+            out += (c.head.params + (c.embed.params if c.tied and k > 0 else 0)) / tp  # a tied weight: held here too
         return out
 
     def _memory(self, cand: Candidate, stages: Sequence[int], params: float, stage_layers: Sequence[int],
@@ -319,7 +328,7 @@ class Planner:
             per_mb = layers * kept * sequences
             working = 0.0
         if any(k == len(stage_layers) - 1 for k in stages):
-            per_mb += c.head.saved_bytes * sequences / cp
+            per_mb += c.head.saved_bytes * sequences / (cp * cand.tp)  # the logits' vocabulary slice
         return model + _in_flight(cand.schedule, cand.pp, cand.microbatches) * per_mb + working, model
 
 
