@@ -241,7 +241,7 @@ class _Sharder:
     def __call__(self, graph: Graph) -> Graph:
         if not graph.sharding:
             return graph
-        kinds = frozenset((sh.kind, sh.degree, sh.sequence_parallel) for sh in graph.sharding)
+        kinds = frozenset((sh.kind, sh.degree, sh.sequence_parallel, sh.expert_degree) for sh in graph.sharding)
         if kinds in self.failed:
             raise self.failed[kinds]
         if any(sh.kind is ShardKind.CP for sh in graph.sharding):
