@@ -81,11 +81,12 @@ def tests(session: nox.Session) -> None:
     in one queue, two at a time, the longest first: the integration tests run in this process
     (the longest run), then the runtime package's tests and the
     ``own_process`` integration tests (both mostly waiting on Ray workers and timeouts), then
-    the other packages' (computing). Run one after the other, the two sessions left a core
-    idle while each one's longest run ended alone: the clean-clone suite took 6 min 22 s that
-    way and 6 min 5 s queued, one run each on 2 cores minutes apart (this machine's speed
-    moves a run by a minute: the same code took 7 min 6 s and 7 min 12 s later the same
-    night). The in-process run prints as it runs, every other one whole when it ends."""
+    the other packages' (computing), the longest first (``LONGEST_FIRST``). Run one after the
+    other, the two sessions left a core idle while each one's longest run ended alone: the
+    clean-clone suite took 6 min 22 s that way and 6 min 5 s queued, one run each on 2 cores
+    minutes apart (this machine's speed moves a run by a minute: the same code took 7 min 6 s
+    and 7 min 12 s later the same night). The in-process run prints as it runs, every other
+    one whole when it ends."""
     started = time.monotonic()
     standalone_jobs, report = _standalone_jobs(session, PACKAGES)
     by_label = dict(standalone_jobs)
@@ -134,7 +135,11 @@ STANDALONE = ROOT / ".nox" / "standalone"
 # needing one of them sees through a ``.pth`` file (standalone's docstring says why).
 LAYERED = ("torch", "numpy", "ray", "matplotlib")
 JOBS = 2  # commands at once: pip and most tests use one core; CI machines have two or more
-SLOW = ("runtime",)  # started first when packages are tested side by side
+# The order packages are tested in side by side: the runtime's first (its tests wait on Ray
+# workers and timeouts), then the others longest first (seconds in a clean-clone run: train
+# 45, directives 31, scheduler 23, ir 14, memory 7, semantics 5), so that the last to end is
+# a short one and neither core idles long at the end.
+LONGEST_FIRST = ("runtime", "train", "directives", "scheduler", "ir", "memory", "semantics")
 
 
 def _dist_name(requirement: str) -> str:
@@ -439,11 +444,11 @@ def _standalone_jobs(
         if built[name] == "built":
             (STANDALONE / name / ".piper-key").write_text(built_key[name])
 
-    # Checks and tests, two packages at a time, the runtime's first: its tests wait on Ray
-    # workers and timeouts more than they compute, the others compute.
+    # Checks and tests, two packages at a time, in ``LONGEST_FIRST`` order: the runtime's
+    # tests wait on Ray workers and timeouts more than they compute, the others compute.
     jobs = []
     env = {"PYTHONNOUSERSITE": "1", "PYTHONPATH": ""}
-    for name in sorted(names, key=lambda n: n not in SLOW):
+    for name in sorted(names, key=LONGEST_FIRST.index):
         dist = f"piper-{name}"
         python = str(STANDALONE / name / "bin" / "python")
         jobs.append((dist, [

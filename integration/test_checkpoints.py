@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import signal
@@ -57,6 +58,13 @@ def _uninterrupted(workload, strategy, steps: int):
     oracle a stopped, resumed or restarted run must match bit for bit."""
     with _trainer(workload, strategy) as trainer:
         return fit(trainer, workload.stream(), steps=steps), trainer.parameters()
+
+
+@functools.cache
+def _oracle(seed: int, steps: int, runtime: str):
+    """``_uninterrupted`` for the MLP of ``seed`` under 1F1B on two ranks (two microbatches)
+    on ``runtime``: the oracle of several tests below, computed once for them all."""
+    return _uninterrupted(build_model("mlp", stages=2, seed=seed), build_schedule("1f1b", 2, 2, stages=2), steps)
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -269,13 +277,11 @@ class _Killer(_StepSink):
 
 @pytest.mark.ray  # kills a worker process
 @pytest.mark.parametrize("steps_per_call", [1, 2])
-def test_restarts_after_killed_workers_finish_like_an_uninterrupted_run(tmp_path, steps_per_call) -> None:
+def test_restarts_after_killed_workers_finish_like_an_uninterrupted_run(tmp_path, steps_per_call, runtime) -> None:
     steps, every = 10, 3
     workload = build_model("mlp", stages=2, seed=13)
     strategy = build_schedule("1f1b", 2, 2, stages=2)
-    with _trainer(workload, strategy) as trainer:
-        whole = fit(trainer, workload.stream(), steps=steps, checkpoints=Checkpoints(tmp_path / "a", every))
-        expected = trainer.parameters()
+    whole, expected = _oracle(13, steps, runtime)
     with _trainer(workload, strategy) as trainer:
         killer = _Killer(trainer, {4, 8})
         run = fit(trainer, workload.stream(), steps=steps, checkpoints=Checkpoints(tmp_path / "b", every),
@@ -301,7 +307,7 @@ def test_restarts_after_killed_workers_finish_like_an_uninterrupted_run(tmp_path
 
 
 @pytest.mark.ray  # kills a worker process
-def test_checkpoints_written_while_training_goes_on_survive_killed_workers(tmp_path) -> None:
+def test_checkpoints_written_while_training_goes_on_survive_killed_workers(tmp_path, runtime) -> None:
     """With the ranks writing each checkpoint while the next steps run, a worker killed
     meanwhile takes that checkpoint with it (its temporary directory removed): the run goes
     back to the latest complete one and still ends with an uninterrupted run's losses and
@@ -309,7 +315,7 @@ def test_checkpoints_written_while_training_goes_on_survive_killed_workers(tmp_p
     steps, every = 10, 3
     workload = build_model("mlp", stages=2, seed=13)
     strategy = build_schedule("1f1b", 2, 2, stages=2)
-    whole, expected = _uninterrupted(workload, strategy, steps)
+    whole, expected = _oracle(13, steps, runtime)
     root = Checkpoints(tmp_path, every, keep=10, asynchronous=True)
     with _trainer(workload, strategy) as trainer:
         killer = _Killer(trainer, {4, 8})
@@ -336,14 +342,14 @@ class _StopAt(_StepSink):
             self.stop.request("asked")
 
 
-def test_a_stop_while_a_checkpoint_is_written_completes_it_and_the_run_resumes_exactly(tmp_path) -> None:
+def test_a_stop_while_a_checkpoint_is_written_completes_it_and_the_run_resumes_exactly(tmp_path, runtime) -> None:
     """Stopped as step 3's checkpoint starts being written while training would go on: the
     run ends at step 3 (nothing is sent after a checkpoint's step before it is taken), with
     that checkpoint complete, and resumes from it like an uninterrupted run."""
     steps = 8
     workload = build_model("mlp", stages=2, seed=17)
     strategy = build_schedule("1f1b", 2, 2, stages=2)
-    whole, expected = _uninterrupted(workload, strategy, steps)
+    whole, expected = _oracle(17, steps, runtime)
     root = Checkpoints(tmp_path, every=3, asynchronous=True)
     with _trainer(workload, strategy) as trainer:
         stop = StopRequest()
@@ -359,13 +365,13 @@ def test_a_stop_while_a_checkpoint_is_written_completes_it_and_the_run_resumes_e
 
 
 @pytest.mark.parametrize("steps_per_call", [1, 2])
-def test_a_stop_ends_at_a_step_with_its_checkpoint_and_the_run_resumes_exactly(tmp_path, steps_per_call) -> None:
+def test_a_stop_ends_at_a_step_with_its_checkpoint_and_the_run_resumes_exactly(tmp_path, steps_per_call, runtime) -> None:
     """What ``piper train`` does on SIGTERM: no step is sent after the request, those sent
     finish, the last is checkpointed, and a resumed run ends like an uninterrupted one."""
     steps = 8
     workload = build_model("mlp", stages=2, seed=17)
     strategy = build_schedule("1f1b", 2, 2, stages=2)
-    whole, expected = _uninterrupted(workload, strategy, steps)
+    whole, expected = _oracle(17, steps, runtime)
     root = Checkpoints(tmp_path, every=100)  # none on the way: the stop writes the only one
     with _trainer(workload, strategy) as trainer:
         stop = StopRequest()

@@ -24,10 +24,13 @@ from pathlib import Path
 import pytest
 
 from piper_runtime.driver.pool import REUSE_ENV
+from piper_train.cli import main
 
 from .conftest import Done
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+# No module-wide ``ray_cluster``: the tests that run the command here get the session's Ray
+# through the ``piper`` fixture; the ``own_process`` ones start their commands' own clusters,
+# and their pytest run then starts no Ray (seconds, and a share of a core while it idles).
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_MODEL = ROOT / "integration" / "fixtures" / "user_model.py"
@@ -102,7 +105,7 @@ def test_train_prints_progress_and_a_json_summary(piper):
 
 @pytest.mark.own_process
 @pytest.mark.parametrize("whole_job", [False, True], ids=["driver", "whole-job"])
-def test_sigterm_stops_at_a_step_with_a_checkpoint_and_exits_143(piper, tmp_path, whole_job):
+def test_sigterm_stops_at_a_step_with_a_checkpoint_and_exits_143(tmp_path, whole_job, runtime, request, capsys):
     """SIGTERM to the driver (Kubernetes signals a pod's first process): the run ends after
     the steps already sent, checkpoints the last, says so, and a run resumes from it. To every
     process of the job (SLURM): the same, unless the raylet's end takes the workers first,
@@ -122,9 +125,25 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_exits_143(piper, tmp_path
         return
     assert written == [f"step-{last:08d}"]
     assert f"the latest checkpoint is {ckpt / f'step-{last:08d}'} (--resume continues from it)" in said[0]
+    # Resumed in this process: on the local runtime without the session's Ray (on Ray, with it).
+    piper = request.getfixturevalue("piper") if runtime == "ray" else _here(capsys)
     resumed = piper(*base, "--steps", str(last + 2), "--resume", "--json")
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads(resumed.stdout)["first_step"] == last + 1
+
+
+def _here(capsys: pytest.CaptureFixture[str]):
+    """``piper ARGS`` in this process, as the ``piper`` fixture runs it but without starting
+    the session's Ray first (for a run on the local runtime, which needs none)."""
+
+    def run(*args: str) -> Done:
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err, err
+        return Done(code, out, err)
+
+    return run
 
 
 _UNCLOSED = f"""

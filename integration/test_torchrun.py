@@ -1,11 +1,11 @@
 """The ``torchrun`` runtime: every rank a process ``torchrun`` launched, each running the same
 ``piper`` command (``piper_runtime.driver.spmd_ranks``), computes exactly what the ``local``
-runtime computes. ``piper check`` gives the same document; a run stopped after some steps and
-resumed from its checkpoint, and a run one of whose processes is killed (torchrun starts the
-job again, which resumes by itself), end with the losses and parameters of an uninterrupted
-run, bit for bit. Only rank 0 prints (one ``--json`` document on stdout). A rank that raises
-fails every process, each naming it. Each launch is ``torchrun --standalone`` as a process of
-its own, on tiny models, with a timeout."""
+runtime computes. ``piper check`` gives the same document; a run one of whose processes is
+killed (torchrun starts the job again, which resumes by itself), then resumed from its
+checkpoint for more steps, ends with the losses and parameters of an uninterrupted run, bit
+for bit (one job, which two tests check: ``restarted_and_resumed``). Only rank 0 prints (one
+``--json`` document on stdout). A rank that raises fails every process, each naming it. Each
+launch is ``torchrun --standalone`` as a process of its own, on tiny models, with a timeout."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -29,6 +30,9 @@ LAUNCH_TIMEOUT_S = 240.0
 # Four ranks: two pipeline stages, each replicated twice with ZeRO-1 (sharded optimizer state).
 TRAIN = ["train", "--model", "mlp", "--schedule", "1f1b", "--pp", "2", "--dp", "2", "--zero", "1",
          "--microbatches", "2", "--no-bind-cores", "--json"]
+# The killed job's steps and checkpoint interval: after its first checkpoint, enough steps
+# left that the kill lands before the job ends.
+STEPS, EVERY = 100, 5
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
@@ -81,32 +85,32 @@ def test_check_under_torchrun_gives_the_local_runtimes_document(tmp_path: Path) 
     assert "rank 0 of 2" in err and "rank 1 of 2" not in err  # rank 1 says nothing
 
 
-def test_a_run_resumed_under_torchrun_ends_as_an_uninterrupted_one(tmp_path: Path) -> None:
-    (whole,), _ = _run(_local(*TRAIN, "--steps", "6", "--checkpoint-every", "2", "--checkpoint-dir", "local"),
-                       tmp_path)
-    common = [*TRAIN, "--checkpoint-every", "2", "--checkpoint-dir", "spmd"]
-    (first,), _ = _run(_torchrun(4, *common, "--steps", "4"), tmp_path)
-    (second,), _ = _run(_torchrun(4, *common, "--steps", "6", "--resume"), tmp_path)
-    assert second["first_step"] == 5
-    assert first["losses"] + second["losses"] == whole["losses"]
-    assert [s for s, _ in complete_checkpoints(tmp_path / "spmd")] == [2, 4, 6]
-    _assert_same_model(tmp_path / "spmd", tmp_path / "local")
-    # The ranks' files hold what the local runtime's hold, optimizer state included (not the
-    # processes' random generators: the local runtime's ranks share one process's).
-    for name in (f"rank-{r:05d}.safetensors" for r in range(4)):
-        got, want = (load_file(tmp_path / run / "step-00000006" / name) for run in ("spmd", "local"))
-        assert got.keys() == want.keys()
-        tensors = [k for k in got if not k.startswith("object/")]
-        assert tensors and all(torch.equal(got[k], want[k]) for k in tensors), name
-    _no_partial(tmp_path / "spmd")
+@attrs.frozen
+class Job:
+    """What ``restarted_and_resumed`` ran: the uninterrupted local run's document, the
+    killed-and-restarted launch's last document and stderr, and the resumed launch's document."""
+
+    root: Path
+    whole: dict[str, Any]
+    last: dict[str, Any]
+    err: str
+    resumed: dict[str, Any]
 
 
-def test_torchrun_restarts_a_killed_rank_from_the_latest_checkpoint(tmp_path: Path) -> None:
-    steps = "100"
-    (whole,), _ = _run(_local(*TRAIN, "--steps", steps, "--checkpoint-dir", "local"), tmp_path)
+@pytest.fixture(scope="module")
+def restarted_and_resumed(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """Four ranks under torchrun train ``STEPS`` steps, checkpointing every ``EVERY``; rank 1
+    is SIGKILLed once the first checkpoint is complete, torchrun starts the job again, and it
+    resumes by itself. Then a second launch resumes that job's checkpoint (``--resume``) for
+    ``EVERY`` more steps. Beside them, the local runtime trains all the steps in one run. Both
+    tests below check this one job: each launch of four ranks costs seconds of CPU per rank."""
+    tmp_path = tmp_path_factory.mktemp("torchrun")
+    (whole,), _ = _run(_local(*TRAIN, "--steps", str(STEPS + EVERY), "--checkpoint-every", str(EVERY),
+                              "--checkpoint-dir", "local"), tmp_path)
+    common = [*TRAIN, "--checkpoint-every", str(EVERY), "--checkpoint-dir", "spmd"]
     root = tmp_path / "spmd"
     launch = subprocess.Popen(
-        _torchrun(4, *TRAIN, "--steps", steps, "--checkpoint-every", "5", "--checkpoint-dir", "spmd", restarts=1),
+        _torchrun(4, *common, "--steps", str(STEPS), restarts=1),
         cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
@@ -122,11 +126,37 @@ def test_torchrun_restarts_a_killed_rank_from_the_latest_checkpoint(tmp_path: Pa
             launch.wait()
     assert launch.returncode == 0, err[-6000:]
     last = _documents(out)[-1]  # the first attempt's rank 0 may have printed what it did before
-    assert last["exit_code"] == 0 and "restart 1" in err
+    (resumed,), _ = _run(_torchrun(4, *common, "--steps", str(STEPS + EVERY), "--resume"), tmp_path)
+    return Job(tmp_path, whole, last, err, resumed)
+
+
+def test_torchrun_restarts_a_killed_rank_from_the_latest_checkpoint(restarted_and_resumed: Job) -> None:
+    job = restarted_and_resumed
+    last = job.last
+    assert last["exit_code"] == 0 and "restart 1" in job.err
     assert last["first_step"] > 1, last  # resumed from a checkpoint, not from the start
-    assert last["losses"] == whole["losses"][last["first_step"] - 1:]
-    _assert_same_model(root, tmp_path / "local")
-    _no_partial(root)
+    assert last["losses"] == job.whole["losses"][last["first_step"] - 1:STEPS]
+    step = f"step-{STEPS:08d}"
+    _assert_same_model(job.root / "spmd" / step, job.root / "local" / step)
+    _no_partial(job.root / "spmd")
+
+
+def test_a_run_resumed_under_torchrun_ends_as_an_uninterrupted_one(restarted_and_resumed: Job) -> None:
+    job, spmd = restarted_and_resumed, restarted_and_resumed.root / "spmd"
+    second = job.resumed
+    assert second["first_step"] == STEPS + 1
+    # With the restarted launch's losses (test above), every step since its checkpoint.
+    assert job.last["losses"] + second["losses"] == job.whole["losses"][job.last["first_step"] - 1:]
+    assert [s for s, _ in complete_checkpoints(spmd)] == [STEPS - EVERY, STEPS, STEPS + EVERY]  # the newest 3
+    _assert_same_model(spmd, job.root / "local")
+    # The ranks' files hold what the local runtime's hold, optimizer state included (not the
+    # processes' random generators: the local runtime's ranks share one process's).
+    for name in (f"rank-{r:05d}.safetensors" for r in range(4)):
+        got, want = (load_file(job.root / run / f"step-{STEPS + EVERY:08d}" / name) for run in ("spmd", "local"))
+        assert got.keys() == want.keys()
+        tensors = [k for k in got if not k.startswith("object/")]
+        assert tensors and all(torch.equal(got[k], want[k]) for k in tensors), name
+    _no_partial(spmd)
 
 
 def test_a_rank_that_raises_fails_every_process_naming_it(tmp_path: Path) -> None:
