@@ -77,10 +77,21 @@ class Order:
         slot_of: dict[str, int] = {}
         per_device: dict[int, list[list[str]]] = defaultdict(list)
         for k, slot in enumerate(self.slots):
-            matched = [n for f in slot for n in matching(f, index, orderable)]
+            matched = matching(slot[0], index, orderable) if len(slot) == 1 else [
+                n for f in slot for n in matching(f, index, orderable)
+            ]
             if not matched:
                 shown = ", ".join(map(str, slot))
                 raise DirectiveError(f"slot {k} ({shown}) matches no compute node", directive=str(self))
+            if len(matched) == 1 and len(matched[0].devices) == 1:  # the common slot: one pass, one device
+                n = matched[0]
+                if n.id in slot_of:
+                    raise DirectiveError(
+                        f"node {n.id} is matched by slots {slot_of[n.id]} and {k}", directive=str(self), nodes=[n.id]
+                    )
+                slot_of[n.id] = k
+                per_device[n.devices[0]].append([n.id])
+                continue
             by_device: dict[int, list[str]] = defaultdict(list)
             for n in matched:
                 if n.id in slot_of:
@@ -98,7 +109,10 @@ class Order:
         pairs: dict[tuple[str, str], None] = {}
         for slots in per_device.values():
             for before, after in zip(slots, slots[1:], strict=False):
-                pairs.update(((a, b), None) for a in before for b in after)
+                if len(before) == 1 and len(after) == 1:
+                    pairs[(before[0], after[0])] = None
+                else:
+                    pairs.update(((a, b), None) for a in before for b in after)
         origin, temporal = str(self), EdgeKind.TEMPORAL
         # Edge(src, dst, kind, value, origin), by position: 131k edges at 16,384 devices
         return [Edge(a, b, temporal, None, origin) for a, b in pairs]

@@ -37,6 +37,7 @@ from piper_ir import (
     PASS,
     SEG,
     DirectiveError,
+    Edge,
     Filter,
     Graph,
     Node,
@@ -104,9 +105,11 @@ def place_all(graph: Graph, places: Sequence[Place]) -> Graph:
             nodes=[compute_id(Phase.F, s.id) for s, _ in unplaced],
         )
     loss = graph.loss_segment()
-    for mb in mbs:
-        if _group_of(group, loss.id, mb) is None:
-            group[(loss.id, mb)] = _loss_group(graph, group, loss.id, mb)
+    unplaced_loss = [mb for mb in mbs if _group_of(group, loss.id, mb) is None]
+    if unplaced_loss:
+        into = _edges_into(graph, {compute_id(Phase.F, loss.id, mb) for mb in unplaced_loss})
+        for mb in unplaced_loss:
+            group[(loss.id, mb)] = _loss_group(graph, group, loss.id, mb, into)
     used = sorted({d for g in group.values() for d in g})
     world = used[-1] + 1
     idle = sorted(set(range(world)) - set(used))
@@ -234,12 +237,23 @@ def _group_of(group: dict[Key, tuple[int, ...]], seg: str, mb: int | None) -> tu
     return group.get((seg, mb), group.get((seg, None)))
 
 
-def _loss_group(graph: Graph, group: dict[Key, tuple[int, ...]], loss: str, mb: int | None) -> tuple[int, ...]:
-    """The loss of microbatch ``mb`` goes where the model's outputs of ``mb`` are produced."""
+def _edges_into(graph: Graph, ids: set[str]) -> dict[str, list[Edge]]:
+    """The edges into each of ``ids``, in edge order: what ``graph.predecessors`` says of
+    them, without indexing every edge of a graph that is about to be replaced."""
+    out: dict[str, list[Edge]] = {}
+    for e in graph.edges:
+        if e.dst in ids:
+            out.setdefault(e.dst, []).append(e)
+    return out
+
+
+def _loss_group(
+    graph: Graph, group: dict[Key, tuple[int, ...]], loss: str, mb: int | None, into: dict[str, list[Edge]]
+) -> tuple[int, ...]:
+    """The loss of microbatch ``mb`` goes where the model's outputs of ``mb`` are produced
+    (``into``: the edges into the loss's forwards, ``_edges_into``)."""
     fwd = compute_id(Phase.F, loss, mb)
-    producers = {
-        e.src for e in graph.predecessors.get(fwd, ()) if e.value and not e.value.startswith("target:")
-    }
+    producers = {e.src for e in into.get(fwd, ()) if e.value and not e.value.startswith("target:")}
     groups = {_group_of(group, graph.node(p).segment, mb) for p in producers}  # type: ignore[arg-type]
     if len(groups) != 1:
         raise DirectiveError("the model's outputs come from several device groups: place the loss with {'SEG': 'loss'}")

@@ -38,12 +38,18 @@ def validate(graph: Graph, *, cycles: bool = True) -> Graph:
     _unique("segment id", [s.id for s in graph.segments], len(graph.segment_by_id))
     _unique("value name", [v.name for v in graph.values], len(graph.value_by_name))
     nodes, values = graph.node_by_id, graph.value_by_name
-    # ``successors`` and ``predecessors`` list every node, and every other name an edge starts
-    # or ends at: when both list only the nodes, every edge names known nodes, and no edge
-    # needs a lookup in the node table (a million at 16,384 devices, each a likely miss of
-    # the CPU's caches). Every caller walks both next (the cycle check, ``compile_program``).
-    ends_known = len(graph.successors) == len(nodes) == len(graph.predecessors)
-    for e in graph.edges:
+    # ``successor_positions`` exists only when every edge names known nodes (and no id is
+    # used twice, which the check above refused): then no edge needs a lookup in the node
+    # table (a million at 16,384 devices, each a likely miss of the CPU's caches). Every
+    # caller walks the graph by it next (the cycle check, ``compile_program``).
+    ends_known = graph.successor_positions is not None
+    # The values the edges carry, as a set made in one tight pass: when each is a value of
+    # the graph (the common case), no edge can fail below, and with its ends known no edge
+    # needs looking at one by one.
+    carried = {e.value for e in graph.edges}
+    carried.discard(None)
+    clean = ends_known and carried <= values.keys()
+    for e in () if clean else graph.edges:
         if not ends_known and (e.src not in nodes or e.dst not in nodes):
             end = e.src if e.src not in nodes else e.dst
             raise ValidationError(f"edge {e} names unknown node {end!r}", nodes=[end])

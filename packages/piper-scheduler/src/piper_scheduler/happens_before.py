@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from piper_ir import RankPlan
 
-_NOTHING: dict[int, int] = {}
+_NOTHING: dict[str, int] = {}
 
 
 class HappensBefore:
@@ -24,16 +24,16 @@ class HappensBefore:
     events checked (each waited event recorded once, earlier in the list)."""
 
     def __init__(self, plan: RankPlan) -> None:
-        streams: dict[str, int] = {}
-        stream_of: list[int] = []
-        known_of: list[dict[int, int]] = []  # shared, never changed once appended
+        # Streams are told apart by name (a string's hash is cached, and one stream's
+        # instructions share one name object): no table of stream numbers per instruction.
+        stream_of: list[str] = []
+        known_of: list[dict[str, int]] = []  # shared, never changed once appended
         recorder: dict[str, int] = {}
-        latest: dict[int, dict[int, int]] = {}  # stream -> the clock of its last instruction so far
+        latest: dict[str, dict[str, int]] = {}  # stream -> the clock of its last instruction so far
+        add_stream, add_known, latest_of = stream_of.append, known_of.append, latest.get
         for i, ins in enumerate(plan.instructions):
-            s = streams.get(ins.stream)
-            if s is None:
-                s = streams[ins.stream] = len(streams)
-            known = latest.get(s, _NOTHING)
+            s = ins.stream
+            known = latest_of(s, _NOTHING)
             if ins.waits:
                 known = dict(known)
                 for ev in ins.waits:
@@ -43,9 +43,9 @@ class HappensBefore:
                             known[stream] = index
                     if j > known.get(stream_of[j], -1):
                         known[stream_of[j]] = j
-            stream_of.append(s)
-            known_of.append(known)
-            latest[s] = known
+                latest[s] = known
+            add_stream(s)
+            add_known(known)
             if ins.record is not None:
                 recorder[ins.record] = i
         self._stream = stream_of

@@ -224,7 +224,7 @@ def _problem(
         return f"names segment {ins.segment!r}, which the program does not have"
     if ins.microbatch is not None and not 0 <= ins.microbatch < program.microbatches:
         return f"has microbatch {ins.microbatch}, outside [0, {program.microbatches})"
-    if ins.meta is not None and any(d < 0 for d in ins.meta.shape):
+    if ins.meta is not None and min(ins.meta.shape, default=0) < 0:  # no negative dimension
         return f"has a negative dimension in its meta {list(ins.meta.shape)}"
     if ins.overlap is not None and ins.overlap < 0:
         return f"has overlap number {ins.overlap}; overlap numbers are non-negative"

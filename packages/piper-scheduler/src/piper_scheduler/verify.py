@@ -46,6 +46,8 @@ from piper_scheduler.matching import (
 from piper_scheduler.references import check_instructions, check_tables
 from piper_scheduler.semantics import check_semantics
 
+POINT_TO_POINT = frozenset({SEND, RECV})  # a set of module globals: ``(SEND, RECV)`` builds a tuple per test
+
 
 def verify(program: Program) -> None:
     """Raise ``SchedulingError`` / ``DeadlockError`` unless ``program`` is sound (module doc); else None.
@@ -94,7 +96,7 @@ def _check_structure(program: Program) -> None:
                     [(r, seen[ins.id]), (r, i)],
                 )
             seen[ins.id] = i
-            if ins.kind in (SEND, RECV):
+            if ins.kind in POINT_TO_POINT:
                 _check_p2p_fields(program, comms, r, i, ins)
             elif is_collective(ins):
                 members = comms.get(ins.communicator or "")

@@ -1,0 +1,102 @@
+"""The graph's adjacency by position (``Graph.successor_positions``), the passes that count
+by it (``is_acyclic``, ``rank_orders``) against their keyed-by-id forms, and what
+``gc_paused`` leaves behind."""
+
+from __future__ import annotations
+
+import gc
+
+import attrs
+
+from piper_ir import Edge, EdgeKind, Graph, Node, NodeKind, Phase, gc_paused, is_acyclic, rank_orders
+from piper_ir.algorithms import _rank_orders_by_id
+
+
+def _pipeline() -> Graph:
+    """Two ranks, two microbatches: F then B of two segments, a send/recv pair per
+    microbatch and direction, nodes listed out of topological order."""
+    nodes, edges = [], []
+    for mb in range(2):
+        for seg, rank in (("s0", 0), ("s1", 1)):
+            for phase in (Phase.B, Phase.F):
+                nodes.append(Node(f"{phase.value}.{seg}.mb{mb}", NodeKind.COMPUTE, seg, phase, mb, devices=(rank,)))
+        for kind, d, p in ((NodeKind.SEND, 0, 1), (NodeKind.RECV, 1, 0)):
+            nodes.append(Node(f"{kind.value}.a.mb{mb}", kind, devices=(d,), peers=(p,), value="a"))
+            nodes.append(Node(f"{kind.value}.g.mb{mb}", kind, devices=(p,), peers=(d,), value="grad:a"))
+        chain = [f"F.s0.mb{mb}", f"send.a.mb{mb}", f"recv.a.mb{mb}", f"F.s1.mb{mb}", f"B.s1.mb{mb}",
+                 f"send.g.mb{mb}", f"recv.g.mb{mb}", f"B.s0.mb{mb}"]
+        edges += [Edge(a, b) for a, b in zip(chain, chain[1:], strict=False)]
+    edges.append(Edge("B.s1.mb0", "F.s1.mb1", EdgeKind.TEMPORAL))  # rank 1: 1F1B
+    return Graph((), (), nodes, edges, world_size=2, microbatches=2)
+
+
+def test_successor_positions_are_the_successors_by_position() -> None:
+    g = _pipeline()
+    position = {n.id: i for i, n in enumerate(g.nodes)}
+    assert g.successor_positions == [[position[e.dst] for e in g.successors[n.id]] for n in g.nodes]
+    assert list(g.successors) == list(g.predecessors) == [n.id for n in g.nodes]
+    assert sum(map(len, g.predecessors.values())) == len(g.edges)
+
+
+def test_an_unknown_end_or_a_repeated_id_leaves_no_positions() -> None:
+    g = _pipeline()
+    unknown = attrs.evolve(g, edges=(*g.edges, Edge("F.s0.mb0", "nowhere")))
+    assert unknown.successor_positions is None
+    assert list(unknown.predecessors)[-1] == "nowhere" and "nowhere" not in unknown.successors
+    assert unknown.successors["F.s0.mb0"][-1].dst == "nowhere"
+    twice = attrs.evolve(g, nodes=(*g.nodes, g.nodes[0]))
+    assert twice.successor_positions is None and list(twice.successors) == list(g.successors)
+
+
+def test_rank_orders_by_position_agrees_with_the_keyed_form() -> None:
+    g = _pipeline()
+    seg_pos: dict[str, int] = {}
+    listed = frozenset({NodeKind.SEND})
+    assert rank_orders(g, listed) == _rank_orders_by_id(g, listed, seg_pos)
+    assert rank_orders(g) == [
+        ["F.s0.mb0", "F.s0.mb1", "B.s0.mb0", "B.s0.mb1"],
+        ["F.s1.mb0", "B.s1.mb0", "F.s1.mb1", "B.s1.mb1"],
+    ]
+    cyclic = attrs.evolve(g, edges=(*g.edges, Edge("B.s0.mb1", "F.s0.mb0", EdgeKind.TEMPORAL)))
+    assert rank_orders(cyclic) is None and not is_acyclic(cyclic) and is_acyclic(g)
+
+
+def test_cycle_checks_without_positions() -> None:
+    g = _pipeline()
+    twice = attrs.evolve(g, nodes=(*g.nodes, g.nodes[0]))
+    assert twice.successor_positions is None and is_acyclic(twice)
+    looped = attrs.evolve(twice, edges=(*g.edges, Edge("B.s0.mb1", "F.s0.mb0", EdgeKind.TEMPORAL)))
+    assert not is_acyclic(looped) and rank_orders(looped) is None
+
+
+def test_gc_paused_moves_what_the_pass_kept_to_the_oldest_generation() -> None:
+    """Without the move, the 50k containers made in the pause are the young generation the
+    first allocation after it collects (walking every one of them)."""
+    assert gc.isenabled()
+    gc.collect()
+    runs: list[int] = []
+    gc.callbacks.append(lambda phase, info: runs.append(info["generation"]) if phase == "start" else None)
+    try:
+        with gc_paused():
+            kept = [[i] for i in range(50_000)]  # tracked containers
+        after = [[i] for i in range(10)]
+        assert runs == [] and gc.get_count()[1] == 0, (runs, gc.get_count())
+        assert gc.is_tracked(kept[0]) and len(after) == 10
+    finally:
+        gc.callbacks.pop()
+    del kept
+
+
+def test_gc_paused_leaves_objects_frozen_by_the_process_alone() -> None:
+    """A process that froze objects (``gc.freeze`` before a fork) keeps them frozen: the
+    pause then leaves the young generation to the collector as it was."""
+    gc.collect()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with gc_paused():
+            made = [[i] for i in range(1_000)]
+        assert gc.get_freeze_count() == frozen and len(made) == 1_000
+    finally:
+        gc.unfreeze()
+        gc.collect()
