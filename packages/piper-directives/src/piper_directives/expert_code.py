@@ -194,17 +194,23 @@ def _rewrite(module: torch.fx.GraphModule, sh: Sharding) -> tuple[torch.fx.Graph
         comm = f"{COMM}_{k}"
         gm.add_submodule(comm, ExpertParallelComm(sh.degree, num))
         params.extend(ParamShard(f"{call.target}.{name}", 0) for name, _ in experts.named_parameters())
-        tokens, ids = call.args[0], call.args[1]
-        with g.inserting_before(call):
-            dispatch = g.call_module(comm, ("dispatch", tokens, ids))
-            parts = [g.call_function(operator.getitem, (dispatch, i)) for i in range(5)]
-        call.args = (parts[0], parts[1], *call.args[2:])
-        with g.inserting_after(call):
-            combined = g.call_module(comm, ("combine", call, *parts[2:]))
+        combined = _route(g, call, comm, call.args[0], call.args[1])
         call.replace_all_uses_with(combined, delete_user_cb=lambda user, keep=combined: user is not keep)
     g.lint()
     gm.recompile()
     return gm, tuple(params), len(calls)
+
+
+def _route(g: torch.fx.Graph, call: torch.fx.Node, comm: str, tokens: torch.fx.Node, ids: torch.fx.Node) -> torch.fx.Node:
+    """Route ``tokens`` (with expert ``ids``) through ``comm``'s dispatch to the ranks holding
+    their experts before expert call ``call``, which then runs on what arrives, and back
+    through its combine after it; the combine's node (the caller points ``call``'s users at it)."""
+    with g.inserting_before(call):
+        dispatch = g.call_module(comm, ("dispatch", tokens, ids))
+        parts = [g.call_function(operator.getitem, (dispatch, i)) for i in range(5)]
+    call.args = (parts[0], parts[1], *call.args[2:])
+    with g.inserting_after(call):
+        return g.call_module(comm, ("combine", call, *parts[2:]))
 
 
 def _refuse_random(experts: nn.Module, call: torch.fx.Node, sh: Sharding) -> None:
@@ -355,11 +361,7 @@ def _shard_experts_tp_ep(gm: torch.fx.GraphModule, calls: Sequence[torch.fx.Node
             idx = g.call_function(tp_share, (g.get_attr(comm), g.get_attr(ep), ids))
             mine = g.call_function(torch.index_select, (whole, 0, idx))
             mine_ids = g.call_function(torch.index_select, (ids, 0, idx))
-            dispatch = g.call_module(ep, ("dispatch", mine, mine_ids))
-            parts = [g.call_function(operator.getitem, (dispatch, i)) for i in range(5)]
-        call.args = (parts[0], parts[1], *call.args[2:])
-        with g.inserting_after(call):
-            combined = g.call_module(ep, ("combine", call, *parts[2:]))
+        combined = _route(g, call, ep, mine, mine_ids)
         with g.inserting_after(combined):
             placed = g.call_function(tp_place, (combined, idx, whole))
         with g.inserting_after(placed):

@@ -356,23 +356,18 @@ def _tp_experts(gm: torch.fx.GraphModule, sh: Sharding) -> list[torch.fx.Node]:
     those it names ``experts`` (refused where the degree does not divide them)."""
     code = _experts_code()
     calls = code.expert_calls(gm)
-    if not sh.plan and sh.expert_degree > 1:  # experts asked for: each call must split
-        for c in calls:
-            if not code.divides_experts(gm, c, sh):
-                raise DirectiveError(
-                    f"the expert-parallel group of {sh.expert_degree} ranks does not divide the experts of "
-                    f"{c.target} ({describe(c)})",
-                    directive=sh.origin,
-                )
-        return calls
-    if not sh.plan:
+    if sh.plan:
+        named = [c for c in calls if shard_groups.style_for(str(c.target), sh.plan) == "experts"]
+    elif sh.expert_degree > 1:  # an expert-parallel group asked for: every call must split over it
+        named = calls
+    else:
         return [c for c in calls if code.divides_experts(gm, c, sh)]
-    named = [c for c in calls if shard_groups.style_for(str(c.target), sh.plan) == "experts"]
+    group = "expert-parallel" if sh.expert_degree > 1 else "tensor-parallel"
     for c in named:
         if not code.divides_experts(gm, c, sh):
             raise DirectiveError(
-                f"the plan names {c.target} experts, but the group they are split over ({code.experts_degree(sh)} "
-                f"ranks) does not divide its experts ({describe(c)})",
+                f"the {group} group of {code.experts_degree(sh)} ranks does not divide the experts of {c.target}"
+                f"{' (the plan names it experts)' if sh.plan else ''} ({describe(c)})",
                 directive=sh.origin,
             )
     return named
