@@ -176,6 +176,7 @@ class _EarlyStart:
         self.num_cpus = num_cpus
         self.request = request
         self.workers: early_workers.EarlyWorkers | None = None  # until a runtime takes them
+        self.asked = False  # a runtime asked for them (``take_early_workers``): later ones are discarded
         self.claimed = False  # a runtime took the cluster as it is: it is never restarted under it
         self.error: BaseException | None = None
         self.started = threading.Event()  # ray.init returned, or failed (``error``)
@@ -195,7 +196,11 @@ class _EarlyStart:
         try:
             if self.error is None and self.request is not None:
                 # A failure here costs only the head start: the runtime starts its own workers.
-                self.workers = early_workers.start(self.request)
+                started = early_workers.start(self.request)
+                with _early_lock:
+                    late, self.workers = self.asked, None if self.asked else started
+                if late:  # the runtime stopped waiting and started its own: these would hold its resources
+                    started.discard()
         except Exception:
             self.workers = None
         finally:
@@ -228,6 +233,7 @@ def take_early_workers(timeout_s: float = CONNECT_TIMEOUT_S) -> early_workers.Ea
         return None
     early.workers_started.wait(timeout_s)
     with _early_lock:
+        early.asked = True
         if _early is not early:
             return None
         workers, early.workers = early.workers, None
