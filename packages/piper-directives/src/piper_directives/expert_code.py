@@ -183,9 +183,7 @@ def _rewrite(module: torch.fx.GraphModule, sh: Sharding) -> tuple[torch.fx.Graph
     g = gm.graph
     params: list[ParamShard] = []
     for k, call in enumerate(calls):
-        experts = gm.get_submodule(call.target)
-        num = _num_experts(experts, call.target, sh)
-        _refuse_random(experts, call, sh)
+        experts, num = _expert_module(gm, call, sh)
         if num % sh.degree:
             raise DirectiveError(
                 f"the expert-parallel group of {sh.degree} ranks does not divide the {num} experts of {call.target}",
@@ -211,6 +209,15 @@ def _route(g: torch.fx.Graph, call: torch.fx.Node, comm: str, tokens: torch.fx.N
     call.args = (parts[0], parts[1], *call.args[2:])
     with g.inserting_after(call):
         return g.call_module(comm, ("combine", call, *parts[2:]))
+
+
+def _expert_module(gm: torch.fx.GraphModule, call: torch.fx.Node, sh: Sharding) -> tuple[nn.Module, int]:
+    """The expert module ``call`` calls and its expert count, checked: every parameter holds
+    the experts on dimension 0, and the module draws no random numbers."""
+    experts = gm.get_submodule(call.target)
+    num = _num_experts(experts, call.target, sh)
+    _refuse_random(experts, call, sh)
+    return experts, num
 
 
 def _refuse_random(experts: nn.Module, call: torch.fx.Node, sh: Sharding) -> None:
@@ -296,9 +303,7 @@ def shard_experts_tp(gm: torch.fx.GraphModule, calls: Sequence[torch.fx.Node], s
     g = gm.graph
     params: list[ParamShard] = []
     for call in calls:
-        experts = gm.get_submodule(call.target)
-        num = _num_experts(experts, call.target, sh)
-        _refuse_random(experts, call, sh)
+        experts, num = _expert_module(gm, call, sh)
         params.extend(ParamShard(f"{call.target}.{name}", 0) for name, _ in experts.named_parameters())
         tokens, ids = call.args[0], call.args[1]
         with g.inserting_before(call):
@@ -349,9 +354,7 @@ def _shard_experts_tp_ep(gm: torch.fx.GraphModule, calls: Sequence[torch.fx.Node
     g = gm.graph
     params: list[ParamShard] = []
     for k, call in enumerate(calls):
-        experts = gm.get_submodule(call.target)
-        num = _num_experts(experts, call.target, sh)
-        _refuse_random(experts, call, sh)
+        experts, num = _expert_module(gm, call, sh)
         params.extend(ParamShard(f"{call.target}.{name}", 0, experts=True) for name, _ in experts.named_parameters())
         ep = f"{COMM}_{k}"
         gm.add_submodule(ep, ExpertParallelComm(sh.expert_degree, num))
