@@ -47,6 +47,7 @@ import torch
 from torch import fx, nn
 
 from piper_runtime.options import COMPILE_BACKENDS as BACKENDS
+from piper_runtime.rank.kernel_gil import releasing_gil
 
 # Tracing and inductor are not thread-safe (global tracing state, config patches); ranks of
 # the local runtime are threads of one process.
@@ -229,7 +230,7 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Compiled:
     from torch._inductor.compile_fx import compile_fx
 
     example = [_example(n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
-    with config.patch(fallback_random=True):
+    with config.patch(fallback_random=True), releasing_gil():
         return compile_fx(gm, example)
 
 
