@@ -43,7 +43,7 @@ from piper_ir import (
     Tie,
 )
 from piper_scheduler.diagnostics import describe, excerpts
-from piper_scheduler.kinds import COMPUTE, OPTIMIZER
+from piper_scheduler.kinds import COMPUTE, OPTIMIZER, RECV, SEND
 
 COMPUTE_PHASES = frozenset({Phase.F, Phase.B, Phase.BI, Phase.BW})
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
@@ -62,14 +62,32 @@ def check_instructions(program: Program) -> None:
     and its plans numbered by rank."""
     buckets = {b.id: b for b in program.buckets}
     placement = dict(program.placement)
+    segments, values, microbatches = program.segment_by_id, program.value_by_name, program.microbatches
+    sound_metas: set[int] = set()  # ids of the metas ``_problem`` passed: instructions share them
     for plan in program.ranks:
+        rank = plan.rank
         for i, ins in enumerate(plan.instructions):
-            problem = _problem(program, buckets, placement, plan.rank, ins)
+            # A transfer or a compute pass that passes every test ``_problem`` makes of its
+            # kind, tested inline (392k instructions at 16,384 devices, two thirds transfers);
+            # any other instruction, or any test that fails, is ``_problem``'s to judge.
+            kind, mb, meta = ins.kind, ins.microbatch, ins.meta
+            if (ins.stream and ins.overlap is None and (mb is None or 0 <= mb < microbatches)
+                    and (meta is None or id(meta) in sound_metas)):
+                if kind is SEND or kind is RECV:
+                    if meta is not None and ins.segment is None and ins.value in values:
+                        continue
+                elif kind is COMPUTE and ins.phase in COMPUTE_PHASES and ins.segment in segments:
+                    devices = placement.get(ins.segment)
+                    if devices is None or rank in devices:
+                        continue
+            problem = _problem(program, buckets, placement, rank, ins)
             if problem is not None:
                 where = describe(program, plan.rank, i)
                 raise SchedulingError(
                     f"{where} {problem}\n" + excerpts(program, [(plan.rank, i)]), nodes=[ins.id], ranks=[plan.rank]
                 )
+            if meta is not None:
+                sound_metas.add(id(meta))
 
 
 def _check_counts(program: Program) -> None:

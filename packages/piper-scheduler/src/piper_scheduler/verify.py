@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from piper_ir import DeadlockError, Instruction, Program, SchedulingError, gc_paused
+from piper_ir import DeadlockError, Instruction, Program, RankPlan, SchedulingError, gc_paused
 from piper_scheduler.diagnostics import describe, excerpts
 from piper_scheduler.kinds import RECV, SEND
 from piper_scheduler.matching import (
@@ -45,8 +45,6 @@ from piper_scheduler.matching import (
 )
 from piper_scheduler.references import check_instructions, check_tables
 from piper_scheduler.semantics import check_semantics
-
-POINT_TO_POINT = frozenset({SEND, RECV})  # a set of module globals: ``(SEND, RECV)`` builds a tuple per test
 
 
 def verify(program: Program) -> None:
@@ -83,6 +81,7 @@ def _check_structure(program: Program) -> None:
         )
     # communicator id -> its ranks, as a set: a pipeline's communicator spans every stage
     comms = {c.id: frozenset(c.ranks) for c in program.communicators}
+    world = program.world_size
     for r, plan in enumerate(program.ranks):
         if plan.rank != r:
             raise SchedulingError(f"plan {r} says it is for rank {plan.rank}", ranks=[r])
@@ -96,8 +95,14 @@ def _check_structure(program: Program) -> None:
                     [(r, seen[ins.id]), (r, i)],
                 )
             seen[ins.id] = i
-            if ins.kind in POINT_TO_POINT:
-                _check_p2p_fields(program, comms, r, i, ins)
+            kind = ins.kind
+            if kind is SEND or kind is RECV:
+                # ``_check_p2p_fields``'s tests, inline for the transfers that pass them (two
+                # thirds of the instructions); it judges, and describes, the rest.
+                peer, members = ins.peer, comms.get(ins.communicator or "")
+                if (peer is None or not 0 <= peer < world or peer == r or members is None
+                        or r not in members or peer not in members):
+                    _check_p2p_fields(program, comms, r, i, ins)
             elif is_collective(ins):
                 members = comms.get(ins.communicator or "")
                 if members is None or r not in members:
@@ -131,39 +136,57 @@ def _check_p2p_fields(program: Program, comms: dict[str, frozenset[int]], r: int
 
 
 def _check_events(program: Program) -> None:
+    """One pass per rank proves its events sound: each waited event recorded earlier on the
+    rank, none recorded twice. A rank that fails it is judged, and described, by
+    ``_explain_events``."""
     for plan in program.ranks:
-        r = plan.rank
-        recorded_at: dict[str, int] = {}
-        for i, ins in enumerate(plan.instructions):
-            if ins.record is not None:
-                if ins.record in recorded_at:
-                    _fail(
-                        SchedulingError,
-                        program,
-                        f"event {ins.record!r} is recorded twice on rank {r}",
-                        [(r, recorded_at[ins.record]), (r, i)],
-                    )
-                recorded_at[ins.record] = i
         seen: set[str] = set()
-        for i, ins in enumerate(plan.instructions):
+        for ins in plan.instructions:
             for ev in ins.waits:
-                if ev not in recorded_at:
-                    _fail(
-                        SchedulingError,
-                        program,
-                        f"{describe(program, r, i)} waits on event {ev!r}, which is never recorded on rank {r}",
-                        [(r, i)],
-                    )
                 if ev not in seen:
-                    j = recorded_at[ev]
-                    _fail(
-                        SchedulingError,
-                        program,
-                        f"{describe(program, r, i)} waits on event {ev!r}, which is recorded later, by instruction {j}",
-                        [(r, i), (r, j)],
-                    )
-            if ins.record is not None:
-                seen.add(ins.record)
+                    _explain_events(program, plan)
+            record = ins.record
+            if record is not None:
+                if record in seen:
+                    _explain_events(program, plan)
+                seen.add(record)
+
+
+def _explain_events(program: Program, plan: RankPlan) -> None:
+    """Raise the first broken event rule of ``plan``: an event recorded twice, then, in list
+    order, a wait on an event never recorded or recorded later."""
+    r = plan.rank
+    recorded_at: dict[str, int] = {}
+    for i, ins in enumerate(plan.instructions):
+        if ins.record is not None:
+            if ins.record in recorded_at:
+                _fail(
+                    SchedulingError,
+                    program,
+                    f"event {ins.record!r} is recorded twice on rank {r}",
+                    [(r, recorded_at[ins.record]), (r, i)],
+                )
+            recorded_at[ins.record] = i
+    seen: set[str] = set()
+    for i, ins in enumerate(plan.instructions):
+        for ev in ins.waits:
+            if ev not in recorded_at:
+                _fail(
+                    SchedulingError,
+                    program,
+                    f"{describe(program, r, i)} waits on event {ev!r}, which is never recorded on rank {r}",
+                    [(r, i)],
+                )
+            if ev not in seen:
+                j = recorded_at[ev]
+                _fail(
+                    SchedulingError,
+                    program,
+                    f"{describe(program, r, i)} waits on event {ev!r}, which is recorded later, by instruction {j}",
+                    [(r, i), (r, j)],
+                )
+        if ins.record is not None:
+            seen.add(ins.record)
 
 
 def _message(ins: Instruction) -> str:
@@ -248,9 +271,19 @@ def _check_progress(program: Program, partners: dict[Slot, Slot], coll: dict[Slo
     while work:
         r = work.popleft()
         plan, i = plans[r], pc[r]
-        while i < len(plan):
+        end = len(plan)
+        while i < end:
             ins = plan[i]
-            if ins.kind is RECV:
+            kind = ins.kind
+            if kind is SEND:
+                # Only a SEND has receives waiting on it (``partners``' slots are sends; a
+                # collective's waiters are keyed by communicator). ``pc[r]`` is stored before
+                # they run: no other rank runs until this one blocks or ends.
+                i += 1
+                if waiting:
+                    work.extend(waiting.pop((r, i - 1), ()))
+                continue
+            if kind is RECV:
                 src, j = partners[(r, i)]
                 if pc[src] <= j:
                     waiting.setdefault((src, j), []).append(r)
@@ -266,9 +299,7 @@ def _check_progress(program: Program, partners: dict[Slot, Slot], coll: dict[Slo
                 at_collective.discard(r)
                 work.extend(waiting.pop(key, ()))
             i += 1
-            pc[r] = i
-            if waiting:  # the ranks blocked on instruction i - 1 of this rank go on
-                work.extend(waiting.pop((r, i - 1), ()))
+        pc[r] = i
     stuck = [r for r in range(len(plans)) if pc[r] < len(plans[r])]
     if not stuck:
         return
