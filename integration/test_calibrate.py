@@ -42,7 +42,11 @@ def test_calibrate_then_plan_this_machine(capsys, tmp_path, config):
     assert doc["calibrate"] is True and doc["out"] == str(out) and json.loads(out.read_text()) == doc["hardware"]
     hw = load_hardware(str(out))
     assert hw.peak("fp32") > 0 and 0 < hw.flop_efficiency <= 1 and hw.devices_per_node == 2
-    assert hw.intra_node_gb_per_s > 0 and hw.op_overhead_us > 0 and hw.memory_gib > 0
+    assert hw.intra_node_gb_per_s > 0 and hw.memory_gib > 0
+    # the model's own step, timed at 1 and 2 sequences (--batch-size 1: the microbatch), is what the figures fit
+    step = doc["step"]
+    assert doc["runtime"] == "local" and step["sequences"] == [1, 2] and min(step["seconds"]) > 0
+    assert step["flop_efficiency"] == hw.flop_efficiency and "fitted to" in hw.source
     code, stdout, _ = run(capsys, "tune", "--hardware", str(out), "--precision", "fp32", "--devices", "2", "--model",
                           f"hf:{config}", "--seq-len", "8", "--batch-size", "4", "--microbatch-range", "1-4",
                           "--recompute", "none", "--json")
@@ -64,6 +68,8 @@ def test_calibrate_refuses_what_it_cannot_measure(capsys, tmp_path, config):
     assert code == 2 and "--precision fp64" in err
     code, stdout, _ = run(capsys, "tune", "--devices", "2", "--precision", "bf16", "--json")  # profiling: no dtype
     assert code == 2 and "--precision" in json.loads(stdout)["error"]
+    code, stdout, _ = run(capsys, "tune", "--devices", "2", "--runtime", "ray", "--json")  # profiling: no --runtime
+    assert code == 2 and "--runtime" in json.loads(stdout)["error"]
     # without --model: square products only; a CPU file has no bf16 peak, and planning in bf16 names the field
     out = tmp_path / "here.json"
     assert run(capsys, "tune", "--calibrate", "--devices", "2", "--out", str(out))[0] == 0

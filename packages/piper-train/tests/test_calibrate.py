@@ -6,15 +6,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
 from piper_scheduler.analytic import Link, Roofline
-from piper_train.hardware import load_hardware
+from piper_train.hardware import Hardware, load_hardware
 from piper_train.tuning.calibrate import (
     Calibration,
     Measured,
     fit_link,
+    fit_step,
     hardware_file,
     measure,
     model_matmuls,
@@ -108,3 +110,89 @@ def test_calibration_options_are_checked():
         Calibration(dtype="fp8")
     with pytest.raises(ValueError, match="--devices"):
         Calibration(devices=0)
+
+
+#: A device for fitting: its peak and bandwidth stay, the efficiency and the overhead are fitted.
+DEVICE = Hardware("cpu", {"fp32": 0.1}, memory_gib=8.0, memory_tb_per_s=0.02, intra_node_gb_per_s=1.0,
+                  inter_node_gb_per_s=1.0)
+
+
+def one_rank_step(census, hw: Hardware, sequences: int) -> float:
+    """The planner's compute of a one-rank, one-microbatch step (pp=1, dp=1, tp=1, one microbatch)."""
+    plan = Planner(Setting(census, hw, 1, sequences, dtype="fp32")).price(Candidate("1f1b", 1, 1, 1, 1, 1, 0, None,
+                                                                                    False))
+    return sum(plan.parts[p] for p in ("F", "BI", "BW"))
+
+
+def fitted(hw: Hardware, fit) -> Hardware:
+    return attrs.evolve(hw, flop_efficiency=fit.flop_efficiency, op_overhead_us=fit.op_overhead * 1e6)
+
+
+def test_fitted_figures_reproduce_the_measured_steps_through_the_planner(tiny):
+    census = hf_census(tiny, 8, dtype=torch.float32)
+    steps = ((1, 0.012), (4, 0.02))  # seconds of the model's step at 1 and 4 sequences
+    fit = fit_step(census, DEVICE, steps, "fp32")
+    assert fit.exact and 0 < fit.flop_efficiency < 1 and fit.op_overhead > 0
+    hw = fitted(DEVICE, fit)
+    for sequences, seconds in steps:  # the planner's own cost function gives each measured time back
+        assert one_rank_step(census, hw, sequences) == pytest.approx(seconds, rel=1e-9)
+    # the overhead is charged once per operator of the census, the same at every size
+    bare = one_rank_step(census, attrs.evolve(hw, op_overhead_us=None), 4)
+    assert fit.operators * fit.op_overhead == pytest.approx(0.02 - bare, rel=1e-9)
+
+
+def test_fit_recovers_the_figures_a_step_was_priced_with(tiny):
+    census = hf_census(tiny, 8, dtype=torch.float32)
+    truth = attrs.evolve(DEVICE, flop_efficiency=0.3, op_overhead_us=12.0)
+    steps = [(b, one_rank_step(census, truth, b)) for b in (1, 8)]
+    fit = fit_step(census, DEVICE, steps, "fp32")
+    assert fit.flop_efficiency == pytest.approx(0.3, rel=1e-6)
+    assert fit.op_overhead == pytest.approx(12e-6, rel=1e-6)
+
+
+def test_a_step_faster_than_the_measured_peak_raises_the_peak(tiny):
+    census = hf_census(tiny, 8, dtype=torch.float32)
+    device = attrs.evolve(DEVICE, memory_tb_per_s=100.0)  # the products bound every step: one rate fits
+    truth = attrs.evolve(device, peak_tflops={"fp32": 0.3}, flop_efficiency=1.0, op_overhead_us=5.0)
+    steps = [(b, one_rank_step(census, truth, b)) for b in (1, 4)]
+    fit = fit_step(census, device, steps, "fp32")  # the file's peak is a third of the step's rate
+    assert fit.exact and fit.flop_efficiency == 1.0 and fit.peak_flops == pytest.approx(0.3e12, rel=1e-6)
+    hw = attrs.evolve(fitted(device, fit), peak_tflops={"fp32": fit.peak_flops / 1e12})
+    assert [one_rank_step(census, hw, b) for b, _ in steps] == pytest.approx([t for _, t in steps], rel=1e-9)
+
+
+def test_a_fit_out_of_range_reproduces_the_larger_microbatch(tiny):
+    census = hf_census(tiny, 8, dtype=torch.float32)
+    memory_only = one_rank_step(census, attrs.evolve(DEVICE, flop_efficiency=1.0, peak_tflops={"fp32": 1e9}), 4)
+    # growing less than the memory-bound operators alone do: no overhead, the larger size reproduced
+    fit = fit_step(census, DEVICE, ((1, memory_only), (4, 1.01 * memory_only)), "fp32")
+    assert not fit.exact and fit.op_overhead == 0.0
+    hw = attrs.evolve(fitted(DEVICE, fit), peak_tflops={"fp32": fit.peak_flops / 1e12})
+    assert one_rank_step(census, hw, 4) == pytest.approx(1.01 * memory_only, rel=1e-9)
+    # growing so fast that the overhead would be negative: no overhead, the larger size alone
+    fit = fit_step(census, DEVICE, ((1, 1e-9), (4, 50 * memory_only)), "fp32")
+    assert fit.op_overhead == 0.0 and not fit.exact and fit.flop_efficiency < 1
+    assert one_rank_step(census, fitted(DEVICE, fit), 4) == pytest.approx(50 * memory_only, rel=1e-9)
+    with pytest.raises(ValueError, match="two microbatch sizes"):
+        fit_step(census, DEVICE, ((4, 0.1), (4, 0.2)), "fp32")
+
+
+def test_measuring_the_models_step_fits_the_file_to_it(tmp_path, tiny):
+    cal = Calibration(devices=2, matmuls=model_matmuls(hf_config(tiny), 8), elementwise_elements=4096,
+                      peak_size=64, link_large=1 << 16, repeats=2, seconds=0.0, model=tiny, seq_len=8, sequences=2)
+    m = measure(cal)
+    assert [b for b, _ in m.steps] == [1, 2] and all(t > 0 for _, t in m.steps)
+    census = hf_census(tiny, 8, dtype=torch.float32)
+    data = hardware_file(m, cal, name="here")
+    fit = fit_step(census, load_hardware(_written(tmp_path, data)), m.steps, "fp32")
+    data = hardware_file(m, cal, name="here", fit=fit)
+    hw = load_hardware(_written(tmp_path, data))  # still data only, the schema hardware.py reads
+    assert hw.flop_efficiency == pytest.approx(fit.flop_efficiency) and "fitted to" in hw.source
+    assert hw.peak("fp32") * 1e12 == pytest.approx(fit.peak_flops)
+    assert one_rank_step(census, hw, 2) == pytest.approx(m.steps[1][1], rel=1e-6)
+
+
+def _written(tmp_path: Path, data: dict) -> str:
+    path = tmp_path / "file.json"
+    path.write_text(json.dumps(data))
+    return str(path)

@@ -90,10 +90,12 @@ def load_hardware(spec: str) -> Hardware:
         data = json.loads(text)
     except ValueError as err:
         raise ValueError(f"--hardware {where}: not JSON: {err}") from None
-    return _parsed(data, where)
+    return parse_hardware(data, where)
 
 
-def _parsed(data: object, where: str) -> Hardware:
+def parse_hardware(data: object, where: str) -> Hardware:
+    """A hardware file's JSON object (already read) as ``Hardware``; a ``ValueError`` names
+    ``where`` and what is wrong."""
     if not isinstance(data, dict):
         raise ValueError(f"--hardware {where}: expected a JSON object")
     known = {f.name for f in attrs.fields(Hardware)}

@@ -295,9 +295,13 @@ def add_tune(p: argparse.ArgumentParser) -> None:
                         "nothing run (docs/planning.md); --batch-size is the global batch in sequences (default: "
                         "--devices), --seq-len tokens per sequence (default: 4096)")
     p.add_argument("--calibrate", action="store_true",
-                   help="measure this machine (matrix products of --model hf:CONFIG's sizes, elementwise bandwidth, "
-                        "per-operator cost, the links among --devices ranks) and write a hardware file to --out "
+                   help="measure this machine (--model hf:CONFIG's own captured step at 1 and --batch-size "
+                        "sequences, to which the FLOP efficiency and per-operator cost are fitted; matrix products, "
+                        "elementwise bandwidth, the links among --devices ranks) and write a hardware file to --out "
                         "(default: calibrated.json) that --hardware reads (docs/planning.md)")
+    p.add_argument("--runtime", dest="calibrate_runtime", choices=["local", "ray"], default=None,
+                   help="with --calibrate --model: time the model's step on --devices ranks as this runtime runs "
+                        "them: local (threads of one process) or ray (processes) (default: local)")
     p.add_argument("--tp", dest="tps", type=_comma_list(int), default=None,
                    help="with --hardware: tensor-parallel degrees to try, comma-separated (default: every divisor "
                         "of --devices up to a node)")

@@ -171,7 +171,15 @@ def calibrate(args: argparse.Namespace) -> int:
     import torch
 
     from piper_train.cli.outputs import writing
-    from piper_train.tuning.calibrate import ELEMENTS, Calibration, hardware_file, measure, model_matmuls
+    from piper_train.hardware import parse_hardware
+    from piper_train.tuning.calibrate import (
+        ELEMENTS,
+        Calibration,
+        fit_step,
+        hardware_file,
+        measure,
+        model_matmuls,
+    )
 
     if args.devices < 1:
         raise ValueError(f"--devices {args.devices}: calibration measures 1 or more ranks")
@@ -179,37 +187,60 @@ def calibrate(args: argparse.Namespace) -> int:
     dtype = args.precision or ("bf16" if torch.cuda.is_available() else "fp32")
     matmuls: tuple[tuple[int, int, int], ...] = ()
     elements = ELEMENTS
+    census = None
+    seq_len, sequences = args.seq_len or SEQ_LEN, args.batch_size or 1  # --batch-size: sequences per microbatch
+    runtime = getattr(args, "calibrate_runtime", None) or "local"
     if args.model is not None and args.model != "lm":  # "lm": add_model's default, no sizes to take
         if not is_hf(args.model):
             raise ValueError(f"--calibrate measures the products of a Hugging Face config's sizes: give --model "
                              f"hf:CONFIG or leave --model out (got {args.model})")
-        from piper_train.tuning.census import hf_config
+        if dtype not in ("fp32", "bf16"):
+            raise ValueError(f"--precision {dtype}: --calibrate --model fits the planner, which plans in fp32 or bf16")
+        from piper_train.tuning.census import hf_census, hf_config
 
         config = hf_config(args.model)
-        tokens = (args.seq_len or SEQ_LEN) * (args.batch_size or 1)  # --batch-size: sequences per microbatch
+        tokens = seq_len * sequences
         matmuls = model_matmuls(config, tokens)
         elements = tokens * max(k for _, k, _ in matmuls[:-1])  # the MLP's widest activation
-    cal = Calibration(devices=args.devices, dtype=dtype, matmuls=matmuls, elementwise_elements=elements)
+        census = hf_census(args.model, seq_len, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+    cal = Calibration(devices=args.devices, dtype=dtype, matmuls=matmuls, elementwise_elements=elements,
+                      model=args.model if census is not None else None, seq_len=seq_len, sequences=sequences,
+                      runtime=runtime)
     out = args.out or Path(CALIBRATED)
     say(args, f"piper tune --calibrate: {dtype} on {'cuda' if torch.cuda.is_available() else 'cpu'}, "
               f"{args.devices} rank(s) at once, {len(matmuls) or 1} product shape(s)")
     measured = measure(cal)
     data = hardware_file(measured, cal, base, name=out.stem)
+    fit = None
+    if census is not None:  # the model's own step: fit the planner's figures to it
+        fit = fit_step(census, parse_hardware(data, str(out)), measured.steps, dtype)
+        data = hardware_file(measured, cal, base, name=out.stem, fit=fit)
     with writing(out, "--out"):
         out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     load_hardware(str(out))  # what --hardware will read: refused here rather than there
     say(args, f"peak {measured.peak_flops / 1e12:.4g} TFLOP/s {dtype}; the model's products reach "
               f"{measured.flop_efficiency:.0%} of it; elementwise {measured.bandwidth / 1e9:.3g} GB/s; "
-              f"{measured.op_overhead * 1e6:.1f} us per operator"
+              f"{measured.op_overhead * 1e6:.1f} us per one-element operator"
               + (f"; link {measured.link_bandwidth / 1e9:.3g} GB/s, {measured.link_latency * 1e6:.0f} us"
                  if measured.link_bandwidth and measured.link_latency else "; links not measured")
               + f" (load average {measured.load if measured.load is not None else '?'}, "
                 f"{measured.seconds:.1f} s)")
+    if fit is not None:
+        say(args, "the model's step (forward, loss, backward) on " + f"{cal.devices} {runtime} rank(s) at once: "
+                  + ", ".join(f"{b} sequence(s) {t * 1e3:.1f} ms" for b, t in fit.steps)
+                  + f"; fitted: flop_efficiency {fit.flop_efficiency:.3f} "
+                    f"({fit.flop_efficiency * (fit.peak_flops or measured.peak_flops) / 1e9:.3g} GFLOP/s), "
+                    f"{fit.op_overhead * 1e6:.2f} us per operator x {fit.operators} operators"
+                  + ("" if fit.exact else " (no figures in range reproduce both: the larger fitted)"))
     say(args, f"wrote {out}; plan with it: piper tune --hardware {out} --precision {dtype} --devices N "
               f"--model hf:CONFIG")
     if args.json:
         emit(args, {"schema": SCHEMA, "command": "tune", "calibrate": True, "out": str(out), "hardware": data,
-                    "seconds": measured.seconds, "load_average": measured.load})
+                    "seconds": measured.seconds, "load_average": measured.load, "runtime": runtime,
+                    "step": None if fit is None else {
+                        "sequences": [b for b, _ in fit.steps], "seconds": [t for _, t in fit.steps],
+                        "flop_efficiency": fit.flop_efficiency, "op_overhead_us": fit.op_overhead * 1e6,
+                        "operators": fit.operators, "exact": fit.exact}})
     return 0
 
 

@@ -124,6 +124,9 @@ def _cp_degrees(cps: list[int] | None, devices: int) -> tuple[int, ...]:
 
 
 def tune_command(args: argparse.Namespace) -> int:
+    if args.calibrate_runtime is not None and not args.calibrate:
+        raise ValueError("--runtime with tune: the runtime --calibrate times the model's step as; without "
+                         "--calibrate, tune profiles on Ray")
     if args.calibrate:  # measure this machine into a hardware file (cli.planning)
         from piper_train.cli.planning import calibrate
 

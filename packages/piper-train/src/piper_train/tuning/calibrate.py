@@ -17,6 +17,15 @@ data only), so ``piper tune --hardware FILE`` predicts this machine's runs:
 - ``op_overhead_us``: what one operator costs beyond its work (a chain of one-element
   multiplies, forward and backward: dispatch, autograd's bookkeeping, and on a GPU the
   launch), which a small model's many small operators pay;
+- with a model (``Calibration.model``, ``hf:CONFIG``): ``flop_efficiency`` and
+  ``op_overhead_us`` **fitted to the model's own step** (``fit_step``): the model built and
+  captured as ``piper train`` does, its captured segments' forward, loss and backward timed on
+  a microbatch of one sequence and of ``sequences`` on ``devices`` ranks at once, as
+  ``runtime`` runs them (threads of one process for ``local``, processes for ``ray``); the
+  two figures are those under which the planner's own compute of a one-rank, one-microbatch
+  step (``Planner.model_seconds``) gives both times back. What a step pays beyond its
+  products (its other operators, Python and autograd per operator, ranks sharing an
+  interpreter) is then in the figures the planner prices every strategy with;
 - the link (CPU only): ``intra_node_gb_per_s`` and ``intra_node_latency_us`` fitted to ring
   all-reduces of a small and a large tensor between ``devices`` ranks over the ``local``
   runtime's gloo groups (threads of this process, loopback: what ``--runtime local``'s ranks
@@ -24,8 +33,8 @@ data only), so ``piper tune --hardware FILE`` predicts this machine's runs:
   ``link_efficiency`` 1. On a GPU the link is not measured (one process, one device): its
   fields come from ``base`` (a shipped part's file) or are left out.
 
-On the CPU every measurement runs on ``devices`` threads at once, one torch thread each, as the
-local runtime runs its ranks: a device's figures are what one rank gets while the others work.
+On the CPU every measurement runs on ``devices`` threads at once (the model's step: or
+processes), one torch thread each, as the runtime runs its ranks: a device's figures are what one rank gets while the others work.
 Each figure is the median of at least ``repeats`` timed calls over at least ``seconds`` after a
 warm-up (long enough that a busy machine's scheduler gives the ranks their share, as it does a
 run's steps); ``source`` records how,
@@ -43,6 +52,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -50,6 +60,10 @@ import torch
 from piper_runtime import TORCH_THREADS
 from piper_train.hardware import Hardware
 
+if TYPE_CHECKING:
+    from piper_train.tuning.census import Census
+
+_CAPTURING = threading.Lock()  # ranks' threads capture their models one at a time (``_step_times``)
 _WORLDS = itertools.count(1)  # keys of the local backend's in-process stores (``_link``)
 ELEMENTS = 1 << 20  # elements of the elementwise operator's tensors without a model (4 MiB in fp32)
 #: The memory-bound operators of a decoder layer, each with the tensors of the size measured it
@@ -60,6 +74,9 @@ ELEMENTWISE: tuple[tuple[Callable[[torch.Tensor, torch.Tensor], object], int], .
     (lambda a, _: torch.softmax(a, -1), 2), (lambda a, _: torch.rsqrt(a.pow(2).mean(-1, keepdim=True)) * a, 5),  # pow 2, mean 1, mul 2
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+#: The runtimes whose ranks the model's step is timed as: ``local`` threads of this process (one
+#: interpreter: the ranks' Python work takes turns), ``ray`` processes (one interpreter each).
+RUNTIMES = ("local", "ray")
 
 
 @attrs.frozen
@@ -79,12 +96,25 @@ class Calibration:
     link_large: int = 8 << 20
     repeats: int = 5
     seconds: float = 0.5
+    model: str | None = None  # hf:CONFIG whose own step is timed (``step_sizes``), or None
+    seq_len: int = 32
+    sequences: int = 1  # the microbatch (sequences) the step is fitted at
+    runtime: str = "local"  # how the planned run's ranks run: threads of one process, or processes (ray)
 
     def __attrs_post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--precision {self.dtype}: calibration measures {', '.join(DTYPES)}")
-        if self.devices < 1 or self.repeats < 1:
-            raise ValueError("calibration needs --devices >= 1 and repeats >= 1")
+        if self.devices < 1 or self.repeats < 1 or self.sequences < 1 or self.seq_len < 1:
+            raise ValueError("calibration needs --devices >= 1, --batch-size >= 1, --seq-len >= 1 and repeats >= 1")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"--runtime {self.runtime}: calibration measures ranks as {' or '.join(RUNTIMES)} runs them")
+
+    @property
+    def step_sizes(self) -> tuple[int, int]:
+        """The two microbatches (sequences) the model's step is timed at: one sequence and
+        ``sequences`` (1 and 2 when that is 1): two points fix a per-operator cost and a
+        FLOP rate (``fit_step``)."""
+        return (1, max(2, self.sequences))
 
 
 @attrs.frozen
@@ -103,6 +133,8 @@ class Measured:
     load: float | None
     seconds: float
     memory_bytes: int | None = None  # the device's (a GPU's), or this host's shared by the ranks
+    # the model's own forward and backward, (sequences per microbatch, seconds), at ``Calibration.step_sizes``
+    steps: tuple[tuple[int, float], ...] = ()
 
     @property
     def flop_efficiency(self) -> float:
@@ -239,10 +271,188 @@ def measure(cal: Calibration) -> Measured:
     link_bw = link_lat = None
     if not cuda and devices > 1:
         link_bw, link_lat = _link(cal)
+    steps = _model_steps(cal, devices, cuda) if cal.model else ()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return Measured(torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine()),
                     devices, cal.dtype, peak, model, bandwidth, tiny, link_bw, link_lat, load,
-                    time.perf_counter() - started, _memory(cuda, devices))
+                    time.perf_counter() - started, _memory(cuda, devices), steps)
+
+
+def _model_steps(cal: Calibration, devices: int, cuda: bool) -> tuple[tuple[int, float], ...]:
+    """The model's own forward, loss and backward at each of ``cal.step_sizes``, on
+    ``devices`` ranks at once as ``cal.runtime`` runs them (threads of this process, or
+    processes): per size, the median over the ranks of each rank's median."""
+    sizes = cal.step_sizes
+    args = (cal.model, cal.seq_len, sizes, cal.dtype, cal.repeats, cal.seconds)
+    if cuda:
+        per_rank = [_step_times(*args, rank=0, wait=lambda: None)]
+    elif cal.runtime == "ray" and devices > 1:  # separate interpreters, as Ray's workers
+        per_rank = _in_processes(devices, args)
+    else:
+        per_rank = [[0.0] * len(sizes) for _ in range(devices)]
+        barrier = threading.Barrier(devices)
+
+        def body(rank: int) -> float:
+            try:
+                per_rank[rank] = _step_times(*args, rank=rank, wait=barrier.wait)
+            except BaseException:
+                barrier.abort()  # the other ranks stop waiting for this one
+                raise
+            return 0.0
+
+        _on_ranks(devices, body)
+    return tuple((b, statistics.median(times[k] for times in per_rank)) for k, b in enumerate(sizes))
+
+
+def _step_times(spec: str | None, seq_len: int, sizes: Sequence[int], dtype: str, repeats: int, seconds: float, *,
+                rank: int, wait: Callable[[], object]) -> list[float]:
+    """One rank: the model of ``spec`` built and captured as ``piper train`` builds and
+    captures it (``piper_train.hf``, ``piper_directives.capture``: a rank runs the captured
+    segments, not the model's Python), then the median seconds of the segments' forward, the
+    loss and the backward on a microbatch of each of ``sizes`` sequences, the sizes taking
+    turns (a drift in the machine's load moves both alike), over at least ``repeats`` calls
+    and ``seconds`` each."""
+    from piper_directives import capture
+    from piper_ir import SegmentRole
+    from piper_train.hf import build_hf, causal_lm_loss, logits_only
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with _CAPTURING:  # one rank at a time: tracing swaps global state (random streams, patched functions)
+        model, config = build_hf(str(spec), seed=rank)
+        model = logits_only(model).train()
+        if dtype not in ("fp32", "bf16"):  # bf16: fp32 master weights, computed in bf16 (--precision bf16)
+            model = model.to(DTYPES[dtype])
+        batches = [torch.randint(0, int(config.vocab_size), (b, seq_len + 1)) for b in sizes]
+        example = batches[-1]  # capture needs 2 sequences or more: the larger size has them
+        captured = capture(model, (example[:, :-1],), (example[:, 1:],), causal_lm_loss,
+                           precision="bf16" if dtype == "bf16" else None)
+    graph, modules = captured.graph, {k: m.to(device) for k, m in captured.modules.items()}
+    model.to(device)
+    batches = [b.to(device) for b in batches]
+
+    def step(tokens: torch.Tensor) -> None:
+        model.zero_grad(set_to_none=True)
+        values = dict(zip(graph.inputs, (tokens[:, :-1],), strict=True))
+        values.update(zip(graph.targets, (tokens[:, 1:],), strict=True))
+        for segment in graph.segments:  # in the order captured: the model's regions, then the loss
+            out = modules[segment.id](*(values[v] for v in segment.inputs))
+            if segment.role == SegmentRole.LOSS:
+                out.backward()
+            else:
+                values.update(zip(segment.outputs, out, strict=True))
+
+    wait()  # every rank has captured: tracing patches torch's global state, which a running step must not see
+    for tokens in batches:  # warm-up
+        step(tokens)
+    sync()
+    wait()
+    times: list[list[float]] = [[] for _ in sizes]
+    began = time.perf_counter()
+    while len(times[0]) < repeats or time.perf_counter() - began < seconds * len(sizes):
+        for k, tokens in enumerate(batches):
+            start = time.perf_counter()
+            step(tokens)
+            sync()
+            times[k].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def _in_processes(devices: int, args: tuple) -> list[list[float]]:
+    """``_step_times(*args)`` in ``devices`` fresh processes at once (spawned: one
+    interpreter each, one torch thread each, as Ray's workers compute)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(devices), ctx.Queue()
+    procs = [ctx.Process(target=_step_process, args=(args, rank, barrier, results), name=f"calibrate-{rank}")
+             for rank in range(devices)]
+    for p in procs:
+        p.start()
+    try:
+        out = [results.get(timeout=600) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    failed = [o for o in out if isinstance(o, str)]
+    if failed:
+        raise RuntimeError(f"calibration's step in a process failed: {failed[0]}")
+    return [o for _, o in sorted(out)]
+
+
+def _step_process(args: tuple, rank: int, barrier: object, results: object) -> None:
+    torch.set_num_threads(TORCH_THREADS)
+    try:
+        results.put((rank, _step_times(*args, rank=rank, wait=barrier.wait)))  # type: ignore[attr-defined]
+    except BaseException as err:  # reported to the caller, which raises it
+        barrier.abort()  # type: ignore[attr-defined]
+        results.put(f"rank {rank}: {type(err).__name__}: {err}")  # type: ignore[attr-defined]
+
+
+@attrs.frozen
+class StepFit:
+    """The figures fitted to the model's measured step (``fit_step``): ``flop_efficiency`` and
+    ``op_overhead`` (seconds per operator of the census) under which the planner's compute of
+    a one-rank, one-microbatch step (``Planner.model_seconds``) is each measured time;
+    ``operators`` the census's operators in that step; ``exact`` False where no figures
+    reproduce both (then the larger microbatch's time is reproduced); ``peak_flops`` the peak
+    the efficiency is a share of (FLOP/s)."""
+
+    flop_efficiency: float
+    op_overhead: float
+    operators: int
+    steps: tuple[tuple[int, float], ...]
+    exact: bool = True
+    peak_flops: float | None = None  # the peak, raised to the step's rate where that ran faster
+
+
+def fit_step(census: Census, hardware: Hardware, steps: Sequence[tuple[int, float]], dtype: str) -> StepFit:
+    """``flop_efficiency`` and ``op_overhead_us`` of ``hardware`` (its memory bandwidth as it
+    is) under which the planner prices a one-rank, one-microbatch step of ``census``'s model
+    at each ``(sequences, seconds)`` of ``steps`` (two sizes) as measured.
+
+    The planner's compute is ``roofline(e, b) + n x overhead``, ``n`` the census's operators
+    (the same at every microbatch size), so the difference of the two times fixes the FLOP
+    efficiency ``e`` (the roofline's growth falls as ``e`` rises: bisection) and the larger
+    one the overhead. Where the step ran its products faster than the peak measured (a
+    machine whose load moved between the two), the peak is raised to the step's rate and
+    ``e`` is 1. Where the difference is below what the memory-bound operators alone take, or
+    the overhead would be negative, the overhead is 0 and the larger size alone is
+    reproduced (``exact`` False)."""
+    from piper_train.tuning.planner import Planner, Setting
+
+    (b1, t1), (b2, t2) = sorted(steps)[0], sorted(steps)[-1]
+    if b1 == b2:
+        raise ValueError("fit_step needs the step at two microbatch sizes")
+    links = {k: getattr(hardware, k) or 1.0 for k in ("intra_node_gb_per_s", "inter_node_gb_per_s")}  # unused here
+
+    def roofline(e: float, b: int) -> float:  # e > 1: a rate above the file's peak
+        hw = attrs.evolve(hardware, flop_efficiency=e, op_overhead_us=0.0, **links)
+        return Planner(Setting(census, hw, 1, b, dtype=dtype, budget_bytes=1)).model_seconds(b)
+
+    def solve(f: Callable[[float], float], target: float) -> float:
+        """The ``e`` with ``f(e) = target``, ``f`` falling (bisection on a log scale), within
+        ``(1e-9, 1e9)``."""
+        lo = hi = 1.0
+        while f(hi) > target and hi < 1e9:
+            hi *= 2
+        while f(lo) < target and lo > 1e-9:
+            lo /= 2
+        for _ in range(200):
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if f(mid) > target else (lo, mid)
+        return (lo * hi) ** 0.5
+
+    operators = sum(len(part.ops.get(p, ())) * k for part, k in ((census.layer, census.layers), (census.embed, 1),
+                                                                 (census.head, 1)) for p in ("F", "BI", "BW"))
+    e = solve(lambda x: roofline(x, b2) - roofline(x, b1), t2 - t1)
+    overhead = (t2 - roofline(e, b2)) / operators
+    exact = abs(roofline(e, b2) - roofline(e, b1) - (t2 - t1)) <= 1e-6 * t2 and overhead >= 0
+    if not exact:
+        e, overhead = solve(lambda x: roofline(x, b2), t2), 0.0
+    peak = hardware.peak(dtype) * 1e12 * max(e, 1.0)  # type: ignore[operator]
+    return StepFit(min(e, 1.0), overhead, operators, ((b1, t1), (b2, t2)), exact, peak)
 
 
 def _memory(cuda: bool, devices: int) -> int | None:
@@ -297,9 +507,12 @@ def fit_link(small_s: float, large_s: float, large_bytes: int, ranks: int) -> tu
     return (large_bytes / ranks) / per_step, latency
 
 
-def hardware_file(m: Measured, cal: Calibration, base: Hardware | None = None, name: str = "calibrated") -> dict:
+def hardware_file(m: Measured, cal: Calibration, base: Hardware | None = None, name: str = "calibrated",
+                  fit: StepFit | None = None) -> dict:
     """The hardware file (a JSON object: ``piper_train.hardware``'s schema) of ``m``; fields
-    not measured (a GPU's links) come from ``base`` where it has them, peaks excepted."""
+    not measured (a GPU's links) come from ``base`` where it has them, peaks excepted. With
+    ``fit`` (the model's step, ``fit_step``), its ``flop_efficiency`` and per-operator cost
+    replace those of the products and the one-element chain."""
     out: dict[str, object] = {}
     if base is not None:
         out.update({k: v for k, v in attrs.asdict(base).items() if v not in (None, "")})
@@ -323,8 +536,16 @@ def hardware_file(m: Measured, cal: Calibration, base: Hardware | None = None, n
                    "their backward for the per-operator cost"
                    + (f", ring all-reduces of one float per rank and of {cal.link_large} bytes over the local "
                       f"runtime's gloo groups among {cal.devices} threads" if m.link_bandwidth else
-                      "; links not measured")),
+                      "; links not measured")
+                   + (_fit_source(fit, cal) if fit is not None else "")),
     })
+    if fit is not None:
+        out["flop_efficiency"] = fit.flop_efficiency
+        if fit.peak_flops is not None:
+            out["peak_tflops"] = {m.dtype: fit.peak_flops / 1e12}
+        out.pop("op_overhead_us", None)  # 0 is the default (a file's figures are positive)
+        if fit.op_overhead > 0:
+            out["op_overhead_us"] = fit.op_overhead * 1e6
     if m.link_bandwidth is not None and m.link_latency is not None:
         gb, us = m.link_bandwidth / 1e9, m.link_latency * 1e6
         out.update({"devices_per_node": cal.devices, "intra_node_gb_per_s": gb, "inter_node_gb_per_s": gb,
@@ -332,4 +553,13 @@ def hardware_file(m: Measured, cal: Calibration, base: Hardware | None = None, n
     return out
 
 
-__all__ = ["Calibration", "Measured", "fit_link", "hardware_file", "measure", "model_matmuls"]
+def _fit_source(fit: StepFit, cal: Calibration) -> str:
+    steps = ", ".join(f"{b} sequence(s) {t * 1e3:.1f} ms" for b, t in fit.steps)
+    ranks = "processes (--runtime ray)" if cal.runtime == "ray" else "threads of one process (--runtime local)"
+    return (f"; flop_efficiency and op_overhead_us fitted to {cal.model}'s own forward and backward of "
+            f"{cal.seq_len}-token sequences on {cal.devices} rank(s) at once as {ranks}: {steps}, "
+            f"{fit.operators} operators" + ("" if fit.exact else " (not reproducible in range: the larger size fitted)"))
+
+
+__all__ = ["RUNTIMES", "Calibration", "Measured", "StepFit", "fit_link", "fit_step", "hardware_file", "measure",
+           "model_matmuls"]

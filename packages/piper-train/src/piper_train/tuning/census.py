@@ -20,6 +20,8 @@ that records, for every aten operator,
   attention; 0 for the rest) and the bytes it reads and writes (the sizes of its tensor
   arguments and results, none for a view: what a roofline charges a memory-bound
   operator, as eager PyTorch runs it, one kernel per operator, nothing fused);
+- every operator is kept, views and the like at no FLOPs and no bytes: each is dispatched
+  as a step runs it, and the planner charges each the hardware's ``op_overhead_us``;
 - its phase: ``F`` (forward), ``BW`` (the backward's operators whose result became a
   parameter's gradient: the weight-gradient half of a split backward) or ``BI`` (the rest
   of the backward); the embedding's operators apart (they run on the first stage only);
@@ -131,6 +133,8 @@ class _Recorder(TorchDispatchMode):
         made = _nbytes(out)
         # A view (t, view, expand) or an operator with no tensor result (prim.device) moves no data.
         moved = made + _nbytes((args, kwargs)) if made and not getattr(func, "is_view", False) else 0
+        if getattr(func, "namespace", "") == "prim":  # fake tensors' own queries (prim.device): no step runs them
+            return out
         index = len(self.ops)
         self.ops.append((self.phase, flops, float(moved), "embedding" in str(getattr(func, "_overloadpacket", ""))))
         read = {_storage_key(a) for a in args if isinstance(a, torch.Tensor)}
@@ -150,8 +154,9 @@ class _Recorder(TorchDispatchMode):
                 phase = "BW" if k in weight_grads else "BI"
             if embedding:
                 phase = "E" + phase if phase != "BI" else "EBW"
-            if flops or moved:
-                out.setdefault(phase, []).append((flops, moved))
+            # every operator, views and the like at (0, 0): each is dispatched (and charged
+            # the hardware's per-operator overhead) as the step runs it
+            out.setdefault(phase, []).append((flops, moved))
         return {p: tuple(v) for p, v in out.items()}
 
 

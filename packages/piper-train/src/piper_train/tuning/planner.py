@@ -157,6 +157,13 @@ class Planner:
             self._times[key] = out
         return out
 
+    def model_seconds(self, sequences: int) -> float:
+        """F + BI + BW of the whole model (every layer, the embedding and the head) on one
+        rank for one microbatch of ``sequences`` sequences: the compute of a one-rank,
+        one-microbatch step, which ``tuning.calibrate.fit_step`` fits the hardware to."""
+        layer, embed, head = (sum(self.phase_times(k, sequences, 1).values()) for k in range(3))
+        return self.setting.census.layers * layer + embed + head
+
     def _part(self, index: int) -> Part:
         c = self.setting.census
         return (c.layer, c.embed, c.head)[index]
