@@ -58,19 +58,21 @@ class Stage0(nn.Module):
 
 class Stage1(nn.Module):
     def __init__(
-        self, l1: nn.Linear, fail_on_call: int | None = None, sleep_s: float = 0.0, sleep_from_call: int = 0
+        self, l1: nn.Linear, fail_on_call: int | None = None, sleep_s: float = 0.0, sleep_from_call: int = 0,
+        sleep_once: bool = False,
     ) -> None:
         super().__init__()
         self.l1 = l1
         self.fail_on_call = fail_on_call
         self.sleep_s = sleep_s
         self.sleep_from_call = sleep_from_call
+        self.sleep_once = sleep_once  # only call ``sleep_from_call`` sleeps, not every one after it
         self.calls = 0
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor]:
         if self.calls == self.fail_on_call:
             raise RuntimeError("boom in Stage1.forward")
-        if self.calls >= self.sleep_from_call:
+        if self.calls == self.sleep_from_call or (self.calls > self.sleep_from_call and not self.sleep_once):
             time.sleep(self.sleep_s)
         self.calls += 1
         return (self.l1(h),)
@@ -299,9 +301,11 @@ def test_a_hung_rank_is_named_with_its_instruction_and_its_peers(ray_cluster, ru
     kills both workers."""
     l0, l1 = _layers()
     # A local rank's thread cannot be killed: it sleeps on after the run, holding the process's
-    # generator lock (piper_semantics.randomness), so the next local run waits for it.
+    # generator lock (piper_semantics.randomness), so the next local run waits for it. It sleeps
+    # once: sleeping in each of step 2's four forwards held the next local test up for 21 s.
     sleep_s = 3600.0 if runtime == "ray" else 6.0
-    modules = {"s0": Stage0(l0), "s1": Stage1(l1, sleep_s=sleep_s, sleep_from_call=M), "loss": MSE()}
+    modules = {"s0": Stage0(l0), "s1": Stage1(l1, sleep_s=sleep_s, sleep_from_call=M, sleep_once=runtime == "local"),
+               "loss": MSE()}
     rt = Runtime(gpipe_program(), modules, timeout_s=2.0, runtime=runtime)
     workers = list(rt._workers)
     with pytest.raises(HangError) as info:
@@ -494,6 +498,37 @@ def test_reused_workers_give_a_fresh_workers_results_and_forget_their_run(ray_cl
         assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
     pool.clear()
     assert pool.idle == 0
+
+
+def test_spare_workers_serve_the_runtime_after_a_failed_run(ray_cluster) -> None:
+    """A pool with two spares starts them once a runtime's two workers are set up. That run
+    fails (its workers are killed, never reused): the next runtime takes the spares, and
+    computes what the local runtime computes (whether the spares had started by then, or were
+    handed out still starting, as new workers are). Four worker starts in all: the second
+    runtime starts no spares of its own (``spares`` set to 0 first)."""
+    pool = WorkerPool(spares=2)
+    l0, l1 = _layers()
+    rt = Runtime(gpipe_program(), {"s0": Stage0(l0), "s1": Stage1(l1, fail_on_call=0), "loss": MSE()},
+                 reuse_workers=pool)
+    failed = list(rt._workers)
+    assert (pool.started, pool.reused, pool.idle) == (4, 0, 2)
+    with pytest.raises(ExecutionError):
+        rt.step(*((t,) for t in _batch(0)))
+    rt.shutdown()
+    assert pool.idle == 2 and all(_dies(w) for w in failed)
+    pool.spares = 0
+    with Runtime(gpipe_program(), _modules(), reuse_workers=pool) as again:
+        assert (pool.started, pool.reused, pool.idle) == (4, 2, 0)
+        assert not set(again._workers) & set(failed)
+        got = _train(again)
+    with Runtime(gpipe_program(), _modules(), runtime="local") as local:
+        want = _train(local)
+    assert got[0] == want[0]
+    for a, b in [*zip(got[1], want[1], strict=True), (got[2], want[2])]:
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in b)
+    pool.clear()
+    with pytest.raises(ValueError, match="spares must be between 0 and max_idle"):
+        WorkerPool(max_idle=1, spares=2)
 
 
 @pytest.mark.parametrize("failure", ["exception", "timeout", "dead worker"])

@@ -144,6 +144,12 @@ class RayRanks:
         except GetTimeoutError:
             raise RankFailure("silent", "did not answer") from None
 
+    def after_setup(self) -> None:
+        """The runtime set its ranks up: the pool may start its spares now (``WorkerPool.spares``),
+        no longer competing with the setup for the CPU."""
+        if self._pool is not None:
+            self._pool.start_spares(self._spec)
+
     def kill(self) -> None:
         self._finalizer()
 

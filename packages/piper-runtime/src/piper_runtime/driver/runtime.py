@@ -202,6 +202,10 @@ class Runtime:
             fused = {r: n for r, (_, n) in enumerate(answers) if n}
             if fused:
                 log(describe_fusion(fused, execution.grad_fusion_min_bytes, execution.input_grads_first))
+        # Optional in ``Ranks``: a pool's spare workers start only now (``RayRanks.after_setup``).
+        after_setup = getattr(self._ranks, "after_setup", None)
+        if after_setup is not None:
+            after_setup()
 
     @property
     def _workers(self) -> list[Any]:
