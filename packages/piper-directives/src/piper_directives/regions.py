@@ -25,6 +25,7 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -41,12 +42,21 @@ def _matches(pattern: str, path: str) -> bool:
     return len(parts) == len(names) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(parts, names, strict=True))
 
 
+_SOURCES: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
+
+
 def _source(module: nn.Module) -> str:
-    try:
-        cls = type(module)
-        return f"{inspect.getsourcefile(cls)}:{inspect.getsourcelines(cls)[1]}"
-    except (OSError, TypeError):
-        return type(module).__name__
+    """Where ``module``'s class is defined (``file:line``), once per class: finding a class's
+    line parses its whole file, and a model has many modules of a few classes."""
+    cls = type(module)
+    found = _SOURCES.get(cls)
+    if found is None:
+        try:
+            found = f"{inspect.getsourcefile(cls)}:{inspect.getsourcelines(cls)[1]}"
+        except (OSError, TypeError):
+            found = cls.__name__
+        _SOURCES[cls] = found
+    return found
 
 
 def _region_texts(spec: RegionSpec) -> list[str]:

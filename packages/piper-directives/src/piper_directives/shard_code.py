@@ -316,7 +316,8 @@ def _rewrite(
     params += _experts_code().shard_experts_tp(gm, experts, sh, COMM)
     params = _canonical(gm, params)
     g.lint()
-    gm.recompile()
+    if not sh.sequence_parallel:  # else sequence parallelism rewrites the code again, then compiles it
+        gm.recompile()
     if ends:
         _whole_masks(module, gm, ends, sh, args, params)
     return gm, tuple(params), len(pairs) + len(groups) + len(embedded) + len(heads) + len(experts)
@@ -512,10 +513,8 @@ def _sequence_parallel(graph: Graph, sh: Sharding, gm: torch.fx.GraphModule, par
             "the experts' regions without it",
             directive=sh.origin,
         )
-    probe = _shard_copy(gm, sh, params)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        ShapeProp(probe).propagate(*_example_args(graph, sh))
-    metas = {n.name: n.meta.get("tensor_meta") for n in probe.graph.nodes}
+    with torch.random.fork_rng(devices=[]):
+        metas = _propagated(gm, _example_args(graph, sh), _shards(gm, sh, params))
     for n in gm.graph.nodes:
         if metas.get(n.name) is not None:
             n.meta["tensor_meta"] = metas[n.name]
@@ -528,17 +527,52 @@ def _sequence_parallel(graph: Graph, sh: Sharding, gm: torch.fx.GraphModule, par
     gm.recompile()
 
 
-def _shard_copy(gm: torch.fx.GraphModule, sh: Sharding, params: tuple[ParamShard, ...]) -> torch.fx.GraphModule:
-    """A copy of ``gm`` holding rank 0's shard of ``params``."""
-    probe = copy.deepcopy(gm)
+def _shards(gm: torch.fx.GraphModule, sh: Sharding, params: tuple[ParamShard, ...]
+            ) -> dict[int, torch.Tensor]:
+    """Rank 0's shard of each parameter ``params`` cuts, by the id of ``gm``'s full tensor (a
+    tensor shared under two names, a tied embedding and head, is cut once)."""
+    cut: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        cut: set[int] = set()  # a tensor shared under two names (a tied embedding and head) is cut once
         for spec in params:
-            p = probe.get_parameter(spec.name)
+            p = gm.get_parameter(spec.name)
             if id(p) not in cut:
-                cut.add(id(p))
-                p.data = shard_tensor(p.data, spec, sh.degree_of(spec), 0)
+                cut[id(p)] = shard_tensor(p.data, spec, sh.degree_of(spec), 0)
+    return cut
+
+
+def _probe(gm: torch.fx.GraphModule, shards: Mapping[int, torch.Tensor] | None = None) -> torch.fx.GraphModule:
+    """A copy of ``gm``'s state (submodules, parameters, buffers, attributes) that runs
+    ``gm``'s graph and compiled code, so a check's run changes nothing of ``gm``'s: a
+    ``deepcopy`` less the graph's copy and recompilation, which cost more than the run;
+    ``shards`` (``_shards``) stand in for the full parameters of those ids."""
+    memo: dict[int, object] = {id(gm.graph): gm.graph}
+    for p in gm.parameters():
+        if shards is not None and id(p) in shards:
+            memo[id(p)] = nn.Parameter(shards[id(p)], requires_grad=p.requires_grad)
+    probe = object.__new__(type(gm))  # gm's own class: its forward is gm's compiled code
+    probe.__dict__.update(copy.deepcopy(gm.__dict__, memo))
     return probe
+
+
+def _propagated(gm: torch.fx.GraphModule, args: list[torch.Tensor],
+                shards: Mapping[int, torch.Tensor] | None = None) -> dict[str, object]:
+    """The ``tensor_meta`` of each of ``gm``'s nodes (by name, None where there is none) after
+    shape propagation on ``args`` through a ``_probe`` (holding ``shards``), ``gm``'s nodes'
+    metadata left as they were."""
+    keys = ("tensor_meta", "type")  # what ShapeProp writes
+    missing = object()
+    before = {n: tuple(n.meta.get(k, missing) for k in keys) for n in gm.graph.nodes}
+    try:
+        with torch.no_grad():
+            ShapeProp(_probe(gm, shards)).propagate(*args)
+        return {n.name: n.meta.get("tensor_meta") for n in gm.graph.nodes}
+    finally:
+        for n, values in before.items():
+            for k, v in zip(keys, values, strict=True):
+                if v is missing:
+                    n.meta.pop(k, None)
+                else:
+                    n.meta[k] = v
 
 
 def _check_shapes(graph: Graph, sh: Sharding, gm: torch.fx.GraphModule, params: tuple[ParamShard, ...],
@@ -546,7 +580,7 @@ def _check_shapes(graph: Graph, sh: Sharding, gm: torch.fx.GraphModule, params: 
     """Run the rewritten code on rank 0's shard of the weights (collectives unbound); the
     outputs ``sliced`` (vocabulary-cut logits) are one rank's slice of their last axis."""
     seg = graph.segment_by_id[sh.segment]
-    probe = _shard_copy(gm, sh, params)
+    probe = _probe(gm, _shards(gm, sh, params))
     with torch.no_grad():
         args = _example_args(graph, sh)
         try:
@@ -577,33 +611,33 @@ def _whole_masks(module: torch.fx.GraphModule, gm: torch.fx.GraphModule,
     their inputs' shapes on one device (``module``) and on rank 0's shard (``gm``)."""
     names = {n.name for n in ends}
     full = {n: tuple(s) for n, s in _input_shapes(module, args, names).items()}
-    local = {n: tuple(s) for n, s in _input_shapes(_shard_copy(gm, sh, tuple(params)), args, names).items()}
+    local = {n: tuple(s) for n, s in _input_shapes(gm, args, names, _shards(gm, sh, tuple(params))).items()}
     shard_dropout.draw_whole_masks(gm, list(ends), COMM, sh, full, local, ends)
     gm.graph.lint()
-    gm.recompile()
+    if not sh.sequence_parallel:  # as in ``_rewrite``
+        gm.recompile()
 
 
-def _input_shapes(gm: torch.fx.GraphModule, args: list[torch.Tensor], names: set[str]) -> dict[str, torch.Size]:
-    """The shape of the first input of each node named in ``names``, from a run of a copy."""
-    probe = copy.deepcopy(gm)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        ShapeProp(probe).propagate(*args)
+def _input_shapes(gm: torch.fx.GraphModule, args: list[torch.Tensor], names: set[str],
+                  shards: Mapping[int, torch.Tensor] | None = None) -> dict[str, torch.Size]:
+    """The shape of the first input of each node named in ``names``, from a run of a
+    ``_probe`` (holding ``shards``)."""
+    with torch.random.fork_rng(devices=[]):
+        metas = _propagated(gm, args, shards)
     out = {}
-    for n in probe.graph.nodes:
+    for n in gm.graph.nodes:
         first = n.args[0] if n.args else None
-        if n.name in names and isinstance(first, torch.fx.Node) and first.meta.get("tensor_meta") is not None:
-            out[n.name] = first.meta["tensor_meta"].shape
+        if n.name in names and isinstance(first, torch.fx.Node) and metas.get(first.name) is not None:
+            out[n.name] = metas[first.name].shape
     return out
 
 
 def _shapes(gm: torch.fx.GraphModule, args: list[torch.Tensor]) -> None:
     """Record the full shape of every value of ``gm`` (``meta["tensor_meta"]``), which the
-    column groups' cut follows, from a run of a copy (buffers such as running statistics and
-    the random generators are left as they were)."""
-    probe = copy.deepcopy(gm)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        ShapeProp(probe).propagate(*args)
-    metas = {n.name: n.meta.get("tensor_meta") for n in probe.graph.nodes}
+    column groups' cut follows, from a run of a ``_probe`` (buffers such as running
+    statistics and the random generators are left as they were)."""
+    with torch.random.fork_rng(devices=[]):
+        metas = _propagated(gm, args)
     for n in gm.graph.nodes:
         if metas.get(n.name) is not None:
             n.meta["tensor_meta"] = metas[n.name]

@@ -36,9 +36,10 @@ named is refused with the module and the model's line.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import torch
@@ -344,47 +345,46 @@ def decide(graph, modules, shapes: Callable, example_args: Callable) -> VocabCut
         named = [lin for lin in lins if (styled(sh, shard_groups.path_of(lin)) == HEAD if sh.plan else True)]
         if not named or (not sh.plan and not set(seg.outputs) & set(graph.loss_segment().inputs)):
             continue  # without a plan, a head is looked for only where the loss reads the outputs
-        probe = copy_module(gm)
-        with torch.random.fork_rng(devices=[]):
-            shapes(probe, example_args(graph, sh))
-        nodes = {n.name: n for n in probe.graph.nodes}
-        stops = {nodes[lin.node.name] for lin in lins}
-        order = list(probe.graph.nodes)
-        output = next(n for n in order if n.op == "output")
-        outs = output.args[0] if isinstance(output.args[0], tuple | list) else (output.args[0],)
-        for lin in named:
-            node = nodes[lin.node.name]
-            what = f"{shard_groups.path_of(lin)} {HEAD} ({describe(lin.node)})"
-            where[(seg_id, lin.weight)] = describe(lin.node)
-            region, reached, escapes = shard_groups.region_after(node, stops)
-            why = None
-            if reached or not escapes:
-                why = "its output reaches another Linear, not only the region's outputs (the logits)"
-            elif lin.out_features % sh.degree:
-                why = f"the tensor-parallel degree {sh.degree} does not divide its {lin.out_features} outputs"
-            else:
-                try:
-                    plan = follow([node], region, order, sh.degree)
-                    if plan.narrows or plan.summed or plan.sizes:
-                        why = "the code between it and the region's outputs reshapes or mixes in other tensors"
-                except Refusal as err:
-                    why = f"{err}"
-            sliced = set()
-            if why is None:
-                for i, o in enumerate(outs):
-                    if o is node or o in region:
-                        if plan.cut.get(o) != len(o.meta["tensor_meta"].shape) - 1:
-                            why = f"output {seg.outputs[i]} is not cut on its last axis"
-                        sliced.add(seg.outputs[i])
-                users = {s.id for s in graph.segments if sliced & set(s.inputs)}
-                loss = graph.loss_segment()
-                if why is None and (users != {loss.id} or loss.id not in tp or tp[loss.id].degree != sh.degree):
-                    why = (f"its logits ({', '.join(sorted(sliced))}) reach {sorted(users)}, not only the loss on "
-                           "the same tensor-parallel group")
-            if why is None:
-                heads.setdefault(seg_id, {})[lin.weight] = frozenset(sliced)
-            elif sh.plan:
-                refuse(sh, what, why)
+        with _shapes_kept(gm):  # the shapes are recorded on the segment's own nodes, then taken off
+            with torch.random.fork_rng(devices=[]):
+                shapes(gm, example_args(graph, sh))
+            stops = {lin.node for lin in lins}
+            order = list(gm.graph.nodes)
+            output = next(n for n in order if n.op == "output")
+            outs = output.args[0] if isinstance(output.args[0], tuple | list) else (output.args[0],)
+            for lin in named:
+                node = lin.node
+                what = f"{shard_groups.path_of(lin)} {HEAD} ({describe(lin.node)})"
+                where[(seg_id, lin.weight)] = describe(lin.node)
+                region, reached, escapes = shard_groups.region_after(node, stops)
+                why = None
+                if reached or not escapes:
+                    why = "its output reaches another Linear, not only the region's outputs (the logits)"
+                elif lin.out_features % sh.degree:
+                    why = f"the tensor-parallel degree {sh.degree} does not divide its {lin.out_features} outputs"
+                else:
+                    try:
+                        plan = follow([node], region, order, sh.degree)
+                        if plan.narrows or plan.summed or plan.sizes:
+                            why = "the code between it and the region's outputs reshapes or mixes in other tensors"
+                    except Refusal as err:
+                        why = f"{err}"
+                sliced = set()
+                if why is None:
+                    for i, o in enumerate(outs):
+                        if o is node or o in region:
+                            if plan.cut.get(o) != len(o.meta["tensor_meta"].shape) - 1:
+                                why = f"output {seg.outputs[i]} is not cut on its last axis"
+                            sliced.add(seg.outputs[i])
+                    users = {s.id for s in graph.segments if sliced & set(s.inputs)}
+                    loss = graph.loss_segment()
+                    if why is None and (users != {loss.id} or loss.id not in tp or tp[loss.id].degree != sh.degree):
+                        why = (f"its logits ({', '.join(sorted(sliced))}) reach {sorted(users)}, not only the loss on "
+                               "the same tensor-parallel group")
+                if why is None:
+                    heads.setdefault(seg_id, {})[lin.weight] = frozenset(sliced)
+                elif sh.plan:
+                    refuse(sh, what, why)
 
     loss = graph.loss_segment()
     for _ in range(3):  # ties drop heads/embeddings, a refusing loss drops heads: settle
@@ -415,10 +415,20 @@ def decide(graph, modules, shapes: Callable, example_args: Callable) -> VocabCut
     return cuts
 
 
-def copy_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    import copy
-
-    return copy.deepcopy(gm)
+@contextlib.contextmanager
+def _shapes_kept(gm: torch.fx.GraphModule) -> Iterator[None]:
+    """Shapes recorded on ``gm``'s nodes inside are taken off after (each node's
+    ``meta["tensor_meta"]`` as before): cheaper than recording them on a copy of the module."""
+    missing = object()
+    before = {n: n.meta.get("tensor_meta", missing) for n in gm.graph.nodes}
+    try:
+        yield
+    finally:
+        for n, meta in before.items():
+            if meta is missing:
+                n.meta.pop("tensor_meta", None)
+            else:
+                n.meta["tensor_meta"] = meta
 
 
 def _untie(graph, emb: dict, heads: dict, where: dict, tp: dict) -> None:
