@@ -47,6 +47,7 @@ import torch
 from torch import fx, nn
 
 from piper_runtime.options import COMPILE_BACKENDS as BACKENDS
+from piper_runtime.rank.freed_memory import keep_freed_memory
 from piper_runtime.rank.kernel_gil import releasing_gil
 
 # Tracing and inductor are not thread-safe (global tracing state, config patches); ranks of
@@ -95,6 +96,7 @@ class CompiledSegment:
         self.segment = segment
         self.backend = backend
         self.stats = stats
+        keep_freed_memory()  # compiled calls free and allocate their buffers every call (freed_memory)
         # Unique tensors (a name tied to another reads the same input); buffers after parameters.
         self.state: list[torch.Tensor] = []
         index: dict[int, int] = {}
