@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -62,10 +61,8 @@ def _refused(argv: list[str], tmp_path, capsys) -> str:
 def test_every_numeric_option_refuses_nan_and_infinities(command, action, value, tmp_path, capsys, no_run) -> None:
     flag = action.option_strings[0]
     given = f"F={value}" if flag == "--cost" else value
-    started = time.perf_counter()
     err = _refused([command, f"{flag}={given}"], tmp_path, capsys)
     assert f"piper {command}: error: argument {flag}" in err
-    assert time.perf_counter() - started < 1  # parsed and refused: nothing imported, nothing started
 
 
 @pytest.mark.parametrize(("command", "action"), [(c, a) for c, a in OPTIONS if a.dest in MINIMUMS],
