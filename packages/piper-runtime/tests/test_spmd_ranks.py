@@ -141,3 +141,33 @@ def test_every_rank_is_a_client_of_a_store_a_launcher_serves(agent: tuple[Any, i
     store = make_store(0, 2, LOOPBACK, port, 10.0)  # rank 0 too: the launcher's store is there already
     store.set("k", "v")
     assert server.get("job/world/k") == b"v"
+
+
+def test_an_outcome_published_before_its_process_ended_the_run_is_read_not_a_death(
+        pair: list[SpmdRanks], monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = pair
+    handles = _both(pair, 0, "restore")  # process 0's rank raises; its process then ends the run
+    a.wait([handles[0]], 10)
+    a.kill()
+    # Process 1 looked for the outcome just before it was published, and at the abort just after.
+    monkeypatch.setattr(b, "_store", _LateStore(b._store, handles[1].key))
+    assert b.wait([handles[1]], 10) == [handles[1]]
+    with pytest.raises(RankFailure) as failure:
+        b.get(handles[1], 0)
+    assert failure.value.how == "raised" and "restore without a backup" in failure.value.text
+
+
+class _LateStore:
+    """A store whose first look for ``late`` finds nothing, as a look just before it was set would."""
+
+    def __init__(self, store: Any, late: str) -> None:
+        self._store, self._late = store, late
+
+    def check(self, keys: list[str]) -> bool:
+        if keys == [self._late] and self._late:
+            self._late = ""
+            return False
+        return self._store.check(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)

@@ -277,6 +277,13 @@ class SpmdRanks:
             if not self._store.check([_ABORT]):
                 return
             ended = int(self._store.get(_ABORT))
+            # Look again: a rank publishes its outcome before its process ends the run, so an
+            # outcome set between the two looks above is read, not reported as a death.
+            for h in waiting:
+                if self._store.check([h.key]):
+                    h.blob = self._store.get(h.key)
+                    self._read(h.key)
+            waiting = [h for h in waiting if h.blob is None]
             culprits = [h for h in waiting if h.rank == ended] or waiting
             for h in culprits:
                 h.failure = RankFailure("died", f"the process of rank {ended} ended the run (a rank failed)")
