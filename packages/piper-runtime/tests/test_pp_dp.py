@@ -14,6 +14,7 @@ optimizer state live), as ``plan_memory`` would.
 from __future__ import annotations
 
 import sys
+import threading
 
 import pytest
 import torch
@@ -60,6 +61,20 @@ class Stage1(nn.Module):
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor]:
         return (self.l1(h),)
+
+
+# While set, each forward of ``MeetingStage0`` waits for the other replica's (local runtime).
+_MEET: threading.Barrier | None = None
+
+
+class MeetingStage0(Stage0):
+    """``Stage0`` whose forward waits, while ``_MEET`` is set, until both replicas are in theirs:
+    a ``BrokenBarrierError`` after its timeout where one waits for the other to finish first."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        if _MEET is not None:
+            _MEET.wait()
+        return super().forward(x)
 
 
 def pp_dp_program() -> Program:
@@ -164,7 +179,12 @@ def pp_dp_program() -> Program:
     )
 
 
-def test_pp2_dp2_zero3_and_zero2_match_single_device(ray_cluster) -> None:
+@pytest.mark.parametrize("runtime", ["ray", "local"])
+def test_pp2_dp2_zero3_and_zero2_match_single_device(ray_cluster, runtime: str) -> None:
+    """Also on the local runtime, where the two replicas of each stage are threads of this
+    process whose forwards meet (``MeetingStage0``) from the second step on: forwards that draw
+    no random numbers run side by side, not in turns (``piper_runtime.rank.randomness``)."""
+    global _MEET
     torch.manual_seed(0)
     l0, l1 = nn.Linear(D_IN, D_HID), nn.Linear(D_HID, D_OUT)
     ref = nn.ModuleDict({"l0": nn.Linear(D_IN, D_HID), "l1": nn.Linear(D_HID, D_OUT)})
@@ -180,9 +200,10 @@ def test_pp2_dp2_zero3_and_zero2_match_single_device(ray_cluster) -> None:
     def model(x: torch.Tensor) -> torch.Tensor:
         return ref["l1"](torch.tanh(ref["l0"](x)))
 
-    modules = {"s0": Stage0(l0), "s1": Stage1(l1), "loss": MSE()}
-    with Runtime(pp_dp_program(), modules, spec) as rt:
+    modules = {"s0": MeetingStage0(l0) if runtime == "local" else Stage0(l0), "s1": Stage1(l1), "loss": MSE()}
+    with Runtime(pp_dp_program(), modules, spec, runtime=runtime) as rt:
         for step in range(3):
+            _MEET = threading.Barrier(N, timeout=10.0) if step > 0 and runtime == "local" else None
             g = torch.Generator().manual_seed(300 + step)
             x, t = torch.randn(BATCH, D_IN, generator=g), torch.randn(BATCH, D_OUT, generator=g)
             result = rt.step((x,), (t,), keep_grads=True, memory=True)

@@ -69,7 +69,7 @@ from piper_memory.store import accumulate_grad
 from piper_runtime.rank.accumulation import deferring, fused_weights, has_fused_layers
 from piper_runtime.rank.compiled import CompiledSegment, CompileError, CompileStats, signature
 from piper_runtime.rank.precision import cast_forward, dtype_of
-from piper_runtime.rank.randomness import seeded
+from piper_runtime.rank.randomness import SeededForwards
 from piper_runtime.rank.state import StepState
 
 COMPUTE_PHASES = frozenset({Phase.F, Phase.B, Phase.BI, Phase.BW})
@@ -136,6 +136,7 @@ class SegmentCompute:
         self.weight_pass = weight_pass
         self.forward_only = forward_only
         self.seed = seed
+        self.seeding = None if seed is None else SeededForwards(seed, replica, device)
         self.replica = replica
         self.device = device
         self.sample = sample  # records memory now (a recomputed forward's activations live inside a pass)
@@ -176,12 +177,18 @@ class SegmentCompute:
             with self.grads_lock:
                 st.weight_products.settle()
 
+    def _seeded(self, segment: str, mb: int, step: int, training: bool) -> AbstractContextManager[None]:
+        """The forward's random numbers drawn for (segment, microbatch, step, replica), unless
+        ``seed`` is ``None`` (the process's generators as they are) or it draws none
+        (``SeededForwards``: then no lock, so the ranks of one process compute side by side)."""
+        return nullcontext() if self.seeding is None else self.seeding.forward(segment, mb, step, training)
+
     def _run(self, seg: Segment, mb: int, step: int, args: list[torch.Tensor]) -> object:
         """The segment's module on ``args``, its random numbers drawn for (segment,
         microbatch, step, replica) (unless ``seed`` is ``None``: the process's generators as
         they are) and, with a precision, stage segments in the compute dtype."""
         module = self.modules[seg.id]
-        with nullcontext() if self.seed is None else seeded(self.seed, seg.id, mb, step, self.replica, self.device):
+        with self._seeded(seg.id, mb, step, module.training):
             if self.compute is not None and seg.role is SegmentRole.STAGE:
                 return cast_forward(module, args, self.compute)
             return module(*args)
@@ -438,7 +445,7 @@ class SegmentCompute:
     def _compiled_run(self, functions: CompiledSegment, seg: Segment, mb: int, step: int,
                       args: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The compiled F, drawing its random numbers for (segment, microbatch, step, replica)."""
-        with nullcontext() if self.seed is None else seeded(self.seed, seg.id, mb, step, self.replica, self.device):
+        with self._seeded(seg.id, mb, step, self.modules[seg.id].training):
             return functions.forward(args)
 
     def _compiled_forward(self, ins: Instruction, st: StepState) -> None:
