@@ -124,6 +124,13 @@ def one_rank_step(census, hw: Hardware, sequences: int) -> float:
     return sum(plan.parts[p] for p in ("F", "BI", "BW"))
 
 
+def whole_step(census, hw: Hardware, sequences: int, ranks: int) -> float:
+    """The planner's whole step of what calibration runs: 1F1B, one microbatch of ``sequences``
+    per rank, ``ranks`` data-parallel ranks, ZeRO 0."""
+    setting = Setting(census, hw, ranks, sequences * ranks, dtype="fp32", budget_bytes=1 << 62)
+    return Planner(setting).price(Candidate("1f1b", 1, 1, dp=ranks)).step_seconds
+
+
 def fitted(hw: Hardware, fit) -> Hardware:
     return attrs.evolve(hw, flop_efficiency=fit.flop_efficiency, op_overhead_us=fit.op_overhead * 1e6)
 
@@ -139,6 +146,25 @@ def test_fitted_figures_reproduce_the_measured_steps_through_the_planner(tiny):
     # the overhead is charged once per operator of the census, the same at every size
     bare = one_rank_step(census, attrs.evolve(hw, op_overhead_us=None), 4)
     assert fit.operators * fit.op_overhead == pytest.approx(0.02 - bare, rel=1e-9)
+
+
+def test_a_whole_data_parallel_step_is_fitted_through_the_planners_price(tiny):
+    census = hf_census(tiny, 8, dtype=torch.float32)
+    linked = attrs.evolve(DEVICE, intra_node_gb_per_s=0.5, inter_node_gb_per_s=0.5, intra_node_latency_us=100.0,
+                          inter_node_latency_us=100.0, devices_per_node=2)
+    truth = attrs.evolve(linked, flop_efficiency=0.3, op_overhead_us=12.0)
+    steps = [(b, whole_step(census, truth, b, 2)) for b in (1, 8)]
+    fit = fit_step(census, linked, steps, "fp32", ranks=2)
+    assert fit.exact
+    assert fit.flop_efficiency == pytest.approx(0.3, rel=1e-6) and fit.op_overhead == pytest.approx(12e-6, rel=1e-6)
+    # More than the compute: the optimizer (and any traffic left exposed) is in the step fitted.
+    assert whole_step(census, truth, 8, 2) > one_rank_step(census, truth, 8)
+    # Measured steps no figures were priced with are given back by the planner all the same.
+    steps = ((1, 0.03), (8, 0.09))
+    fit = fit_step(census, linked, steps, "fp32", ranks=2)
+    assert fit.exact
+    for b, seconds in steps:
+        assert whole_step(census, fitted(linked, fit), b, 2) == pytest.approx(seconds, rel=1e-6)
 
 
 def test_fit_recovers_the_figures_a_step_was_priced_with(tiny):
@@ -180,16 +206,16 @@ def test_a_fit_out_of_range_reproduces_the_larger_microbatch(tiny):
 def test_measuring_the_models_step_fits_the_file_to_it(tmp_path, tiny):
     cal = Calibration(devices=2, matmuls=model_matmuls(hf_config(tiny), 8), elementwise_elements=4096,
                       peak_size=64, link_large=1 << 16, repeats=2, seconds=0.0, model=tiny, seq_len=8, sequences=2)
-    m = measure(cal)
-    assert [b for b, _ in m.steps] == [1, 2] and all(t > 0 for _, t in m.steps)
+    m = measure(cal)  # Piper's training step on 2 local ranks, at 1 and 2 sequences per rank
+    assert [b for b, _ in m.steps] == [1, 2] and all(t > 0 for _, t in m.steps) and m.step_ranks == 2
     census = hf_census(tiny, 8, dtype=torch.float32)
     data = hardware_file(m, cal, name="here")
-    fit = fit_step(census, load_hardware(_written(tmp_path, data)), m.steps, "fp32")
+    fit = fit_step(census, load_hardware(_written(tmp_path, data)), m.steps, "fp32", m.step_ranks)
     data = hardware_file(m, cal, name="here", fit=fit)
     hw = load_hardware(_written(tmp_path, data))  # still data only, the schema hardware.py reads
-    assert hw.flop_efficiency == pytest.approx(fit.flop_efficiency) and "fitted to" in hw.source
+    assert hw.flop_efficiency == pytest.approx(fit.flop_efficiency) and "training step" in hw.source
     assert hw.peak("fp32") * 1e12 == pytest.approx(fit.peak_flops)
-    assert one_rank_step(census, hw, 2) == pytest.approx(m.steps[1][1], rel=1e-6)
+    assert whole_step(census, hw, 2, 2) == pytest.approx(m.steps[1][1], rel=1e-6)
 
 
 def _written(tmp_path: Path, data: dict) -> str:

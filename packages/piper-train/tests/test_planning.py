@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -203,8 +204,31 @@ def test_hardware_planning_fields_are_checked(tmp_path):
     path.write_text(json.dumps({"name": "x", "peak_tflops": {"bf16": 10}, "devices_per_node": 2.5}))
     with pytest.raises(ValueError, match="devices_per_node must be a positive integer"):
         load_hardware(str(path))
+    for bad in (1.5, -0.1, True, "all"):
+        path.write_text(json.dumps({"name": "x", "peak_tflops": {"bf16": 10}, "comm_overlap": bad}))
+        with pytest.raises(ValueError, match=r"comm_overlap must be a number in \[0, 1\]"):
+            load_hardware(str(path))
+    path.write_text(json.dumps({"name": "x", "peak_tflops": {"bf16": 10}, "comm_overlap": 0}))
+    assert load_hardware(str(path)).planning("comm_overlap") == 0.0
     h100 = load_hardware("h100")
     assert h100.planning("intra_node_gb_per_s") == 450 and h100.planning("flop_efficiency") == 0.6
+    assert h100.planning("comm_overlap") == 1.0
+
+
+def test_traffic_the_compute_cannot_hide_is_exposed_whole(tiny):
+    """``comm_overlap`` 0 (a CPU whose collectives take the cores that compute): the gradient
+    reduction and ZeRO-3's gathers add to the step in full; 1: hidden behind the backward."""
+    census = hf_census(f"hf:{tiny}", 32)
+    slow = attrs.evolve(load_hardware("h100"), inter_node_gb_per_s=0.05, intra_node_gb_per_s=0.05)
+    hidden, shared = (Planner(Setting(census, attrs.evolve(slow, comm_overlap=c), 8, 64)) for c in (1.0, 0.0))
+    for zero in (1, 3):
+        cand = Candidate("1f1b", 1, 8, 8, zero=zero)
+        a, b = hidden.price(cand), shared.price(cand)
+        assert b.parts["dp_exposed"] > a.parts["dp_exposed"]
+        assert b.step_seconds - a.step_seconds == pytest.approx(b.parts["dp_exposed"] - a.parts["dp_exposed"])
+    # With nothing hidden, ZeRO-3's per-microbatch gathers cost more than ZeRO-1's one reduction.
+    assert shared.price(Candidate("1f1b", 1, 8, 8, zero=3)).step_seconds > \
+        shared.price(Candidate("1f1b", 1, 8, 8, zero=1)).step_seconds
 
 
 def test_sequence_parallelism_keeps_the_step_and_cuts_the_hidden_sized_activations(tiny):

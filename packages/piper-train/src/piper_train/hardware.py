@@ -9,7 +9,10 @@ topology and what real kernels reach: ``devices_per_node``, ``intra_node_gb_per_
 ``intra_node_latency_us``, ``inter_node_latency_us``, and ``flop_efficiency``,
 ``memory_efficiency`` and ``link_efficiency`` (the shares of the peaks reached), and
 ``op_overhead_us`` (what each operator costs beyond its work, paid one after another: the
-CPU's dispatch; ``PLANNING`` gives those a file leaves out). ``piper tune --calibrate`` writes a
+CPU's dispatch), and ``comm_overlap`` (the share, 0 to 1, of the data-parallel traffic that the
+compute can hide: 1 where collectives run beside the kernels, as a GPU's do; 0 where they take
+the cores that compute, as gloo's do on a CPU with a rank per core); ``PLANNING`` gives those
+a file leaves out. ``piper tune --calibrate`` writes a
 file of this machine's measured figures (``piper_train.tuning.calibrate``). Piper ships files for common parts (``HARDWARE``: the H100, H200, A100, MI300X and
 B200 datasheets' dense figures); a user writes their own for anything else, such as the
 measured peak of a CPU. A run's MFU is its model FLOPs per second per device over
@@ -29,7 +32,8 @@ DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
 HARDWARE = ("a100", "b200", "h100", "h200", "mi300x")  # the files in piper_train/hardware/
 #: What planning assumes for a field a hardware file leaves out (docs/planning.md says why).
 PLANNING = {"devices_per_node": 8, "intra_node_latency_us": 5.0, "inter_node_latency_us": 10.0,
-            "flop_efficiency": 0.6, "memory_efficiency": 0.7, "link_efficiency": 0.7, "op_overhead_us": 0.0}
+            "flop_efficiency": 0.6, "memory_efficiency": 0.7, "link_efficiency": 0.7, "op_overhead_us": 0.0,
+            "comm_overlap": 1.0}
 _COUNTS = ("devices_per_node",)
 _SHARES = ("flop_efficiency", "memory_efficiency", "link_efficiency")
 _AMOUNTS = ("memory_gib", "memory_tb_per_s", "intra_node_gb_per_s", "inter_node_gb_per_s", "intra_node_latency_us",
@@ -55,6 +59,7 @@ class Hardware:
     memory_efficiency: float | None = None
     link_efficiency: float | None = None
     op_overhead_us: float | None = None
+    comm_overlap: float | None = None
 
     def planning(self, name: str) -> float:
         """A planning field (module doc): the file's value, else ``PLANNING``'s; a
@@ -118,4 +123,8 @@ def parse_hardware(data: object, where: str) -> Hardware:
             what = "a positive integer" if key in _COUNTS else "a number in (0, 1]" if key in _SHARES else \
                 "a positive number"
             raise ValueError(f"--hardware {where}: {key} must be {what}, got {value!r}")
+    overlap = data.get("comm_overlap")
+    if overlap is not None and (isinstance(overlap, bool) or not isinstance(overlap, int | float)
+                                or not 0 <= overlap <= 1):
+        raise ValueError(f"--hardware {where}: comm_overlap must be a number in [0, 1], got {overlap!r}")
     return Hardware(**{**data, "peak_tflops": {k: float(v) for k, v in peaks.items()}})

@@ -213,7 +213,7 @@ def calibrate(args: argparse.Namespace) -> int:
     data = hardware_file(measured, cal, base, name=out.stem)
     fit = None
     if census is not None:  # the model's own step: fit the planner's figures to it
-        fit = fit_step(census, parse_hardware(data, str(out)), measured.steps, dtype)
+        fit = fit_step(census, parse_hardware(data, str(out)), measured.steps, dtype, measured.step_ranks)
         data = hardware_file(measured, cal, base, name=out.stem, fit=fit)
     with writing(out, "--out"):
         out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
@@ -226,7 +226,9 @@ def calibrate(args: argparse.Namespace) -> int:
               + f" (load average {measured.load if measured.load is not None else '?'}, "
                 f"{measured.seconds:.1f} s)")
     if fit is not None:
-        say(args, "the model's step (forward, loss, backward) on " + f"{cal.devices} {runtime} rank(s) at once: "
+        what = (f"Piper's training step on {cal.devices} data-parallel {runtime} rank(s)" if measured.step_ranks
+                else "the model's captured forward, loss and backward")
+        say(args, f"{what}: "
                   + ", ".join(f"{b} sequence(s) {t * 1e3:.1f} ms" for b, t in fit.steps)
                   + f"; fitted: flop_efficiency {fit.flop_efficiency:.3f} "
                     f"({fit.flop_efficiency * (fit.peak_flops or measured.peak_flops) / 1e9:.3g} GFLOP/s), "

@@ -18,23 +18,27 @@ data only), so ``piper tune --hardware FILE`` predicts this machine's runs:
   multiplies, forward and backward: dispatch, autograd's bookkeeping, and on a GPU the
   launch), which a small model's many small operators pay;
 - with a model (``Calibration.model``, ``hf:CONFIG``): ``flop_efficiency`` and
-  ``op_overhead_us`` **fitted to the model's own step** (``fit_step``): the model built and
-  captured as ``piper train`` does, its captured segments' forward, loss and backward timed on
-  a microbatch of one sequence and of ``sequences`` on ``devices`` ranks at once, as
-  ``runtime`` runs them (threads of one process for ``local``, processes for ``ray``); the
-  two figures are those under which the planner's own compute of a one-rank, one-microbatch
-  step (``Planner.model_seconds``) gives both times back. What a step pays beyond its
-  products (its other operators, Python and autograd per operator, ranks sharing an
-  interpreter) is then in the figures the planner prices every strategy with;
+  ``op_overhead_us`` **fitted to the model's training step** (``fit_step``): on the CPU,
+  Piper's own step (``Trainer`` on ``devices`` data-parallel ranks of ``runtime``, the model
+  loaded and captured as ``piper train`` does) at one sequence and at ``sequences`` per rank;
+  the two figures are those under which the planner's price of that strategy
+  (``Planner.price``) gives both times back, so what a step pays beyond its products (its other
+  operators, Python and autograd per operator, the runtime, the gradient reduction and the
+  optimizer on the cores that compute) is in the figures the planner prices every strategy
+  with. On a GPU the captured segments' forward and backward are timed on this thread and
+  fitted to the planner's compute alone (``Planner.model_seconds``);
 - the link (CPU only): ``intra_node_gb_per_s`` and ``intra_node_latency_us`` fitted to ring
   all-reduces of a small and a large tensor between ``devices`` ranks over the ``local``
   runtime's gloo groups (threads of this process, loopback: what ``--runtime local``'s ranks
   use), ``inter_node_*`` the same (one host), ``devices_per_node`` = ``devices``,
-  ``link_efficiency`` 1. On a GPU the link is not measured (one process, one device): its
-  fields come from ``base`` (a shipped part's file) or are left out.
+  ``link_efficiency`` 1, and ``comm_overlap`` 0 where the ranks are as many as the host's CPUs
+  (gloo's collectives then take the cores that compute: nothing hides them). On a GPU the
+  link is not measured (one process, one device): its fields come from ``base`` (a shipped
+  part's file) or are left out.
 
-On the CPU every measurement runs on ``devices`` threads at once (the model's step: or
-processes), one torch thread each, as the runtime runs its ranks: a device's figures are what one rank gets while the others work.
+On the CPU every measurement runs on ``devices`` ranks at once (threads of this process, one
+torch thread each; the model's step on the runtime's own ranks): a device's figures are what
+one rank gets while the others work.
 Each figure is the median of at least ``repeats`` timed calls over at least ``seconds`` after a
 warm-up (long enough that a busy machine's scheduler gives the ranks their share, as it does a
 run's steps); ``source`` records how,
@@ -63,7 +67,6 @@ from piper_train.hardware import Hardware
 if TYPE_CHECKING:
     from piper_train.tuning.census import Census
 
-_CAPTURING = threading.Lock()  # ranks' threads capture their models one at a time (``_step_times``)
 _WORLDS = itertools.count(1)  # keys of the local backend's in-process stores (``_link``)
 ELEMENTS = 1 << 20  # elements of the elementwise operator's tensors without a model (4 MiB in fp32)
 #: The memory-bound operators of a decoder layer, each with the tensors of the size measured it
@@ -133,8 +136,11 @@ class Measured:
     load: float | None
     seconds: float
     memory_bytes: int | None = None  # the device's (a GPU's), or this host's shared by the ranks
-    # the model's own forward and backward, (sequences per microbatch, seconds), at ``Calibration.step_sizes``
+    # the model's step, (sequences per rank, seconds), at ``Calibration.step_sizes``: Piper's whole
+    # training step on ``step_ranks`` data-parallel ranks (the CPU), or, where ``step_ranks`` is
+    # None (a GPU), the captured segments' forward and backward on this thread
     steps: tuple[tuple[int, float], ...] = ()
+    step_ranks: int | None = None
 
     @property
     def flop_efficiency(self) -> float:
@@ -271,43 +277,62 @@ def measure(cal: Calibration) -> Measured:
     link_bw = link_lat = None
     if not cuda and devices > 1:
         link_bw, link_lat = _link(cal)
-    steps = _model_steps(cal, devices, cuda) if cal.model else ()
+    steps: tuple[tuple[int, float], ...] = ()
+    if cal.model and cuda:
+        steps = _segment_steps(cal)
+    elif cal.model:
+        steps = _runtime_steps(cal, devices)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return Measured(torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine()),
                     devices, cal.dtype, peak, model, bandwidth, tiny, link_bw, link_lat, load,
-                    time.perf_counter() - started, _memory(cuda, devices), steps)
+                    time.perf_counter() - started, _memory(cuda, devices), steps,
+                    None if cuda or not cal.model else devices)
 
 
-def _model_steps(cal: Calibration, devices: int, cuda: bool) -> tuple[tuple[int, float], ...]:
-    """The model's own forward, loss and backward at each of ``cal.step_sizes``, on
-    ``devices`` ranks at once as ``cal.runtime`` runs them (threads of this process, or
-    processes): per size, the median over the ranks of each rank's median."""
-    sizes = cal.step_sizes
-    args = (cal.model, cal.seq_len, sizes, cal.dtype, cal.repeats, cal.seconds)
-    if cuda:
-        per_rank = [_step_times(*args, rank=0, wait=lambda: None)]
-    elif cal.runtime == "ray" and devices > 1:  # separate interpreters, as Ray's workers
-        per_rank = _in_processes(devices, args)
-    else:
-        per_rank = [[0.0] * len(sizes) for _ in range(devices)]
-        barrier = threading.Barrier(devices)
+def _runtime_steps(cal: Calibration, devices: int) -> tuple[tuple[int, float], ...]:
+    """Piper's whole training step of the model on ``devices`` data-parallel ranks (1F1B, one
+    microbatch, ZeRO 0, AdamW) as ``cal.runtime`` runs them, at each of ``cal.step_sizes``
+    sequences per rank: the median of at least ``repeats`` timed steps and ``seconds`` per size
+    after two untimed ones. What a rank pays beyond its products (its other operators, Python
+    and autograd per operator, the runtime's instructions, the gradient reduction and the
+    optimizer on the cores that compute) is in the times (module doc)."""
+    from piper_directives import build_schedule
+    from piper_runtime import OptimizerSpec
+    from piper_train.trainer import Trainer
+    from piper_train.workload import load_workload
 
-        def body(rank: int) -> float:
-            try:
-                per_rank[rank] = _step_times(*args, rank=rank, wait=barrier.wait)
-            except BaseException:
-                barrier.abort()  # the other ranks stop waiting for this one
-                raise
-            return 0.0
+    out: list[tuple[int, float]] = []
+    for sequences in cal.step_sizes:
+        workload = load_workload(str(cal.model), stages=1, batch_size=sequences * devices)
+        if cal.dtype not in ("fp32", "bf16"):
+            workload.model.to(DTYPES[cal.dtype])
+        strategy = build_schedule("1f1b", 1, 1, stages=workload.stages, dp=devices)
+        with Trainer(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
+                     optimizer=OptimizerSpec("adamw", 3e-3), runtime=cal.runtime, regions=workload.regions,
+                     capture_method=workload.capture, precision="bf16" if cal.dtype == "bf16" else None) as trainer:
+            batches = [workload.batches(k) for k in range(4)]
+            for batch in batches[:2]:  # untimed: the first steps pay set-up
+                trainer.step(*batch)
+            times: list[float] = []
+            began = time.perf_counter()
+            while len(times) < cal.repeats or time.perf_counter() - began < cal.seconds:
+                start = time.perf_counter()
+                trainer.step(*batches[len(times) % len(batches)])
+                times.append(time.perf_counter() - start)
+        out.append((sequences, statistics.median(times)))
+    return tuple(out)
 
-        _on_ranks(devices, body)
-    return tuple((b, statistics.median(times[k] for times in per_rank)) for k, b in enumerate(sizes))
+
+def _segment_steps(cal: Calibration) -> tuple[tuple[int, float], ...]:
+    """The captured segments' forward, loss and backward at each of ``cal.step_sizes`` on this
+    thread (a GPU: Piper's runtime on one is not measured here)."""
+    times = _step_times(cal.model, cal.seq_len, cal.step_sizes, cal.dtype, cal.repeats, cal.seconds)
+    return tuple(zip(cal.step_sizes, times, strict=True))
 
 
-def _step_times(spec: str | None, seq_len: int, sizes: Sequence[int], dtype: str, repeats: int, seconds: float, *,
-                rank: int, wait: Callable[[], object]) -> list[float]:
-    """One rank: the model of ``spec`` built and captured as ``piper train`` builds and
-    captures it (``piper_train.hf``, ``piper_directives.capture``: a rank runs the captured
+def _step_times(spec: str | None, seq_len: int, sizes: Sequence[int], dtype: str, repeats: int,
+                seconds: float) -> list[float]:
+    """The model of ``spec`` built and captured as ``piper train`` builds and captures it (``piper_train.hf``, ``piper_directives.capture``: a rank runs the captured
     segments, not the model's Python), then the median seconds of the segments' forward, the
     loss and the backward on a microbatch of each of ``sizes`` sequences, the sizes taking
     turns (a drift in the machine's load moves both alike), over at least ``repeats`` calls
@@ -319,15 +344,14 @@ def _step_times(spec: str | None, seq_len: int, sizes: Sequence[int], dtype: str
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    with _CAPTURING:  # one rank at a time: tracing swaps global state (random streams, patched functions)
-        model, config = build_hf(str(spec), seed=rank)
-        model = logits_only(model).train()
-        if dtype not in ("fp32", "bf16"):  # bf16: fp32 master weights, computed in bf16 (--precision bf16)
-            model = model.to(DTYPES[dtype])
-        batches = [torch.randint(0, int(config.vocab_size), (b, seq_len + 1)) for b in sizes]
-        example = batches[-1]  # capture needs 2 sequences or more: the larger size has them
-        captured = capture(model, (example[:, :-1],), (example[:, 1:],), causal_lm_loss,
-                           precision="bf16" if dtype == "bf16" else None)
+    model, config = build_hf(str(spec))
+    model = logits_only(model).train()
+    if dtype not in ("fp32", "bf16"):  # bf16: fp32 master weights, computed in bf16 (--precision bf16)
+        model = model.to(DTYPES[dtype])
+    batches = [torch.randint(0, int(config.vocab_size), (b, seq_len + 1)) for b in sizes]
+    example = batches[-1]  # capture needs 2 sequences or more: the larger size has them
+    captured = capture(model, (example[:, :-1],), (example[:, 1:],), causal_lm_loss,
+                       precision="bf16" if dtype == "bf16" else None)
     graph, modules = captured.graph, {k: m.to(device) for k, m in captured.modules.items()}
     model.to(device)
     batches = [b.to(device) for b in batches]
@@ -343,11 +367,9 @@ def _step_times(spec: str | None, seq_len: int, sizes: Sequence[int], dtype: str
             else:
                 values.update(zip(segment.outputs, out, strict=True))
 
-    wait()  # every rank has captured: tracing patches torch's global state, which a running step must not see
     for tokens in batches:  # warm-up
         step(tokens)
     sync()
-    wait()
     times: list[list[float]] = [[] for _ in sizes]
     began = time.perf_counter()
     while len(times[0]) < repeats or time.perf_counter() - began < seconds * len(sizes):
@@ -357,37 +379,6 @@ def _step_times(spec: str | None, seq_len: int, sizes: Sequence[int], dtype: str
             sync()
             times[k].append(time.perf_counter() - start)
     return [statistics.median(t) for t in times]
-
-
-def _in_processes(devices: int, args: tuple) -> list[list[float]]:
-    """``_step_times(*args)`` in ``devices`` fresh processes at once (spawned: one
-    interpreter each, one torch thread each, as Ray's workers compute)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    barrier, results = ctx.Barrier(devices), ctx.Queue()
-    procs = [ctx.Process(target=_step_process, args=(args, rank, barrier, results), name=f"calibrate-{rank}")
-             for rank in range(devices)]
-    for p in procs:
-        p.start()
-    try:
-        out = [results.get(timeout=600) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-    failed = [o for o in out if isinstance(o, str)]
-    if failed:
-        raise RuntimeError(f"calibration's step in a process failed: {failed[0]}")
-    return [o for _, o in sorted(out)]
-
-
-def _step_process(args: tuple, rank: int, barrier: object, results: object) -> None:
-    torch.set_num_threads(TORCH_THREADS)
-    try:
-        results.put((rank, _step_times(*args, rank=rank, wait=barrier.wait)))  # type: ignore[attr-defined]
-    except BaseException as err:  # reported to the caller, which raises it
-        barrier.abort()  # type: ignore[attr-defined]
-        results.put(f"rank {rank}: {type(err).__name__}: {err}")  # type: ignore[attr-defined]
 
 
 @attrs.frozen
@@ -407,29 +398,39 @@ class StepFit:
     peak_flops: float | None = None  # the peak, raised to the step's rate where that ran faster
 
 
-def fit_step(census: Census, hardware: Hardware, steps: Sequence[tuple[int, float]], dtype: str) -> StepFit:
-    """``flop_efficiency`` and ``op_overhead_us`` of ``hardware`` (its memory bandwidth as it
-    is) under which the planner prices a one-rank, one-microbatch step of ``census``'s model
-    at each ``(sequences, seconds)`` of ``steps`` (two sizes) as measured.
+def fit_step(census: Census, hardware: Hardware, steps: Sequence[tuple[int, float]], dtype: str,
+             ranks: int | None = None) -> StepFit:
+    """``flop_efficiency`` and ``op_overhead_us`` of ``hardware`` (its memory bandwidth and
+    links as they are) under which the planner prices the step measured at each
+    ``(sequences, seconds)`` of ``steps`` (two sizes) as measured: with ``ranks``, its whole
+    step (``Planner.price``) of the strategy ``_runtime_steps`` ran (1F1B, one microbatch of
+    ``sequences`` per rank, ``ranks`` data-parallel ranks, ZeRO 0); without, its compute of a
+    one-rank, one-microbatch step (``Planner.model_seconds``: the captured segments alone).
 
     The planner's compute is ``roofline(e, b) + n x overhead``, ``n`` the census's operators
     (the same at every microbatch size), so the difference of the two times fixes the FLOP
     efficiency ``e`` (the roofline's growth falls as ``e`` rises: bisection) and the larger
-    one the overhead. Where the step ran its products faster than the peak measured (a
-    machine whose load moved between the two), the peak is raised to the step's rate and
-    ``e`` is 1. Where the difference is below what the memory-bound operators alone take, or
-    the overhead would be negative, the overhead is 0 and the larger size alone is
-    reproduced (``exact`` False)."""
+    one the overhead (the whole step's other parts, the optimizer and exposed traffic, do
+    not grow with the microbatch; where the overhead hides more of the gradient reduction,
+    the two are solved in turn until they settle). Where the step ran its products faster
+    than the peak measured (a machine whose load moved between the two), the peak is raised
+    to the step's rate and ``e`` is 1. Where the difference is below what the memory-bound
+    operators alone take, or the overhead would be negative, the overhead is 0 and the
+    larger size alone is reproduced (``exact`` False)."""
     from piper_train.tuning.planner import Planner, Setting
+    from piper_train.tuning.space import Candidate
 
     (b1, t1), (b2, t2) = sorted(steps)[0], sorted(steps)[-1]
     if b1 == b2:
         raise ValueError("fit_step needs the step at two microbatch sizes")
-    links = {k: getattr(hardware, k) or 1.0 for k in ("intra_node_gb_per_s", "inter_node_gb_per_s")}  # unused here
+    links = {k: getattr(hardware, k) or 1.0 for k in ("intra_node_gb_per_s", "inter_node_gb_per_s")}
 
-    def roofline(e: float, b: int) -> float:  # e > 1: a rate above the file's peak
-        hw = attrs.evolve(hardware, flop_efficiency=e, op_overhead_us=0.0, **links)
-        return Planner(Setting(census, hw, 1, b, dtype=dtype, budget_bytes=1)).model_seconds(b)
+    def priced(e: float, overhead: float, b: int) -> float:  # e > 1: a rate above the file's peak
+        hw = attrs.evolve(hardware, flop_efficiency=e, op_overhead_us=overhead * 1e6, **links)
+        if ranks is None:
+            return Planner(Setting(census, hw, 1, b, dtype=dtype, budget_bytes=1)).model_seconds(b)
+        setting = Setting(census, hw, ranks, b * ranks, dtype=dtype, budget_bytes=1 << 62)
+        return Planner(setting).price(Candidate("1f1b", 1, 1, dp=ranks)).step_seconds
 
     def solve(f: Callable[[float], float], target: float) -> float:
         """The ``e`` with ``f(e) = target``, ``f`` falling (bisection on a log scale), within
@@ -446,11 +447,19 @@ def fit_step(census: Census, hardware: Hardware, steps: Sequence[tuple[int, floa
 
     operators = sum(len(part.ops.get(p, ())) * k for part, k in ((census.layer, census.layers), (census.embed, 1),
                                                                  (census.head, 1)) for p in ("F", "BI", "BW"))
-    e = solve(lambda x: roofline(x, b2) - roofline(x, b1), t2 - t1)
-    overhead = (t2 - roofline(e, b2)) / operators
-    exact = abs(roofline(e, b2) - roofline(e, b1) - (t2 - t1)) <= 1e-6 * t2 and overhead >= 0
+    overhead = 0.0
+    for _ in range(1 if ranks is None else 8):
+        e = solve(lambda x, o=overhead: priced(x, o, b2) - priced(x, o, b1), t2 - t1)
+        bare = priced(e, 0.0, b2)
+        # The overhead: exactly (t2 - bare) / n where the step is linear in it (the compute
+        # alone); where it also hides traffic, the figure whose step is t2 (rising in it).
+        overhead = (t2 - bare) / operators
+        if ranks is not None and overhead > 0:
+            overhead = 1.0 / solve(lambda inv, e=e: priced(e, 1.0 / inv, b2), t2)
+    exact = (overhead >= 0 and abs(priced(e, overhead, b2) - t2) <= 1e-6 * t2
+             and abs(priced(e, overhead, b1) - t1) <= 1e-6 * t2)
     if not exact:
-        e, overhead = solve(lambda x: roofline(x, b2), t2), 0.0
+        e, overhead = solve(lambda x: priced(x, 0.0, b2), t2), 0.0
     peak = hardware.peak(dtype) * 1e12 * max(e, 1.0)  # type: ignore[operator]
     return StepFit(min(e, 1.0), overhead, operators, ((b1, t1), (b2, t2)), exact, peak)
 
@@ -537,7 +546,7 @@ def hardware_file(m: Measured, cal: Calibration, base: Hardware | None = None, n
                    + (f", ring all-reduces of one float per rank and of {cal.link_large} bytes over the local "
                       f"runtime's gloo groups among {cal.devices} threads" if m.link_bandwidth else
                       "; links not measured")
-                   + (_fit_source(fit, cal) if fit is not None else "")),
+                   + (_fit_source(fit, cal, m) if fit is not None else "")),
     })
     if fit is not None:
         out["flop_efficiency"] = fit.flop_efficiency
@@ -550,14 +559,17 @@ def hardware_file(m: Measured, cal: Calibration, base: Hardware | None = None, n
         gb, us = m.link_bandwidth / 1e9, m.link_latency * 1e6
         out.update({"devices_per_node": cal.devices, "intra_node_gb_per_s": gb, "inter_node_gb_per_s": gb,
                     "intra_node_latency_us": us, "inter_node_latency_us": us, "link_efficiency": 1.0})
+        if cal.devices >= (os.cpu_count() or 1):  # gloo's collectives take the cores the ranks compute on
+            out["comm_overlap"] = 0.0
     return out
 
 
-def _fit_source(fit: StepFit, cal: Calibration) -> str:
+def _fit_source(fit: StepFit, cal: Calibration, m: Measured) -> str:
     steps = ", ".join(f"{b} sequence(s) {t * 1e3:.1f} ms" for b, t in fit.steps)
     ranks = "processes (--runtime ray)" if cal.runtime == "ray" else "threads of one process (--runtime local)"
-    return (f"; flop_efficiency and op_overhead_us fitted to {cal.model}'s own forward and backward of "
-            f"{cal.seq_len}-token sequences on {cal.devices} rank(s) at once as {ranks}: {steps}, "
+    what = (f"Piper's training step of {cal.model} (1F1B, one microbatch, AdamW) on {m.step_ranks} data-parallel "
+            f"ranks as {ranks}, per rank" if m.step_ranks else f"{cal.model}'s captured forward and backward")
+    return (f"; flop_efficiency and op_overhead_us fitted to {what} of {cal.seq_len}-token sequences: {steps}, "
             f"{fit.operators} operators" + ("" if fit.exact else " (not reproducible in range: the larger size fitted)"))
 
 

@@ -30,7 +30,8 @@ ranks up to their layers, so one candidate is priced from the slowest pipeline r
   volume), over NVLink when the replicas share a node, else the network; what the last
   microbatch's backward cannot hide is added. ZeRO-3 reduce-scatters the gradients only and
   gathers every layer's parameters for each microbatch's forward and backward, hidden behind
-  compute up to the rank's busy time;
+  compute up to the rank's busy time; the compute hides only the hardware's ``comm_overlap``
+  share of its time (0 on a CPU whose collectives take the cores that compute: all exposed);
 - **optimizer**: AdamW's read and write of the rank's parameter shard at memory bandwidth.
 
 Memory per device follows piper-memory's categories (``piper_memory.estimate``): fp32
@@ -134,6 +135,7 @@ class Planner:
         self.peak = peak * 1e12
         self.roofline = Roofline(self.peak, hw.memory_tb_per_s * 1e12, hw.planning("flop_efficiency"),
                                  hw.planning("memory_efficiency"), hw.planning("op_overhead_us") * 1e-6)
+        self.comm_overlap = hw.planning("comm_overlap")
         share = hw.planning("link_efficiency")
         self.topology = Topology(
             int(hw.planning("devices_per_node")),
@@ -239,7 +241,8 @@ class Planner:
             # and the gradients are only reduce-scattered: no all-gather of the updated shards
             grad_sync = dp_link.all_gather(max(params) * FP32, replicas)
         last = slowest["BI"] + slowest["BW"]  # the last backward, which the gradient reduction overlaps
-        exposed = max(grad_sync - last, 0.0) + max(gathers - (busy - last), 0.0)
+        overlap = self.comm_overlap  # of the compute, what may hide traffic (none where both take the cores)
+        exposed = max(grad_sync - overlap * last, 0.0) + max(gathers - overlap * (busy - last), 0.0)
         shard = max(params) / (replicas if cand.zero >= 1 else 1)
         optimizer = self.roofline.seconds([(0.0, shard * FP32 * 7.0)])  # read p, g, m, v; write p, m, v
         total = step + exposed + optimizer
