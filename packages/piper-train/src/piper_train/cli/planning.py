@@ -223,7 +223,7 @@ def calibrate(args: argparse.Namespace) -> int:
               f"{measured.op_overhead * 1e6:.1f} us per one-element operator"
               + (f"; link {measured.link_bandwidth / 1e9:.3g} GB/s, {measured.link_latency * 1e6:.0f} us"
                  if measured.link_bandwidth and measured.link_latency else "; links not measured")
-              + f" (load average {measured.load if measured.load is not None else '?'}, "
+              + f" (load average {'?' if measured.load is None else f'{measured.load:.1f}'}, "
                 f"{measured.seconds:.1f} s)")
     if fit is not None:
         what = (f"Piper's training step on {cal.devices} data-parallel {runtime} rank(s)" if measured.step_ranks
