@@ -36,12 +36,14 @@ log-log plot to ``docs/compile-scaling.png``.
     .venv/bin/python benchmarks/bench_compile.py            # the full table (a few minutes)
     .venv/bin/python benchmarks/bench_compile.py --quick    # the small configurations only
     .venv/bin/python benchmarks/bench_compile.py --repeat 3 --clock cpu  # a shared machine
+    .venv/bin/python benchmarks/bench_compile.py --digests  # the plans' sha256, before and after a change
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import platform
@@ -112,6 +114,30 @@ def run(pp: int, dp: int, m: int, s: int, schedule: str = "1f1b") -> dict:
         **times, "total": total, "cpu": cpu, **{f"{k} cpu": v for k, v in cpu_times.items()},
         "peak_mb": peak_mb, "base_mb": base_mb,
     }
+
+
+# (label, schedule, pipeline ranks, microbatches, regions, segments per region) of ``--digests``:
+# the small configurations of the table, then a library schedule of each kind
+DIGEST_CASES = [
+    *((f"1f1b {pp} x {dp}, M={m}", "1f1b", pp, m, pp, s) for pp, dp, m, s in QUICK),
+    ("1f1b 16 x 16, M=64, 2 segments/stage", "1f1b", 16, 64, 16, 2),
+    ("gpipe 4, M=8", "gpipe", 4, 8, 4, 1),
+    ("zb1p 4, M=8", "zb1p", 4, 8, 4, 1),
+    ("interleaved_1f1b 4, M=8, 8 stages", "interleaved_1f1b", 4, 8, 8, 1),
+    ("dualpipev 4, M=8", "dualpipev", 4, 8, 8, 1),
+    ("dualpipe 4, M=8", "dualpipe", 4, 8, 4, 1),
+]
+
+
+def digests() -> list[tuple[str, str]]:
+    """(label, sha256 of ``to_json`` of the compiled program) for ``DIGEST_CASES``: a change to
+    the compiler's speed must leave every one of them as it was."""
+    out = []
+    for label, name, pp, m, regions, s in DIGEST_CASES:
+        strategy = build_schedule(name, pp, m, stages=None if regions == pp else regions)
+        program = compile_program(strategy.apply(synthetic_graph(regions, m, s, hidden=1024, batch=1)))
+        out.append((label, hashlib.sha256(to_json(program).encode()).hexdigest()))
+    return out
 
 
 def probe(graph: Graph) -> None:
@@ -225,8 +251,15 @@ def main() -> None:
                         help="what the stage columns and the total measure: wall seconds (default) or the process's "
                         "CPU seconds, which a shared machine's other jobs move less")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where to write compile-scaling.{md,png}")
+    parser.add_argument("--digests", action="store_true",
+                        help="print the sha256 of the compiled program's JSON for the small configurations and a "
+                        "plan of each library schedule, and stop: what a change to the compiler's speed must keep")
     parser.add_argument("--row", type=int, nargs=4, metavar=("PP", "DP", "M", "S"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.digests:
+        for label, digest in digests():
+            print(f"{digest}  {label}")
+        return
     if args.row:  # one configuration, in this process: print its row as JSON
         gc.collect()
         if args.no_gc:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import attrs
 
-from piper_ir import DirectiveError, Edge, EdgeKind, Graph, Node, NodeKind, transfer_ids
+from piper_ir import DirectiveError, Edge, EdgeKind, Graph, Node, NodeKind, slot_maker, transfer_ids
 
 SEND, RECV, DATA = NodeKind.SEND, NodeKind.RECV, EdgeKind.DATA
-# ``Node``'s first fields in the order its ``__init__`` takes them: the pairs are made by position
-NODE_FIELDS = ("id", "kind", "segment", "phase", "microbatch", "tags", "devices", "stream", "value", "peers")
-if tuple(a.name for a in attrs.fields(Node))[: len(NODE_FIELDS)] != NODE_FIELDS:
-    raise ImportError("piper_ir.Node's fields changed: update piper_directives.communication.NODE_FIELDS")
+# ``Node``'s and ``Edge``'s fields in the order their ``__init__`` takes them: the pairs are
+# made by position, through the slots (``piper_ir.slot_maker``; ``devices`` and ``peers``
+# passed as the tuples their converters make)
+NODE_FIELDS = ("id", "kind", "segment", "phase", "microbatch", "tags", "devices", "stream", "value", "peers", "origin")
+EDGE_FIELDS = ("src", "dst", "kind", "value", "origin")
+if tuple(a.name for a in attrs.fields(Node)) != NODE_FIELDS or tuple(a.name for a in attrs.fields(Edge)) != EDGE_FIELDS:
+    raise ImportError("piper_ir.Node's or Edge's fields changed: update piper_directives.communication")
+make_node, make_edge = slot_maker(Node), slot_maker(Edge)
 
 
 def insert_communication(graph: Graph, streams: dict[str, str]) -> Graph:
@@ -30,37 +34,42 @@ def insert_communication(graph: Graph, streams: dict[str, str]) -> Graph:
     by_id = graph.node_by_id
     nodes = list(graph.nodes)
     edges: list[Edge] = []
+    add_node, add_edge = nodes.append, edges.append
     pairs: dict[tuple[str, int | None, tuple[int, ...], tuple[int, ...]], tuple[str, str]] = {}
     for e in graph.edges:
+        value = e.value
         src, dst = by_id[e.src], by_id[e.dst]
-        if e.value is None or src.devices == dst.devices:
-            edges.append(e)
-            continue
         s_devs, d_devs = src.devices, dst.devices
+        if value is None or s_devs == d_devs:
+            add_edge(e)
+            continue
         if len(s_devs) != len(d_devs):
             raise DirectiveError(
-                f"value {e.value} flows from device group {list(s_devs)} to {list(d_devs)}: replicas pair "
+                f"value {value} flows from device group {list(s_devs)} to {list(d_devs)}: replicas pair "
                 "up elementwise, so both groups need the same number of devices",
                 nodes=[e.src, e.dst],
             )
-        selfs = [a for a, b in zip(s_devs, d_devs, strict=True) if a == b]
+        # (one device each: they differ, or the edge would not cross)
+        selfs = [a for a, b in zip(s_devs, d_devs, strict=True) if a == b] if len(s_devs) > 1 else None
         if selfs:
             raise DirectiveError(
-                f"value {e.value} flows from device group {list(s_devs)} to {list(d_devs)}: paired "
+                f"value {value} flows from device group {list(s_devs)} to {list(d_devs)}: paired "
                 f"elementwise, device {selfs[0]} would send to itself; list both groups in replica order",
                 nodes=[e.src, e.dst],
             )
-        key = (e.value, src.microbatch, s_devs, d_devs)
+        mb = src.microbatch
+        key = (value, mb, s_devs, d_devs)
         pair = pairs.get(key)
         if pair is None:
-            sid, rid = pair = pairs[key] = transfer_ids(e.value, src.microbatch, s_devs, d_devs)
-            stream = streams.get(src.segment or "", "pp")
-            # Node(id, kind, segment, phase, microbatch, tags, devices, stream, value, peers) and
-            # Edge(src, dst, kind, value), by position (NODE_FIELDS): by keyword, matching the
-            # names was a third of this pass (130k pairs at 16,384 devices)
-            nodes.append(Node(sid, SEND, None, None, src.microbatch, src.tags, s_devs, stream, e.value, d_devs))
-            nodes.append(Node(rid, RECV, None, None, src.microbatch, src.tags, d_devs, stream, e.value, s_devs))
-            edges.append(Edge(e.src, sid, DATA, e.value))
-            edges.append(Edge(sid, rid, DATA, e.value))
-        edges.append(Edge(pair[1], e.dst, DATA, e.value))
+            sid, rid = pair = pairs[key] = transfer_ids(value, mb, s_devs, d_devs)
+            stream, tags = streams.get(src.segment or "", "pp"), src.tags
+            # Node(id, kind, segment, phase, microbatch, tags, devices, stream, value, peers,
+            # origin) and Edge(src, dst, kind, value, origin), by position (NODE_FIELDS,
+            # EDGE_FIELDS): by keyword, matching the names was a third of this pass (130k pairs
+            # at 16,384 devices)
+            add_node(make_node(sid, SEND, None, None, mb, tags, s_devs, stream, value, d_devs, None))
+            add_node(make_node(rid, RECV, None, None, mb, tags, d_devs, stream, value, s_devs, None))
+            add_edge(make_edge(e.src, sid, DATA, value, None))
+            add_edge(make_edge(sid, rid, DATA, value, None))
+        add_edge(make_edge(pair[1], e.dst, DATA, value, None))
     return attrs.evolve(graph, nodes=tuple(nodes), edges=tuple(edges))

@@ -129,11 +129,22 @@ def place_all(graph: Graph, places: Sequence[Place]) -> Graph:
         )
     whole = {s.id: segment_group([_group_of(group, s.id, mb) for mb in mbs]) for s in graph.segments}
     with_devices = copier(Node, "devices")  # attrs.evolve, made for a copy of every node
-    nodes = tuple(
-        with_devices(n, _node_group(n, group, whole)) if n.segment is not None else n
-        for n in graph.nodes
-    )
-    return attrs.evolve(graph, nodes=nodes, world_size=world)
+    # A compute node runs on its microbatch's group, the optimizer on the segment's (one
+    # loop, no call per node: a copy of every compute node, 131k at 16,384 devices).
+    nodes: list[Node] = []
+    get, append, compute = group.get, nodes.append, NodeKind.COMPUTE
+    for n in graph.nodes:
+        seg = n.segment
+        if seg is None:
+            append(n)
+        elif n.kind is compute:
+            devices = get((seg, n.microbatch))
+            if devices is None:
+                devices = get((seg, None))
+            append(with_devices(n, devices or whole[seg]))
+        else:
+            append(with_devices(n, whole[seg]))
+    return attrs.evolve(graph, nodes=tuple(nodes), world_size=world)
 
 
 def _ranges(numbers: Sequence[int]) -> str:
@@ -258,13 +269,6 @@ def _loss_group(
     if len(groups) != 1:
         raise DirectiveError("the model's outputs come from several device groups: place the loss with {'SEG': 'loss'}")
     return groups.pop()  # type: ignore[return-value]
-
-
-def _node_group(n: Node, group: dict[Key, tuple[int, ...]], whole: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
-    """A compute node runs on its microbatch's group; the optimizer on the segment's."""
-    if n.kind is NodeKind.COMPUTE:
-        return _group_of(group, n.segment, n.microbatch) or whole[n.segment]  # type: ignore[arg-type]
-    return whole[n.segment]  # type: ignore[index]
 
 
 def _check_devices(place: Place) -> None:

@@ -144,7 +144,7 @@ def replicate_all(graph: Graph, replicates: Sequence[Replicate]) -> Graph:
             chosen[seg.id] = rep
     replication: list[Replication] = []
     buckets: list[Bucket] = []
-    mb_groups = microbatch_groups(graph)
+    mb_groups: dict[str, list[tuple[int, ...]]] | None = None  # made when a replicated stage needs it
     sharding = {s.segment: s for s in graph.sharding}
     for seg in graph.segments:
         devices = group.get(seg.id, ())
@@ -161,6 +161,8 @@ def replicate_all(graph: Graph, replicates: Sequence[Replicate]) -> Graph:
         replication.append(record)
         if seg.role is not SegmentRole.STAGE:
             continue
+        if mb_groups is None:  # a pass over every node: a graph with no replicas never needs it
+            mb_groups = microbatch_groups(graph)
         runs_on = mb_groups.get(seg.id, [])
         if len(runs_on) > 1 and record.zero >= 2:
             _check_mirrored_zero(seg, record, runs_on, sh, rep)

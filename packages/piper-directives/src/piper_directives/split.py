@@ -16,7 +16,7 @@ from typing import ClassVar, TypeVar
 import attrs
 
 from piper_directives.common import JsonObject, user_location
-from piper_ir import DirectiveError, Edge, Graph, Node, NodeKind, Value, microbatch_id
+from piper_ir import DirectiveError, Edge, Graph, Node, NodeKind, Value, microbatch_id, slot_maker
 
 T = TypeVar("T")
 
@@ -26,35 +26,43 @@ def copier(cls: type[T], *changed: str) -> Callable[..., T]:
     for an instance of the attrs class ``cls``, for passes that copy every node or edge.
 
     ``attrs.evolve`` looks the class's fields up and passes every field by keyword, for each
-    copy; this looks them up once and passes them by position: 1.9 us a ``Node`` against 3.4
-    us, 1.0 us an ``Edge`` against 2.4 us (``Place`` copies every node: 131k at 16,384
-    devices; ``Split``'s copies per microbatch go through ``copies``). The converters still
-    run, so the copy equals what ``attrs.evolve`` makes."""
-    fields = attrs.fields(cls)
-    if any(not a.init or a.kw_only or a.alias != a.name for a in fields):
-        raise TypeError(f"copier: {cls.__name__} has a field __init__ does not take by position under its name")
-    names = [a.name for a in fields]
+    copy; this looks them up once and passes them by position (1.9 us a ``Node`` against 3.4
+    us, 1.0 us an ``Edge`` against 2.4 us; ``Place`` copies every node: 131k at 16,384
+    devices; ``Split``'s copies per microbatch go through ``copies``), to a constructor that
+    sets the class's slots (``_maker``). The converters of the changed fields still run (the
+    others' values come from ``obj``, converted already), so the copy equals what
+    ``attrs.evolve`` makes."""
+    names, make, convert = _maker(cls, changed)
     values_of = attrgetter(*names) if len(names) > 1 else (lambda obj: (getattr(obj, names[0]),))
     slots = [names.index(name) for name in changed]
 
     def copy(obj: T, *values: object) -> T:
         args = list(values_of(obj))
         for k, v in zip(slots, values, strict=True):
-            args[k] = v
-        return cls(*args)
+            args[k] = convert[k](v) if k in convert else v
+        return make(*args)
 
-    return copy
+    if len(slots) != 1:
+        return copy
+    (k,) = slots
+    conv = convert.get(k)
+
+    def copy_one(obj: T, value: object) -> T:  # one field changed (``Place``: a node's devices)
+        args = list(values_of(obj))
+        args[k] = value if conv is None else conv(value)
+        return make(*args)
+
+    return copy_one
 
 
 def copies(cls: type[T], first: str, second: str) -> Callable[[T, Iterable[tuple[object, object]]], list[T]]:
     """``copies(obj, pairs)``: ``[copier(cls, first, second)(obj, a, b) for a, b in pairs]``,
     reading ``obj``'s fields once for all its copies (``Split`` makes one per microbatch: 512
     of every node and edge at 16,384 devices, and reading the fields again for each was a
-    third of a copy)."""
-    fields = attrs.fields(cls)
-    if any(not a.init or a.kw_only or a.alias != a.name for a in fields):
-        raise TypeError(f"copies: {cls.__name__} has a field __init__ does not take by position under its name")
-    names = [a.name for a in fields]
+    third of a copy). ``first`` and ``second`` must be fields without a converter."""
+    names, make, convert = _maker(cls, (first, second))
+    if convert:
+        raise TypeError(f"copies: {cls.__name__}.{first} or .{second} has a converter")
     values_of = attrgetter(*names)
     i, j = names.index(first), names.index(second)
 
@@ -62,10 +70,28 @@ def copies(cls: type[T], first: str, second: str) -> Callable[[T, Iterable[tuple
         args = list(values_of(obj))
         out = []
         for args[i], args[j] in pairs:
-            out.append(cls(*args))
+            out.append(make(*args))
         return out
 
     return copy_all
+
+
+def _maker(cls: type[T], changed: Iterable[str]) -> tuple[list[str], Callable[..., T], dict[int, Callable]]:
+    """``cls``'s field names, a positional constructor (``piper_ir.slot_maker``, which runs no
+    converter, where ``cls`` allows it; else ``cls`` itself) and, for the ``changed`` fields,
+    position -> the converter to run on a new value before that constructor."""
+    fields = attrs.fields(cls)  # type: ignore[arg-type]
+    if any(not a.init or a.kw_only or a.alias != a.name for a in fields):
+        raise TypeError(f"copier: {cls.__name__} has a field __init__ does not take by position under its name")
+    names = [a.name for a in fields]
+    convert = {names.index(name): fields[names.index(name)].converter for name in changed}
+    convert = {k: c for k, c in convert.items() if c is not None}
+    try:
+        if any(isinstance(c, attrs.Converter) for c in convert.values()):
+            raise TypeError("a converter that takes the instance or the field")
+        return names, slot_maker(cls), convert  # type: ignore[return-value]
+    except TypeError:
+        return names, cls, {}  # its __init__ converts and checks
 
 
 @attrs.frozen

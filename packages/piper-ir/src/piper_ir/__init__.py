@@ -6,10 +6,12 @@ from piper_ir.algorithms import (
     find_cycle,
     gc_paused,
     is_acyclic,
+    rank_order_positions,
     rank_orders,
     reachable,
     topological_order,
 )
+from piper_ir.construct import slot_maker
 from piper_ir.errors import (
     CaptureError,
     CheckpointError,
@@ -82,6 +84,6 @@ __all__ = [
     "Program", "RankPlan", "SchedulingError", "Segment", "SegmentRole", "SerializationError", "Sharding", "Tags",
     "TensorMeta", "Tie", "ValidationError", "Value", "critical_path", "cycle_error", "find_cycle", "format_instruction",
     "format_listing", "from_json", "gc_paused", "graph_summary", "is_acyclic", "parse_instruction", "parse_listing",
-    "program_text", "rank_orders", "reachable", "rng_seed", "to_json", "topological_order", "validate",
+    "program_text", "rank_order_positions", "rank_orders", "reachable", "rng_seed", "slot_maker", "to_json", "topological_order", "validate",
     "EVENT_PREFIX", "MICROBATCH_INFIX", "backward_halves", "compute_id", "event_id", "microbatch_id", "transfer_ids",
 ]

@@ -59,7 +59,7 @@ def is_acyclic(graph: Graph) -> bool:
     than ``find_cycle``'s depth-first search, which only a cyclic graph needs)."""
     positions = graph.successor_positions
     if positions is not None:  # by position in ``graph.nodes``: lists, not tables keyed by id
-        count = [len(edges) for edges in graph.predecessors.values()]
+        count = [len(starts) for starts in graph.predecessor_positions]  # type: ignore[union-attr]
         free = [i for i, d in enumerate(count) if not d]
         for i in free:  # ``free`` grows while it is walked: a FIFO without pops
             for j in positions[i]:
@@ -178,11 +178,25 @@ def rank_orders(graph: Graph, listed: Iterable[NodeKind] = ()) -> list[list[str]
     ready compute nodes at every pop (``piper_memory.plan_memory`` relies on this).
     """
     listed = frozenset(listed)
+    if graph.successor_positions is None:  # an id twice or an edge to an unknown node: keyed by id
+        return _rank_orders_by_id(graph, listed, {s.id: i for i, s in enumerate(graph.segments)})
+    orders = rank_order_positions(graph, listed)
+    if orders is None:
+        return None
+    nodes = graph.nodes
+    return [[nodes[i].id for i in order] for order in orders]
+
+
+def rank_order_positions(graph: Graph, listed: Iterable[NodeKind] = ()) -> list[list[int]] | None:
+    """``rank_orders`` by position in ``graph.nodes``, for a graph with
+    ``successor_positions`` (its ids unique, its edges' ends known: a validated graph);
+    ``compile_program`` walks the graph by these positions, not by id."""
+    listed = frozenset(listed)
     seg_pos = {s.id: i for i, s in enumerate(graph.segments)}
     no_seg, no_phase = len(seg_pos), len(PHASE_ORDER)
     positions = graph.successor_positions
-    if positions is None:  # an id twice or an edge to an unknown node: keyed by id
-        return _rank_orders_by_id(graph, listed, seg_pos)
+    if positions is None:
+        raise ValueError("rank_order_positions needs a graph whose ids are unique and whose edges name its nodes")
     nodes = graph.nodes
     # Per node (by position), what its release needs, made once: a compute node's heap key
     # (graph positions are unique, so a comparison never reaches the node at the end), None
@@ -199,12 +213,12 @@ def rank_orders(graph: Graph, listed: Iterable[NodeKind] = ()) -> list[list[str]
         else None
         for i, n in enumerate(nodes)
     ]
-    indeg = [len(edges) for edges in graph.predecessors.values()]
+    indeg = [len(starts) for starts in graph.predecessor_positions]  # type: ignore[union-attr]
     free: deque[int] = deque(i for i, d in enumerate(indeg) if not d and keys[i] is None)
     heap = [key for key, d in zip(keys, indeg, strict=True) if not d and key is not None]
     heapq.heapify(heap)  # the order pushes would give: keys are unique
     push, pop, to_free = heapq.heappush, heapq.heappop, free.append
-    orders: list[list[str]] = [[] for _ in range(max(graph.world_size, 0))]
+    orders: list[list[int]] = [[] for _ in range(max(graph.world_size, 0))]
     done = 0
     while free or heap:
         if free:
@@ -212,12 +226,12 @@ def rank_orders(graph: Graph, listed: Iterable[NodeKind] = ()) -> list[list[str]
             n = nodes[i]
             if n.kind in listed:
                 for d in n.devices:
-                    orders[d].append(n.id)
+                    orders[d].append(i)
         else:
             key = pop(heap)
             i, n = key[3], key[4]
             for d in n.devices:
-                orders[d].append(n.id)
+                orders[d].append(i)
         done += 1
         for j in positions[i]:
             k = indeg[j] - 1

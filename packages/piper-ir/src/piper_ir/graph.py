@@ -590,27 +590,45 @@ class Graph:
     @cached_property
     def successors(self) -> dict[str, list[Edge]]:
         """Node id -> the edges leaving it, in edge order: every node, then any other id an
-        edge starts at."""
-        if self.successor_positions is None:  # an id twice or an unknown end
-            return self._keyed_adjacency()[0]
+        edge starts at. Made when asked for, in one pass over the edges."""
         out: dict[str, list[Edge]] = {n.id: [] for n in self.nodes}
         for e in self.edges:
-            out[e.src].append(e)
+            out_of = out.get(e.src)
+            if out_of is None:  # an edge from an unknown node
+                out[e.src] = [e]
+            else:
+                out_of.append(e)
         return out
 
     @cached_property
     def predecessors(self) -> dict[str, list[Edge]]:
         """Node id -> the edges entering it, in edge order: every node, then any other id an
-        edge ends at."""
-        return self._adjacency()[0]
+        edge ends at. Made when asked for, in one pass over the edges (the passes of
+        ``Strategy.apply`` and ``compile_program`` walk ``predecessor_positions`` instead)."""
+        out: dict[str, list[Edge]] = {n.id: [] for n in self.nodes}
+        for e in self.edges:
+            into = out.get(e.dst)
+            if into is None:  # an edge to an unknown node
+                out[e.dst] = [e]
+            else:
+                into.append(e)
+        return out
 
     @cached_property
     def successor_positions(self) -> list[list[int]] | None:
         """Per node, in graph order, the positions in ``nodes`` of the ends of the edges
         leaving it, in edge order (``successors`` by number); None when two nodes share an
         id or an edge names an unknown node. The passes over the whole graph (the cycle
-        check, ``rank_orders``) count in lists by position instead of tables keyed by id: at
-        392k nodes such a table outgrows the CPU's caches, a list of positions much less."""
+        check, ``rank_orders``, ``compile_program``) count and walk in lists by position
+        instead of tables keyed by id: at 392k nodes such a table outgrows the CPU's caches,
+        a list of positions much less."""
+        return self._adjacency()[0]
+
+    @cached_property
+    def predecessor_positions(self) -> list[list[int]] | None:
+        """Per node, in graph order, the positions in ``nodes`` of the starts of the edges
+        entering it, in edge order (``predecessors`` by number); None where
+        ``successor_positions`` is."""
         return self._adjacency()[1]
 
     @cached_property
@@ -618,41 +636,30 @@ class Graph:
         """Node id -> its position in ``nodes`` (the last one, for an id used twice)."""
         return {n.id: i for i, n in enumerate(self.nodes)}
 
-    def _adjacency(self) -> tuple[dict[str, list[Edge]], list[list[int]] | None]:
-        """``predecessors`` and ``successor_positions`` in one pass over the edges, both
-        cached: the passes that walk a graph need them together, and one pass over a million
-        edges misses the CPU's caches half as often as two. (``successors``, which only
-        looking a node's consumers up needs, is made when asked for.)"""
+    def _adjacency(self) -> tuple[list[list[int]] | None, list[list[int]] | None]:
+        """``successor_positions`` and ``predecessor_positions`` in one pass over the edges,
+        both cached: the passes that walk a graph need them together, and one pass over a
+        million edges misses the CPU's caches half as often as two. (``predecessors`` and
+        ``successors``, lists of the edges keyed by id, are made when asked for: no pass of
+        ``Strategy.apply`` then ``compile_program`` needs them.)"""
         nodes = self.nodes
         position = self.node_position
-        pred_l: list[list[Edge]] = [[] for _ in nodes]
-        succ_p: list[list[int]] | None = [[] for _ in nodes]
-        at = position.get
+        succ_p: list[list[int]] | None = None
+        pred_p: list[list[int]] | None = None
         if len(position) == len(nodes):
+            succ_p, pred_p = [[] for _ in nodes], [[] for _ in nodes]
+            at = position.get
             for e in self.edges:
                 i, j = at(e.src), at(e.dst)
                 if i is None or j is None:
-                    succ_p = None
+                    succ_p = pred_p = None
                     break
-                pred_l[j].append(e)
-                succ_p[i].append(j)  # type: ignore[index]
-        else:
-            succ_p = None
-        pred = dict(zip(position, pred_l, strict=True)) if succ_p is not None else self._keyed_adjacency()[1]
+                succ_p[i].append(j)
+                pred_p[j].append(i)
         # the frozen class's slots, as cached_property sets them
-        object.__setattr__(self, "predecessors", pred)
         object.__setattr__(self, "successor_positions", succ_p)
-        return pred, succ_p
-
-    def _keyed_adjacency(self) -> tuple[dict[str, list[Edge]], dict[str, list[Edge]]]:
-        """``successors`` and ``predecessors`` of a graph whose nodes share an id or whose
-        edges name unknown nodes: keyed by id, the unknown ends after the nodes."""
-        succ: dict[str, list[Edge]] = {n.id: [] for n in self.nodes}
-        pred: dict[str, list[Edge]] = {nid: [] for nid in succ}
-        for e in self.edges:
-            succ.setdefault(e.src, []).append(e)
-            pred.setdefault(e.dst, []).append(e)
-        return succ, pred
+        object.__setattr__(self, "predecessor_positions", pred_p)
+        return succ_p, pred_p
 
     def node(self, node_id: str) -> Node:
         return self.node_by_id[node_id]

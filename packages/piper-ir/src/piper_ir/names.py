@@ -13,6 +13,7 @@ serialized programs and of tests, so these helpers spell them exactly as they al
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from piper_ir.tags import Phase
@@ -63,9 +64,16 @@ def transfer_ids(value: str, microbatch: int | None, senders: Sequence[int], rec
     """The ids of the ``SEND``/``RECV`` pair carrying ``value`` (of ``microbatch``) from the
     device group ``senders`` to ``receivers``, paired elementwise:
     ``send.<value>[.mb<i>].<s0_s1>-<r0_r1>`` and the same with ``recv.``."""
-    ends = f"{'_'.join(map(str, senders))}-{'_'.join(map(str, receivers))}"
+    ends = _ends(tuple(senders), tuple(receivers))
     carried = microbatch_id(value, microbatch)
     return f"send.{carried}.{ends}", f"recv.{carried}.{ends}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _ends(senders: tuple[int, ...], receivers: tuple[int, ...]) -> str:
+    """``<s0_s1>-<r0_r1>`` of ``transfer_ids``, made once per pair of groups: a pipeline has a
+    few, and its transfers (130k at 16,384 devices) name them again and again."""
+    return f"{'_'.join(map(str, senders))}-{'_'.join(map(str, receivers))}"
 
 
 def event_id(node_id: str) -> str:

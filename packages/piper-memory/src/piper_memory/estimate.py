@@ -250,13 +250,16 @@ class _Tally(dict):
         super().__setitem__(key, nbytes)
 
     def pop(self, key: object, *default: int) -> int:  # type: ignore[override]
-        if key in self:
-            nbytes = super().pop(key)
-            self.total -= nbytes
-            return nbytes
-        if default:
-            return default[0]
-        raise KeyError(key)
+        nbytes = dict.pop(self, key, _MISSING)  # one lookup: most pops find nothing
+        if nbytes is _MISSING:
+            if default:
+                return default[0]
+            raise KeyError(key)
+        self.total -= nbytes
+        return nbytes
+
+
+_MISSING = object()
 
 
 class _RankReplay:
@@ -312,6 +315,7 @@ class _RankReplay:
         self.sliced = _vocabulary_sliced(program)
         self.kept: dict[str, int] = {}  # segment -> _kept_bytes (the same for every microbatch)
         self.pass_grads: dict[str, int] = {}  # segment -> _pass_grad_bytes
+        self.grads_read: dict[str, tuple[str, ...]] = {}  # segment -> its outputs' gradient names
         self.recv_positions = [k for k, ins in enumerate(self.instructions) if ins.kind is RECV]
         # posted[j]: the bytes of the first j receives; a sample needs a window of them
         self.posted = list(itertools.accumulate(
@@ -406,16 +410,14 @@ class _RankReplay:
         resident, lasting = self.params + self.state, self.lasting_grads
         sizes: dict[int, int] = {}  # id(meta) -> its bytes: a value's transfers share one meta
         at = 0
+        # What the last sample read: a SEND or RECV (two thirds of a pipeline's instructions)
+        # changes only the communication buffers, so after one only those and the total are
+        # sampled, with the other categories as they were.
+        grads, gathered, acts = grads_t.total + shards_t.total, gathered_t.total, acts_t.total
         for k, ins in enumerate(self.instructions):
             kind = ins.kind
             self.position = k
-            if kind is COMPUTE:
-                self._compute(ins)
-            elif kind is OPTIMIZER:
-                for key in self.full.get(ins.segment, {}):
-                    self.grads.pop(key, None)
-                    self.grad_shards.pop(key, None)
-            elif kind is SEND or kind is RECV:
+            if kind is SEND or kind is RECV:
                 meta = ins.meta
                 if meta is None:
                     nbytes = 0
@@ -428,6 +430,21 @@ class _RankReplay:
                 else:
                     received_t[(ins.value, ins.microbatch)] = nbytes
                     at += 1
+                end = at + lookahead
+                comm = gathered + self.sent + received_t.total + posted[end if end < last else last] - posted[at]
+                comm += inflight_t.total
+                if comm > peaks["comm"]:
+                    peaks["comm"] = comm
+                total = resident + grads + comm + acts
+                if total > peaks["total"]:
+                    peaks["total"] = total
+                continue
+            if kind is COMPUTE:
+                self._compute(ins)
+            elif kind is OPTIMIZER:
+                for key in self.full.get(ins.segment, {}):
+                    self.grads.pop(key, None)
+                    self.grad_shards.pop(key, None)
             elif kind in BUCKET_KINDS:
                 self._bucket_op(k, ins)
             grads = grads_t.total + shards_t.total
@@ -492,16 +509,21 @@ class _RankReplay:
         mb = ins.microbatch
         key = (seg.id, mb)
         if ins.phase is FORWARD:
+            received = self.received
             for name in seg.inputs:  # a received input becomes the forward's saved input
-                self.received.pop((name, mb), None)
+                received.pop((name, mb), None)
             kept = self.kept.get(seg.id)
             if kept is None:
                 kept = self.kept[seg.id] = self._kept_bytes(seg.id)
             self.acts[key] = self.acts.get(key, 0) + kept
             return
         if ins.phase in INPUT_GRADIENTS:
-            for name in seg.outputs:
-                self.received.pop((grad_name(name), mb), None)
+            received = self.received
+            grads_read = self.grads_read.get(seg.id)
+            if grads_read is None:  # the gradients of its outputs, named once per segment
+                grads_read = self.grads_read[seg.id] = tuple(grad_name(name) for name in seg.outputs)
+            for name in grads_read:
+                received.pop((name, mb), None)
             if seg.recompute:
                 # The forward runs again: its activations exist while this pass runs, with
                 # the gradients of its outputs it reads and, before it frees them, those it

@@ -9,7 +9,8 @@ Stages, each linear in nodes + edges (tables by segment and bucket are built onc
 searched per node; the whole compile runs with the cyclic garbage collector paused,
 ``piper_ir.gc_paused``):
 
-1. ``_compute_orders`` (``piper_ir.rank_orders``, shared with ``piper_memory.plan_memory``):
+1. ``_compute_orders`` (``piper_ir.rank_order_positions``: ``rank_orders``, shared with
+   ``piper_memory.plan_memory``, by position in ``graph.nodes``, as every stage names nodes):
    one Kahn pass over the whole graph (data and temporal edges, all ranks at once) so
    cross-rank paths through SEND/RECV are respected. Nodes that are not scheduled by
    themselves (SEND, RECV, unplaced markers) are released as soon as they are ready; ready
@@ -32,6 +33,8 @@ searched per node; the whole compile runs with the cyclic garbage collector paus
 """
 
 from __future__ import annotations
+
+from typing import NoReturn
 
 import attrs
 
@@ -56,7 +59,8 @@ from piper_ir import (
     event_id,
     gc_paused,
     is_acyclic,
-    rank_orders,
+    rank_order_positions,
+    slot_maker,
     validate,
 )
 from piper_scheduler.communicators import (
@@ -83,14 +87,17 @@ OVERLAP_PHASES = frozenset({Phase.F, Phase.B, Phase.BI})
 Channel = tuple[str, int, int]
 
 # ``Instruction``'s fields in the order its ``__init__`` takes them. ``_rank_plan`` passes
-# them by position: by keyword, matching thirteen names made an instruction cost 2.3 us
-# against 1.5 us (392k instructions at 16,384 devices).
+# them by position to ``make_instruction`` (``piper_ir.slot_maker``: ``waits`` passed as the
+# tuple its converter makes): by keyword through ``__init__``, matching thirteen names made
+# an instruction cost 2.3 us, by position 1.3 us, through the slots 1.0 us (392k
+# instructions at 16,384 devices).
 INSTRUCTION_FIELDS = (
     "id", "kind", "stream", "segment", "phase", "microbatch", "value", "peer", "communicator", "meta",
     "waits", "record", "overlap",
 )
 if tuple(a.name for a in attrs.fields(Instruction)) != INSTRUCTION_FIELDS:
     raise ImportError("piper_ir.Instruction's fields changed: update piper_scheduler.compile.INSTRUCTION_FIELDS")
+make_instruction = slot_maker(Instruction)
 
 
 def compile_program(graph: Graph, execution: ExecutionOptions | None = None) -> Program:
@@ -130,7 +137,7 @@ def _compile(graph: Graph, execution: ExecutionOptions) -> Program:
 
 def _program(
     graph: Graph,
-    lists: list[list[str]],
+    lists: list[list[int]],
     overlap: dict[str, tuple],
     replica: list[int],
     tables: _Tables,
@@ -216,32 +223,40 @@ def _check_supported(graph: Graph, tables: _Tables) -> None:
             raise SchedulingError(f"{n.kind.value} node {n.id} carries no value", nodes=[n.id])
 
 
-def _compute_orders(graph: Graph) -> list[list[str]]:
-    """Each rank's COMPUTE/OPTIMIZER node ids (and its group operations) in a deterministic
-    topological order: ``piper_ir.rank_orders``, shared with ``piper_memory.plan_memory``.
+def _compute_orders(graph: Graph) -> list[list[int]]:
+    """Each rank's COMPUTE/OPTIMIZER nodes (and its group operations), by position in
+    ``graph.nodes``, in a deterministic topological order: ``piper_ir.rank_order_positions``
+    (``rank_orders``, shared with ``piper_memory.plan_memory``, by position).
 
     Group operations (collectives, MATERIALIZE, FREE) are listed on every member at the
     moment the one global pass releases them, so every member issues a group's collectives
     in the same order, and each runs as soon as its inputs are ready (a reduction overlaps
     the remaining backward work)."""
-    orders = rank_orders(graph, LISTED_KINDS)
+    orders = rank_order_positions(graph, LISTED_KINDS)
     if orders is None:  # the pass stalled: the graph has a cycle
         raise cycle_error(graph)
     return orders
 
 
-def _place_sends(graph: Graph, orders: list[list[str]]) -> list[dict[int, list[str]]]:
-    """Per rank: index in the compute order -> SEND ids that follow it (-1: before all)."""
-    positions = [{nid: i for i, nid in enumerate(order)} for order in orders]
-    nodes = graph.node_by_id
-    after: list[dict[int, list[str]]] = [{} for _ in orders]
-    for n in graph.nodes:
+# The stages below name nodes by their position in ``graph.nodes`` and walk edges by
+# ``Graph.successor_positions`` / ``predecessor_positions`` (a validated graph has them): a
+# table keyed by node id, looked up once per edge, outgrows the CPU's caches at 392k nodes,
+# and walking a rank's list by id took 2.7x as long as by position.
+
+
+def _place_sends(graph: Graph, orders: list[list[int]]) -> list[dict[int, list[int]]]:
+    """Per rank: index in the compute order -> SENDs (positions) that follow it (-1: before all)."""
+    positions = [{p: i for i, p in enumerate(order)} for order in orders]
+    nodes, starts = graph.nodes, graph.predecessor_positions
+    assert starts is not None  # a validated graph has positions
+    after: list[dict[int, list[int]]] = [{} for _ in orders]
+    for k, n in enumerate(nodes):
         if n.kind is not SEND:
             continue
         for d in n.devices:
             anchor = -1
-            for e in graph.predecessors[n.id]:
-                p = nodes[e.src]
+            for j in starts[k]:
+                p = nodes[j]
                 if d not in p.devices:
                     continue
                 if p.kind is RECV:
@@ -251,78 +266,72 @@ def _place_sends(graph: Graph, orders: list[list[str]]) -> list[dict[int, list[s
                         nodes=[n.id, p.id],
                         ranks=[d],
                     )
-                anchor = max(anchor, positions[d].get(p.id, -1))
-            after[d].setdefault(anchor, []).append(n.id)
+                anchor = max(anchor, positions[d].get(j, -1))
+            after[d].setdefault(anchor, []).append(k)
     return after
 
 
-def _peer(node: Node, rank: int) -> int:
-    return node.peers[node.devices.index(rank)]
-
-
-def _matching_recv(graph: Graph, send: Node, src: int) -> str:
-    dst = _peer(send, src)
-    # The ends of the send's edges, in edge order, by position: ``graph.successors`` is not
-    # made for this alone (a validated graph has positions).
-    positions, nodes = graph.successor_positions, graph.nodes
-    ends = (
-        [nodes[j] for j in positions[graph.node_position[send.id]]]
-        if positions is not None
-        else [graph.node_by_id[e.dst] for e in graph.successors[send.id]]
-    )
-    for r in ends:
-        if r.kind is RECV and dst in r.devices and _peer(r, dst) == src:
-            return r.id
+def _matching_recv(graph: Graph, send: int, src: int, dst: int) -> int:
+    """The RECV (position) on ``dst`` that the SEND at position ``send`` on ``src`` feeds:
+    the first end of its edges, in edge order, that receives from ``src``."""
+    nodes = graph.nodes
+    for j in graph.successor_positions[send]:  # type: ignore[index]
+        r = nodes[j]
+        if r.kind is RECV and dst in r.devices and r.peers[r.devices.index(dst)] == src:
+            return j
     raise SchedulingError(
-        f"send {send.id} on rank {src} to rank {dst} has no receive on rank {dst}",
-        nodes=[send.id],
+        f"send {nodes[send].id} on rank {src} to rank {dst} has no receive on rank {dst}",
+        nodes=[nodes[send].id],
         ranks=[src, dst],
     )
 
 
 def _place_recvs(
-    graph: Graph, orders: list[list[str]], sends: list[dict[int, list[str]]], overlap: dict[str, tuple]
-) -> list[list[str]]:
-    """Full per-rank node id lists: sends after producers, receives before consumers; the
-    consumers of an overlapped slot (``overlap``: node id -> slot key) count as one, at the
-    slot's first member."""
-    nodes = graph.node_by_id
-    # Each channel's receive ids in the sender's order.
-    channels: dict[Channel, list[str]] = {}
+    graph: Graph, orders: list[list[int]], sends: list[dict[int, list[int]]], overlap: dict[str, tuple]
+) -> list[list[int]]:
+    """Full per-rank lists of node positions: sends after producers, receives before
+    consumers; the consumers of an overlapped slot (``overlap``: node id -> slot key) count
+    as one, at the slot's first member."""
+    nodes, starts = graph.nodes, graph.predecessor_positions
+    assert starts is not None  # a validated graph has positions
+    # Each channel's receives in the sender's order.
+    channels: dict[Channel, list[int]] = {}
     comms: dict[str, str] = {}  # value -> ``communicator_for`` it: a value has many transfers
     for src in range(len(orders)):
         for anchor in sorted(sends[src]):  # the sender's list order
-            for sid in sends[src][anchor]:
-                send = nodes[sid]
+            for k in sends[src][anchor]:
+                send = nodes[k]
                 value = send.value or ""
                 comm = comms.get(value)
                 if comm is None:
                     comm = comms[value] = communicator_for(value)
-                key = (comm, src, _peer(send, src))
+                dst = send.peers[send.devices.index(src)]  # ``_peer``
+                key = (comm, src, dst)
                 rids = channels.get(key)
                 if rids is None:
                     rids = channels[key] = []
-                rids.append(_matching_recv(graph, send, src))
-    slot: dict[tuple[str, int], tuple[Channel, int]] = {}
+                rids.append(_matching_recv(graph, k, src, dst))
+    slot: dict[tuple[int, int], tuple[Channel, int]] = {}
     for key, rids in channels.items():
         for i, rid in enumerate(rids):
             slot[(rid, key[2])] = (key, i)
     cursor = dict.fromkeys(channels, 0)
-    # receive id -> its ranks: one lookup per edge tells a receive on this rank
-    recvs = {n.id: n.devices for n in graph.nodes if n.kind is RECV}
-    predecessors = graph.predecessors
+    # per position, the ranks of a receive (none for other nodes): one lookup per edge tells
+    # a receive on this rank
+    recv_ranks = [n.devices if n.kind is RECV else () for n in nodes]
     into: dict[int, list[Channel]] = {}  # destination rank -> its channels, sorted
     for key in sorted(channels):
         into.setdefault(key[2], []).append(key)
+    slot_at = {graph.node_position[nid]: key for nid, key in overlap.items()}  # by position
 
-    lists: list[list[str]] = []
+    lists: list[list[int]] = []
     for rank, order in enumerate(orders):
-        out: list[str] = list(sends[rank].get(-1, ()))
+        out: list[int] = list(sends[rank].get(-1, ()))
 
-        def pull(rid: str, rank: int = rank, out: list[str] = out) -> None:
+        def pull(rid: int, rank: int = rank, out: list[int] = out) -> None:
             if (rid, rank) not in slot:
                 raise SchedulingError(
-                    f"receive {rid} on rank {rank} has no matching send", nodes=[rid], ranks=[rank]
+                    f"receive {nodes[rid].id} on rank {rank} has no matching send", nodes=[nodes[rid].id], ranks=[rank]
                 )
             key, i = slot[(rid, rank)]
             rids = channels[key]
@@ -331,18 +340,22 @@ def _place_recvs(
                 cursor[key] += 1
 
         # An overlapped slot receives what all its members need before its first member.
-        members: dict[tuple, list[str]] = {}
-        for nid in order if overlap else ():
-            if nid in overlap:
-                members.setdefault(overlap[nid], []).append(nid)
-        following, ranks_of = sends[rank].get, recvs.get
-        for i, nid in enumerate(order):
-            for m in members.pop(overlap[nid], ()) if overlap and nid in overlap else (nid,):
-                for e in predecessors[m]:
-                    src = e.src
-                    if rank in ranks_of(src, ()):
-                        pull(src)
-            out.append(nid)
+        members: dict[tuple, list[int]] = {}
+        for p in order if slot_at else ():
+            if p in slot_at:
+                members.setdefault(slot_at[p], []).append(p)
+        following = sends[rank].get
+        for i, p in enumerate(order):
+            if slot_at and p in slot_at:
+                for m in members.pop(slot_at[p], ()):
+                    for j in starts[m]:
+                        if rank in recv_ranks[j]:
+                            pull(j)
+            else:  # the common case, one node: no member list
+                for j in starts[p]:
+                    if rank in recv_ranks[j]:
+                        pull(j)
+            out.append(p)
             sent = following(i)
             if sent is not None:
                 out.extend(sent)
@@ -405,10 +418,25 @@ def _overlapped_slots(graph: Graph) -> dict[str, tuple]:
     one slot are exactly those with the same device and the same ordered predecessors and
     successors. Linear in the number of such edges.
     """
+    # the ordered edges picked out first, in one tight pass: a fifth of a pipeline's edges
+    ordered = [e for e in graph.edges if e.kind is TEMPORAL and e.origin is not None]
+    # A node that is the only successor of its predecessors (or, with none, the only
+    # predecessor of its successors) shares its slot with no other node: nearly every node.
+    # ``forks`` (starts with two or more successors) and ``joins`` (ends with two or more
+    # predecessors), found with two tables made in C, tell the few others (``near``); the
+    # sets of ordered neighbours are made for the edges around those alone (0.1 s against
+    # 0.3 at 16,384 devices, where every edge had its sets).
+    last_after = {e.src: e.dst for e in ordered}
+    last_before = {e.dst: e.src for e in ordered}
+    forks = {e.src for e in ordered if last_after[e.src] != e.dst}
+    joins = {e.dst for e in ordered if last_before[e.dst] != e.src}
+    if not forks and not joins:
+        return {}
+    near = {e.dst for e in ordered if e.src in forks} | {e.src for e in ordered if e.dst in joins}
     preds: dict[str, set[str]] = {}
     succs: dict[str, set[str]] = {}
-    # the ordered edges picked out first, in one tight pass: a fifth of a pipeline's edges
-    for e in [e for e in graph.edges if e.kind is TEMPORAL and e.origin is not None]:
+    # Every edge into or out of a node of ``near``: each set the loop below reads is whole.
+    for e in [e for e in ordered if e.src in near or e.dst in near]:
         src, dst = e.src, e.dst
         before, after = preds.get(dst), succs.get(src)
         if before is None:
@@ -421,7 +449,7 @@ def _overlapped_slots(graph: Graph) -> dict[str, tuple]:
             after.add(dst)
     groups: dict[tuple, list[Node]] = {}
     for n in graph.nodes:
-        if n.kind is COMPUTE and n.phase in OVERLAP_PHASES and (n.id in preds or n.id in succs):
+        if n.kind is COMPUTE and n.id in near and n.phase in OVERLAP_PHASES and (n.id in preds or n.id in succs):
             before, after = preds.get(n.id), succs.get(n.id)
             # A node that is the only successor of one of its predecessors (or the only
             # predecessor of one of its successors) shares its slot with no other node: every
@@ -441,61 +469,74 @@ def _overlapped_slots(graph: Graph) -> dict[str, tuple]:
 def _rank_plan(
     graph: Graph,
     rank: int,
-    ids: list[str],
+    ids: list[int],
     overlap: dict[str, tuple],
     replica: int,
     tables: _Tables,
 ) -> RankPlan:
-    """Instructions for ``ids`` on ``rank``, with events between streams; the compute of each
-    overlapped slot gets one ``overlap`` number (0, 1, ... in list order).
+    """Instructions for the nodes at positions ``ids`` on ``rank``, with events between
+    streams; the compute of each overlapped slot gets one ``overlap`` number (0, 1, ... in
+    list order).
 
-    One pass finds each instruction's waits (a list by position) and the events others wait
-    on (node id -> event id, each made once), a second makes the instructions, those of SENDs
-    and RECVs (two thirds of a pipeline's) without a call of ``_fields``."""
-    nodes = graph.node_by_id
-    predecessors = graph.predecessors
-    placed = [nodes[nid] for nid in ids]  # looked up once: the graph's table is large
-    # node id -> its stream, for the nodes on this rank: one lookup per edge in a table of
+    One pass, from the last instruction back to the first: an instruction records an event
+    when a later one of another stream waits for it, and every later one has been looked at
+    by then, so each instruction is made as its waits are found (no second pass, no list of
+    waits by position). Those of SENDs and RECVs (two thirds of a pipeline's) are made
+    without a call of ``_fields``."""
+    nodes, starts = graph.nodes, graph.predecessor_positions
+    assert starts is not None  # a validated graph has positions
+    placed = [nodes[p] for p in ids]
+    # position -> its stream, for the nodes on this rank: one lookup per edge in a table of
     # this rank's nodes tells both whether the source is here and its stream.
-    stream_of = {n.id: n.stream for n in placed}.get
+    stream_of = {p: n.stream for p, n in zip(ids, placed, strict=True)}.get
+    numbers: dict[str, int] = {}  # node id -> its slot's overlap number, in list order
+    if overlap:
+        slots: dict[tuple, int] = {}
+        for n in placed:
+            if n.id in overlap:
+                numbers[n.id] = slots.setdefault(overlap[n.id], len(slots))
+    events: dict[int, str] = {}  # position -> the event it records, for those others wait on
+    transfers, recorded, number_of = tables.transfers.get, events.get, numbers.get
     no_waits: tuple[str, ...] = ()
-    waits = [no_waits] * len(placed)
-    events: dict[str, str] = {}  # node id -> the event it records, for those others wait on
-    for k, n in enumerate(placed):
-        stream, bucket = n.stream, None
-        for e in predecessors[n.id]:
-            src = e.src
-            src_stream = stream_of(src)
+    instructions = []
+    append = instructions.append
+    for k in range(len(ids) - 1, -1, -1):
+        n = placed[k]
+        nid, kind, stream, bucket = n.id, n.kind, n.stream, None
+        for j in starts[ids[k]]:
+            src_stream = stream_of(j)
             if src_stream is not None and src_stream != stream:
-                ev = events.get(src)
+                ev = events.get(j)
                 if ev is None:
-                    ev = events[src] = event_id(src)
+                    ev = events[j] = event_id(nodes[j].id)
                 if bucket is None:
                     bucket = [ev]
                 elif ev not in bucket:
                     bucket.append(ev)
-        if bucket is not None:
-            waits[k] = tuple(bucket)
-    numbers: dict[tuple, int] = {}
-    transfers, recorded = tables.transfers.get, events.get
-    instructions = []
-    append = instructions.append
-    for n, waited in zip(placed, waits, strict=True):
-        nid, kind = n.id, n.kind
         if kind is SEND or kind is RECV:  # two thirds of the instructions: inline
             transfer = transfers(n.value or "")
             if transfer is None:
-                raise SchedulingError(f"{kind.value} node {nid} carries unknown value {n.value!r}", nodes=[nid])
-            communicator, meta = transfer
+                _unknown_value(placed, tables)
+            communicator, meta = transfer  # type: ignore[misc]
             peer = n.peers[n.devices.index(rank)]  # ``_peer``, inline
+        elif kind is COMPUTE and not tables.collectives:  # ``_fields`` of compute without collectives
+            peer = communicator = meta = None
         else:
             peer, communicator, meta = None, *_fields(n, rank, tables)
-        number = numbers.setdefault(overlap[nid], len(numbers)) if nid in overlap else None
-        append(Instruction(  # by position, in the order of INSTRUCTION_FIELDS
-            nid, kind, n.stream, n.segment, n.phase, n.microbatch, n.value, peer, communicator, meta,
-            waited, recorded(nid), number,
+        append(make_instruction(  # by position, in the order of INSTRUCTION_FIELDS
+            nid, kind, stream, n.segment, n.phase, n.microbatch, n.value, peer, communicator, meta,
+            no_waits if bucket is None else tuple(bucket), recorded(ids[k]), number_of(nid) if numbers else None,
         ))
+    instructions.reverse()
     return RankPlan(rank, instructions, replica)
+
+
+def _unknown_value(placed: list[Node], tables: _Tables) -> NoReturn:
+    """Raise for the first SEND or RECV of ``placed`` whose value the graph does not have."""
+    for n in placed:
+        if (n.kind is SEND or n.kind is RECV) and (n.value or "") not in tables.transfers:
+            raise SchedulingError(f"{n.kind.value} node {n.id} carries unknown value {n.value!r}", nodes=[n.id])
+    raise AssertionError("a transfer of an unknown value was seen")
 
 
 def _fields(n: Node, rank: int, tables: _Tables) -> tuple[str | None, TensorMeta | None]:

@@ -36,11 +36,23 @@ def p2p_sequences(program: Program) -> tuple[dict[Channel, list[int]], dict[Chan
     sends: dict[Channel, list[int]] = {}
     recvs: dict[Channel, list[int]] = {}
     for plan in program.ranks:
+        r = plan.rank
         for i, ins in enumerate(plan.instructions):
-            if ins.kind is SEND:
-                sends.setdefault((ins.communicator or "", plan.rank, ins.peer or 0), []).append(i)
-            elif ins.kind is RECV:
-                recvs.setdefault((ins.communicator or "", ins.peer or 0, plan.rank), []).append(i)
+            kind = ins.kind
+            if kind is SEND:
+                key = (ins.communicator or "", r, ins.peer or 0)
+                index = sends.get(key)  # not ``setdefault``: it makes a list per call
+                if index is None:
+                    sends[key] = [i]
+                else:
+                    index.append(i)
+            elif kind is RECV:
+                key = (ins.communicator or "", ins.peer or 0, r)
+                index = recvs.get(key)
+                if index is None:
+                    recvs[key] = [i]
+                else:
+                    index.append(i)
     return sends, recvs
 
 
@@ -55,7 +67,8 @@ def collective_sequences(program: Program) -> dict[str, dict[int, list[int]]]:
     out: dict[str, dict[int, list[int]]] = {}
     for plan in program.ranks:
         for i, ins in enumerate(plan.instructions):
-            if is_collective(ins):
+            kind = ins.kind  # transfers (two thirds of a pipeline's instructions) are no collective
+            if kind is not SEND and kind is not RECV and is_collective(ins):
                 out.setdefault(ins.communicator or "", {}).setdefault(plan.rank, []).append(i)
     return out
 

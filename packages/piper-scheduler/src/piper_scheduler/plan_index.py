@@ -109,7 +109,8 @@ class RankIndex:
                 else:
                     self.sends.append(i)
                 want, have = metas.get(ins.value or ""), ins.meta
-                if want is not None and have is not None and (have.shape != want.shape or have.dtype != want.dtype):
+                if (have is not want and want is not None and have is not None  # compile shares the value's meta
+                        and (have.shape != want.shape or have.dtype != want.dtype)):
                     fail(program, "shape", f"{describe(program, r, i)} moves {list(have.shape)}/{have.dtype} but "
                          f"value {ins.value} is {list(want.shape)}/{want.dtype}", [(r, i)])
             elif kind in GROUP_KINDS:

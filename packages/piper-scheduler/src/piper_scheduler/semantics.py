@@ -84,8 +84,10 @@ def _check_coverage(program: Program, ranks: list[RankIndex]) -> None:
             if key[1] is PHASE_OPT:
                 continue  # a segment steps on every rank holding its parameters (mirrors too)
             where = (replica, positions[key[0]].get(rank.rank, 0) if key[0] in positions else 0)
-            done = runs.setdefault(key, {})
-            if where in done:
+            done = runs.get(key)  # not ``setdefault``: it makes a table per call (132k passes)
+            if done is None:
+                done = runs[key] = {}
+            elif where in done:
                 r, j = done[where]
                 place = f"replica {where[0]}" + (f", tensor-parallel position {where[1]}" if key[0] in positions else "")
                 fail(program, "once", f"{describe(program, rank.rank, i)} runs {label(key)}, which rank {r} "

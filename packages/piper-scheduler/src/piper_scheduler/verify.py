@@ -85,16 +85,21 @@ def _check_structure(program: Program) -> None:
     for r, plan in enumerate(program.ranks):
         if plan.rank != r:
             raise SchedulingError(f"plan {r} says it is for rank {plan.rank}", ranks=[r])
-        seen: dict[str, int] = {}
+        # ids told unique by one set made in C; only a plan with an id twice keeps a table
+        # of them, to name the first one seen again where the walk meets it
+        seen: dict[str, int] | None = None
+        if len({ins.id for ins in plan.instructions}) != len(plan.instructions):
+            seen = {}
         for i, ins in enumerate(plan.instructions):
-            if ins.id in seen:
-                _fail(
-                    SchedulingError,
-                    program,
-                    f"instruction id {ins.id!r} appears twice on rank {r}",
-                    [(r, seen[ins.id]), (r, i)],
-                )
-            seen[ins.id] = i
+            if seen is not None:
+                if ins.id in seen:
+                    _fail(
+                        SchedulingError,
+                        program,
+                        f"instruction id {ins.id!r} appears twice on rank {r}",
+                        [(r, seen[ins.id]), (r, i)],
+                    )
+                seen[ins.id] = i
             kind = ins.kind
             if kind is SEND or kind is RECV:
                 # ``_check_p2p_fields``'s tests, inline for the transfers that pass them (two
@@ -288,7 +293,7 @@ def _check_progress(program: Program, partners: dict[Slot, Slot], coll: dict[Slo
                 if pc[src] <= j:
                     waiting.setdefault((src, j), []).append(r)
                     break
-            elif is_collective(ins):
+            elif coll and is_collective(ins):  # ``coll`` holds every collective: none, no test
                 key = coll[(r, i)]
                 if r not in at_collective:
                     at_collective.add(r)
