@@ -205,7 +205,8 @@ def test_a_fit_out_of_range_reproduces_the_larger_microbatch(tiny):
 
 def test_measuring_the_models_step_fits_the_file_to_it(tmp_path, tiny):
     cal = Calibration(devices=2, matmuls=model_matmuls(hf_config(tiny), 8), elementwise_elements=4096,
-                      peak_size=64, link_large=1 << 16, repeats=2, seconds=0.0, model=tiny, seq_len=8, sequences=2)
+                      peak_size=64, link_large=1 << 16, repeats=2, seconds=0.0, model=tiny, seq_len=8, sequences=2,
+                      step_seconds=0.0)
     m = measure(cal)  # Piper's training step on 2 local ranks, at 1 and 2 sequences per rank
     assert [b for b, _ in m.steps] == [1, 2] and all(t > 0 for _, t in m.steps) and m.step_ranks == 2
     census = hf_census(tiny, 8, dtype=torch.float32)

@@ -102,6 +102,7 @@ class Calibration:
     model: str | None = None  # hf:CONFIG whose own step is timed (``step_sizes``), or None
     seq_len: int = 32
     sequences: int = 1  # the microbatch (sequences) the step is fitted at
+    step_seconds: float = 3.0  # at least this long timing the model's step at each size (the CPU)
     runtime: str = "local"  # how the planned run's ranks run: threads of one process, or processes (ray)
 
     def __attrs_post_init__(self) -> None:
@@ -292,34 +293,58 @@ def measure(cal: Calibration) -> Measured:
 def _runtime_steps(cal: Calibration, devices: int) -> tuple[tuple[int, float], ...]:
     """Piper's whole training step of the model on ``devices`` data-parallel ranks (1F1B, one
     microbatch, ZeRO 0, AdamW) as ``cal.runtime`` runs them, at each of ``cal.step_sizes``
-    sequences per rank: the median of at least ``repeats`` timed steps and ``seconds`` per size
-    after two untimed ones. What a rank pays beyond its products (its other operators, Python
-    and autograd per operator, the runtime's instructions, the gradient reduction and the
-    optimizer on the cores that compute) is in the times (module doc)."""
+    sequences per rank: the median of at least ``repeats`` timed steps and ``step_seconds``
+    per size after two untimed ones. On the ``local`` runtime both trainers are up at once and
+    the sizes take turns step by step, so a drift in the machine's speed moves both alike (the
+    fit rests on their difference); on ``ray`` (a rank's bundle holds a CPU: the embedded
+    cluster has room for one trainer) one size after the other. What a rank pays beyond its
+    products (its other operators, Python and autograd per operator, the runtime's
+    instructions, the gradient reduction and the optimizer on the cores that compute) is in
+    the times (module doc)."""
+    import contextlib
+
     from piper_directives import build_schedule
     from piper_runtime import OptimizerSpec
     from piper_train.trainer import Trainer
     from piper_train.workload import load_workload
 
-    out: list[tuple[int, float]] = []
-    for sequences in cal.step_sizes:
+    def trainer(sequences: int) -> tuple[Trainer, list]:  # the caller closes it
         workload = load_workload(str(cal.model), stages=1, batch_size=sequences * devices)
         if cal.dtype not in ("fp32", "bf16"):
             workload.model.to(DTYPES[cal.dtype])
         strategy = build_schedule("1f1b", 1, 1, stages=workload.stages, dp=devices)
-        with Trainer(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
-                     optimizer=OptimizerSpec("adamw", 3e-3), runtime=cal.runtime, regions=workload.regions,
-                     capture_method=workload.capture, precision="bf16" if cal.dtype == "bf16" else None) as trainer:
-            batches = [workload.batches(k) for k in range(4)]
+        made = Trainer(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
+                       optimizer=OptimizerSpec("adamw", 3e-3), runtime=cal.runtime, regions=workload.regions,
+                       capture_method=workload.capture, precision="bf16" if cal.dtype == "bf16" else None)
+        return made, [workload.batches(k) for k in range(4)]
+
+    def timed(pairs: list[tuple[Trainer, list]]) -> list[float]:
+        for t, batches in pairs:
             for batch in batches[:2]:  # untimed: the first steps pay set-up
-                trainer.step(*batch)
-            times: list[float] = []
-            began = time.perf_counter()
-            while len(times) < cal.repeats or time.perf_counter() - began < cal.seconds:
+                t.step(*batch)
+        times: list[list[float]] = [[] for _ in pairs]
+        began = time.perf_counter()
+        while len(times[0]) < cal.repeats or time.perf_counter() - began < cal.step_seconds * len(pairs):
+            for k, (t, batches) in enumerate(pairs):
                 start = time.perf_counter()
-                trainer.step(*batches[len(times) % len(batches)])
-                times.append(time.perf_counter() - start)
-        out.append((sequences, statistics.median(times)))
+                t.step(*batches[len(times[k]) % len(batches)])
+                times[k].append(time.perf_counter() - start)
+        return [statistics.median(t) for t in times]
+
+    sizes = cal.step_sizes
+    if cal.runtime == "local":
+        with contextlib.ExitStack() as stack:
+            pairs = []
+            for b in sizes:
+                made, batches = trainer(b)
+                stack.enter_context(made)
+                pairs.append((made, batches))
+            return tuple(zip(sizes, timed(pairs), strict=True))
+    out: list[tuple[int, float]] = []
+    for b in sizes:
+        made, batches = trainer(b)
+        with made:
+            out.append((b, timed([(made, batches)])[0]))
     return tuple(out)
 
 
