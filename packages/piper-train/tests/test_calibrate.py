@@ -131,6 +131,12 @@ def whole_step(census, hw: Hardware, sequences: int, ranks: int) -> float:
     return Planner(setting).price(Candidate("1f1b", 1, 1, dp=ranks)).step_seconds
 
 
+def tp_step(census, hw: Hardware, sequences: int, ranks: int) -> float:
+    """The planner's whole step of the same strategy on ``ranks`` tensor-parallel ranks."""
+    setting = Setting(census, hw, ranks, sequences, dtype="fp32", budget_bytes=1 << 62)
+    return Planner(setting).price(Candidate("1f1b", 1, 1, tp=ranks)).step_seconds
+
+
 def fitted(hw: Hardware, fit) -> Hardware:
     return attrs.evolve(hw, flop_efficiency=fit.flop_efficiency, op_overhead_us=fit.op_overhead * 1e6)
 
@@ -165,6 +171,21 @@ def test_a_whole_data_parallel_step_is_fitted_through_the_planners_price(tiny):
     assert fit.exact
     for b, seconds in steps:
         assert whole_step(census, fitted(linked, fit), b, 2) == pytest.approx(seconds, rel=1e-6)
+
+
+def test_a_tensor_parallel_step_fits_the_latency_a_collective_pays_inside_a_step(tiny):
+    census = hf_census(tiny, 8, dtype=torch.float32)
+    linked = attrs.evolve(DEVICE, intra_node_gb_per_s=0.5, inter_node_gb_per_s=0.5, intra_node_latency_us=100.0,
+                          inter_node_latency_us=100.0, devices_per_node=2)
+    truth = attrs.evolve(linked, flop_efficiency=0.3, op_overhead_us=12.0, intra_node_latency_us=900.0,
+                         inter_node_latency_us=900.0)
+    steps = [(b, whole_step(census, truth, b, 2)) for b in (1, 8)]
+    fit = fit_step(census, linked, steps, "fp32", ranks=2, tensor_parallel=(8, tp_step(census, truth, 8, 2)))
+    assert fit.exact and fit.link_latency == pytest.approx(900e-6, rel=1e-5)
+    assert fit.flop_efficiency == pytest.approx(0.3, rel=1e-5) and fit.op_overhead == pytest.approx(12e-6, rel=1e-5)
+    # A step faster than any latency allows leaves the file's latency as it is.
+    fast = fit_step(census, linked, steps, "fp32", ranks=2, tensor_parallel=(8, 1e-6))
+    assert fast.link_latency is None and fast.tensor_parallel is None
 
 
 def test_fit_recovers_the_figures_a_step_was_priced_with(tiny):
@@ -217,6 +238,15 @@ def test_measuring_the_models_step_fits_the_file_to_it(tmp_path, tiny):
     assert hw.flop_efficiency == pytest.approx(fit.flop_efficiency) and "training step" in hw.source
     assert hw.peak("fp32") * 1e12 == pytest.approx(fit.peak_flops)
     assert whole_step(census, hw, 2, 2) == pytest.approx(m.steps[1][1], rel=1e-6)
+    # The same step on 2 tensor-parallel ranks was measured too; where a latency gives it
+    # back, the file's links hold that latency and the planner prices the step as measured.
+    assert m.tp_step is not None and m.tp_step[0] == 2 and m.tp_step[1] > 0
+    fit = fit_step(census, load_hardware(_written(tmp_path, hardware_file(m, cal, name="here"))), m.steps, "fp32",
+                   m.step_ranks, m.tp_step)
+    if fit.link_latency is not None:
+        hw = load_hardware(_written(tmp_path, hardware_file(m, cal, name="here", fit=fit)))
+        assert hw.intra_node_latency_us == pytest.approx(fit.link_latency * 1e6)
+        assert tp_step(census, hw, 2, 2) == pytest.approx(m.tp_step[1], rel=1e-5)
 
 
 def _written(tmp_path: Path, data: dict) -> str:

@@ -213,7 +213,8 @@ def calibrate(args: argparse.Namespace) -> int:
     data = hardware_file(measured, cal, base, name=out.stem)
     fit = None
     if census is not None:  # the model's own step: fit the planner's figures to it
-        fit = fit_step(census, parse_hardware(data, str(out)), measured.steps, dtype, measured.step_ranks)
+        fit = fit_step(census, parse_hardware(data, str(out)), measured.steps, dtype, measured.step_ranks,
+                       measured.tp_step)
         data = hardware_file(measured, cal, base, name=out.stem, fit=fit)
     with writing(out, "--out"):
         out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
@@ -233,7 +234,10 @@ def calibrate(args: argparse.Namespace) -> int:
                   + f"; fitted: flop_efficiency {fit.flop_efficiency:.3f} "
                     f"({fit.flop_efficiency * (fit.peak_flops or measured.peak_flops) / 1e9:.3g} GFLOP/s), "
                     f"{fit.op_overhead * 1e6:.2f} us per operator x {fit.operators} operators"
-                  + ("" if fit.exact else " (no figures in range reproduce both: the larger fitted)"))
+                  + ("" if fit.exact else " (no figures in range reproduce both: the larger fitted)")
+                  + ("" if fit.link_latency is None or fit.tensor_parallel is None else
+                     f"; on {cal.devices} tensor-parallel rank(s): {fit.tensor_parallel[1] * 1e3:.1f} ms, a collective "
+                     f"inside the step {fit.link_latency * 1e6:.0f} us"))
     say(args, f"wrote {out}; plan with it: piper tune --hardware {out} --precision {dtype} --devices N "
               f"--model hf:CONFIG")
     if args.json:
@@ -242,7 +246,10 @@ def calibrate(args: argparse.Namespace) -> int:
                     "step": None if fit is None else {
                         "sequences": [b for b, _ in fit.steps], "seconds": [t for _, t in fit.steps],
                         "flop_efficiency": fit.flop_efficiency, "op_overhead_us": fit.op_overhead * 1e6,
-                        "operators": fit.operators, "exact": fit.exact}})
+                        "operators": fit.operators, "exact": fit.exact,
+                        "tensor_parallel": None if fit.tensor_parallel is None else {
+                            "sequences": fit.tensor_parallel[0], "seconds": fit.tensor_parallel[1],
+                            "link_latency_us": fit.link_latency * 1e6 if fit.link_latency is not None else None}}})
     return 0
 
 

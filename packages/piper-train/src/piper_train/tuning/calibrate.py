@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import math
 import os
 import platform
 import statistics
@@ -142,6 +143,8 @@ class Measured:
     # None (a GPU), the captured segments' forward and backward on this thread
     steps: tuple[tuple[int, float], ...] = ()
     step_ranks: int | None = None
+    # the same step on ``step_ranks`` tensor-parallel ranks, (sequences, seconds), where measured
+    tp_step: tuple[int, float] | None = None
 
     @property
     def flop_efficiency(self) -> float:
@@ -279,40 +282,44 @@ def measure(cal: Calibration) -> Measured:
     if not cuda and devices > 1:
         link_bw, link_lat = _link(cal)
     steps: tuple[tuple[int, float], ...] = ()
+    tp_step = None
     if cal.model and cuda:
         steps = _segment_steps(cal)
     elif cal.model:
-        steps = _runtime_steps(cal, devices)
+        steps, tp_step = _runtime_steps(cal, devices)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return Measured(torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine()),
                     devices, cal.dtype, peak, model, bandwidth, tiny, link_bw, link_lat, load,
                     time.perf_counter() - started, _memory(cuda, devices), steps,
-                    None if cuda or not cal.model else devices)
+                    None if cuda or not cal.model else devices, tp_step)
 
 
-def _runtime_steps(cal: Calibration, devices: int) -> tuple[tuple[int, float], ...]:
+def _runtime_steps(cal: Calibration, devices: int) -> tuple[tuple[tuple[int, float], ...], tuple[int, float] | None]:
     """Piper's whole training step of the model on ``devices`` data-parallel ranks (1F1B, one
     microbatch, ZeRO 0, AdamW) as ``cal.runtime`` runs them, at each of ``cal.step_sizes``
-    sequences per rank: the median of at least ``repeats`` timed steps and ``step_seconds``
-    per size after two untimed ones. On the ``local`` runtime both trainers are up at once and
-    the sizes take turns step by step, so a drift in the machine's speed moves both alike (the
-    fit rests on their difference); on ``ray`` (a rank's bundle holds a CPU: the embedded
-    cluster has room for one trainer) one size after the other. What a rank pays beyond its
-    products (its other operators, Python and autograd per operator, the runtime's
-    instructions, the gradient reduction and the optimizer on the cores that compute) is in
-    the times (module doc)."""
+    sequences per rank, and (with 2 ranks or more, where the model's heads divide among them)
+    the same step on ``devices`` tensor-parallel ranks at the larger size: the median of at
+    least ``repeats`` timed steps and ``step_seconds`` each after two untimed ones. On the
+    ``local`` runtime the trainers are up at once and take turns step by step, so a drift in
+    the machine's speed moves all alike (the fit rests on their differences); on ``ray`` (a
+    rank's bundle holds a CPU: the embedded cluster has room for one trainer) one after the
+    other. What a rank pays beyond its products (its other operators, Python and autograd per
+    operator, the runtime's instructions, the collectives and the optimizer on the cores that
+    compute) is in the times (module doc)."""
     import contextlib
 
     from piper_directives import build_schedule
+    from piper_ir import PiperError
     from piper_runtime import OptimizerSpec
     from piper_train.trainer import Trainer
     from piper_train.workload import load_workload
 
-    def trainer(sequences: int) -> tuple[Trainer, list]:  # the caller closes it
-        workload = load_workload(str(cal.model), stages=1, batch_size=sequences * devices)
+    def trainer(sequences: int, tp: bool = False) -> tuple[Trainer, list]:  # the caller closes it
+        workload = load_workload(str(cal.model), stages=1, batch_size=sequences * (1 if tp else devices))
         if cal.dtype not in ("fp32", "bf16"):
             workload.model.to(DTYPES[cal.dtype])
-        strategy = build_schedule("1f1b", 1, 1, stages=workload.stages, dp=devices)
+        degrees = {"tp": devices} if tp else {"dp": devices}
+        strategy = build_schedule("1f1b", 1, 1, stages=workload.stages, **degrees)
         made = Trainer(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
                        optimizer=OptimizerSpec("adamw", 3e-3), runtime=cal.runtime, regions=workload.regions,
                        capture_method=workload.capture, precision="bf16" if cal.dtype == "bf16" else None)
@@ -332,20 +339,28 @@ def _runtime_steps(cal: Calibration, devices: int) -> tuple[tuple[int, float], .
         return [statistics.median(t) for t in times]
 
     sizes = cal.step_sizes
-    if cal.runtime == "local":
-        with contextlib.ExitStack() as stack:
-            pairs = []
-            for b in sizes:
-                made, batches = trainer(b)
+    runs: list[tuple[int, bool]] = [(b, False) for b in sizes] + ([(sizes[-1], True)] if devices > 1 else [])
+    seconds: dict[tuple[int, bool], float] = {}
+    with contextlib.ExitStack() as stack:
+        pairs: list[tuple[Trainer, list]] = []
+        kept: list[tuple[int, bool]] = []
+        for run in runs:
+            try:
+                made, batches = trainer(*run)
+            except (PiperError, ValueError):  # a model whose heads do not divide: no tensor-parallel step
+                if run[1]:
+                    continue
+                raise
+            if cal.runtime == "local":  # up at once, in turns
                 stack.enter_context(made)
                 pairs.append((made, batches))
-            return tuple(zip(sizes, timed(pairs), strict=True))
-    out: list[tuple[int, float]] = []
-    for b in sizes:
-        made, batches = trainer(b)
-        with made:
-            out.append((b, timed([(made, batches)])[0]))
-    return tuple(out)
+                kept.append(run)
+            else:
+                with made:
+                    seconds[run] = timed([(made, batches)])[0]
+        seconds.update(zip(kept, timed(pairs), strict=True) if pairs else ())
+    tp = (sizes[-1], seconds[(sizes[-1], True)]) if (sizes[-1], True) in seconds else None
+    return tuple((b, seconds[(b, False)]) for b in sizes), tp
 
 
 def _segment_steps(cal: Calibration) -> tuple[tuple[int, float], ...]:
@@ -421,27 +436,34 @@ class StepFit:
     steps: tuple[tuple[int, float], ...]
     exact: bool = True
     peak_flops: float | None = None  # the peak, raised to the step's rate where that ran faster
+    link_latency: float | None = None  # seconds a collective costs inside a step (``tensor_parallel``)
+    tensor_parallel: tuple[int, float] | None = None  # the tensor-parallel step it was fitted to
 
 
 def fit_step(census: Census, hardware: Hardware, steps: Sequence[tuple[int, float]], dtype: str,
-             ranks: int | None = None) -> StepFit:
+             ranks: int | None = None, tensor_parallel: tuple[int, float] | None = None) -> StepFit:
     """``flop_efficiency`` and ``op_overhead_us`` of ``hardware`` (its memory bandwidth and
     links as they are) under which the planner prices the step measured at each
     ``(sequences, seconds)`` of ``steps`` (two sizes) as measured: with ``ranks``, its whole
     step (``Planner.price``) of the strategy ``_runtime_steps`` ran (1F1B, one microbatch of
     ``sequences`` per rank, ``ranks`` data-parallel ranks, ZeRO 0); without, its compute of a
     one-rank, one-microbatch step (``Planner.model_seconds``: the captured segments alone).
+    With ``tensor_parallel`` (``(sequences, seconds)`` of the same step on ``ranks``
+    tensor-parallel ranks), also the links' latency under which the planner prices that
+    step as measured: what a collective costs inside a step (the ranks meeting at each of a
+    layer's all-reduces), not only on an idle link.
 
     The planner's compute is ``roofline(e, b) + n x overhead``, ``n`` the census's operators
     (the same at every microbatch size), so the difference of the two times fixes the FLOP
     efficiency ``e`` (the roofline's growth falls as ``e`` rises: bisection) and the larger
     one the overhead (the whole step's other parts, the optimizer and exposed traffic, do
     not grow with the microbatch; where the overhead hides more of the gradient reduction,
-    the two are solved in turn until they settle). Where the step ran its products faster
-    than the peak measured (a machine whose load moved between the two), the peak is raised
-    to the step's rate and ``e`` is 1. Where the difference is below what the memory-bound
-    operators alone take, or the overhead would be negative, the overhead is 0 and the
-    larger size alone is reproduced (``exact`` False)."""
+    or the latency moves the gradient reduction, the figures are solved in turn until they
+    settle). Where the step ran its products faster than the peak measured (a machine whose
+    load moved between the two), the peak is raised to the step's rate and ``e`` is 1. Where
+    the difference is below what the memory-bound operators alone take, or the overhead
+    would be negative, the overhead is 0 and the larger size alone is reproduced (``exact``
+    False); where no latency reproduces the tensor-parallel step, the file's stays."""
     from piper_train.tuning.planner import Planner, Setting
     from piper_train.tuning.space import Candidate
 
@@ -450,12 +472,15 @@ def fit_step(census: Census, hardware: Hardware, steps: Sequence[tuple[int, floa
         raise ValueError("fit_step needs the step at two microbatch sizes")
     links = {k: getattr(hardware, k) or 1.0 for k in ("intra_node_gb_per_s", "inter_node_gb_per_s")}
 
-    def priced(e: float, overhead: float, b: int) -> float:  # e > 1: a rate above the file's peak
-        hw = attrs.evolve(hardware, flop_efficiency=e, op_overhead_us=overhead * 1e6, **links)
+    def priced(e: float, overhead: float, b: int, latency: float | None = None, tp: bool = False) -> float:
+        """The planner's price with these figures (e > 1: a rate above the file's peak)."""
+        lat = {} if latency is None else {"intra_node_latency_us": latency * 1e6, "inter_node_latency_us": latency * 1e6}
+        hw = attrs.evolve(hardware, flop_efficiency=e, op_overhead_us=overhead * 1e6, **links, **lat)
         if ranks is None:
             return Planner(Setting(census, hw, 1, b, dtype=dtype, budget_bytes=1)).model_seconds(b)
-        setting = Setting(census, hw, ranks, b * ranks, dtype=dtype, budget_bytes=1 << 62)
-        return Planner(setting).price(Candidate("1f1b", 1, 1, dp=ranks)).step_seconds
+        setting = Setting(census, hw, ranks, b * (1 if tp else ranks), dtype=dtype, budget_bytes=1 << 62)
+        return Planner(setting).price(Candidate("1f1b", 1, 1, tp=ranks) if tp else
+                                      Candidate("1f1b", 1, 1, dp=ranks)).step_seconds
 
     def solve(f: Callable[[float], float], target: float) -> float:
         """The ``e`` with ``f(e) = target``, ``f`` falling (bisection on a log scale), within
@@ -470,23 +495,34 @@ def fit_step(census: Census, hardware: Hardware, steps: Sequence[tuple[int, floa
             lo, hi = (mid, hi) if f(mid) > target else (lo, mid)
         return (lo * hi) ** 0.5
 
+    def rising(f: Callable[[float], float], target: float) -> float:
+        """The ``x > 0`` with ``f(x) = target``, ``f`` rising (``solve`` on ``1 / x``)."""
+        return 1.0 / solve(lambda inv: f(1.0 / inv), target)
+
     operators = sum(len(part.ops.get(p, ())) * k for part, k in ((census.layer, census.layers), (census.embed, 1),
                                                                  (census.head, 1)) for p in ("F", "BI", "BW"))
-    overhead = 0.0
+    tp_ok = (tensor_parallel is not None and ranks is not None and ranks > 1
+             and math.isfinite(priced(1.0, 0.0, tensor_parallel[0], tp=True)))
+    b3, t3 = tensor_parallel if tensor_parallel is not None else (0, 0.0)
+    overhead, latency = 0.0, None
     for _ in range(1 if ranks is None else 8):
-        e = solve(lambda x, o=overhead: priced(x, o, b2) - priced(x, o, b1), t2 - t1)
-        bare = priced(e, 0.0, b2)
+        e = solve(lambda x, o=overhead, lat=latency: priced(x, o, b2, lat) - priced(x, o, b1, lat), t2 - t1)
+        bare = priced(e, 0.0, b2, latency)
         # The overhead: exactly (t2 - bare) / n where the step is linear in it (the compute
         # alone); where it also hides traffic, the figure whose step is t2 (rising in it).
         overhead = (t2 - bare) / operators
         if ranks is not None and overhead > 0:
-            overhead = 1.0 / solve(lambda inv, e=e: priced(e, 1.0 / inv, b2), t2)
-    exact = (overhead >= 0 and abs(priced(e, overhead, b2) - t2) <= 1e-6 * t2
-             and abs(priced(e, overhead, b1) - t1) <= 1e-6 * t2)
+            overhead = rising(lambda o, e=e, lat=latency: priced(e, o, b2, lat), t2)
+        if tp_ok and overhead >= 0:
+            if priced(e, overhead, b3, 1e-9, tp=True) < t3:  # else no latency gives it back: the file's stays
+                latency = rising(lambda lat, e=e, o=overhead, b=b3: priced(e, o, b, lat, tp=True), t3)
+    exact = (overhead >= 0 and abs(priced(e, overhead, b2, latency) - t2) <= 1e-6 * t2
+             and abs(priced(e, overhead, b1, latency) - t1) <= 1e-6 * t2)
     if not exact:
-        e, overhead = solve(lambda x: priced(x, 0.0, b2), t2), 0.0
+        e, overhead, latency = solve(lambda x: priced(x, 0.0, b2), t2), 0.0, None
     peak = hardware.peak(dtype) * 1e12 * max(e, 1.0)  # type: ignore[operator]
-    return StepFit(min(e, 1.0), overhead, operators, ((b1, t1), (b2, t2)), exact, peak)
+    return StepFit(min(e, 1.0), overhead, operators, ((b1, t1), (b2, t2)), exact, peak, latency,
+                   tensor_parallel if latency is not None else None)
 
 
 def _memory(cuda: bool, devices: int) -> int | None:
@@ -581,7 +617,9 @@ def hardware_file(m: Measured, cal: Calibration, base: Hardware | None = None, n
         if fit.op_overhead > 0:
             out["op_overhead_us"] = fit.op_overhead * 1e6
     if m.link_bandwidth is not None and m.link_latency is not None:
-        gb, us = m.link_bandwidth / 1e9, m.link_latency * 1e6
+        # The latency a collective pays inside a step where the tensor-parallel step fitted one
+        latency = fit.link_latency if fit is not None and fit.link_latency is not None else m.link_latency
+        gb, us = m.link_bandwidth / 1e9, latency * 1e6
         out.update({"devices_per_node": cal.devices, "intra_node_gb_per_s": gb, "inter_node_gb_per_s": gb,
                     "intra_node_latency_us": us, "inter_node_latency_us": us, "link_efficiency": 1.0})
         if cal.devices >= (os.cpu_count() or 1):  # gloo's collectives take the cores the ranks compute on
@@ -594,8 +632,13 @@ def _fit_source(fit: StepFit, cal: Calibration, m: Measured) -> str:
     ranks = "processes (--runtime ray)" if cal.runtime == "ray" else "threads of one process (--runtime local)"
     what = (f"Piper's training step of {cal.model} (1F1B, one microbatch, AdamW) on {m.step_ranks} data-parallel "
             f"ranks as {ranks}, per rank" if m.step_ranks else f"{cal.model}'s captured forward and backward")
+    latency = ("" if fit.link_latency is None or fit.tensor_parallel is None else
+               f"; the links' latency fitted to the same step on {m.step_ranks} tensor-parallel ranks, "
+               f"{fit.tensor_parallel[0]} sequence(s) {fit.tensor_parallel[1] * 1e3:.1f} ms (idle ring all-reduces: "
+               f"{(m.link_latency or 0) * 1e6:.0f} us)")
     return (f"; flop_efficiency and op_overhead_us fitted to {what} of {cal.seq_len}-token sequences: {steps}, "
-            f"{fit.operators} operators" + ("" if fit.exact else " (not reproducible in range: the larger size fitted)"))
+            f"{fit.operators} operators" + ("" if fit.exact else " (not reproducible in range: the larger size fitted)")
+            + latency)
 
 
 __all__ = ["RUNTIMES", "Calibration", "Measured", "StepFit", "fit_link", "fit_step", "hardware_file", "measure",
