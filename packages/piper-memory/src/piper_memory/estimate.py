@@ -260,6 +260,7 @@ class _Tally(dict):
 
 
 _MISSING = object()
+_pop, _store = dict.pop, dict.__setitem__  # a _Tally's own, bypassing its running sum
 
 
 class _RankReplay:
@@ -412,11 +413,17 @@ class _RankReplay:
         at = 0
         # What the last sample read: a SEND or RECV (two thirds of a pipeline's instructions)
         # changes only the communication buffers, so after one only those and the total are
-        # sampled, with the other categories as they were.
+        # sampled, with the other categories as they were. Their running sums, the bytes
+        # sent and the two peaks they move live in local names while a run of them lasts
+        # (``received`` updated as ``_Tally.__setitem__`` does, without its call), and are
+        # written back before any other instruction, whose handlers read them.
         grads, gathered, acts = grads_t.total + shards_t.total, gathered_t.total, acts_t.total
-        for k, ins in enumerate(self.instructions):
+        sent, received_total, inflight = self.sent, received_t.total, inflight_t.total
+        peak_comm, peak_total = peaks["comm"], peaks["total"]
+        received_get, store = received_t.get, _store
+        instructions = self.instructions
+        for k, ins in enumerate(instructions):
             kind = ins.kind
-            self.position = k
             if kind is SEND or kind is RECV:
                 meta = ins.meta
                 if meta is None:
@@ -426,19 +433,24 @@ class _RankReplay:
                     if nbytes is None:
                         nbytes = sizes[id(meta)] = meta.nbytes()
                 if kind is SEND:
-                    self.sent += nbytes
+                    sent += nbytes
                 else:
-                    received_t[(ins.value, ins.microbatch)] = nbytes
+                    key = (ins.value, ins.microbatch)
+                    received_total += nbytes - received_get(key, 0)
+                    store(received_t, key, nbytes)
                     at += 1
                 end = at + lookahead
-                comm = gathered + self.sent + received_t.total + posted[end if end < last else last] - posted[at]
-                comm += inflight_t.total
-                if comm > peaks["comm"]:
-                    peaks["comm"] = comm
+                comm = gathered + sent + received_total + posted[end if end < last else last] - posted[at]
+                comm += inflight
+                if comm > peak_comm:
+                    peak_comm = comm
                 total = resident + grads + comm + acts
-                if total > peaks["total"]:
-                    peaks["total"] = total
+                if total > peak_total:
+                    peak_total = total
                 continue
+            self.position = k
+            self.sent, received_t.total = sent, received_total
+            peaks["comm"], peaks["total"] = peak_comm, peak_total
             if kind is COMPUTE:
                 self._compute(ins)
             elif kind is OPTIMIZER:
@@ -447,11 +459,13 @@ class _RankReplay:
                     self.grad_shards.pop(key, None)
             elif kind in BUCKET_KINDS:
                 self._bucket_op(k, ins)
+            sent, received_total, inflight = self.sent, received_t.total, inflight_t.total
+            peak_comm, peak_total = peaks["comm"], peaks["total"]
             grads = grads_t.total + shards_t.total
             gathered = gathered_t.total
             end = at + lookahead
-            comm = gathered + self.sent + received_t.total + posted[end if end < last else last] - posted[at]
-            comm += inflight_t.total
+            comm = gathered + sent + received_total + posted[end if end < last else last] - posted[at]
+            comm += inflight
             acts = acts_t.total
             if grads > peaks["grads"]:
                 peaks["grads"] = grads
@@ -459,13 +473,16 @@ class _RankReplay:
                 peaks["full"] = grads - lasting
             if gathered > peaks["gathered"]:
                 peaks["gathered"] = gathered
-            if comm > peaks["comm"]:
-                peaks["comm"] = comm
+            if comm > peak_comm:
+                peak_comm = comm
             if acts > peaks["acts"]:
                 peaks["acts"] = acts
             total = resident + grads + comm + acts
-            if total > peaks["total"]:
-                peaks["total"] = total
+            if total > peak_total:
+                peak_total = total
+        self.position = len(instructions) - 1
+        self.sent, received_t.total = sent, received_total
+        peaks["comm"], peaks["total"] = peak_comm, peak_total
         p = self.peaks
         return MemoryEstimate(
             rank=self.rank,
@@ -508,14 +525,20 @@ class _RankReplay:
         seg = self.program.segment_by_id[ins.segment]
         mb = ins.microbatch
         key = (seg.id, mb)
+        # The tallies' pops and stores below are ``_Tally.pop``/``__setitem__`` written out,
+        # without their calls: a forward and a backward of each microbatch run them.
         if ins.phase is FORWARD:
             received = self.received
             for name in seg.inputs:  # a received input becomes the forward's saved input
-                received.pop((name, mb), None)
+                nbytes = _pop(received, (name, mb), None)
+                if nbytes is not None:
+                    received.total -= nbytes
             kept = self.kept.get(seg.id)
             if kept is None:
                 kept = self.kept[seg.id] = self._kept_bytes(seg.id)
-            self.acts[key] = self.acts.get(key, 0) + kept
+            acts = self.acts
+            acts.total += kept
+            _store(acts, key, acts.get(key, 0) + kept)
             return
         if ins.phase in INPUT_GRADIENTS:
             received = self.received
@@ -523,7 +546,9 @@ class _RankReplay:
             if grads_read is None:  # the gradients of its outputs, named once per segment
                 grads_read = self.grads_read[seg.id] = tuple(grad_name(name) for name in seg.outputs)
             for name in grads_read:
-                received.pop((name, mb), None)
+                nbytes = _pop(received, (name, mb), None)
+                if nbytes is not None:
+                    received.total -= nbytes
             if seg.recompute:
                 # The forward runs again: its activations exist while this pass runs, with
                 # the gradients of its outputs it reads and, before it frees them, those it
