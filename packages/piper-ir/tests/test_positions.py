@@ -1,14 +1,27 @@
-"""The graph's adjacency by position (``Graph.successor_positions``), the passes that count
-by it (``is_acyclic``, ``rank_orders``) against their keyed-by-id forms, and what
-``gc_paused`` leaves behind."""
+"""The graph's adjacency by position (``Graph.successor_positions``,
+``predecessor_positions``; ``predecessors`` made on demand), the passes that count by it
+(``is_acyclic``, ``rank_orders``, ``rank_order_positions``) against their keyed-by-id forms,
+and what ``gc_paused`` leaves behind."""
 
 from __future__ import annotations
 
 import gc
 
 import attrs
+import pytest
 
-from piper_ir import Edge, EdgeKind, Graph, Node, NodeKind, Phase, gc_paused, is_acyclic, rank_orders
+from piper_ir import (
+    Edge,
+    EdgeKind,
+    Graph,
+    Node,
+    NodeKind,
+    Phase,
+    gc_paused,
+    is_acyclic,
+    rank_order_positions,
+    rank_orders,
+)
 from piper_ir.algorithms import _rank_orders_by_id
 
 
@@ -28,6 +41,13 @@ def _pipeline() -> Graph:
         edges += [Edge(a, b) for a, b in zip(chain, chain[1:], strict=False)]
     edges.append(Edge("B.s1.mb0", "F.s1.mb1", EdgeKind.TEMPORAL))  # rank 1: 1F1B
     return Graph((), (), nodes, edges, world_size=2, microbatches=2)
+
+
+def _doubled() -> Graph:
+    """``_pipeline`` with a temporal edge that stands twice (counted twice)."""
+    g = _pipeline()
+    twice = [Edge("F.s0.mb0", "B.s0.mb0", EdgeKind.TEMPORAL)] * 2
+    return attrs.evolve(g, edges=(*g.edges, *twice))
 
 
 def test_successor_positions_are_the_successors_by_position() -> None:
@@ -100,3 +120,37 @@ def test_gc_paused_leaves_objects_frozen_by_the_process_alone() -> None:
     finally:
         gc.unfreeze()
         gc.collect()
+
+
+def test_predecessor_positions_are_the_predecessors_by_position() -> None:
+    g = _doubled()
+    position = {n.id: i for i, n in enumerate(g.nodes)}
+    keyed: dict[str, list[Edge]] = {n.id: [] for n in g.nodes}
+    for e in g.edges:
+        keyed[e.dst].append(e)
+    assert g.predecessor_positions == [[position[e.src] for e in keyed[n.id]] for n in g.nodes]
+    assert g.predecessors == keyed  # made on demand, from the edges, in edge order
+    assert sum(map(len, g.predecessor_positions)) == len(g.edges)
+
+
+def test_no_positions_without_known_ends() -> None:
+    g = _doubled()
+    unknown = attrs.evolve(g, edges=(*g.edges, Edge("F.s0.mb0", "nowhere")))
+    assert unknown.successor_positions is None and unknown.predecessor_positions is None
+    assert list(unknown.predecessors)[-1] == "nowhere"
+    with pytest.raises(ValueError, match="unique"):
+        rank_order_positions(unknown)
+
+
+def test_rank_order_positions_are_rank_orders_by_position() -> None:
+    g = _doubled()
+    for listed in ((), (NodeKind.SEND, NodeKind.RECV)):
+        by_position = rank_order_positions(g, listed)
+        assert by_position is not None
+        assert [[g.nodes[i].id for i in order] for order in by_position] == rank_orders(g, listed)
+    assert rank_orders(g) == [
+        ["F.s0.mb0", "F.s0.mb1", "B.s0.mb0", "B.s0.mb1"],
+        ["F.s1.mb0", "B.s1.mb0", "F.s1.mb1", "B.s1.mb1"],
+    ]
+    cyclic = attrs.evolve(g, edges=(*g.edges, Edge("B.s0.mb1", "F.s0.mb0", EdgeKind.TEMPORAL)))
+    assert rank_order_positions(cyclic) is None and rank_orders(cyclic) is None
