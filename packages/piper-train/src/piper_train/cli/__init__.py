@@ -32,6 +32,8 @@ from piper_train.cli.scheduling import plan_command, show_command, simulate_comm
 
 __all__ = ["StrategyRequest", "main"]
 
+RUN_FAILED = 3  # the exit code of a run that failed (a dead or hung worker, NaN)
+
 
 def _command(name: str) -> Callable[[argparse.Namespace], int]:
     if name == "print-config":  # --print-config (train, check): the options as a job file, nothing run
@@ -63,6 +65,25 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    code = _documented(argv)
+    if code == RUN_FAILED and os.environ.get("TORCHELASTIC_RUN_ID"):
+        _end_now(code)
+    return code
+
+
+def _end_now(code: int) -> None:
+    """End a torchrun rank whose run failed without the interpreter's shutdown: its rank's
+    daemon threads may still be inside gloo's or the store's native calls, and finalizing
+    the interpreter under them aborted the process now and then (torchrun then reported
+    signal 6, not the run's exit code). Everything the command owed is done by now: its
+    message and document written, its checkpoints and sinks closed."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _documented(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not document.wanted(argv):
         return _main(argv, None)
@@ -116,7 +137,7 @@ def _main(argv: list[str], doc: document.Document | None) -> int:
             return _run(args)
     except ExecutionError as err:  # the input was fine; the run itself failed
         document.fail(args, f"piper {args.command}: run failed: {err}")
-        return 3
+        return RUN_FAILED
     except (PiperError, ValueError) as err:
         document.fail(args, f"piper {args.command}: error: {err}")
         return 2
