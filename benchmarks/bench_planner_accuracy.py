@@ -99,7 +99,8 @@ def main() -> None:
               f"{peak:.1f} GFLOP/s peak), {h.get('op_overhead_us', 0):.1f} us/op x {fit['operators']} operators"
               + ("" if fit["exact"] else " (not exact)")
               + f"; {h['memory_tb_per_s'] * 1e3:.1f} GB/s; link {h.get('intra_node_gb_per_s', 0):.3f} GB/s "
-              f"{h.get('intra_node_latency_us', 0):.0f} us")
+              f"{h.get('intra_node_latency_us', 0):.0f} us, reduce-scatter/all-gather "
+              f"{h.get('scatter_gather_factor', 1.0):.2f}x the ring's")
         plan = _json([*PIPER, "tune", "--hardware", str(hw), "--precision", "fp32", "--devices", str(args.devices),
                       "--model", model, "--seq-len", str(SEQ_LEN), "--batch-size", str(args.batch_size),
                       "--recompute", "none", "--microbatch-range", f"1-{args.batch_size}", "--top", str(args.top),

@@ -47,6 +47,9 @@ def test_calibrate_then_plan_this_machine(capsys, tmp_path, config):
     step = doc["step"]
     assert doc["runtime"] == "local" and step["sequences"] == [1, 2] and min(step["seconds"]) > 0
     assert step["flop_efficiency"] == hw.flop_efficiency and "fitted to" in hw.source
+    # with ZeRO-1 too: where its reduce-scatter and all-gather ran slower than the ring's, the factor is in the file
+    zero1 = step["zero1"]
+    assert zero1 is None or (zero1["sequences"] == 2 and zero1["scatter_gather_factor"] == hw.scatter_gather_factor > 1)
     code, stdout, _ = run(capsys, "tune", "--hardware", str(out), "--precision", "fp32", "--devices", "2", "--model",
                           f"hf:{config}", "--seq-len", "8", "--batch-size", "4", "--microbatch-range", "1-4",
                           "--recompute", "none", "--json")

@@ -124,11 +124,11 @@ def one_rank_step(census, hw: Hardware, sequences: int) -> float:
     return sum(plan.parts[p] for p in ("F", "BI", "BW"))
 
 
-def whole_step(census, hw: Hardware, sequences: int, ranks: int) -> float:
+def whole_step(census, hw: Hardware, sequences: int, ranks: int, zero: int = 0) -> float:
     """The planner's whole step of what calibration runs: 1F1B, one microbatch of ``sequences``
-    per rank, ``ranks`` data-parallel ranks, ZeRO 0."""
+    per rank, ``ranks`` data-parallel ranks, ZeRO 0 (or ``zero``)."""
     setting = Setting(census, hw, ranks, sequences * ranks, dtype="fp32", budget_bytes=1 << 62)
-    return Planner(setting).price(Candidate("1f1b", 1, 1, dp=ranks)).step_seconds
+    return Planner(setting).price(Candidate("1f1b", 1, 1, dp=ranks, zero=zero)).step_seconds
 
 
 def tp_step(census, hw: Hardware, sequences: int, ranks: int) -> float:
@@ -186,6 +186,22 @@ def test_a_tensor_parallel_step_fits_the_latency_a_collective_pays_inside_a_step
     # A step faster than any latency allows leaves the file's latency as it is.
     fast = fit_step(census, linked, steps, "fp32", ranks=2, tensor_parallel=(8, 1e-6))
     assert fast.link_latency is None and fast.tensor_parallel is None
+
+
+def test_a_zero_1_step_fits_what_its_reduce_scatter_and_all_gather_take(tiny):
+    census = hf_census(tiny, 8, dtype=torch.float32)
+    linked = attrs.evolve(DEVICE, intra_node_gb_per_s=0.5, inter_node_gb_per_s=0.5, intra_node_latency_us=100.0,
+                          inter_node_latency_us=100.0, devices_per_node=2, comm_overlap=0.0)
+    truth = attrs.evolve(linked, flop_efficiency=0.3, op_overhead_us=12.0, scatter_gather_factor=2.4)
+    steps = [(b, whole_step(census, truth, b, 2)) for b in (1, 8)]
+    sharded = (8, whole_step(census, truth, 8, 2, zero=1))
+    assert sharded[1] > steps[1][1]  # gloo's halves cost more than its all-reduce
+    fit = fit_step(census, linked, steps, "fp32", ranks=2, sharded=sharded)
+    assert fit.exact and fit.sharded == sharded and fit.scatter_gather_factor == pytest.approx(2.4, rel=1e-5)
+    assert fit.flop_efficiency == pytest.approx(0.3, rel=1e-5) and fit.op_overhead == pytest.approx(12e-6, rel=1e-5)
+    # A ZeRO-1 step no slower than the ring's halves allow leaves the ring's time (no factor).
+    fast = fit_step(census, linked, steps, "fp32", ranks=2, sharded=(8, steps[1][1] * 0.9))
+    assert fast.scatter_gather_factor is None and fast.sharded is None
 
 
 def test_fit_recovers_the_figures_a_step_was_priced_with(tiny):
@@ -247,6 +263,14 @@ def test_measuring_the_models_step_fits_the_file_to_it(tmp_path, tiny):
         hw = load_hardware(_written(tmp_path, hardware_file(m, cal, name="here", fit=fit)))
         assert hw.intra_node_latency_us == pytest.approx(fit.link_latency * 1e6)
         assert tp_step(census, hw, 2, 2) == pytest.approx(m.tp_step[1], rel=1e-5)
+    # And with ZeRO-1; where a factor gives it back, the file holds it and the planner prices it.
+    assert m.zero_step is not None and m.zero_step[0] == 2 and m.zero_step[1] > 0
+    fit = fit_step(census, load_hardware(_written(tmp_path, hardware_file(m, cal, name="here"))), m.steps, "fp32",
+                   m.step_ranks, m.tp_step, m.zero_step)
+    if fit.scatter_gather_factor is not None:
+        hw = load_hardware(_written(tmp_path, hardware_file(m, cal, name="here", fit=fit)))
+        assert hw.scatter_gather_factor == pytest.approx(fit.scatter_gather_factor) and "ZeRO-1" in hw.source
+        assert whole_step(census, hw, 2, 2, zero=1) == pytest.approx(m.zero_step[1], rel=1e-5)
 
 
 def _written(tmp_path: Path, data: dict) -> str:

@@ -52,6 +52,12 @@ def test_ring_collectives_and_roofline():
     assert link.all_gather(400.0, 4) == pytest.approx(3 * (1.0 + 1.0))  # 3 steps of 100 bytes
     assert link.all_reduce(400.0, 4) == pytest.approx(2 * link.all_gather(400.0, 4))
     assert link.all_reduce(400.0, 1) == 0.0
+    assert link.reduce_scatter(400.0, 4) == link.all_gather(400.0, 4)  # the ring's two halves
+    # A backend whose reduce-scatter and all-gather are slower than the ring's (gloo): those two
+    # scale, the all-reduce does not.
+    slow = Link(bandwidth=100.0, latency=1.0, scatter_gather_factor=2.5)
+    assert slow.all_gather(400.0, 4) == slow.reduce_scatter(400.0, 4) == pytest.approx(2.5 * link.all_gather(400.0, 4))
+    assert slow.all_reduce(400.0, 4) == link.all_reduce(400.0, 4)
     topo = Topology(8, Link(10.0), Link(1.0))
     assert topo.link(8) is topo.intra and topo.link(4, stride=4) is topo.inter
     roof = Roofline(peak_flops=100.0, memory_bandwidth=10.0, flop_efficiency=0.5)
@@ -210,9 +216,13 @@ def test_hardware_planning_fields_are_checked(tmp_path):
             load_hardware(str(path))
     path.write_text(json.dumps({"name": "x", "peak_tflops": {"bf16": 10}, "comm_overlap": 0}))
     assert load_hardware(str(path)).planning("comm_overlap") == 0.0
+    for bad in (0, -1.0, True, "2"):
+        path.write_text(json.dumps({"name": "x", "peak_tflops": {"bf16": 10}, "scatter_gather_factor": bad}))
+        with pytest.raises(ValueError, match="scatter_gather_factor must be a positive number"):
+            load_hardware(str(path))
     h100 = load_hardware("h100")
     assert h100.planning("intra_node_gb_per_s") == 450 and h100.planning("flop_efficiency") == 0.6
-    assert h100.planning("comm_overlap") == 1.0
+    assert h100.planning("comm_overlap") == 1.0 and h100.planning("scatter_gather_factor") == 1.0
 
 
 def test_traffic_the_compute_cannot_hide_is_exposed_whole(tiny):
@@ -231,6 +241,30 @@ def test_traffic_the_compute_cannot_hide_is_exposed_whole(tiny):
         shared.price(Candidate("1f1b", 1, 8, 8, zero=1)).step_seconds
 
 
+def test_zero_1_and_2_gather_the_updated_shards_after_the_optimizer_where_nothing_hides_them(tiny):
+    """Piper's runtime all-gathers ZeRO 1-2's updated parameter shards after the optimizer, the
+    step's last work: exposed whatever ``comm_overlap``, while the reduce-scatter before it
+    hides behind the last backward as ZeRO 0's all-reduce does. A slower reduce-scatter and
+    all-gather (``scatter_gather_factor``, gloo's) cost ZeRO 1-2 more, never ZeRO 0."""
+    census = hf_census(f"hf:{tiny}", 32)
+    params = census.layers * census.layer.params + census.embed.params + census.head.params
+    # links fast enough that the last backward hides a reduction whole
+    hidden = attrs.evolve(load_hardware("h100"), comm_overlap=1.0, intra_node_gb_per_s=1e5, intra_node_latency_us=1e-3)
+    p = Planner(Setting(census, hidden, 8, 64))
+    zero0, zero1, zero2 = (p.price(Candidate("1f1b", 1, 8, 8, zero=z)).parts for z in (0, 1, 2))
+    assert zero0["BI"] + zero0["BW"] > p.topology.link(8).all_reduce(params * 4, 8)  # so ZeRO 0's is hidden
+    assert zero0["dp_exposed"] == 0.0
+    assert zero1["dp_exposed"] == zero2["dp_exposed"] == pytest.approx(p.topology.link(8).all_gather(params * 4, 8))
+    # Nothing hidden (a CPU): the ring's halves add up to ZeRO 0's all-reduce; gloo's slower
+    # halves (twice the ring's) cost ZeRO 1 that all-reduce once more, ZeRO 0 nothing.
+    ring, gloo = (Planner(Setting(census, attrs.evolve(hidden, comm_overlap=0.0, scatter_gather_factor=f), 8, 64))
+                  for f in (1.0, 2.0))
+    reduction = ring.topology.link(8).all_reduce(params * 4, 8)
+    for planner_, zero1_exposed in ((ring, reduction), (gloo, 2 * reduction)):
+        assert planner_.price(Candidate("1f1b", 1, 8, 8)).parts["dp_exposed"] == pytest.approx(reduction)
+        assert planner_.price(Candidate("1f1b", 1, 8, 8, zero=1)).parts["dp_exposed"] == pytest.approx(zero1_exposed)
+
+
 def test_sequence_parallelism_keeps_the_step_and_cuts_the_hidden_sized_activations(tiny):
     """SP turns each of TP's all-reduces into a reduce-scatter and an all-gather of the same
     tensor (the same ring time), and cuts the activations TP leaves whole (those of the hidden
@@ -242,6 +276,11 @@ def test_sequence_parallelism_keeps_the_step_and_cuts_the_hidden_sized_activatio
     tp, sp = p.price(Candidate("1f1b", 1, 2, 1, 4)), p.price(Candidate("1f1b", 1, 2, 1, 4, sp=True))
     assert tp.fits and sp.fits and sp.candidate.label == "1f1b pp=1 tp=4 sp mb=2"
     assert sp.step_seconds == tp.step_seconds and sp.parts["tp_comm_per_layer"] == tp.parts["tp_comm_per_layer"] > 0
+    # where a reduce-scatter and an all-gather are slower than the ring's halves (gloo), SP costs more
+    slow = Planner(attrs.evolve(p.setting, hardware=attrs.evolve(p.setting.hardware, scatter_gather_factor=2.0)))
+    assert slow.price(Candidate("1f1b", 1, 2, 1, 4, sp=True)).parts["tp_comm_per_layer"] == \
+        pytest.approx(2 * tp.parts["tp_comm_per_layer"])
+    assert slow.price(Candidate("1f1b", 1, 2, 1, 4)).parts["tp_comm_per_layer"] == tp.parts["tp_comm_per_layer"]
     # 1F1B on one rank holds one microbatch (4 sequences) of every layer: the hidden-sized part, 3/4 of it
     layers, sequences = p.setting.census.layers, 8 // 2
     assert tp.peak_bytes - sp.peak_bytes == pytest.approx(layers * sequences * layer.hidden_saved_bytes * 3 / 4, abs=1)

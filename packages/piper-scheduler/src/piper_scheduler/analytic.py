@@ -10,7 +10,9 @@ thousands of devices:
   a phase takes the sum over its operators.
 - ``Link``: a message of ``n`` bytes takes ``latency + n / bandwidth``; ring collectives over
   ``k`` ranks take ``2(k-1)`` (all-reduce) or ``k-1`` (all-gather, reduce-scatter) such steps
-  of ``n/k`` bytes each (NCCL's ring algorithm, the bandwidth-optimal one).
+  of ``n/k`` bytes each (NCCL's ring algorithm, the bandwidth-optimal one); a backend whose
+  reduce-scatter and all-gather are not the ring's halves of its all-reduce (gloo on a CPU:
+  1.7-2.7x them, measured) scales those two by ``scatter_gather_factor``.
 - ``pipeline_step``: one replica's step under a library schedule, from one pipeline rank's
   per-microbatch forward, input-backward and weight-backward times and the time of one
   stage-boundary transfer: the busy time ``M(F+B)`` plus the schedule's bubble, in the
@@ -50,20 +52,31 @@ class Roofline:
 
 @attrs.frozen
 class Link:
-    """A link's per-direction bandwidth (bytes/s) and per-message latency (s)."""
+    """A link's per-direction bandwidth (bytes/s) and per-message latency (s);
+    ``scatter_gather_factor``: what a reduce-scatter or all-gather takes over the ring's time
+    (1: NCCL's ring; module doc)."""
 
     bandwidth: float
     latency: float = 0.0
+    scatter_gather_factor: float = 1.0
 
     def p2p(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth if nbytes else 0.0
 
     def all_reduce(self, nbytes: float, ranks: int) -> float:
         """Ring all-reduce of ``nbytes`` per rank: a reduce-scatter then an all-gather."""
-        return 2 * self.all_gather(nbytes, ranks)
+        return 2 * self._ring_half(nbytes, ranks)
 
     def all_gather(self, nbytes: float, ranks: int) -> float:
-        """Ring all-gather (or reduce-scatter) whose full tensor is ``nbytes``."""
+        """All-gather whose full tensor is ``nbytes``."""
+        return self.scatter_gather_factor * self._ring_half(nbytes, ranks)
+
+    def reduce_scatter(self, nbytes: float, ranks: int) -> float:
+        """Reduce-scatter of ``nbytes`` per rank (each keeps ``nbytes / ranks``)."""
+        return self.scatter_gather_factor * self._ring_half(nbytes, ranks)
+
+    def _ring_half(self, nbytes: float, ranks: int) -> float:
+        """The ring's ``k-1`` steps of ``n/k`` bytes: its all-gather or reduce-scatter."""
         if ranks <= 1 or not nbytes:
             return 0.0
         return (ranks - 1) * (self.latency + nbytes / ranks / self.bandwidth)

@@ -11,7 +11,9 @@ topology and what real kernels reach: ``devices_per_node``, ``intra_node_gb_per_
 ``op_overhead_us`` (what each operator costs beyond its work, paid one after another: the
 CPU's dispatch), and ``comm_overlap`` (the share, 0 to 1, of the data-parallel traffic that the
 compute can hide: 1 where collectives run beside the kernels, as a GPU's do; 0 where they take
-the cores that compute, as gloo's do on a CPU with a rank per core); ``PLANNING`` gives those
+the cores that compute, as gloo's do on a CPU with a rank per core), and
+``scatter_gather_factor`` (what a reduce-scatter or all-gather takes over the ring algorithm's
+time, 1 for NCCL's ring; gloo's on a CPU take more); ``PLANNING`` gives those
 a file leaves out. ``piper tune --calibrate`` writes a
 file of this machine's measured figures (``piper_train.tuning.calibrate``). Piper ships files for common parts (``HARDWARE``: the H100, H200, A100, MI300X and
 B200 datasheets' dense figures); a user writes their own for anything else, such as the
@@ -33,11 +35,11 @@ HARDWARE = ("a100", "b200", "h100", "h200", "mi300x")  # the files in piper_trai
 #: What planning assumes for a field a hardware file leaves out (docs/planning.md says why).
 PLANNING = {"devices_per_node": 8, "intra_node_latency_us": 5.0, "inter_node_latency_us": 10.0,
             "flop_efficiency": 0.6, "memory_efficiency": 0.7, "link_efficiency": 0.7, "op_overhead_us": 0.0,
-            "comm_overlap": 1.0}
+            "comm_overlap": 1.0, "scatter_gather_factor": 1.0}
 _COUNTS = ("devices_per_node",)
 _SHARES = ("flop_efficiency", "memory_efficiency", "link_efficiency")
 _AMOUNTS = ("memory_gib", "memory_tb_per_s", "intra_node_gb_per_s", "inter_node_gb_per_s", "intra_node_latency_us",
-            "inter_node_latency_us", "op_overhead_us")
+            "inter_node_latency_us", "op_overhead_us", "scatter_gather_factor")
 
 
 @attrs.frozen
@@ -60,6 +62,7 @@ class Hardware:
     link_efficiency: float | None = None
     op_overhead_us: float | None = None
     comm_overlap: float | None = None
+    scatter_gather_factor: float | None = None
 
     def planning(self, name: str) -> float:
         """A planning field (module doc): the file's value, else ``PLANNING``'s; a

@@ -214,7 +214,7 @@ def calibrate(args: argparse.Namespace) -> int:
     fit = None
     if census is not None:  # the model's own step: fit the planner's figures to it
         fit = fit_step(census, parse_hardware(data, str(out)), measured.steps, dtype, measured.step_ranks,
-                       measured.tp_step)
+                       measured.tp_step, measured.zero_step)
         data = hardware_file(measured, cal, base, name=out.stem, fit=fit)
     with writing(out, "--out"):
         out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
@@ -237,7 +237,10 @@ def calibrate(args: argparse.Namespace) -> int:
                   + ("" if fit.exact else " (no figures in range reproduce both: the larger fitted)")
                   + ("" if fit.link_latency is None or fit.tensor_parallel is None else
                      f"; on {cal.devices} tensor-parallel rank(s): {fit.tensor_parallel[1] * 1e3:.1f} ms, a collective "
-                     f"inside the step {fit.link_latency * 1e6:.0f} us"))
+                     f"inside the step {fit.link_latency * 1e6:.0f} us")
+                  + ("" if fit.scatter_gather_factor is None or fit.sharded is None else
+                     f"; with ZeRO-1: {fit.sharded[1] * 1e3:.1f} ms, a reduce-scatter or all-gather "
+                     f"{fit.scatter_gather_factor:.2f}x the ring's time"))
     say(args, f"wrote {out}; plan with it: piper tune --hardware {out} --precision {dtype} --devices N "
               f"--model hf:CONFIG")
     if args.json:
@@ -249,7 +252,10 @@ def calibrate(args: argparse.Namespace) -> int:
                         "operators": fit.operators, "exact": fit.exact,
                         "tensor_parallel": None if fit.tensor_parallel is None else {
                             "sequences": fit.tensor_parallel[0], "seconds": fit.tensor_parallel[1],
-                            "link_latency_us": fit.link_latency * 1e6 if fit.link_latency is not None else None}}})
+                            "link_latency_us": fit.link_latency * 1e6 if fit.link_latency is not None else None},
+                        "zero1": None if fit.sharded is None else {
+                            "sequences": fit.sharded[0], "seconds": fit.sharded[1],
+                            "scatter_gather_factor": fit.scatter_gather_factor}}})
     return 0
 
 

@@ -25,8 +25,10 @@ data only), so ``piper tune --hardware FILE`` predicts this machine's runs:
   (``Planner.price``) gives both times back, so what a step pays beyond its products (its other
   operators, Python and autograd per operator, the runtime, the gradient reduction and the
   optimizer on the cores that compute) is in the figures the planner prices every strategy
-  with. On a GPU the captured segments' forward and backward are timed on this thread and
-  fitted to the planner's compute alone (``Planner.model_seconds``);
+  with; then the links' latency to the same step on tensor-parallel ranks and
+  ``scatter_gather_factor`` to it with ZeRO-1 (what its reduce-scatter and all-gather take
+  inside a step over the ring's time). On a GPU the captured segments' forward and backward
+  are timed on this thread and fitted to the planner's compute alone (``Planner.model_seconds``);
 - the link (CPU only): ``intra_node_gb_per_s`` and ``intra_node_latency_us`` fitted to ring
   all-reduces of a small and a large tensor between ``devices`` ranks over the ``local``
   runtime's gloo groups (threads of this process, loopback: what ``--runtime local``'s ranks
@@ -145,6 +147,8 @@ class Measured:
     step_ranks: int | None = None
     # the same step on ``step_ranks`` tensor-parallel ranks, (sequences, seconds), where measured
     tp_step: tuple[int, float] | None = None
+    # the data-parallel step with ZeRO-1 (reduce-scatter, then the shards' all-gather), where measured
+    zero_step: tuple[int, float] | None = None
 
     @property
     def flop_efficiency(self) -> float:
@@ -282,23 +286,27 @@ def measure(cal: Calibration) -> Measured:
     if not cuda and devices > 1:
         link_bw, link_lat = _link(cal)
     steps: tuple[tuple[int, float], ...] = ()
-    tp_step = None
+    tp_step = zero_step = None
     if cal.model and cuda:
         steps = _segment_steps(cal)
     elif cal.model:
-        steps, tp_step = _runtime_steps(cal, devices)
+        steps, tp_step, zero_step = _runtime_steps(cal, devices)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return Measured(torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine()),
                     devices, cal.dtype, peak, model, bandwidth, tiny, link_bw, link_lat, load,
                     time.perf_counter() - started, _memory(cuda, devices), steps,
-                    None if cuda or not cal.model else devices, tp_step)
+                    None if cuda or not cal.model else devices, tp_step, zero_step)
 
 
-def _runtime_steps(cal: Calibration, devices: int) -> tuple[tuple[tuple[int, float], ...], tuple[int, float] | None]:
+Step = tuple[int, float]  # (sequences per rank, seconds) of one measured step
+
+
+def _runtime_steps(cal: Calibration, devices: int) -> tuple[tuple[Step, ...], Step | None, Step | None]:
     """Piper's whole training step of the model on ``devices`` data-parallel ranks (1F1B, one
     microbatch, ZeRO 0, AdamW) as ``cal.runtime`` runs them, at each of ``cal.step_sizes``
-    sequences per rank, and (with 2 ranks or more, where the model's heads divide among them)
-    the same step on ``devices`` tensor-parallel ranks at the larger size: the median of at
+    sequences per rank, and with 2 ranks or more, at the larger size, the same step with
+    ZeRO-1 (its reduce-scatter and all-gather: ``fit_step``'s ``sharded``) and (where the
+    model's heads divide among them) on ``devices`` tensor-parallel ranks: the median of at
     least ``repeats`` timed steps and ``step_seconds`` each after two untimed ones. On the
     ``local`` runtime the trainers are up at once and take turns step by step, so a drift in
     the machine's speed moves all alike (the fit rests on their differences); on ``ray`` (a
@@ -314,11 +322,12 @@ def _runtime_steps(cal: Calibration, devices: int) -> tuple[tuple[tuple[int, flo
     from piper_train.trainer import Trainer
     from piper_train.workload import load_workload
 
-    def trainer(sequences: int, tp: bool = False) -> tuple[Trainer, list]:  # the caller closes it
+    def trainer(sequences: int, kind: str = "dp") -> tuple[Trainer, list]:  # the caller closes it
+        tp = kind == "tp"
         workload = load_workload(str(cal.model), stages=1, batch_size=sequences * (1 if tp else devices))
         if cal.dtype not in ("fp32", "bf16"):
             workload.model.to(DTYPES[cal.dtype])
-        degrees = {"tp": devices} if tp else {"dp": devices}
+        degrees = {"tp": devices} if tp else {"dp": devices, "zero": 1 if kind == "zero" else 0}
         strategy = build_schedule("1f1b", 1, 1, stages=workload.stages, **degrees)
         made = Trainer(workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
                        optimizer=OptimizerSpec("adamw", 3e-3), runtime=cal.runtime, regions=workload.regions,
@@ -339,16 +348,18 @@ def _runtime_steps(cal: Calibration, devices: int) -> tuple[tuple[tuple[int, flo
         return [statistics.median(t) for t in times]
 
     sizes = cal.step_sizes
-    runs: list[tuple[int, bool]] = [(b, False) for b in sizes] + ([(sizes[-1], True)] if devices > 1 else [])
-    seconds: dict[tuple[int, bool], float] = {}
+    runs: list[tuple[int, str]] = [(b, "dp") for b in sizes]
+    if devices > 1:
+        runs += [(sizes[-1], "zero"), (sizes[-1], "tp")]
+    seconds: dict[tuple[int, str], float] = {}
     with contextlib.ExitStack() as stack:
         pairs: list[tuple[Trainer, list]] = []
-        kept: list[tuple[int, bool]] = []
+        kept: list[tuple[int, str]] = []
         for run in runs:
             try:
                 made, batches = trainer(*run)
             except (PiperError, ValueError):  # a model whose heads do not divide: no tensor-parallel step
-                if run[1]:
+                if run[1] == "tp":
                     continue
                 raise
             if cal.runtime == "local":  # up at once, in turns
@@ -359,8 +370,8 @@ def _runtime_steps(cal: Calibration, devices: int) -> tuple[tuple[tuple[int, flo
                 with made:
                     seconds[run] = timed([(made, batches)])[0]
         seconds.update(zip(kept, timed(pairs), strict=True) if pairs else ())
-    tp = (sizes[-1], seconds[(sizes[-1], True)]) if (sizes[-1], True) in seconds else None
-    return tuple((b, seconds[(b, False)]) for b in sizes), tp
+    tp, zero = ((sizes[-1], seconds[(sizes[-1], k)]) if (sizes[-1], k) in seconds else None for k in ("tp", "zero"))
+    return tuple((b, seconds[(b, "dp")]) for b in sizes), tp, zero
 
 
 def _segment_steps(cal: Calibration) -> tuple[tuple[int, float], ...]:
@@ -438,10 +449,13 @@ class StepFit:
     peak_flops: float | None = None  # the peak, raised to the step's rate where that ran faster
     link_latency: float | None = None  # seconds a collective costs inside a step (``tensor_parallel``)
     tensor_parallel: tuple[int, float] | None = None  # the tensor-parallel step it was fitted to
+    scatter_gather_factor: float | None = None  # a reduce-scatter's and all-gather's time over the ring's
+    sharded: tuple[int, float] | None = None  # the ZeRO-1 step it was fitted to
 
 
 def fit_step(census: Census, hardware: Hardware, steps: Sequence[tuple[int, float]], dtype: str,
-             ranks: int | None = None, tensor_parallel: tuple[int, float] | None = None) -> StepFit:
+             ranks: int | None = None, tensor_parallel: tuple[int, float] | None = None,
+             sharded: tuple[int, float] | None = None) -> StepFit:
     """``flop_efficiency`` and ``op_overhead_us`` of ``hardware`` (its memory bandwidth and
     links as they are) under which the planner prices the step measured at each
     ``(sequences, seconds)`` of ``steps`` (two sizes) as measured: with ``ranks``, its whole
@@ -451,7 +465,11 @@ def fit_step(census: Census, hardware: Hardware, steps: Sequence[tuple[int, floa
     With ``tensor_parallel`` (``(sequences, seconds)`` of the same step on ``ranks``
     tensor-parallel ranks), also the links' latency under which the planner prices that
     step as measured: what a collective costs inside a step (the ranks meeting at each of a
-    layer's all-reduces), not only on an idle link.
+    layer's all-reduces), not only on an idle link. With ``sharded`` (the data-parallel step
+    with ZeRO-1), then the ``scatter_gather_factor`` under which the planner prices that step
+    as measured: what its reduce-scatter and the all-gather after the optimizer take over the
+    ring's halves of the all-reduce ZeRO 0's step was priced with (at least 1: a ZeRO-1 step
+    that ran no slower than the ring allows leaves the ring's time).
 
     The planner's compute is ``roofline(e, b) + n x overhead``, ``n`` the census's operators
     (the same at every microbatch size), so the difference of the two times fixes the FLOP
@@ -472,15 +490,18 @@ def fit_step(census: Census, hardware: Hardware, steps: Sequence[tuple[int, floa
         raise ValueError("fit_step needs the step at two microbatch sizes")
     links = {k: getattr(hardware, k) or 1.0 for k in ("intra_node_gb_per_s", "inter_node_gb_per_s")}
 
-    def priced(e: float, overhead: float, b: int, latency: float | None = None, tp: bool = False) -> float:
-        """The planner's price with these figures (e > 1: a rate above the file's peak)."""
+    def priced(e: float, overhead: float, b: int, latency: float | None = None, tp: bool = False,
+               factor: float | None = None) -> float:
+        """The planner's price with these figures (e > 1: a rate above the file's peak); with
+        ``factor``, of the ZeRO-1 step under that ``scatter_gather_factor``."""
         lat = {} if latency is None else {"intra_node_latency_us": latency * 1e6, "inter_node_latency_us": latency * 1e6}
-        hw = attrs.evolve(hardware, flop_efficiency=e, op_overhead_us=overhead * 1e6, **links, **lat)
+        hw = attrs.evolve(hardware, flop_efficiency=e, op_overhead_us=overhead * 1e6, **links, **lat,
+                          scatter_gather_factor=factor)
         if ranks is None:
             return Planner(Setting(census, hw, 1, b, dtype=dtype, budget_bytes=1)).model_seconds(b)
         setting = Setting(census, hw, ranks, b * (1 if tp else ranks), dtype=dtype, budget_bytes=1 << 62)
         return Planner(setting).price(Candidate("1f1b", 1, 1, tp=ranks) if tp else
-                                      Candidate("1f1b", 1, 1, dp=ranks)).step_seconds
+                                      Candidate("1f1b", 1, 1, dp=ranks, zero=0 if factor is None else 1)).step_seconds
 
     def solve(f: Callable[[float], float], target: float) -> float:
         """The ``e`` with ``f(e) = target``, ``f`` falling (bisection on a log scale), within
@@ -520,9 +541,15 @@ def fit_step(census: Census, hardware: Hardware, steps: Sequence[tuple[int, floa
              and abs(priced(e, overhead, b1, latency) - t1) <= 1e-6 * t2)
     if not exact:
         e, overhead, latency = solve(lambda x: priced(x, 0.0, b2), t2), 0.0, None
+    factor = None
+    if exact and sharded is not None and ranks is not None and ranks > 1:
+        b4, t4 = sharded
+        if priced(e, overhead, b4, latency, factor=1.0) < t4:  # else the ring's time stays
+            factor = rising(lambda f, b=b4: priced(e, overhead, b, latency, factor=f), t4)
     peak = hardware.peak(dtype) * 1e12 * max(e, 1.0)  # type: ignore[operator]
     return StepFit(min(e, 1.0), overhead, operators, ((b1, t1), (b2, t2)), exact, peak, latency,
-                   tensor_parallel if latency is not None else None)
+                   tensor_parallel if latency is not None else None, factor,
+                   sharded if factor is not None else None)
 
 
 def _memory(cuda: bool, devices: int) -> int | None:
@@ -624,6 +651,8 @@ def hardware_file(m: Measured, cal: Calibration, base: Hardware | None = None, n
                     "intra_node_latency_us": us, "inter_node_latency_us": us, "link_efficiency": 1.0})
         if cal.devices >= (os.cpu_count() or 1):  # gloo's collectives take the cores the ranks compute on
             out["comm_overlap"] = 0.0
+    if fit is not None and fit.scatter_gather_factor is not None:
+        out["scatter_gather_factor"] = fit.scatter_gather_factor
     return out
 
 
@@ -636,6 +665,9 @@ def _fit_source(fit: StepFit, cal: Calibration, m: Measured) -> str:
                f"; the links' latency fitted to the same step on {m.step_ranks} tensor-parallel ranks, "
                f"{fit.tensor_parallel[0]} sequence(s) {fit.tensor_parallel[1] * 1e3:.1f} ms (idle ring all-reduces: "
                f"{(m.link_latency or 0) * 1e6:.0f} us)")
+    if fit.scatter_gather_factor is not None and fit.sharded is not None:
+        latency += (f"; scatter_gather_factor fitted to the same step with ZeRO-1 on {m.step_ranks} data-parallel "
+                    f"ranks, {fit.sharded[0]} sequence(s) {fit.sharded[1] * 1e3:.1f} ms")
     return (f"; flop_efficiency and op_overhead_us fitted to {what} of {cal.seq_len}-token sequences: {steps}, "
             f"{fit.operators} operators" + ("" if fit.exact else " (not reproducible in range: the larger size fitted)")
             + latency)

@@ -26,12 +26,16 @@ ranks up to their layers, so one candidate is priced from the slowest pipeline r
 - **pipeline**: ``piper_scheduler.analytic.pipeline_step`` (the schedule's bubble in closed
   form, checked against the simulator) with one boundary transfer per hop;
 - **data parallelism / ZeRO**: the rank's gradients reduced over the ``dp`` replicas
-  (all-reduce, or reduce-scatter plus the parameters' all-gather with ZeRO 1-2: the same
-  volume), over NVLink when the replicas share a node, else the network; what the last
-  microbatch's backward cannot hide is added. ZeRO-3 reduce-scatters the gradients only and
-  gathers every layer's parameters for each microbatch's forward and backward, hidden behind
-  compute up to the rank's busy time; the compute hides only the hardware's ``comm_overlap``
-  share of its time (0 on a CPU whose collectives take the cores that compute: all exposed);
+  (all-reduce; reduce-scatter with ZeRO 1-3), over NVLink when the replicas share a node,
+  else the network; what the last microbatch's backward cannot hide is added. ZeRO 1-2 then
+  all-gather the updated parameter shards after the optimizer, as Piper's runtime does: the
+  step's last work, which nothing hides (on a ring the reduce-scatter and all-gather are the
+  all-reduce's two halves, so where the reduction was exposed whole the step is ZeRO 0's).
+  ZeRO-3 gathers every layer's parameters for each microbatch's forward and backward instead,
+  hidden behind compute up to the rank's busy time; the compute hides only the hardware's
+  ``comm_overlap`` share of its time (0 on a CPU whose collectives take the cores that
+  compute: all exposed); a reduce-scatter and an all-gather cost the hardware's
+  ``scatter_gather_factor`` times the ring's time (``Link``: gloo's are not the ring's);
 - **optimizer**: AdamW's read and write of the rank's parameter shard at memory bandwidth.
 
 Memory per device follows piper-memory's categories (``piper_memory.estimate``): fp32
@@ -136,11 +140,11 @@ class Planner:
         self.roofline = Roofline(self.peak, hw.memory_tb_per_s * 1e12, hw.planning("flop_efficiency"),
                                  hw.planning("memory_efficiency"), hw.planning("op_overhead_us") * 1e-6)
         self.comm_overlap = hw.planning("comm_overlap")
-        share = hw.planning("link_efficiency")
+        share, factor = hw.planning("link_efficiency"), hw.planning("scatter_gather_factor")
         self.topology = Topology(
             int(hw.planning("devices_per_node")),
-            Link(hw.intra_node_gb_per_s * 1e9 * share, hw.planning("intra_node_latency_us") * 1e-6),
-            Link(hw.inter_node_gb_per_s * 1e9 * share, hw.planning("inter_node_latency_us") * 1e-6),
+            Link(hw.intra_node_gb_per_s * 1e9 * share, hw.planning("intra_node_latency_us") * 1e-6, factor),
+            Link(hw.inter_node_gb_per_s * 1e9 * share, hw.planning("inter_node_latency_us") * 1e-6, factor),
         )
         self._times: dict[tuple[int, int, int], dict[str, float]] = {}
         self._bounds: dict[int, tuple[int, ...] | None] = {}
@@ -205,7 +209,9 @@ class Planner:
         head_t = self.phase_times(2, sequences, tp * cp)
         act = c.hidden * c.seq_len * sequences * c.dtype_bytes  # one layer's output, the whole microbatch
         tp_link = self.topology.link(tp)
-        tp_comm = 2 * tp_link.all_reduce(act, tp)  # per layer and direction (attention, MLP); SP: RS + AG, the same
+        # per layer and direction (attention, MLP); SP: a reduce-scatter and an all-gather instead
+        tp_comm = 2 * (tp_link.reduce_scatter(act, tp) + tp_link.all_gather(act, tp) if cand.sp
+                       else tp_link.all_reduce(act, tp))
         embed_t["F"] += tp_link.all_reduce(act, tp)  # the vocabulary-parallel embedding's rows summed
         # per layer and direction: the keys' and values' all-gather (forward) or reduce-scatter (backward)
         cp_comm = 2 * self.topology.link(cp).all_gather(self._kv_bytes() * sequences, cp)
@@ -234,15 +240,19 @@ class Planner:
         replicas = dp * cp  # context-parallel ranks reduce their gradients as replicas do
         dp_link = self.topology.link(replicas, tp)
         busy = m * sum(slowest.values())
-        grad_sync = dp_link.all_reduce(max(params) * FP32, replicas)
-        gathers = 0.0
+        nbytes = max(params) * FP32
+        grad_sync = dp_link.all_reduce(nbytes, replicas)
+        gathers = after_optimizer = 0.0
+        if cand.zero >= 1:  # the gradients reduce-scattered: each replica updates its shard
+            grad_sync = dp_link.reduce_scatter(nbytes, replicas)
+        if cand.zero in (1, 2):  # the updated shards gathered after the optimizer: the step's last work
+            after_optimizer = dp_link.all_gather(nbytes, replicas)
         if cand.zero >= 3:  # each microbatch's forward and backward gather the rank's parameters
-            gathers = 2 * m * dp_link.all_gather(max(params) * FP32, replicas)
-            # and the gradients are only reduce-scattered: no all-gather of the updated shards
-            grad_sync = dp_link.all_gather(max(params) * FP32, replicas)
+            gathers = 2 * m * dp_link.all_gather(nbytes, replicas)
         last = slowest["BI"] + slowest["BW"]  # the last backward, which the gradient reduction overlaps
         overlap = self.comm_overlap  # of the compute, what may hide traffic (none where both take the cores)
-        exposed = max(grad_sync - overlap * last, 0.0) + max(gathers - overlap * (busy - last), 0.0)
+        exposed = (max(grad_sync - overlap * last, 0.0) + max(gathers - overlap * (busy - last), 0.0)
+                   + after_optimizer)
         shard = max(params) / (replicas if cand.zero >= 1 else 1)
         optimizer = self.roofline.seconds([(0.0, shard * FP32 * 7.0)])  # read p, g, m, v; write p, m, v
         total = step + exposed + optimizer
