@@ -505,13 +505,15 @@ def fit_step(census: Census, hardware: Hardware, steps: Sequence[tuple[int, floa
 
     def solve(f: Callable[[float], float], target: float) -> float:
         """The ``e`` with ``f(e) = target``, ``f`` falling (bisection on a log scale), within
-        ``(1e-9, 1e9)``."""
+        ``(1e-9, 1e9)``, to 13 digits (each ``f`` prices a step: no more halvings than that needs)."""
         lo = hi = 1.0
         while f(hi) > target and hi < 1e9:
             hi *= 2
         while f(lo) < target and lo > 1e-9:
             lo /= 2
         for _ in range(200):
+            if hi <= lo * (1 + 1e-13):
+                break
             mid = (lo * hi) ** 0.5
             lo, hi = (mid, hi) if f(mid) > target else (lo, mid)
         return (lo * hi) ** 0.5
