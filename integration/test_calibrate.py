@@ -35,8 +35,9 @@ def run(capsys, *args: str) -> tuple[int, str, str]:
 
 def test_calibrate_then_plan_this_machine(capsys, tmp_path, config):
     out = tmp_path / "here.json"
+    # --calibrate-seconds 0.6: the model's step timed 0.6 s or more per size and strategy, the rest 0.1 s
     code, stdout, _ = run(capsys, "tune", "--calibrate", "--devices", "2", "--model", f"hf:{config}", "--seq-len", "8",
-                          "--out", str(out), "--json")
+                          "--out", str(out), "--calibrate-seconds", "0.6", "--json")
     assert code == 0
     doc = json.loads(stdout)  # exactly one JSON document
     assert doc["calibrate"] is True and doc["out"] == str(out) and json.loads(out.read_text()) == doc["hardware"]
@@ -46,7 +47,7 @@ def test_calibrate_then_plan_this_machine(capsys, tmp_path, config):
     # the model's own step, timed at 1 and 2 sequences (--batch-size 1: the microbatch), is what the figures fit
     step = doc["step"]
     assert doc["runtime"] == "local" and step["sequences"] == [1, 2] and min(step["seconds"]) > 0
-    assert step["flop_efficiency"] == hw.flop_efficiency and "fitted to" in hw.source
+    assert step["flop_efficiency"] == hw.flop_efficiency and "fitted to" in hw.source and "over 0.1 s or more" in hw.source
     # with ZeRO-1 too: where its reduce-scatter and all-gather ran slower than the ring's, the factor is in the file
     zero1 = step["zero1"]
     assert zero1 is None or (zero1["sequences"] == 2 and zero1["scatter_gather_factor"] == hw.scatter_gather_factor > 1)
@@ -73,9 +74,12 @@ def test_calibrate_refuses_what_it_cannot_measure(capsys, tmp_path, config):
     assert code == 2 and "--precision" in json.loads(stdout)["error"]
     code, stdout, _ = run(capsys, "tune", "--devices", "2", "--runtime", "ray", "--json")  # profiling: no --runtime
     assert code == 2 and "--runtime" in json.loads(stdout)["error"]
+    for bad in (["--calibrate-seconds", "1"], ["--calibrate", "--calibrate-seconds", "-1"]):
+        code, _, err = run(capsys, "tune", "--devices", "2", *bad)
+        assert code == 2 and "--calibrate-seconds" in err
     # without --model: square products only; a CPU file has no bf16 peak, and planning in bf16 names the field
     out = tmp_path / "here.json"
-    assert run(capsys, "tune", "--calibrate", "--devices", "2", "--out", str(out))[0] == 0
+    assert run(capsys, "tune", "--calibrate", "--devices", "2", "--out", str(out), "--calibrate-seconds", "0.3")[0] == 0
     assert "(1 shapes" in load_hardware(str(out)).source
     code, stdout, _ = run(capsys, "tune", "--hardware", str(out), "--devices", "2", "--model", f"hf:{config}",
                           "--seq-len", "8", "--json")

@@ -299,6 +299,10 @@ def add_tune(p: argparse.ArgumentParser) -> None:
                         "sequences, to which the FLOP efficiency and per-operator cost are fitted; matrix products, "
                         "elementwise bandwidth, the links among --devices ranks) and write a hardware file to --out "
                         "(default: calibrated.json) that --hardware reads (docs/planning.md)")
+    p.add_argument("--calibrate-seconds", type=finite_float, default=None, metavar="SECONDS",
+                   help="with --calibrate: time the model's step at least this long at each size and strategy, "
+                        "every other figure a sixth of it (default: 3; longer steadies the figures on a busy "
+                        "machine, shorter calibrates quicker)")
     p.add_argument("--runtime", dest="calibrate_runtime", choices=["local", "ray"], default=None,
                    help="with --calibrate --model: time the model's step on --devices ranks as this runtime runs "
                         "them: local (threads of one process) or ray (processes) (default: local)")

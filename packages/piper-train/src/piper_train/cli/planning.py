@@ -11,6 +11,7 @@ import time
 from collections import Counter
 
 from piper_scheduler import CHUNKS, CostModel, compile_program, simulate
+from piper_train import bounds
 from piper_train.cli.document import emit
 from piper_train.cli.options import say
 from piper_train.hardware import load_hardware
@@ -203,9 +204,13 @@ def calibrate(args: argparse.Namespace) -> int:
         matmuls = model_matmuls(config, tokens)
         elements = tokens * max(k for _, k, _ in matmuls[:-1])  # the MLP's widest activation
         census = hf_census(args.model, seq_len, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+    timing = {}
+    if args.calibrate_seconds is not None:
+        bounds.check("--calibrate-seconds", args.calibrate_seconds, minimum=0)
+        timing = {"step_seconds": args.calibrate_seconds, "seconds": args.calibrate_seconds / 6}
     cal = Calibration(devices=args.devices, dtype=dtype, matmuls=matmuls, elementwise_elements=elements,
                       model=args.model if census is not None else None, seq_len=seq_len, sequences=sequences,
-                      runtime=runtime)
+                      runtime=runtime, **timing)
     out = args.out or Path(CALIBRATED)
     say(args, f"piper tune --calibrate: {dtype} on {'cuda' if torch.cuda.is_available() else 'cpu'}, "
               f"{args.devices} rank(s) at once, {len(matmuls) or 1} product shape(s)")

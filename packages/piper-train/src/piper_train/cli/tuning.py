@@ -127,6 +127,9 @@ def tune_command(args: argparse.Namespace) -> int:
     if args.calibrate_runtime is not None and not args.calibrate:
         raise ValueError("--runtime with tune: the runtime --calibrate times the model's step as; without "
                          "--calibrate, tune profiles on Ray")
+    if args.calibrate_seconds is not None and not args.calibrate:
+        raise ValueError("--calibrate-seconds: how long --calibrate times each figure; without --calibrate nothing "
+                         "is calibrated")
     if args.calibrate:  # measure this machine into a hardware file (cli.planning)
         from piper_train.cli.planning import calibrate
 
