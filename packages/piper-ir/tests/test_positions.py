@@ -22,7 +22,7 @@ from piper_ir import (
     rank_order_positions,
     rank_orders,
 )
-from piper_ir.algorithms import _rank_orders_by_id
+from piper_ir.algorithms import MOVE_AT, _rank_orders_by_id
 
 
 def _pipeline() -> Graph:
@@ -120,6 +120,21 @@ def test_gc_paused_leaves_objects_frozen_by_the_process_alone() -> None:
     finally:
         gc.unfreeze()
         gc.collect()
+
+
+def test_a_small_pause_never_counts_the_frozen_objects(monkeypatch) -> None:
+    """Counting frozen objects walks them all: a pass that made few containers skips the move
+    without asking, one that made many asks once."""
+    asked: list[int] = []
+    real = gc.get_freeze_count
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: asked.append(1) or real())
+    gc.collect()
+    with gc_paused():
+        small = [[i] for i in range(100)]
+    assert asked == [] and len(small) == 100
+    with gc_paused():
+        large = [[i] for i in range(2 * MOVE_AT)]
+    assert asked == [1] and len(large) == 2 * MOVE_AT
 
 
 def test_predecessor_positions_are_the_predecessors_by_position() -> None:
