@@ -130,7 +130,7 @@ def _run(workload, strategy: Strategy, backend: str, steps: int = 2) -> tuple[Pr
     program = compile_program(plan_memory(graph))
     optimizer = OptimizerSpec("adamw", 1e-3)
     reference = ReferenceTrainer(workload.model, workload.loss_fn, optimizer, program.microbatches)
-    workers = [RankWorker() for _ in range(program.world_size)]
+    workers = [RankWorker(own_process=False) for _ in range(program.world_size)]  # threads of this process
     port = next(_PORTS)
 
     def setup(rank: int) -> None:

@@ -57,7 +57,7 @@ def _run(workload, strategy: Strategy, gpus: list[str], steps: int = 2, **option
     assert program.world_size == len(gpus)
     optimizer = OptimizerSpec("adamw", 1e-3)
     reference = ReferenceTrainer(workload.model, workload.loss_fn, optimizer, program.microbatches)
-    workers = [RankWorker() for _ in range(program.world_size)]
+    workers = [RankWorker(own_process=False) for _ in range(program.world_size)]  # threads of this process
     world = MemoryWorld()
     key = next(_WORLDS)
     MemoryWorld._worlds[("fake-cuda", key)] = world
