@@ -6,6 +6,7 @@ across two nodes: test_multinode.py.)"""
 from __future__ import annotations
 
 import ipaddress
+import os
 import time
 
 import pytest
@@ -54,14 +55,20 @@ def test_tensor_parallel_groups_are_units() -> None:
 def test_a_run_listens_on_loopback_only_and_reserves_a_bundle_per_rank(ray_cluster) -> None:
     """Every socket the run opened (the store on rank 0, gloo's pairs) listens on a loopback
     address, none on 0.0.0.0 or ::. A Ray worker listens on a wildcard address by itself (its
-    core worker server, Ray's own): a worker of the run has no more of those than a bare one."""
+    core worker server, Ray's own): a worker of the run has no more of those than a bare one
+    (an actor of a class that imports nothing: a rank's worker would import torch first,
+    seconds for a baseline that only needs Ray's sockets)."""
     import ray
 
-    from piper_runtime import OptimizerSpec, RankWorker, Runtime
+    from piper_runtime import OptimizerSpec, Runtime
+
+    class Bare:
+        def ping(self) -> int:
+            return os.getpid()
 
     wildcards = {"0.0.0.0", "::"}
     program, modules, workload = _program("mlp", 2, build_schedule("1f1b", 2, 2, stages=2))
-    bare = ray.remote(RankWorker).options(num_cpus=1).remote()
+    bare = ray.remote(Bare).options(num_cpus=1).remote()
     ray_own = sum(a in wildcards for a, _ in listening(ray.get(bare.ping.remote(), timeout=60)))
     ray.kill(bare)
     # New workers, placed in a placement group (pooled ones reserve no bundle).
