@@ -3,7 +3,8 @@ the driver captures and compiles, found running by the runtime later; restarted 
 runtime needs more CPUs than it was started with; no idle task workers prestarted; SIGTERM
 still the program's to handle; the rank workers started with it run the program, and only
 workers that fit are taken. Each cluster in a fresh interpreter (this one's Ray is the test
-session's)."""
+session's): a cluster costs seconds to start and stop, so one interpreter checks every fact
+of a cluster started early for what the runtime then asks (``SCRIPT`` with ``TRAIN``)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from piper_runtime import ClusterOptions
 from piper_runtime.driver.early_workers import EarlyWorkers, WorkerRequest
 
 SCRIPT = """
-import json, os, signal, threading, time
+import json, os, signal, sys, threading, time
 import ray
 from piper_runtime import ClusterOptions, RunOptions, prepare_runtime
 from piper_runtime.driver import cluster
@@ -31,11 +32,13 @@ prepare_runtime(options, {hinted})
 early = cluster._early
 cluster.ensure_ray(None, num_cpus={needed})
 
-@ray.remote
+@ray.remote(num_cpus=0)  # the early rank workers' bundles may hold every CPU
 def pid():
     return os.getpid()
 
 answered = ray.get(pid.remote()) != os.getpid()
+seen = {{}}
+{train}
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(0.2)
 cpus = ray.cluster_resources()["CPU"]
@@ -45,83 +48,69 @@ idle = []
 for r in raylet:
     for c in open(f"/proc/{{r}}/task/{{r}}/children").read().split():
         idle += [c] if b"ray::IDLE" in open(f"/proc/{{c}}/cmdline", "rb").read() else []
+{train_end}
 cluster.shutdown()
 early.thread.join(timeout=30)
-print(json.dumps({{"started_early": early is not None, "sigterm_handled": terms == [signal.SIGTERM], "answered": answered, "cpus": cpus,
-                  "idle_workers": len(idle), "thread_ended": not early.thread.is_alive(),
-                  "threads": [t.name for t in threading.enumerate()]}}))
+print(json.dumps({{**seen, "started_early": early is not None, "sigterm_handled": terms == [signal.SIGTERM],
+                  "answered": answered, "cpus": cpus, "idle_workers": len(idle),
+                  "thread_ended": not early.thread.is_alive(), "threads": [t.name for t in threading.enumerate()]}}))
+"""
+
+# Without worker reuse, the two rank workers started with the cluster (while the program was
+# captured and compiled, before it existed) train a step; the runtime holds them until the
+# cluster's own checks ran (a rank worker is never counted as an idle task worker then).
+TRAIN = """
+sys.path.insert(0, {tests!r})
+from test_runtime import MSE, Stage0, Stage1, _batch, _layers, gpipe_program
+from piper_runtime import OptimizerSpec, Runtime
+
+early.workers_started.wait(60)
+handles = list(early.workers.workers) if early.workers else []
+seen["started"] = [w._actor_id.hex() for w in handles]
+l0, l1 = _layers()
+rt = Runtime(gpipe_program(), {{"s0": Stage0(l0), "s1": Stage1(l1), "loss": MSE()}}, OptimizerSpec("sgd", lr=0.1),
+             runtime="ray")
+seen["used"] = [w._actor_id.hex() for w in rt._ranks.workers]
+x, t = _batch(0)
+seen["loss"] = float(rt.step((x,), (t,)).loss)
+def answers(worker):
+    try:
+        return ray.get(worker.ping.remote(), timeout=20) > 0
+    except Exception:  # killed: Ray refuses the call, or the call fails
+        return False
+seen["alive"] = [answers(w) for w in handles]  # while the runtime holds them
 """
 
 
-def _run(hinted: int, needed: int) -> dict:
-    done = subprocess.run([sys.executable, "-c", SCRIPT.format(hinted=hinted, needed=needed)], capture_output=True,
-                          text=True, timeout=240)
+def _run(hinted: int, needed: int, train: bool = False) -> dict:
+    script = SCRIPT.format(hinted=hinted, needed=needed, train=TRAIN.format(tests=str(Path(__file__).parent)) if train
+                           else "", train_end="rt.shutdown()" if train else "")
+    env = {**os.environ, "PIPER_REUSE_WORKERS": "0"} if train else None  # early workers only without reuse
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     # Ray's native failure handler would have dumped a stack on SIGTERM (and may abort)
     assert "SIGTERM received" not in done.stderr, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_a_cluster_started_early_is_the_one_the_runtime_uses_and_stops() -> None:
+def test_a_cluster_started_early_is_the_one_the_runtime_uses_and_its_workers_run_the_program() -> None:
+    """The cluster started early is the one the runtime uses, and stops; the two rank workers
+    started with it are the ones that run the program, each rank the worker in its bundle,
+    and they train."""
     # The starting thread outlives ray.init: Ray's processes die with the thread that started
     # them (Linux's parent-death signal), so a thread that ended would take the GCS along.
-    seen = _run(hinted=2, needed=2)
+    seen = _run(hinted=2, needed=2, train=True)
     assert seen["started_early"] and seen["answered"] and seen["cpus"] >= 2
     assert seen["sigterm_handled"]  # the program's own handler, not Ray's (ray_env.keep_signals)
     assert seen["idle_workers"] == 0  # Ray's prestarted task workers: no rank could use one
     assert seen["thread_ended"] and "piper-ray-start" not in seen["threads"]
+    assert len(seen["started"]) == 2 and sorted(seen["used"]) == sorted(seen["started"])
+    assert seen["loss"] > 0 and all(seen["alive"])
 
 
 def test_a_cluster_started_early_with_too_few_cpus_is_started_again() -> None:
     seen = _run(hinted=1, needed=64)
     assert seen["answered"] and seen["cpus"] == 64
-
-
-WORKERS = """
-import json, sys
-import ray
-sys.path.insert(0, {tests!r})
-from test_runtime import MSE, Stage0, Stage1, _batch, _layers, gpipe_program
-from piper_runtime import OptimizerSpec, RunOptions, Runtime, prepare_runtime
-from piper_runtime.driver import cluster
-
-prepare_runtime(RunOptions(), 2)  # as the driver does before capturing
-early = cluster._early
-early.workers_started.wait(60)
-handles = list(early.workers.workers) if early.workers else []
-started = [w._actor_id.hex() for w in handles]
-l0, l1 = _layers()
-rt = Runtime(gpipe_program(), {{"s0": Stage0(l0), "s1": Stage1(l1), "loss": MSE()}}, OptimizerSpec("sgd", lr=0.1),
-             runtime="ray")
-used = [w._actor_id.hex() for w in rt._ranks.workers]
-x, t = _batch(0)
-loss = float(rt.step((x,), (t,)).loss)
-def answers(worker):
-    try:
-        return ray.get(worker.ping.remote(), timeout=20) > 0
-    except Exception:  # killed: Ray refuses the call, or the call fails
-        return False
-alive = [answers(w) for w in handles]  # while the runtime holds them
-rt.shutdown()
-cluster.shutdown()
-print(json.dumps({{"started": started, "used": used, "loss": loss, "alive": alive}}))
-"""
-
-
-def _workers() -> dict:
-    script = WORKERS.format(tests=str(Path(__file__).parent))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PIPER_REUSE_WORKERS": "0"})
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def test_workers_started_with_the_cluster_run_the_program() -> None:
-    """The two rank workers started while the program was captured and compiled (before it
-    existed) are the ones that run it, each rank the worker in its bundle, and they train."""
-    seen = _workers()
-    assert len(seen["started"]) == 2 and sorted(seen["used"]) == sorted(seen["started"])
-    assert seen["loss"] > 0 and all(seen["alive"])
 
 
 def test_workers_fit_only_what_the_runtime_would_start() -> None:

@@ -266,10 +266,13 @@ def test_a_failed_submitted_step_fails_the_steps_after_it(ray_cluster, calls: st
 
 @pytest.mark.parametrize("runtime", ["ray", "local"])
 def test_worker_exception_names_rank_and_instruction(ray_cluster, runtime: str) -> None:
+    """On Ray, from the shared pool: the failed run's workers are killed, never given back
+    (``test_workers_of_a_failed_run_are_never_reused``, for a run that raised)."""
     l0, l1 = _layers()
     modules = {"s0": Stage0(l0), "s1": Stage1(l1, fail_on_call=2), "loss": MSE()}
-    rt = Runtime(gpipe_program(), modules, OptimizerSpec("sgd", lr=0.1), step_timeout_s=60, runtime=runtime)
-    workers = list(rt._workers)
+    rt = Runtime(gpipe_program(), modules, OptimizerSpec("sgd", lr=0.1), step_timeout_s=60, runtime=runtime,
+                 reuse_workers=True)
+    workers, idle = list(rt._workers), shared_pool().idle
     with pytest.raises(ExecutionError) as info:
         rt.step(*((t,) for t in _batch(0)))
     err = info.value
@@ -281,17 +284,23 @@ def test_worker_exception_names_rank_and_instruction(ray_cluster, runtime: str) 
         assert _dies(w)
     rt.shutdown()
     rt.shutdown()
+    assert shared_pool().idle == idle  # none came back
 
 
 def test_step_timeout_names_silent_ranks_and_the_step_they_are_in(ray_cluster) -> None:
     """A call of two steps, bounded at 1 s a step: the second step never ends (rank 1's first
-    forward of it sleeps); the error names both ranks and step 2, not the call's first."""
+    forward of it sleeps); the error names both ranks and step 2, not the call's first. The
+    workers, from the shared pool, are killed, never given back
+    (``test_workers_of_a_failed_run_are_never_reused``, for a run that timed out)."""
     l0, l1 = _layers()
     modules = {"s0": Stage0(l0), "s1": Stage1(l1, sleep_s=30.0, sleep_from_call=M), "loss": MSE()}
-    with Runtime(gpipe_program(), modules, step_timeout_s=1.0) as rt:
+    with Runtime(gpipe_program(), modules, step_timeout_s=1.0, reuse_workers=True) as rt:
+        workers, idle = list(rt._workers), shared_pool().idle
         with pytest.raises(ExecutionError, match=r"ranks \[0, 1\] did not answer within 2 s") as info:
             rt.submit_steps([StepRequest(*((t,) for t in _batch(step))) for step in range(2)])[0].result()
         assert info.value.ranks == (0, 1) and info.value.step == 2 and rt.closed
+    assert shared_pool().idle == idle  # none came back
+    assert all(_dies(w) for w in workers)
 
 
 @pytest.mark.parametrize("runtime", ["ray", "local"])
@@ -435,7 +444,13 @@ def _train(rt: Runtime) -> tuple[list, list, dict]:
     return losses, grads, rt.parameters()
 
 
-def test_reused_workers_give_a_fresh_workers_results_and_forget_their_run(ray_cluster) -> None:
+def test_reused_workers_give_a_fresh_workers_results_forget_their_run_and_spares_follow_a_failed_run(
+    ray_cluster,
+) -> None:
+    """A pool's two workers, new, then reused (bit for bit what they computed new, with a new
+    worker's settings); then, with two spares asked for, the same pool's workers run a run that
+    fails (``_spares_serve_the_runtime_after_a_failed_run``). One pool for both: every worker
+    start costs seconds."""
     spec = OptimizerSpec("sgd", lr=0.1, kwargs={"momentum": 0.9})
     pool, workers = WorkerPool(), WorkerSpec.of("cpu", 0.0, worker_env())
 
@@ -489,29 +504,35 @@ def test_reused_workers_give_a_fresh_workers_results_and_forget_their_run(ray_cl
     assert losses == want_losses
     for got, want in [*zip(grads, want_grads, strict=True), (params, want_params)]:
         assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    _spares_serve_the_runtime_after_a_failed_run(pool)
     pool.clear()
     assert pool.idle == 0
+    with pytest.raises(ValueError, match="spares must be between 0 and max_idle"):
+        WorkerPool(max_idle=1, spares=2)
 
 
-def test_spare_workers_serve_the_runtime_after_a_failed_run(ray_cluster) -> None:
-    """A pool with two spares starts them once a runtime's two workers are set up. That run
+def _spares_serve_the_runtime_after_a_failed_run(pool: WorkerPool) -> None:
+    """``pool``, holding two idle workers (the only two it started), asked for two spares,
+    starts them once a runtime's two workers (its idle ones) are set up. That run
     fails (its workers are killed, never reused): the next runtime takes the spares, and
     computes what the local runtime computes (whether the spares had started by then, or were
-    handed out still starting, as new workers are). Four worker starts in all: the second
+    handed out still starting, as new workers are). Two worker starts more in all: the second
     runtime starts no spares of its own (``spares`` set to 0 first)."""
-    pool = WorkerPool(spares=2)
+    reused = pool.reused
+    assert (pool.started, pool.idle) == (2, 2)
+    pool.spares = 2
     l0, l1 = _layers()
     rt = Runtime(gpipe_program(), {"s0": Stage0(l0), "s1": Stage1(l1, fail_on_call=0), "loss": MSE()},
                  reuse_workers=pool)
     failed = list(rt._workers)
-    assert (pool.started, pool.reused, pool.idle) == (4, 0, 2)
+    assert (pool.started, pool.reused, pool.idle) == (4, reused + 2, 2)
     with pytest.raises(ExecutionError):
         rt.step(*((t,) for t in _batch(0)))
     rt.shutdown()
     assert pool.idle == 2 and all(_dies(w) for w in failed)
     pool.spares = 0
     with Runtime(gpipe_program(), _modules(), reuse_workers=pool) as again:
-        assert (pool.started, pool.reused, pool.idle) == (4, 2, 0)
+        assert (pool.started, pool.reused, pool.idle) == (4, reused + 4, 0)
         assert not set(again._workers) & set(failed)
         got = _train(again)
     with Runtime(gpipe_program(), _modules(), runtime="local") as local:
@@ -519,24 +540,17 @@ def test_spare_workers_serve_the_runtime_after_a_failed_run(ray_cluster) -> None
     assert got[0] == want[0]
     for a, b in [*zip(got[1], want[1], strict=True), (got[2], want[2])]:
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in b)
-    pool.clear()
-    with pytest.raises(ValueError, match="spares must be between 0 and max_idle"):
-        WorkerPool(max_idle=1, spares=2)
 
 
-@pytest.mark.parametrize("failure", ["exception", "timeout", "dead worker"])
-def test_workers_of_a_failed_run_are_never_reused(ray_cluster, failure: str) -> None:
-    l0, l1 = _layers()
-    stage1 = {"exception": Stage1(l1, fail_on_call=0), "timeout": Stage1(l1, sleep_s=30.0)}.get(failure, Stage1(l1))
+def test_workers_of_a_failed_run_are_never_reused(ray_cluster) -> None:
+    """A worker that dies between calls: the reset at shutdown gets no answer, and neither
+    worker goes back to the pool. (A run that raised, or timed out:
+    ``test_worker_exception_names_rank_and_instruction[ray]``,
+    ``test_step_timeout_names_silent_ranks_and_the_step_they_are_in``.)"""
     pool = shared_pool()
-    rt = Runtime(gpipe_program(), {"s0": Stage0(l0), "s1": stage1, "loss": MSE()}, step_timeout_s=2.0,
-                 reuse_workers=True)
+    rt = Runtime(gpipe_program(), _modules(), reuse_workers=True)
     workers, idle = list(rt._workers), pool.idle
-    if failure == "dead worker":
-        ray.kill(workers[1])  # dies between calls: the reset at shutdown gets no answer
-    else:
-        with pytest.raises(ExecutionError):
-            rt.step(*((t,) for t in _batch(0)))
+    ray.kill(workers[1])
     rt.shutdown()
     assert pool.idle == idle  # none came back
     assert all(_dies(w) for w in workers)
