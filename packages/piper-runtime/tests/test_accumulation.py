@@ -156,7 +156,7 @@ def test_a_worker_fuses_whole_backwards_only_and_matches_autograd(fuse: bool) ->
     modules = {"s0": TanhLinear("l0", copy.deepcopy(l0)), "s1": TanhLinear("l1", copy.deepcopy(l1)), "loss": MSE()}
     ref = nn.ModuleDict({"l0": l0, "l1": l1})
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    worker = RankWorker()
+    worker = RankWorker(own_process=False)  # a thread of this process, as the local runtime makes it
     try:
         execution = ExecutionOptions(grad_fusion_min_bytes=0 if fuse else None)
         worker.setup(0, 1, "127.0.0.1", _port(), _program(), modules, OptimizerSpec("sgd", lr=0.1), "cpu",

@@ -269,7 +269,7 @@ def test_setup_rejects_bucket_operations_the_residency_does_not_call_for(
     program = attrs.evolve(
         program, ranks=(RankPlan(0, (*program.ranks[0].instructions, bad)), program.ranks[1])
     )
-    worker = RankWorker()
+    worker = RankWorker(own_process=False)  # a thread of this process, as the local runtime makes it
     with pytest.raises(ExecutionError, match=message):
         worker.setup(
             0,

@@ -109,7 +109,7 @@ def _train(monkeypatch: pytest.MonkeyPatch, fuse: bool) -> tuple[list[dict[str, 
     torch.manual_seed(0)
     l0, l1 = nn.Linear(D_IN, D_HID), nn.Linear(D_HID, D_OUT)
     modules = {"s0": TanhLinear("l0", copy.deepcopy(l0)), "s1": TanhLinear("l1", copy.deepcopy(l1)), "loss": MSE()}
-    worker = RankWorker()
+    worker = RankWorker(own_process=False)  # a thread of this process, as the local runtime makes it
     try:
         worker.setup(0, 1, "127.0.0.1", _port(), _program(_one_f_one_b()), modules, OptimizerSpec("adamw", lr=0.1))
         grads = []

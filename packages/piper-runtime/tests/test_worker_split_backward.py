@@ -47,7 +47,7 @@ def _port() -> int:
 
 @pytest.fixture
 def worker():
-    w = RankWorker()
+    w = RankWorker(own_process=False)  # a thread of this process, as the local runtime makes it
     yield w
     w.shutdown()
 
