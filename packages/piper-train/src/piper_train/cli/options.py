@@ -584,7 +584,8 @@ MINIMUMS: dict[str, tuple[float, bool]] = {
                      "lr_step_size", "ranks_per_gpu", "devices", "stages", "top", "validate_steps", "profile_steps",
                      "keep_checkpoints", "segments_per_stage"), (1, False)),
     **dict.fromkeys(("warmup_steps", "eval_every", "eval_batches", "prefetch", "checkpoint_every", "max_restarts",
-                     "validate", "lr", "min_lr", "weight_decay", "rtol", "atol", "latency_us"), (0, False)),
+                     "validate", "lr", "min_lr", "weight_decay", "rtol", "atol", "latency_us", "calibrate_seconds"),
+                    (0, False)),
     **dict.fromkeys(("timeout", "memory_budget_mb", "clip_grad_norm", "lr_gamma", "bandwidth_mbs"), (0, True)),
 }
 #: The few whose larger values overflow where they are used (a deadline, a budget in bytes).

@@ -11,7 +11,6 @@ import time
 from collections import Counter
 
 from piper_scheduler import CHUNKS, CostModel, compile_program, simulate
-from piper_train import bounds
 from piper_train.cli.document import emit
 from piper_train.cli.options import say
 from piper_train.hardware import load_hardware
@@ -205,8 +204,7 @@ def calibrate(args: argparse.Namespace) -> int:
         elements = tokens * max(k for _, k, _ in matmuls[:-1])  # the MLP's widest activation
         census = hf_census(args.model, seq_len, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
     timing = {}
-    if args.calibrate_seconds is not None:
-        bounds.check("--calibrate-seconds", args.calibrate_seconds, minimum=0)
+    if args.calibrate_seconds is not None:  # >= 0: options.MINIMUMS
         timing = {"step_seconds": args.calibrate_seconds, "seconds": args.calibrate_seconds / 6}
     cal = Calibration(devices=args.devices, dtype=dtype, matmuls=matmuls, elementwise_elements=elements,
                       model=args.model if census is not None else None, seq_len=seq_len, sequences=sequences,
