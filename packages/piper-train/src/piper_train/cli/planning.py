@@ -203,9 +203,8 @@ def calibrate(args: argparse.Namespace) -> int:
         matmuls = model_matmuls(config, tokens)
         elements = tokens * max(k for _, k, _ in matmuls[:-1])  # the MLP's widest activation
         census = hf_census(args.model, seq_len, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
-    timing = {}
-    if args.calibrate_seconds is not None:  # >= 0: options.MINIMUMS
-        timing = {"step_seconds": args.calibrate_seconds, "seconds": args.calibrate_seconds / 6}
+    # >= 0: options.MINIMUMS
+    timing = Calibration.timed_for(args.calibrate_seconds) if args.calibrate_seconds is not None else {}
     cal = Calibration(devices=args.devices, dtype=dtype, matmuls=matmuls, elementwise_elements=elements,
                       model=args.model if census is not None else None, seq_len=seq_len, sequences=sequences,
                       runtime=runtime, **timing)

@@ -101,7 +101,7 @@ class Calibration:
     peak_size: int = 1024
     link_large: int = 8 << 20
     repeats: int = 5
-    seconds: float = 0.5
+    seconds: float = 0.5  # a sixth of ``step_seconds``'s default (``timed_for``)
     model: str | None = None  # hf:CONFIG whose own step is timed (``step_sizes``), or None
     seq_len: int = 32
     sequences: int = 1  # the microbatch (sequences) the step is fitted at
@@ -115,6 +115,15 @@ class Calibration:
             raise ValueError("calibration needs --devices >= 1, --batch-size >= 1, --seq-len >= 1 and repeats >= 1")
         if self.runtime not in RUNTIMES:
             raise ValueError(f"--runtime {self.runtime}: calibration measures ranks as {' or '.join(RUNTIMES)} runs them")
+
+    @staticmethod
+    def timed_for(step_seconds: float) -> dict[str, float]:
+        """``step_seconds`` and ``seconds`` for a calibration that times the model's step at
+        least ``step_seconds`` (``--calibrate-seconds``), every other figure in the defaults'
+        proportion (a sixth)."""
+        defaults = attrs.fields(Calibration)
+        return {"step_seconds": step_seconds, "seconds": step_seconds * defaults.seconds.default
+                / defaults.step_seconds.default}
 
     @property
     def step_sizes(self) -> tuple[int, int]:
