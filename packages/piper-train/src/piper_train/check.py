@@ -34,6 +34,7 @@ SCALED = ("bf16", "bfloat16", "fp16", "float16")
 # about +-lr whatever the gradient's size, so for a gradient that is rounding noise (the key
 # bias of attention, which softmax cancels, has gradients of 1e-9) rounding decides the sign.
 NORMALISING = ("adam", "adamw")
+ADAM_EPS = 1e-8  # torch's default ``eps`` of Adam and AdamW
 
 
 @attrs.frozen
@@ -59,8 +60,8 @@ class CheckReport:
     # The first batch's loss whole against the mean of its pieces' (``_whole_batch``): not part
     # of ``ok``, which compares the strategy with single-device training on the same pieces.
     whole_batch: Difference | None = None
-    # Parameter entries left out of the final comparison: gradients that stayed noise under a
-    # normalising optimizer (``_quiet``).
+    # Parameter entries left out of the final comparison: gradients that were rounding noise,
+    # which a normalising optimizer amplifies (``_Noise``).
     params_not_compared: int = 0
 
     @property
@@ -87,7 +88,7 @@ def _diff(
     max|b|``) instead of entry by entry (``torch.allclose``): a low-precision run, where one
     weight rounding to its neighbouring bf16 value moves every entry of a gradient by an
     amount proportional to the tensor's scale, not to the entry's. ``skip``: entries left
-    out (``_quiet``)."""
+    out (``_Noise``)."""
     got, want = got.double(), want.double()
     if got.shape != want.shape:
         return Difference(what, float("inf"), float("inf"), f"{where} (shape {tuple(got.shape)} vs {tuple(want.shape)})", False)
@@ -134,7 +135,7 @@ def run_check(
     optimizer = optimizer or OptimizerSpec()
     diffs: list[Difference] = []
     norms: list[float] = []
-    largest: dict[str, torch.Tensor] = {}  # each gradient entry's largest size over the steps (``_quiet``)
+    noise = _Noise(atol, dict(optimizer.kwargs).get("eps", ADAM_EPS))  # entries Adam makes rounding of (``_Noise``)
     scaled = precision in SCALED  # low precision: differences judged per tensor (``_diff``)
     with Trainer(
         workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
@@ -158,9 +159,7 @@ def run_check(
                 raise RuntimeError("the runtime returned no gradients although keep_grads was set")
             _same_names(got.grads, want.grads)
             pairs += [("grad", f"step {step} {name}", got.grads[name], want.grads[name]) for name in want.grads]
-            for name, g in want.grads.items():
-                size = g.detach().double().abs()
-                largest[name] = torch.maximum(largest[name], size) if name in largest else size
+            noise.add(got.grads, want.grads, want.lr)
             if lr_schedule is not None:
                 pairs.append(("lr", f"step {step}", _exact(got.lr), _exact(want.lr)))
             if want.grad_norm is not None:
@@ -172,14 +171,14 @@ def run_check(
             norm = f", gradient norm {got.grad_norm:.6f} (reference {want.grad_norm:.6f})" if want.grad_norm else ""
             log(f"step {step}: loss {got.loss:.6f} (reference {want.loss:.6f}), lr {got.lr:.3g}{norm}")
         params = trainer.parameters()
-        quiet = _quiet(largest, atol) if optimizer.name in NORMALISING else {}
+        quiet = noise.left_out() if optimizer.name in NORMALISING else {}
         diffs.extend(_diff("param", name, params[name], p, rtol, atol, scaled, quiet.get(name))
                      for name, p in reference.parameters().items())
         left_out = sum(int(q.sum()) for q in quiet.values())
         if left_out:
-            log(f"{left_out} parameter entries not compared after the steps: their gradient stayed within atol "
-                f"({atol:g}) of zero, and {optimizer.name} moves such an entry by about its learning rate either "
-                "way, as rounding decides (their gradients were compared)")
+            log(f"{left_out} parameter entries not compared after the steps: their gradients were rounding noise "
+                f"(within atol {atol:g} of zero), which {optimizer.name} turns into updates of up to its learning "
+                "rate, by a fraction rounding decides (their gradients were compared)")
         for k in range(eval_batches):
             inputs, targets = workload.eval_batches(k)
             got_eval, want_eval = trainer.evaluate(inputs, targets), reference.evaluate(inputs, targets)
@@ -225,13 +224,46 @@ def _float64_batches(batches: Callable[[int], Batch]) -> Callable[[int], Batch]:
     return cast
 
 
-def _quiet(largest: dict[str, torch.Tensor], atol: float) -> dict[str, torch.Tensor]:
-    """Per parameter, the entries whose reference gradient stayed within ``atol`` of zero at
-    every step. Under a normalising optimizer (``NORMALISING``) their values after the steps
-    say nothing: a gradient that is rounding noise on both sides (and the gradients are
-    compared entry by entry) still moves the entry by up to the learning rate, in the
-    direction the noise happens to take."""
-    return {name: size <= atol for name, size in largest.items()}
+class _Noise:
+    """The parameter entries whose values after the steps say nothing under a normalising
+    optimizer (``NORMALISING``), found from both sides' gradients step by step. Adam's update
+    of an entry is its gradient over the gradients' running scale, and its first is ``lr * g
+    / (|g| + eps)``: a gradient that is rounding noise (within ``atol`` of zero; the gradients
+    themselves are compared entry by entry) still moves the entry by up to the learning rate,
+    by a fraction the noise decides, and the later steps carry that offset on. Left out:
+
+    - the entries whose gradient stayed within ``atol`` at every step (the running scale is
+      noise too, so every update is: attention's key bias, which softmax cancels);
+    - the entries whose first nonzero gradient (on either side) was within ``atol``, where
+      the two sides' first updates differ by more than ``atol`` (a later gradient that is
+      not noise is not amplified: the running scale is its size by then). A small gradient
+      that both sides agree on moves both alike and is compared.
+    """
+
+    def __init__(self, atol: float, eps: float) -> None:
+        self.atol, self.eps = atol, eps
+        self.loud: dict[str, torch.Tensor] = {}  # entries with a gradient beyond atol at some step
+        self.moved: dict[str, torch.Tensor] = {}  # entries with a nonzero gradient on either side
+        self.first: dict[str, torch.Tensor] = {}  # entries whose first updates differ by more than atol
+
+    def add(self, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], lr: float | None) -> None:
+        """One step's gradients (``lr``: the step's learning rate, the reference's)."""
+        for name, w in want.items():
+            g, w = got[name].detach().double(), w.detach().double()
+            if g.shape != w.shape:  # a failure ``_diff`` reports
+                continue
+            size = torch.maximum(g.abs(), w.abs())
+            nonzero = size > 0
+            before = self.moved.get(name, torch.zeros_like(nonzero))
+            starts = nonzero & ~before & (size <= self.atol)
+            apart = (lr or 0.0) * (g / (g.abs() + self.eps) - w / (w.abs() + self.eps)).abs() > self.atol
+            self.first[name] = self.first.get(name, torch.zeros_like(nonzero)) | (starts & apart)
+            self.moved[name] = before | nonzero
+            self.loud[name] = self.loud.get(name, torch.zeros_like(nonzero)) | (size > self.atol)
+
+    def left_out(self) -> dict[str, torch.Tensor]:
+        """Per parameter, the entries not to compare."""
+        return {name: ~loud | self.first[name] for name, loud in self.loud.items()}
 
 
 def _whole_batch(
