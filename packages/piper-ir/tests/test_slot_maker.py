@@ -21,6 +21,7 @@ from piper_ir import (
     TensorMeta,
     slot_maker,
 )
+from piper_ir.construct import _descriptor_maker
 
 CASES = [
     (Instruction, ("send.a", NodeKind.SEND, "pp", None, None, 3, "a", 1, "pp.fwd", TensorMeta((2, 4), "float32"),
@@ -39,6 +40,13 @@ def test_it_makes_what_init_makes(cls, values) -> None:
     assert attrs.astuple(made, recurse=False) == values
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         made.id = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("cls", "values"), CASES)
+def test_the_descriptor_maker_makes_the_same(cls, values) -> None:
+    """What ``slot_maker`` falls back to where ``__class__`` cannot be assigned."""
+    made = _descriptor_maker(cls, [a.name for a in attrs.fields(cls)])(*values)
+    assert type(made) is cls and made == cls(*values)
 
 
 @pytest.mark.parametrize("cls", [Instruction, Node, Edge])
