@@ -78,7 +78,8 @@ def communicators_for(graph: Graph) -> tuple[Communicator, ...]:
     then one per tensor- or expert-parallel group whose segments issue collectives (traffic
     ``tp`` or ``ep``; a tensor- and expert-parallel segment has both, ``ep`` over its
     ``expert_degree`` ranks), then the gradient norm's (traffic ``norm``)."""
-    used = {communicator_for(n.value or "") for n in graph.nodes if n.kind is SEND}
+    # the values sent, told apart first: a pipeline's 130k transfers carry a few hundred
+    used = {communicator_for(v) for v in {n.value or "" for n in graph.nodes if n.kind is SEND}}
     ranks = tuple(range(graph.world_size))
     out = [Communicator(c, ranks, _TRAFFIC[c]) for c in (PP_FWD, PP_BWD) if c in used]
     groups: dict[str, tuple[tuple[int, ...], str]] = {}

@@ -143,6 +143,7 @@ def _program(
     tables: _Tables,
     execution: ExecutionOptions,
 ) -> Program:
+    groups = _compute_groups(graph)
     return Program(
         world_size=graph.world_size,
         ranks=[_rank_plan(graph, r, ids, overlap, replica[r], tables) for r, ids in enumerate(lists)],
@@ -152,11 +153,8 @@ def _program(
         inputs=graph.inputs,
         targets=graph.targets,
         microbatches=graph.microbatches,
-        placement=_placement(graph),
-        replicas=max(
-            (len(n.devices) // tables.degree(n.segment) for n in graph.nodes if n.kind is COMPUTE),
-            default=1,
-        ),
+        placement=_placement(graph, groups),
+        replicas=max((len(group) // tables.degree(segment) for segment, group in groups), default=1),
         replication=graph.replication,
         buckets=graph.buckets,
         sharding=graph.sharding,
@@ -567,9 +565,17 @@ def _fields(n: Node, rank: int, tables: _Tables) -> tuple[str | None, TensorMeta
     return None, None
 
 
-def _placement(graph: Graph) -> list[tuple[str, tuple[int, ...]]]:
+def _compute_groups(graph: Graph) -> set[tuple[str | None, tuple[int, ...]]]:
+    """(segment, device group) of every compute node, each pair once: a segment runs its
+    microbatches on one group, so a pipeline's 132k compute nodes make a few hundred pairs,
+    which ``_placement`` and the replica count read."""
+    return {(n.segment, n.devices) for n in graph.nodes if n.kind is COMPUTE}
+
+
+def _placement(graph: Graph, groups: set[tuple[str | None, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...]]]:
+    """``groups``: ``_compute_groups(graph)``."""
     devices: dict[str, set[int]] = {s.id: set() for s in graph.segments}
-    for n in graph.nodes:
-        if n.kind is COMPUTE and n.segment is not None:
-            devices[n.segment].update(n.devices)
+    for segment, group in groups:
+        if segment is not None:
+            devices[segment].update(group)
     return [(s.id, tuple(sorted(devices[s.id]))) for s in graph.segments]
