@@ -56,8 +56,10 @@ def piper_process(*args: str, console_script: bool = False, interrupt_after: str
     env.pop(REUSE_ENV, None)
     command = [str(Path(sys.executable).with_name("piper"))] if console_script else [sys.executable, "-m",
                                                                                      "piper_train.cli"]
+    # SIGINT handled as at a terminal: a test run started in the background of a shell without
+    # job control inherits it ignored, and the command (rightly) leaves an ignored SIGINT alone.
     proc = subprocess.Popen([*command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=ROOT, start_new_session=whole_job)
+                            cwd=ROOT, start_new_session=whole_job, preexec_fn=_default_sigint)
     try:
         head = ""
         if interrupt_after is not None:
@@ -73,6 +75,10 @@ def piper_process(*args: str, console_script: bool = False, interrupt_after: str
         proc.communicate()
         shutil.rmtree(ray_tmp, ignore_errors=True)
     return Done(proc.returncode, head + out, err)
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _read_until(proc: subprocess.Popen, prefix: str, deadline: float) -> str:
