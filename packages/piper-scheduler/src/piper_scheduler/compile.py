@@ -85,6 +85,8 @@ LISTED_KINDS = GROUP_KINDS | {NodeKind.GRAD_NORM}
 OVERLAP_PHASES = frozenset({Phase.F, Phase.B, Phase.BI})
 
 Channel = tuple[str, int, int]
+ComputeGroups = set[tuple[str | None, tuple[int, ...]]]
+"""(segment, device group) pairs of compute nodes (``_compute_groups``)."""
 
 # ``Instruction``'s fields in the order its ``__init__`` takes them. ``_rank_plan`` passes
 # them by position to ``make_instruction`` (``piper_ir.slot_maker``: ``waits`` passed as the
@@ -121,8 +123,9 @@ def _compile(graph: Graph, execution: ExecutionOptions) -> Program:
     _check_supported(graph, tables)
     sends = _place_sends(graph, orders)
     overlap = _overlapped_slots(graph)
-    replica = _replicas(graph, tables)
-    program = _program(graph, _place_recvs(graph, orders, sends, overlap), overlap, replica, tables, execution)
+    groups = _compute_groups(graph)
+    replica = _replicas(graph, tables, groups)
+    program = _program(graph, _place_recvs(graph, orders, sends, overlap), overlap, replica, tables, groups, execution)
     try:
         verify(program)
     except DeadlockError:
@@ -130,7 +133,7 @@ def _compile(graph: Graph, execution: ExecutionOptions) -> Program:
             raise
         # Receiving a slot's inputs up front waits for what one of its own members produces
         # (a slot whose backward needs its forward): receive before each member instead.
-        program = _program(graph, _place_recvs(graph, orders, sends, {}), overlap, replica, tables, execution)
+        program = _program(graph, _place_recvs(graph, orders, sends, {}), overlap, replica, tables, groups, execution)
         verify(program)
     return program
 
@@ -141,9 +144,10 @@ def _program(
     overlap: dict[str, tuple],
     replica: list[int],
     tables: _Tables,
+    groups: ComputeGroups,
     execution: ExecutionOptions,
 ) -> Program:
-    groups = _compute_groups(graph)
+    """``groups``: ``_compute_groups(graph)``."""
     return Program(
         world_size=graph.world_size,
         ranks=[_rank_plan(graph, r, ids, overlap, replica[r], tables) for r, ids in enumerate(lists)],
@@ -383,12 +387,28 @@ def _check_norm_node(graph: Graph, n: Node) -> None:
         )
 
 
-def _replicas(graph: Graph, tables: _Tables) -> list[int]:
+def _replicas(graph: Graph, tables: _Tables, groups: ComputeGroups) -> list[int]:
     """Each rank's position in the device groups of the compute it runs (its replica index);
     a rank must hold the same position in all of them. The ranks of a tensor-parallel group
     share one replica index: they see the same data. Optimizer nodes do not count: a
     segment's optimizer runs on every device holding its parameters, which for mirrored
-    replicas (DualPipe) is larger than the group any microbatch runs on."""
+    replicas (DualPipe) is larger than the group any microbatch runs on.
+
+    ``groups``: ``_compute_groups(graph)``, each (segment, group) once, which tell the
+    positions when every rank holds one; otherwise the walk over the nodes names the first
+    node that gives a rank a second one."""
+    replica: dict[int, int] = {}
+    for segment, devices in groups:
+        degree = tables.degree(segment)
+        for j, d in enumerate(devices):
+            if replica.setdefault(d, j // degree) != j // degree:
+                _replica_conflict(graph, tables)
+    return [replica.get(r, 0) for r in range(graph.world_size)]
+
+
+def _replica_conflict(graph: Graph, tables: _Tables) -> NoReturn:
+    """Raise for the first compute node, in graph order, that puts a rank at a second
+    position (``_replicas``)."""
     position: dict[int, tuple[int, str]] = {}
     for n in graph.nodes:
         if n.kind is not COMPUTE:
@@ -404,7 +424,7 @@ def _replicas(graph: Graph, tables: _Tables) -> list[int]:
                     nodes=[seen[1], n.id],
                     ranks=[d],
                 )
-    return [position.get(r, (0, ""))[0] for r in range(graph.world_size)]
+    raise AssertionError("_replicas saw a rank at two positions, the nodes at one")
 
 
 def _overlapped_slots(graph: Graph) -> dict[str, tuple]:
@@ -565,14 +585,14 @@ def _fields(n: Node, rank: int, tables: _Tables) -> tuple[str | None, TensorMeta
     return None, None
 
 
-def _compute_groups(graph: Graph) -> set[tuple[str | None, tuple[int, ...]]]:
+def _compute_groups(graph: Graph) -> ComputeGroups:
     """(segment, device group) of every compute node, each pair once: a segment runs its
     microbatches on one group, so a pipeline's 132k compute nodes make a few hundred pairs,
-    which ``_placement`` and the replica count read."""
+    which ``_replicas``, ``_placement`` and the replica count read."""
     return {(n.segment, n.devices) for n in graph.nodes if n.kind is COMPUTE}
 
 
-def _placement(graph: Graph, groups: set[tuple[str | None, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...]]]:
+def _placement(graph: Graph, groups: ComputeGroups) -> list[tuple[str, tuple[int, ...]]]:
     """``groups``: ``_compute_groups(graph)``."""
     devices: dict[str, set[int]] = {s.id: set() for s in graph.segments}
     for segment, group in groups:
