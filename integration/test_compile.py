@@ -62,13 +62,29 @@ def _counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
+def _products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The weight gradients added inside their products (``WeightProduct.add_into``) from now on."""
+    added: list[int] = []
+    real = compiled.WeightProduct.add_into
+
+    def counting(self, param):
+        added.append(id(param))
+        return real(self, param)
+
+    monkeypatch.setattr(compiled.WeightProduct, "add_into", counting)
+    return added
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zb1p", "dualpipe", "dualpipev"])
 def test_compiled_segments_match_one_device_under_every_schedule(schedule, monkeypatch):
-    calls = _counted(monkeypatch)
+    """With every weight's gradient added inside its product (``grad_fusion_min_bytes=0``):
+    each microbatch's backward of each region's Linear, in ``B`` or in ``BW``."""
+    calls, added = _counted(monkeypatch), _products(monkeypatch)
     stages = 4 if schedule in ("interleaved_1f1b", "dualpipe", "dualpipev") else 2
     report = run_check(_workload(regions=stages), build_schedule(schedule, 2, 4, stages=stages), optimizer=ADAMW,
-                       options=RunOptions.build(compile="aot_eager", runtime="local"))
+                       options=RunOptions.build(compile="aot_eager", runtime="local", grad_fusion_min_bytes=0))
     assert report.ok, report.failures()
+    assert len(added) == 3 * 4 * stages  # steps x microbatches x regions (one Linear weight each)
     # Each rank compiles each of its segments once for its one input shape: F, and B or BI
     # and BW (3 steps x 4 microbatches would be 12 times as many if anything were compiled
     # per call).
@@ -96,7 +112,7 @@ def test_bf16_and_zero2_compiled():
                        rtol=rtol, atol=atol, options=RunOptions.build(compile="aot_eager", runtime="local"))
     assert report.ok, report.failures()
     report = run_check(_workload(3, regions=2), build_schedule("1f1b", 1, 4, stages=2, dp=2, zero=2), optimizer=ADAMW,
-                       options=RunOptions.build(compile="aot_eager", runtime="local"))
+                       options=RunOptions.build(compile="aot_eager", runtime="local", grad_fusion_min_bytes=0))
     assert report.ok, report.failures()
 
 

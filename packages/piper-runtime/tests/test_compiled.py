@@ -7,7 +7,14 @@ import pytest
 import torch
 from torch import fx, nn
 
-from piper_runtime.rank.compiled import CompiledSegment, CompileError, CompileStats, signature, split_backward
+from piper_runtime.rank.compiled import (
+    CompiledSegment,
+    CompileError,
+    CompileStats,
+    WeightProduct,
+    signature,
+    split_backward,
+)
 
 
 class Block(nn.Module):
@@ -94,3 +101,52 @@ def test_a_signature_names_shapes_dtypes_and_gradients():
     assert signature([a], [True]) != signature([b], [True])
     assert signature([a], [True]) != signature([a], [False])
     assert signature([a], [True]) != signature([a.double()], [True])
+
+
+class Wide(nn.Module):
+    """Two Linear layers and a bias-free one, on 3-d inputs (a view before each product)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 32)
+        self.down = nn.Linear(32, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x))) + x
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_weight_gradients_added_inside_their_products_equal_autograds_sums(split):
+    """The fused weights' gradients come back as products (no ``mm`` for them left in the
+    graph), and three microbatches added into ``.grad`` through them give autograd's sums up
+    to rounding (``addmm_`` instead of ``mm`` then ``add_``); the biases come back whole."""
+    torch.manual_seed(0)
+    module = Wide()
+    fused = [module.up.weight, module.down.weight]
+    xs, gs = torch.randn(3, 2, 4, 8), torch.randn(3, 2, 4, 8)
+    for x, g in zip(xs, gs, strict=True):
+        module(x.clone().requires_grad_(True)).backward(g)
+    want = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+
+    fn = CompiledSegment("s0", module, [xs[0]], [True], "aot_eager", CompileStats(), fused=fused)
+    for x, g in zip(xs, gs, strict=True):
+        _, residuals = fn.forward([x])
+        if split:
+            _, pending = fn.backward_input(residuals, fn.tangents([g]))
+            weights = fn.backward_weight(pending)
+        else:
+            _, weights = fn.backward(residuals, fn.tangents([g]))
+        products = [isinstance(w, WeightProduct) for w in weights]
+        assert products == [isinstance(p, nn.Parameter) and any(p is f for f in fused) for p in fn.params]
+        for p, w in zip(fn.params, weights, strict=True):
+            if isinstance(w, WeightProduct):
+                w.add_into(p)
+            else:
+                p.grad = w if p.grad is None else p.grad + w
+    got = [p.grad for p in module.parameters()]
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(got, want, strict=True))
+    assert all(p.grad.stride() == p.stride() for p in module.parameters())
+    # Left in the graph: B's two input-gradient products; BW none (they are BI's).
+    graph = fn._bw if split else fn._b
+    assert sum(n.target is torch.ops.aten.mm.default for n in graph.graph.nodes) == (0 if split else 2)

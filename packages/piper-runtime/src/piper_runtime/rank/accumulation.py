@@ -101,6 +101,16 @@ def accumulate_in_products(
     return changed
 
 
+def compiled_products(modules: Mapping[str, nn.Module], min_bytes: int, skip: Collection[int] = ()) -> list[torch.Tensor]:
+    """The weights whose gradients compiled backwards add inside their matrix product
+    (``piper_runtime.rank.compiled.weight_products``), by the rule ``accumulate_in_products``
+    applies to eager ``nn.Linear`` layers: trainable, ``min_bytes`` or more, not in ``skip``
+    (sharded gradients). Which of them a backward computes as one product, the traced graph
+    says; a split backward's ``BW`` fuses too (it runs once per microbatch, as ``B`` does)."""
+    return [p for module in modules.values() for p in module.parameters()
+            if p.requires_grad and p.nbytes >= min_bytes and id(p) not in skip]
+
+
 def has_fused_layers(module: nn.Module) -> bool:
     """Whether ``accumulate_in_products`` gave some ``nn.Linear`` of ``module`` its backward."""
     return any(_is_fused(layer) for layer in module.modules())

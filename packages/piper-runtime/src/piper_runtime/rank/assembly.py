@@ -32,7 +32,7 @@ from piper_runtime.optim import OptimizerSpec
 from piper_runtime.options import RankSetup
 from piper_runtime.progress import Progress
 from piper_runtime.rank.accounting import MemorySampler
-from piper_runtime.rank.accumulation import accumulate_in_products
+from piper_runtime.rank.accumulation import accumulate_in_products, compiled_products
 from piper_runtime.rank.comms import Communicators
 from piper_runtime.rank.compiled import CompileStats
 from piper_runtime.rank.compute import COMPUTE_PHASES, SegmentCompute
@@ -126,6 +126,8 @@ def assemble(
         program, held, grads_lock, dp.weight_pass,
         seed=setup.seed, replica=plan.replica, device=backend.device, sample=sampler.sample_now,
         instructions=plan.instructions if execution.fuse_loss_backward else (), compile=execution.compile,
+        fused_weights=compiled_products(held, min_bytes, dp.sharded_grad_ids) if execution.compile
+        and min_bytes is not None and program.precision is None else (),
     )
     layout = StreamLayout(plan.instructions) if threaded else None
     windows = (

@@ -25,6 +25,14 @@ inductor's own on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) serves a restarted ru
 inductor compile is said on stderr (``piper: compiled BI of segment s1 (inductor) in 1.9 s``)
 and counted in ``CompileStats``.
 
+Weight gradients added inside their product: a weight in ``fused`` (``nn.Linear``'s of
+``grad_fusion_min_bytes`` or more, as in eager: ``piper_runtime.rank.accumulation``) whose
+gradient the traced ``B`` or ``BW`` computes as one matrix product (under transposes only)
+is returned as that product's two operands instead (``weight_products``), and the runtime
+adds ``a @ b`` into ``.grad`` with one ``addmm_`` (``WeightProduct.add_into``): without it a
+compiled backward returned each microbatch's gradient whole, and adding it into ``.grad``
+took a pass over the weight of its own, which eager's fused layers do not pay.
+
 Random numbers: inductor normally draws its own (Philox) numbers; here it is told to call
 aten's random operators (``fallback_random``), which draw from the generators that
 ``piper_runtime.rank.randomness.seeded`` seeded, in the order the model draws them, so dropout
@@ -40,12 +48,13 @@ import operator
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import attrs
 import torch
 from torch import fx, nn
 
+from piper_memory.store import accumulate_grad
 from piper_runtime.options import COMPILE_BACKENDS as BACKENDS
 from piper_runtime.rank.freed_memory import keep_freed_memory
 from piper_runtime.rank.kernel_gil import releasing_gil
@@ -55,6 +64,8 @@ from piper_runtime.rank.kernel_gil import releasing_gil
 _COMPILE_LOCK = threading.Lock()
 
 Signature = tuple[object, ...]
+_MM = torch.ops.aten.mm.default
+_TRANSPOSE = torch.ops.aten.t.default
 Compiled = Callable[..., Sequence[torch.Tensor | None]]
 
 
@@ -80,6 +91,33 @@ def signature(args: Sequence[torch.Tensor], grads: Sequence[bool]) -> Signature:
     return tuple((tuple(a.shape), a.dtype, a.device, g) for a, g in zip(args, grads, strict=True))
 
 
+@attrs.frozen
+class WeightProduct:
+    """A weight's gradient as the matrix product ``a @ b`` (``transposed``: its transpose),
+    not yet computed: ``add_into`` computes it into the weight's ``.grad`` (module doc)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    transposed: bool
+
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x, y`` with ``x @ y`` the gradient itself: ``(a @ b).T`` is ``b.T @ a.T``."""
+        return (self.b.t(), self.a.t()) if self.transposed else (self.a, self.b)
+
+    def add_into(self, param: torch.Tensor) -> None:
+        """``param.grad += x @ y`` in one kernel; a first gradient is the product itself, in
+        the parameter's layout (as autograd makes one)."""
+        x, y = self.operands()
+        grad = param.grad
+        if grad is not None and grad.shape == param.shape and grad.dtype == x.dtype:
+            grad.addmm_(x, y)
+            return
+        product = torch.mm(x, y)
+        if grad is None and product.stride() != param.stride():
+            product = torch.empty_like(param).copy_(product)
+        accumulate_grad(param, product)
+
+
 class CompiledSegment:
     """One segment's F, B, BI and BW at one input signature (module doc)."""
 
@@ -92,7 +130,10 @@ class CompiledSegment:
         backend: str,
         stats: CompileStats,
         cast: torch.dtype | None = None,
+        fused: Collection[torch.Tensor] = (),
     ) -> None:
+        """``fused``: the parameters whose gradients a backward returns as ``WeightProduct``
+        where it computes them as one matrix product (module doc)."""
         self.segment = segment
         self.backend = backend
         self.stats = stats
@@ -142,6 +183,10 @@ class CompiledSegment:
                                f"outputs, {len(self.tangent_vals)} output gradients traced")
         self.input_slots = [n_state + k for k, g in enumerate(arg_grads) if g]
         self.weight_slots = self.param_index
+        fused_ids = {id(t) for t in fused}
+        self._fused = [j for j, t in enumerate(self.params) if id(t) in fused_ids]  # positions in ``params``
+        self._b_products: list[tuple[int, bool]] = []  # (position in ``params``, transposed), B's extra outputs
+        self._bw_products: list[tuple[int, bool]] = []  # the same for BW
         stats.add(segment, time.perf_counter() - started, graphs=0)
         # F now, outside any seeded region (compiling must not draw from its generators).
         self._f: Compiled = self._compile(self.fw_graph, "F")
@@ -194,15 +239,19 @@ class CompiledSegment:
     def backward(self, residuals: list[torch.Tensor], tangents: list[torch.Tensor]) -> tuple[list, list]:
         """B: (input gradients, weight gradients) from one call."""
         if self._b is None:
-            self._b = self._compile(self.bw_graph, "B")
+            gm, self._b_products = weight_products(self.bw_graph, [self.weight_slots[j] for j in self._fused])
+            self._b_products = [(self.weight_slots.index(slot), t) for slot, t in self._b_products]
+            self._b = self._compile(gm, "B")
         with torch.no_grad():
             grads = list(self._b(*residuals, *tangents))
-        return [grads[i] for i in self.input_slots], [grads[i] for i in self.weight_slots]
+        weights = _with_products([grads[i] for i in self.weight_slots], grads, self._b_products)
+        return [grads[i] for i in self.input_slots], weights
 
     def backward_input(self, residuals: list[torch.Tensor], tangents: list[torch.Tensor]) -> tuple[list, list]:
         """BI: (input gradients, what BW reads)."""
         if self._bi is None:
             bi, bw, self._bw_inputs = split_backward(self.bw_graph, self.input_slots, self.weight_slots)
+            bw, self._bw_products = weight_products(bw, self._fused)
             self._bi = self._compile(bi, "BI")
             self._bw = self._compile(bw, "BW")
         inputs = [*residuals, *tangents]
@@ -211,11 +260,51 @@ class CompiledSegment:
         n = len(self.input_slots)
         return result[:n], [inputs[i] for i in self._bw_inputs] + result[n:]
 
-    def backward_weight(self, pending: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    def backward_weight(self, pending: list[torch.Tensor]) -> list[torch.Tensor | WeightProduct | None]:
         """BW: the weight gradients from what ``backward_input`` handed on."""
         assert self._bw is not None, "BW before BI"
         with torch.no_grad():
-            return list(self._bw(*pending))
+            grads = list(self._bw(*pending))
+        return _with_products(grads[: len(self.params)], grads, self._bw_products)
+
+
+def _with_products(weights: list, outputs: list, products: Sequence[tuple[int, bool]]) -> list:
+    """``weights`` with the gradient of each parameter in ``products`` (its position, and
+    whether transposed) as the ``WeightProduct`` of the two operands that end ``outputs``."""
+    if products:
+        extra = outputs[len(outputs) - 2 * len(products):]
+        for k, (j, transposed) in enumerate(products):
+            weights[j] = WeightProduct(extra[2 * k], extra[2 * k + 1], transposed)
+    return weights
+
+
+def weight_products(gm: fx.GraphModule, slots: Sequence[int]) -> tuple[fx.GraphModule, list[tuple[int, bool]]]:
+    """``gm`` with each output at ``slots`` that is one matrix product (``aten.mm``, seen
+    through transposes only, no other user of any of them) returned as its two operands
+    instead: that output becomes ``None`` and the operands follow the outputs, in the order
+    of the returned ``(slot, transposed)`` pairs. ``gm`` itself is left as it is; without
+    such an output it is returned as it is."""
+    results = _outputs(gm)
+    found: list[tuple[int, fx.Node, bool]] = []
+    for slot in slots:
+        node, transposed = results[slot], False
+        if not isinstance(node, fx.Node) or sum(r is node for r in results) != 1 or len(node.users) != 1:
+            continue
+        while node.target is _TRANSPOSE and len(node.users) == 1:
+            node, transposed = node.args[0], not transposed
+        if node.target is _MM and len(node.users) == 1:
+            found.append((slot, node, transposed))
+    if not found:
+        return gm, []
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.graph_copy(gm.graph, env)
+    fused = {slot for slot, _, _ in found}
+    outs = [None if k in fused else (env[r] if isinstance(r, fx.Node) else r) for k, r in enumerate(results)]
+    outs += [env[operand] for _, mm, _ in found for operand in mm.args]
+    graph.output(tuple(outs))
+    graph.eliminate_dead_code()
+    return fx.GraphModule(gm, graph), [(slot, transposed) for slot, _, transposed in found]
 
 
 class CompileError(RuntimeError):

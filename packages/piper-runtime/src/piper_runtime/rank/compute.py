@@ -50,8 +50,10 @@ as compiled functions instead of under autograd (``piper_runtime.rank.compiled``
 its inputs and the residuals its backward reads (``StepState.saved``), ``B`` adds the weight
 gradients it returns into ``.grad`` (inside ``weight_pass``), ``BI`` hands ``BW`` what it reads
 (``StepState.pending_bw``), a recomputed segment runs the compiled ``F`` again under the same
-key. Loss and stage backwards are not fused then, and no weight product is deferred: a
-compiled backward returns its weight gradients whole. Evaluation steps run eagerly.
+key. Loss and stage backwards are not fused then, and no weight product is deferred; a
+compiled backward returns the gradients of ``fused_weights`` that it computes as one matrix
+product as that product's operands (``WeightProduct``), added into ``.grad`` with one
+``addmm_``, the others whole. Evaluation steps run eagerly.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ from torch import nn
 from piper_ir import Instruction, NodeKind, Phase, Program, Segment, SegmentRole, grad_name
 from piper_memory.store import accumulate_grad
 from piper_runtime.rank.accumulation import deferring, fused_weights, has_fused_layers
-from piper_runtime.rank.compiled import CompiledSegment, CompileError, CompileStats, signature
+from piper_runtime.rank.compiled import CompiledSegment, CompileError, CompileStats, WeightProduct, signature
 from piper_runtime.rank.precision import cast_forward, dtype_of
 from piper_runtime.rank.randomness import SeededForwards
 from piper_runtime.rank.state import StepState
@@ -129,6 +131,7 @@ class SegmentCompute:
         sample: Callable[[list[torch.Tensor]], None] = lambda buffers: None,
         instructions: Sequence[Instruction] = (),
         compile: str | None = None,
+        fused_weights: Sequence[torch.Tensor] = (),
     ) -> None:
         self.program = program
         self.modules = modules
@@ -152,6 +155,7 @@ class SegmentCompute:
             raise CompileError(f"segment {collective[0]} runs collectives inside its forward (tensor, expert or "
                                "context parallelism), which compiling cannot trace: run it without --compile")
         self.compile_stats = CompileStats()
+        self.fused_weights = fused_weights  # compiled backwards add these inside their products (``compiled``)
         self._compiled: dict[tuple[str, object], CompiledSegment] = {}  # (segment, signature) -> its functions
         self._compiling = threading.Lock()  # the rank's stream threads compile a segment once
         self._split: dict[tuple[str, int], CompiledSegment] = {}  # (segment, microbatch) between BI and BW
@@ -438,7 +442,7 @@ class SegmentCompute:
             if found is None:
                 cast = self.compute if seg.role is SegmentRole.STAGE else None
                 found = CompiledSegment(seg.id, self.modules[seg.id], args, grads, self.compile or "inductor",
-                                        self.compile_stats, cast)
+                                        self.compile_stats, cast, self.fused_weights)
                 self._compiled[key] = found
         return found
 
@@ -520,11 +524,15 @@ class SegmentCompute:
             _accumulate(functions.params, weight_grads)
 
 
-def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | WeightProduct | None]) -> None:
     """Add a compiled backward's weight gradients into ``.grad`` as autograd would: a new
-    ``.grad`` has its parameter's layout (a compiled kernel may return a transposed view)."""
+    ``.grad`` has its parameter's layout (a compiled kernel may return a transposed view); a
+    ``WeightProduct`` is computed into it."""
     for p, g in zip(params, grads, strict=True):
         if g is None:
+            continue
+        if isinstance(g, WeightProduct):
+            g.add_into(p)
             continue
         if p.grad is None and g.stride() != p.stride():
             g = torch.empty_like(p).copy_(g)
