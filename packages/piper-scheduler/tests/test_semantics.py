@@ -119,6 +119,14 @@ def test_a_send_that_does_not_wait_for_its_producer_is_refused() -> None:
              "[dataflow]")
 
 
+def test_a_gradient_send_that_does_not_wait_for_its_backward_is_refused() -> None:
+    i = _at(PP, 1, "send.grad:v:s0.mb0.1-0")
+    plan = list(PP.ranks[1].instructions)
+    plan[i] = attrs.evolve(plan[i], waits=())
+    _refused(_plans(PP, 1, plan), "send.grad:v:s0.mb0.1-0 (SEND grad:v:s0#0 ->0) runs before instruction 4 "
+             "(B.s1.mb0), which yields the grad:v:s0#0 it reads", "[dataflow]")
+
+
 def test_a_forward_that_reads_nothing_is_refused() -> None:
     bad = _without(PP, lambda rank, ins: ins.id in ("send.v:s0.mb0.0-1", "recv.v:s0.mb0.0-1"))
     _refused(bad, "F.s1.mb0 (s1:F0) reads v:s0#0, which rank 1 neither computes nor receives", "[dataflow]")

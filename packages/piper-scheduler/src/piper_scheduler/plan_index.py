@@ -59,6 +59,9 @@ class Tables:
             for v in dict.fromkeys(seg.inputs):
                 self.readers.setdefault(v, []).append(seg.id)
         self.batch = batch
+        # gradient name -> the readers of its value, for the SENDs of gradients (their
+        # names looked up as they are, not cut back to the value's per send)
+        self.grad_readers = {grad_name(v): segs for v, segs in self.readers.items()}
         values = program.value_by_name
         # (value, producer) per input of a segment that another segment produces.
         self.reads = {

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from piper_ir import Phase, Program, ShardKind, grad_of, is_grad
+from piper_ir import Phase, Program, ShardKind, is_grad
 from piper_scheduler.diagnostics import describe
 from piper_scheduler.gradient_rules import check_gradients
 from piper_scheduler.kinds import PHASE_B, PHASE_BI, PHASE_BW, PHASE_F, PHASE_OPT
@@ -149,6 +149,9 @@ def _check_backwards(program: Program, rank: RankIndex) -> None:
 
 
 def _check_dataflow(tables: Tables, rank: RankIndex) -> None:
+    # ``need`` judges, and describes, every read but the common one: a single source (a
+    # local producer, or one receive) that precedes its reader, tested inline (392k reads
+    # at 16,384 devices).
     passes, recvs, need, precedes = rank.passes, rank.recvs, rank.need, rank.order.precedes
     reads, grads = tables.reads, tables.grads
     for (seg, phase, mb), i in passes.items():
@@ -157,24 +160,30 @@ def _check_dataflow(tables: Tables, rank: RankIndex) -> None:
                 got = recvs.get((x, mb))
                 j = passes.get((producer, PHASE_F, mb))
                 if j is None:
-                    need(i, x, mb, got or [])
-                elif got is not None or not precedes(j, i):  # the common case, a local producer, is done
+                    if got is None or len(got) != 1 or not precedes(got[0], i):
+                        need(i, x, mb, got or [])
+                elif got is not None or not precedes(j, i):
                     need(i, x, mb, [j, *(got or ())])
         elif phase is PHASE_B or phase is PHASE_BI:
             for g, readers in grads[seg]:
-                need(i, g, mb, _yielding(passes, readers, mb) + recvs.get((g, mb), []))
-    instructions = rank.plan.instructions
+                sources = _yielding(passes, readers, mb)
+                got = recvs.get((g, mb))
+                if sources or got is None or len(got) != 1 or not precedes(got[0], i):
+                    need(i, g, mb, sources + (got or []))
+    instructions, grad_readers = rank.plan.instructions, tables.grad_readers
     for i in rank.sends:
         ins = instructions[i]
         v, mb = ins.value or "", ins.microbatch or 0
         if is_grad(v):
-            sources = _yielding(passes, tables.readers.get(grad_of(v), ()), mb)
+            sources = _yielding(passes, grad_readers.get(v, ()), mb)
+            if len(sources) == 1 and (v, mb) not in recvs and precedes(sources[0], i):
+                continue
         elif v in tables.batch or v not in tables.producer:
             continue
         else:
             j = passes.get((tables.producer[v], PHASE_F, mb))
             if j is not None and (v, mb) not in recvs and precedes(j, i):
-                continue  # the common case, a local producer before the send, is done
+                continue
             sources = [] if j is None else [j]
         need(i, v, mb, sources + recvs.get((v, mb), []))
 
