@@ -19,6 +19,12 @@ steps after those first four, ``StepMetrics.step_seconds``), and the CPU time th
 processes spent per step (all threads, summed over ranks), Piper's over
 torch's: on an oversubscribed machine wall times follow the load, CPU time much less.
 
+"set-up s": each side's median set-up, apart from its steps: torch's is a run's wall time
+less its timed steps (spawning its rank processes, their imports, the model, the process
+group, its warm-up step, exiting); Piper's is a ``Trainer``'s construction (capture,
+compile, the ranks set up on pooled Ray workers, started once for the whole run) to the end
+of its warm-up step. Neither is in any step figure.
+
 "bound/torch" is the fastest any runtime could step the row's schedule on this machine with
 torch's kernels, over torch's step: each compute instruction at the time it takes alone
 (the same regions run by one rank on one core, each microbatch's forward then its backward,
@@ -81,6 +87,7 @@ def run_piper(
     schedule: str, model_name: str, pp: int, microbatches: int, steps: int, warmup: int = 1, sync_steps: int = 0,
     cpu: list[float] | None = None, grouped: list[float] | None = None, steps_per_call: int = 4,
     implementation: str = "auto", fitted: list[float] | None = None, programs: list[Program] | None = None,
+    setup: list[float] | None = None,
 ) -> tuple[list[float], list[float], list[float]]:
     """Pipelined step times (between results), in-worker times, and sync step times; ``cpu``
     receives the workers' CPU seconds per pipelined step, summed over ranks; ``grouped``
@@ -88,8 +95,10 @@ def run_piper(
     one call in flight ahead, as ``fit(steps_per_call=...)`` runs): the time between
     consecutive calls' results over their steps; ``fitted`` receives ``fit``'s step times
     (its default call sizes) after its first ``FIT_MEASURED`` steps; ``programs`` receives the
-    compiled program."""
+    compiled program; ``setup`` the seconds from the ``Trainer``'s construction to the end of
+    its first step (capture, compile, ranks set up on pooled workers, the first step)."""
     spec = build_model(model_name, stages=pp * CHUNKS[schedule])
+    started = time.perf_counter()
     calls = max(3, steps // steps_per_call + 1) if grouped is not None else 0
     fit_steps = FIT_MEASURED + 2 * steps if fitted is not None else 0
     batches = [spec.batches(step) for step in range(warmup + steps + sync_steps + calls * steps_per_call + fit_steps)]
@@ -102,6 +111,8 @@ def run_piper(
             programs.append(trainer.program)
         for batch in batches[:warmup]:
             trainer.step(*batch)
+        if setup is not None:
+            setup.append(time.perf_counter() - started)
         pids = ray.get([w.ping.remote() for w in trainer.runtime._workers], timeout=60)
         cpu_start = sum(cpu_seconds(p) for p in pids)
         times, inside = [], []
@@ -197,17 +208,22 @@ def compare(
     sync: list[float] = []
     torch_cpu: list[float] = []
     piper_cpu: list[float] = []
+    torch_setup: list[float] = []  # a run's wall time less its timed steps: processes, imports, model, warm-up
+    piper_setup: list[float] = []
     programs: list[Program] = []
     loads = [os.getloadavg()[0]]
 
     def torch_side() -> None:
-        torch_t.extend(run_torch_pipeline(schedule, model, pp, microbatches, steps, warmup=1, lr=LR, optimizer="adamw",
-                                          optimizer_kwargs=TORCH_KWARGS[torch_implementation], cpu=torch_cpu))
+        started = time.perf_counter()
+        timed = run_torch_pipeline(schedule, model, pp, microbatches, steps, warmup=1, lr=LR, optimizer="adamw",
+                                   optimizer_kwargs=TORCH_KWARGS[torch_implementation], cpu=torch_cpu)
+        torch_setup.append(time.perf_counter() - started - sum(timed))
+        torch_t.extend(timed)
 
     def piper_side() -> None:
         t, i, s = run_piper(schedule, model, pp, microbatches, steps, sync_steps=max(2, steps // 2), cpu=piper_cpu,
                             grouped=grouped, steps_per_call=steps_per_call, implementation=implementation,
-                            fitted=fitted, programs=programs)
+                            fitted=fitted, programs=programs, setup=piper_setup)
         piper_t.extend(t)
         inside.extend(i)
         sync.extend(s)
@@ -227,7 +243,8 @@ def compare(
     return {"bound": bound, "torch": t, "piper": p, "inside": statistics.median(inside), "sync": statistics.median(sync),
             "grouped": statistics.median(grouped), "fit": statistics.median(fitted), "low": min(rounds), "high": max(rounds),
             "fit_low": min(fit_rounds), "fit_high": max(fit_rounds),
-            "load": statistics.fmean(loads), "cpu": statistics.median(piper_cpu) / statistics.median(torch_cpu)}
+            "load": statistics.fmean(loads), "cpu": statistics.median(piper_cpu) / statistics.median(torch_cpu),
+            "torch_setup": statistics.median(torch_setup), "piper_setup": statistics.median(piper_setup)}
 
 
 def main() -> None:
@@ -255,7 +272,7 @@ def main() -> None:
     header = (f"{'model':<12} {'schedule':<17} {'pp':>2} {'torch ms':>9} {'piper ms':>9} {'piper/torch':>12}"
               f" {'by round':>10}"
               f" {f'{k} per call/torch':>17} {'fit/torch':>10} {'fit by round':>13} {'in-worker/torch':>16} {'sync/torch':>11} {'CPU/torch':>10}"
-              f" {'bound/torch':>12} {'piper/bound':>12} {'load':>5}")
+              f" {'bound/torch':>12} {'piper/bound':>12} {'set-up s torch':>15} {'piper':>6} {'load':>5}")
     print(header + "\n" + "-" * len(header), flush=True)
     for model in args.models.split(","):
         for pp in args.pp:
@@ -269,7 +286,8 @@ def main() -> None:
                       f" {r['grouped'] / r['torch']:>17.2f} {r['fit'] / r['torch']:>10.2f} {fit_spread:>13}"
                       f" {r['inside'] / r['torch']:>16.2f}"
                       f" {r['sync'] / r['torch']:>11.2f} {r['cpu']:>10.2f}"
-                      f" {r['bound'] / r['torch']:>12.2f} {r['piper'] / r['bound']:>12.2f} {r['load']:>5.1f}", flush=True)
+                      f" {r['bound'] / r['torch']:>12.2f} {r['piper'] / r['bound']:>12.2f}"
+                      f" {r['torch_setup']:>15.2f} {r['piper_setup']:>6.2f} {r['load']:>5.1f}", flush=True)
 
 
 if __name__ == "__main__":
