@@ -327,6 +327,7 @@ def _place_recvs(
     slot_at = {graph.node_position[nid]: key for nid, key in overlap.items()}  # by position
 
     lists: list[list[int]] = []
+    slot_of = slot.get
     for rank, order in enumerate(orders):
         out: list[int] = list(sends[rank].get(-1, ()))
 
@@ -356,7 +357,14 @@ def _place_recvs(
             else:  # the common case, one node: no member list
                 for j in starts[p]:
                     if rank in recv_ranks[j]:
-                        pull(j)
+                        # nearly always the next receive of its channel: taken here; the
+                        # others (earlier ones pulled in with it, none to take) are ``pull``'s
+                        at = slot_of((j, rank))
+                        if at is not None and cursor[at[0]] == at[1]:
+                            out.append(j)
+                            cursor[at[0]] += 1
+                        else:
+                            pull(j)
             out.append(p)
             sent = following(i)
             if sent is not None:
