@@ -62,6 +62,19 @@ def _counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
+def _made(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str, str]]:
+    """Each function compiled from now on: (its ``CompiledSegment``, its segment, F/B/BI/BW)."""
+    made: list[tuple[int, str, str]] = []
+    real = compiled.CompiledSegment._compile
+
+    def recording(self, gm, what):
+        made.append((id(self), self.segment, what))
+        return real(self, gm, what)
+
+    monkeypatch.setattr(compiled.CompiledSegment, "_compile", recording)
+    return made
+
+
 def _products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The weight gradients added inside their products (``WeightProduct.add_into``) from now on."""
     added: list[int] = []
@@ -79,23 +92,21 @@ def _products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_compiled_segments_match_one_device_under_every_schedule(schedule, monkeypatch):
     """With every weight's gradient added inside its product (``grad_fusion_min_bytes=0``):
     each microbatch's backward of each region's Linear, in ``B`` or in ``BW``."""
-    calls, added = _counted(monkeypatch), _products(monkeypatch)
+    calls, added, made = _counted(monkeypatch), _products(monkeypatch), _made(monkeypatch)
     stages = 4 if schedule in ("interleaved_1f1b", "dualpipe", "dualpipev") else 2
     report = run_check(_workload(regions=stages), build_schedule(schedule, 2, 4, stages=stages), optimizer=ADAMW,
                        options=RunOptions.build(compile="aot_eager", runtime="local", grad_fusion_min_bytes=0))
     assert report.ok, report.failures()
     assert len(added) == 3 * 4 * stages  # steps x microbatches x regions (one Linear weight each)
-    # Each rank compiles each of its segments once for its one input shape: F, and B or BI
-    # and BW (3 steps x 4 microbatches would be 12 times as many if anything were compiled
-    # per call).
-    expected = 0
-    for plan in report.program.ranks:
-        phases: dict[str, set[str]] = {}
-        for ins in plan.instructions:
-            if ins.phase is not None and ins.phase.value in ("F", "B", "BI", "BW"):
-                phases.setdefault(ins.segment, set()).add(ins.phase.value)
-        expected += sum(len(p) for p in phases.values())
-    assert len(calls) == expected
+    # Each rank compiles each of its segments' functions once for its one input shape (3 steps
+    # x 4 microbatches would compile 12 times as many if anything were compiled per call): F;
+    # B where the plan runs it; BI and BW where it splits it, or where a stage's last B of the
+    # step runs as BI, then BW once its input gradient is sent (``input_grads_first``).
+    assert len(made) == len(set(made)) == len(calls)
+    placed = {(plan.rank, ins.segment) for plan in report.program.ranks for ins in plan.instructions
+              if ins.phase is not None and ins.phase.value == "F"}
+    assert sum(what == "F" for _, _, what in made) == len(placed)
+    assert {what for _, _, what in made} <= {"F", "B", "BI", "BW"}
     assert set(calls) == {"aot_eager"}
 
 

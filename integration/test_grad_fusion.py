@@ -117,24 +117,25 @@ def test_a_fused_head_tied_to_an_embedding(pp):
     assert any(line.startswith("gradients: ") for line in lines)
 
 
-def _profiled_steps(workload: ModelSpec, strategy: Strategy, first: bool, steps: int = 2):
+def _profiled_steps(workload: ModelSpec, strategy: Strategy, first: bool, steps: int = 2, compile: str | None = None):
     with Trainer(
         workload.model, workload.example_inputs, workload.example_targets, workload.loss_fn, strategy,
-        optimizer=ADAMW, grad_fusion_min_bytes=0, input_grads_first=first,
+        optimizer=ADAMW, grad_fusion_min_bytes=0, input_grads_first=first, compile=compile,
     ) as trainer:
         results = [trainer.runtime.step(*workload.batches(s), keep_grads=True, profile=True) for s in range(steps)]
         return results, trainer.program
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
-def test_the_last_input_gradients_go_before_the_weight_products(schedule):
+@pytest.mark.parametrize(("schedule", "compile"), [("1f1b", None), ("interleaved_1f1b", None), ("1f1b", "aot_eager")])
+def test_the_last_input_gradients_go_before_the_weight_products(schedule, compile):
     """``piper_runtime.rank.input_grads_first``: with it, the last backward of each stage that
-    sends a gradient is timed around its send (the weight products come after it); without,
-    every send starts after its backward ends. Losses and gradients are bit for bit the same."""
+    sends a gradient is timed around its send (the weight products come after it; compiled,
+    the segment's ``BW``); without, every send starts after its backward ends. Losses and
+    gradients are bit for bit the same."""
     stages = 4 if schedule == "interleaved_1f1b" else 2
     workload = build_model("mlp", stages=stages, seed=3)
     strategy = build_schedule(schedule, 2, 4, stages=stages)
-    (on, program), (off, _) = (_profiled_steps(workload, strategy, first) for first in (True, False))
+    (on, program), (off, _) = (_profiled_steps(workload, strategy, first, compile=compile) for first in (True, False))
     for a, b in zip(on, off, strict=True):
         assert a.losses == b.losses
         assert a.grads.keys() == b.grads.keys() and all(torch.equal(a.grads[n], b.grads[n]) for n in a.grads)

@@ -58,7 +58,7 @@ backward then left its products in the other rank's list).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 
@@ -121,9 +121,11 @@ class WeightProducts:
 
     def __init__(self) -> None:
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (weight, dy, x), 2-D
+        # A compiled segment's weight pass, left by its ``BI`` (``piper_runtime.rank.compute``).
+        self.later: list[Callable[[], None]] = []
 
     def __bool__(self) -> bool:
-        return bool(self.pending)
+        return bool(self.pending or self.later)
 
     def tensors(self) -> list[torch.Tensor]:
         """What the pending products keep alive (for the memory accounting)."""
@@ -133,6 +135,7 @@ class WeightProducts:
         """Add every pending product into its weight's ``.grad``, in the order they came;
         call it under the rank's gradient lock."""
         pending, self.pending = self.pending, []
+        later, self.later = self.later, []
         with torch.no_grad():  # a gradient, never a graph: the saved input may require grad
             for weight, dy, x in pending:
                 acc = weight.grad
@@ -142,6 +145,8 @@ class WeightProducts:
                     acc.addmm_(dy.t(), x)
                 else:
                     weight.grad = acc + dy.t().mm(x)
+        for weight_pass in later:
+            weight_pass()
 
 
 _deferred: dict[int, WeightProducts] = {}  # id(weight) -> where its fused backward leaves its product now

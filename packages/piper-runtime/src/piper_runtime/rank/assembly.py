@@ -132,7 +132,7 @@ def assemble(
     layout = StreamLayout(plan.instructions) if threaded else None
     windows = (
         deferral_windows(plan.instructions, compute.defers, compute.passes_with, layout)
-        if execution.input_grads_first and fused else {}
+        if execution.input_grads_first and (fused or execution.compile) else {}
     )
     compute.defer(plan.instructions, windows)
     handlers = {

@@ -50,7 +50,9 @@ as compiled functions instead of under autograd (``piper_runtime.rank.compiled``
 its inputs and the residuals its backward reads (``StepState.saved``), ``B`` adds the weight
 gradients it returns into ``.grad`` (inside ``weight_pass``), ``BI`` hands ``BW`` what it reads
 (``StepState.pending_bw``), a recomputed segment runs the compiled ``F`` again under the same
-key. Loss and stage backwards are not fused then, and no weight product is deferred; a
+key. Loss and stage backwards are not fused then. A stage's last ``B`` of the step that sends
+an input gradient runs as its ``BI``, and its ``BW`` when the window's sends are posted
+(``input_grads_first``, as eager defers its weight products). A
 compiled backward returns the gradients of ``fused_weights`` that it computes as one matrix
 product as that product's operands (``WeightProduct``), added into ``.grad`` with one
 ``addmm_``, the others whole. Evaluation steps run eagerly.
@@ -62,6 +64,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 
 import torch
 from torch import nn
@@ -163,9 +166,15 @@ class SegmentCompute:
     # -- input gradients first (``piper_runtime.rank.input_grads_first``) ----------------------------
 
     def defers(self, ins: Instruction) -> bool:
-        """Whether ``ins``'s backward pass runs through layers whose weight products can wait."""
+        """Whether ``ins``'s backward pass runs through layers whose weight products can wait;
+        compiled, whether it is a stage segment's (its ``BI`` runs in the pass, its ``BW`` when
+        the window settles)."""
+        if self.forward_only:
+            return False
+        if self.compile:
+            return self.program.segment_by_id[ins.segment].role is SegmentRole.STAGE
         seg = self.fused.get((ins.segment, ins.microbatch), ins.segment)
-        return not self.forward_only and not self.compile and has_fused_layers(self.modules[seg])
+        return has_fused_layers(self.modules[seg])
 
     def passes_with(self, first: Instruction, other: Instruction) -> bool:
         """Whether ``first``'s backward pass is ``other``'s too (a fused loss and its stage)."""
@@ -502,12 +511,21 @@ class SegmentCompute:
             input_grads, pending = functions.backward_input(list(residuals), tangents)
             st.pending_bw[(seg.id, mb)] = (pending, None)
             self._split[(seg.id, mb)] = functions
+        elif ins.id in self.deferred:  # the input gradients now, the weights' when the window settles
+            input_grads, pending = functions.backward_input(list(residuals), tangents)
+            st.weight_products.later.append(partial(self._compiled_weights_of, functions, pending, seg.id))
         else:
             input_grads, weight_grads = functions.backward(list(residuals), tangents)
             with self.weight_pass(seg.id):
                 _accumulate(functions.params, weight_grads)
         for (name, a), g in zip(wanted, input_grads, strict=True):
             st.add_grad(grad_name(name), mb, g if g is not None else torch.zeros_like(a))
+
+    def _compiled_weights_of(self, functions: CompiledSegment, pending: list[torch.Tensor], segment: str) -> None:
+        """A deferred compiled ``B``'s weight pass (``settle``): its ``BW``, added into ``.grad``."""
+        weight_grads = functions.backward_weight(pending)
+        with self.weight_pass(segment):
+            _accumulate(functions.params, weight_grads)
 
     def _compiled_weight(self, ins: Instruction, st: StepState) -> None:
         """BW: the weight gradients from what BI kept, added into ``.grad``."""

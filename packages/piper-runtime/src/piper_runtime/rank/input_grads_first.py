@@ -11,7 +11,9 @@ posts the sends that follow it, and only then adds the products into ``.grad``
 pass sooner: in 1F1B at pp=2 the last microbatch's gradient
 reaches rank 0 about half a backward earlier, and the step's drain is that much shorter.
 Zero-bubble schedules split ``B`` in the plan (``BI``/``BW``); this changes no plan and no
-schedule, only when inside one ``B``'s window the weight products run.
+schedule, only when inside one ``B``'s window the weight products run. A compiled segment
+(``--compile``) defers the same way with its split functions: the window's ``B`` runs as the
+segment's compiled ``BI`` and its ``BW`` settles with the window (``WeightProducts.later``).
 
 Only each segment's last ``B`` of the step defers: that gradient is the one the previous stage
 waits for in the pipeline's drain, in every schedule. Earlier ones would gain little (in the
