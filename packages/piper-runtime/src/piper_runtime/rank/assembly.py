@@ -132,7 +132,9 @@ def assemble(
     layout = StreamLayout(plan.instructions) if threaded else None
     windows = (
         deferral_windows(plan.instructions, compute.defers, compute.passes_with, layout)
-        if execution.input_grads_first and (fused or execution.compile) else {}
+        # Compiled, not where gradients live sharded: a deferred BW would reduce-scatter them
+        # inside the window's last SEND, under the gradient lock (eager's fused layers skip them too).
+        if execution.input_grads_first and (fused or (execution.compile and not dp.sharded_grad_ids)) else {}
     )
     compute.defer(plan.instructions, windows)
     handlers = {
