@@ -1,14 +1,14 @@
 """``piper check`` under Adam: which parameter entries it leaves out of the final comparison
 (``check._Noise``), how far it lets the others drift with their gradients' differences
-(``check._AdamDrift``), and why both are needed: AdamW itself turns a gradient difference
-within tolerance into a parameter difference beyond it."""
+(``check._AdamDrift``), and why: AdamW itself turns a gradient difference within tolerance
+into a parameter difference beyond it."""
 
 from __future__ import annotations
 
 import torch
 
 from piper_runtime import OptimizerSpec
-from piper_train.check import ADAM_EPS, _AdamDrift, _Noise
+from piper_train.check import _AdamDrift, _Noise
 
 ATOL, LR = 1e-6, 3e-3
 # One parameter of five entries, three steps of gradients: (the strategy's, single-device's).
@@ -20,39 +20,42 @@ STEPS = [
 ]
 
 
-def _left_out() -> list[bool]:
-    noise = _Noise(ATOL, ADAM_EPS)
+def test_only_entries_whose_gradients_stayed_noise_are_left_out():
+    noise = _Noise(ATOL)
     for got, want in STEPS:
-        noise.add({"w": torch.tensor(got)}, {"w": torch.tensor(want)}, LR)
-    return noise.left_out()["w"].tolist()
+        noise.add({"w": torch.tensor(got)}, {"w": torch.tensor(want)})
+    assert noise.left_out()["w"].tolist() == [True, False, False, False, False]
 
 
-def test_noise_at_every_step_and_a_first_noisy_update_are_left_out_the_rest_compared():
-    assert _left_out() == [True, True, False, True, False]
-
-
-def test_adamw_moves_an_entry_apart_by_more_than_atol_from_a_first_gradient_within_it():
-    """The second entry: its gradients agree within atol at every step, yet AdamW (torch's
-    own) leaves the two copies further apart than atol after the steps; the third, whose small
-    first gradient both sides agree on, ends equal."""
+def test_adamw_moves_an_entry_apart_by_more_than_atol_from_gradients_within_it_and_the_drift_allows_it():
+    """The second and fourth entries: their gradients agree within atol at every step, yet
+    AdamW (torch's own) leaves the two copies further apart than atol, from its first noisy
+    update (the AVX2 machine's failing entry under ``--compile``: -4.6e-8, 0.25% apart);
+    the drift replayed from the gradients covers it. The third, whose small first gradient
+    both sides agree on, ends equal and is allowed nothing."""
     params = [torch.zeros(5, dtype=torch.float64, requires_grad=True) for _ in range(2)]
     optimizers = [torch.optim.AdamW([p], lr=LR) for p in params]
+    drift = _AdamDrift.of(OptimizerSpec("adamw", LR))
     for step in STEPS:
         for p, opt, grads in zip(params, optimizers, step, strict=True):
             p.grad = torch.tensor(grads, dtype=torch.float64)
             opt.step()
-    got, want = (p.detach() for p in params)
+        drift.add({"w": torch.tensor(step[0], dtype=torch.float64)}, {"w": torch.tensor(step[1], dtype=torch.float64)}, LR)
+    apart = (params[0] - params[1]).detach().abs()
     grads_apart = max(abs(g - w) for g, w in zip(*STEPS[0], strict=True))
     assert grads_apart <= ATOL
-    assert abs(got[1] - want[1]) > ATOL
-    assert got[2] == want[2]
-    assert _left_out()[1] and not _left_out()[2]
+    assert apart[1] > ATOL and apart[3] > ATOL
+    assert bool((apart <= drift.allowance()["w"] * (1 + 1e-9) + 1e-15).all())
+    assert apart[2] == 0 and drift.allowance()["w"][2] == 0
 
 
 def test_sides_of_other_shapes_are_skipped_for_the_comparison_to_report():
-    noise = _Noise(ATOL, ADAM_EPS)
-    noise.add({"w": torch.zeros(3)}, {"w": torch.zeros(2)}, LR)
+    noise = _Noise(ATOL)
+    noise.add({"w": torch.zeros(3)}, {"w": torch.zeros(2)})
     assert noise.left_out() == {}
+    drift = _AdamDrift.of(OptimizerSpec("adamw", LR))
+    drift.add({"w": torch.zeros(3)}, {"w": torch.zeros(2)}, LR)
+    assert drift.allowance() == {}
 
 
 def _adamw(sequences: list[list[float]], lrs: tuple[float, float] = (LR, LR)) -> torch.Tensor:

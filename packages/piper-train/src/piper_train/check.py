@@ -60,8 +60,8 @@ class CheckReport:
     # The first batch's loss whole against the mean of its pieces' (``_whole_batch``): not part
     # of ``ok``, which compares the strategy with single-device training on the same pieces.
     whole_batch: Difference | None = None
-    # Parameter entries left out of the final comparison: gradients that were rounding noise,
-    # which a normalising optimizer amplifies (``_Noise``).
+    # Parameter entries left out of the final comparison: gradients that stayed noise under a
+    # normalising optimizer (``_Noise``).
     params_not_compared: int = 0
 
     @property
@@ -142,7 +142,7 @@ def run_check(
     optimizer = optimizer or OptimizerSpec()
     diffs: list[Difference] = []
     norms: list[float] = []
-    noise = _Noise(atol, dict(optimizer.kwargs).get("eps", ADAM_EPS))  # entries Adam makes rounding of (``_Noise``)
+    noise = _Noise(atol)  # entries whose gradients were noise throughout (``_Noise``)
     scaled = precision in SCALED  # low precision: differences judged per tensor (``_diff``)
     drift = _AdamDrift.of(optimizer) if not scaled else None  # what Adam makes of the gradients' differences
     with Trainer(
@@ -167,7 +167,7 @@ def run_check(
                 raise RuntimeError("the runtime returned no gradients although keep_grads was set")
             _same_names(got.grads, want.grads)
             pairs += [("grad", f"step {step} {name}", got.grads[name], want.grads[name]) for name in want.grads]
-            noise.add(got.grads, want.grads, want.lr)
+            noise.add(got.grads, want.grads)
             if drift is not None:
                 drift.add(got.grads, want.grads, want.lr)
             if lr_schedule is not None:
@@ -187,9 +187,9 @@ def run_check(
                      for name, p in reference.parameters().items())
         left_out = sum(int(q.sum()) for q in quiet.values())
         if left_out:
-            log(f"{left_out} parameter entries not compared after the steps: their gradients were rounding noise "
-                f"(within atol {atol:g} of zero), which {optimizer.name} turns into updates of up to its learning "
-                "rate, by a fraction rounding decides (their gradients were compared)")
+            log(f"{left_out} parameter entries not compared after the steps: their gradient stayed within atol "
+                f"({atol:g}) of zero, and {optimizer.name} moves such an entry by up to its learning rate either "
+                "way, as rounding decides (their gradients were compared)")
         for k in range(eval_batches):
             inputs, targets = workload.eval_batches(k)
             got_eval, want_eval = trainer.evaluate(inputs, targets), reference.evaluate(inputs, targets)
@@ -237,44 +237,29 @@ def _float64_batches(batches: Callable[[int], Batch]) -> Callable[[int], Batch]:
 
 class _Noise:
     """The parameter entries whose values after the steps say nothing under a normalising
-    optimizer (``NORMALISING``), found from both sides' gradients step by step. Adam's update
-    of an entry is its gradient over the gradients' running scale, and its first is ``lr * g
-    / (|g| + eps)``: a gradient that is rounding noise (within ``atol`` of zero; the gradients
-    themselves are compared entry by entry) still moves the entry by up to the learning rate,
-    by a fraction the noise decides, and the later steps carry that offset on. Left out:
+    optimizer (``NORMALISING``): those whose gradient stayed within ``atol`` of zero at every
+    step on both sides (attention's key bias, which softmax cancels). Adam divides each update
+    by the gradients' running scale, which is noise too there, so rounding noise moves such an
+    entry by up to the learning rate at every step, by a fraction the noise decides. Their
+    gradients are still compared; the other entries' parameters are, within what Adam makes of
+    their gradient differences (``_AdamDrift``)."""
 
-    - the entries whose gradient stayed within ``atol`` at every step (the running scale is
-      noise too, so every update is: attention's key bias, which softmax cancels);
-    - the entries whose first nonzero gradient (on either side) was within ``atol``, where
-      the two sides' first updates differ by more than ``atol`` (a later gradient that is
-      not noise is not amplified: the running scale is its size by then). A small gradient
-      that both sides agree on moves both alike and is compared.
-    """
-
-    def __init__(self, atol: float, eps: float) -> None:
-        self.atol, self.eps = atol, eps
+    def __init__(self, atol: float) -> None:
+        self.atol = atol
         self.loud: dict[str, torch.Tensor] = {}  # entries with a gradient beyond atol at some step
-        self.moved: dict[str, torch.Tensor] = {}  # entries with a nonzero gradient on either side
-        self.first: dict[str, torch.Tensor] = {}  # entries whose first updates differ by more than atol
 
-    def add(self, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], lr: float | None) -> None:
-        """One step's gradients (``lr``: the step's learning rate, the reference's)."""
+    def add(self, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+        """One step's gradients."""
         for name, w in want.items():
-            g, w = got[name].detach().double(), w.detach().double()
+            g = got[name].detach()
             if g.shape != w.shape:  # a failure ``_diff`` reports
                 continue
-            size = torch.maximum(g.abs(), w.abs())
-            nonzero = size > 0
-            before = self.moved.get(name, torch.zeros_like(nonzero))
-            starts = nonzero & ~before & (size <= self.atol)
-            apart = (lr or 0.0) * (g / (g.abs() + self.eps) - w / (w.abs() + self.eps)).abs() > self.atol
-            self.first[name] = self.first.get(name, torch.zeros_like(nonzero)) | (starts & apart)
-            self.moved[name] = before | nonzero
-            self.loud[name] = self.loud.get(name, torch.zeros_like(nonzero)) | (size > self.atol)
+            loud = torch.maximum(g.double().abs(), w.detach().double().abs()) > self.atol
+            self.loud[name] = self.loud[name] | loud if name in self.loud else loud
 
     def left_out(self) -> dict[str, torch.Tensor]:
         """Per parameter, the entries not to compare."""
-        return {name: ~loud | self.first[name] for name, loud in self.loud.items()}
+        return {name: ~loud for name, loud in self.loud.items()}
 
 
 class _AdamDrift:
