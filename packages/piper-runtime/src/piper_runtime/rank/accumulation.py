@@ -141,7 +141,7 @@ class WeightProducts:
                 acc = weight.grad
                 if acc is None:
                     weight.grad = dy.t().mm(x)  # what autograd would have stored
-                elif _accumulates_into(acc, dy, weight):
+                elif accumulates_into(acc, dy, weight):
                     acc.addmm_(dy.t(), x)
                 else:
                     weight.grad = acc + dy.t().mm(x)
@@ -227,7 +227,7 @@ class _LinearAccumulating(torch.autograd.Function):
             deferred = _deferred.get(id(weight))
             if deferred is not None:
                 deferred.pending.append((weight, dy, flat_x))  # ``WeightProducts.settle`` adds it
-            elif acc is not None and _accumulates_into(acc, dy, weight):
+            elif acc is not None and accumulates_into(acc, dy, weight):
                 acc.addmm_(dy.t(), flat_x)  # into the sum; autograd accumulates nothing
             else:
                 grad_w = dy.t().mm(flat_x)
@@ -236,8 +236,9 @@ class _LinearAccumulating(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def _accumulates_into(acc: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a product may be added into ``acc`` in place (else autograd's path)."""
+def accumulates_into(acc: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a product (of ``dy``'s dtype and device) may be added into ``acc``, ``weight``'s
+    gradient, in place (else a new sum; a compiled segment's products too: ``WeightProduct``)."""
     return (
         acc.dtype == dy.dtype
         and acc.device == dy.device

@@ -54,8 +54,8 @@ import attrs
 import torch
 from torch import fx, nn
 
-from piper_memory.store import accumulate_grad
 from piper_runtime.options import COMPILE_BACKENDS as BACKENDS
+from piper_runtime.rank.accumulation import accumulates_into
 from piper_runtime.rank.freed_memory import keep_freed_memory
 from piper_runtime.rank.kernel_gil import releasing_gil
 
@@ -105,17 +105,18 @@ class WeightProduct:
         return (self.b.t(), self.a.t()) if self.transposed else (self.a, self.b)
 
     def add_into(self, param: torch.Tensor) -> None:
-        """``param.grad += x @ y`` in one kernel; a first gradient is the product itself, in
-        the parameter's layout (as autograd makes one)."""
+        """``param.grad += x @ y`` in one kernel where the sum may take it in place (the rule of
+        eager's deferred products, ``accumulation.accumulates_into``), else a new sum; a first
+        gradient is the product itself, in the parameter's layout (as autograd makes one)."""
         x, y = self.operands()
         grad = param.grad
-        if grad is not None and grad.shape == param.shape and grad.dtype == x.dtype:
+        if grad is None:
+            product = torch.mm(x, y)
+            param.grad = product if product.stride() == param.stride() else torch.empty_like(param).copy_(product)
+        elif accumulates_into(grad, x, param):
             grad.addmm_(x, y)
-            return
-        product = torch.mm(x, y)
-        if grad is None and product.stride() != param.stride():
-            product = torch.empty_like(param).copy_(product)
-        accumulate_grad(param, product)
+        else:
+            param.grad = grad + torch.mm(x, y)
 
 
 class CompiledSegment:
