@@ -167,12 +167,13 @@ class SegmentCompute:
 
     def defers(self, ins: Instruction) -> bool:
         """Whether ``ins``'s backward pass runs through layers whose weight products can wait;
-        compiled, whether it is a stage segment's (its ``BI`` runs in the pass, its ``BW`` when
-        the window settles)."""
+        compiled, whether it is a stage segment's with weights to train (its ``BI`` runs in the
+        pass, its ``BW`` when the window settles)."""
         if self.forward_only:
             return False
         if self.compile:
-            return self.program.segment_by_id[ins.segment].role is SegmentRole.STAGE
+            return (self.program.segment_by_id[ins.segment].role is SegmentRole.STAGE
+                    and any(p.requires_grad for p in self.modules[ins.segment].parameters()))
         seg = self.fused.get((ins.segment, ins.microbatch), ins.segment)
         return has_fused_layers(self.modules[seg])
 
