@@ -1,6 +1,7 @@
 """``prepare_runtime``: the Ray runtime's embedded cluster started on a thread of its own while
 the driver captures and compiles, found running by the runtime later; restarted when the
-runtime needs more CPUs than it was started with; no idle task workers prestarted; SIGTERM
+runtime needs more CPUs than it was started with; the rank workers prestarted with the raylet
+where there is a CPU per rank, and no idle task workers; SIGTERM
 still the program's to handle; the rank workers started with it run the program, and only
 workers that fit are taken. Each cluster in a fresh interpreter (this one's Ray is the test
 session's): a cluster costs seconds to start and stop, so one interpreter checks every fact
@@ -16,23 +17,35 @@ from pathlib import Path
 
 import attrs
 
+import ray
+
 from piper_runtime import ClusterOptions
+from piper_runtime.driver import prestart
+from piper_runtime.driver.cluster import embedded_cpus
 from piper_runtime.driver.early_workers import EarlyWorkers, WorkerRequest
 
 SCRIPT = """
 import json, os, signal, sys, threading, time
 import ray
 from piper_runtime import ClusterOptions, RunOptions, prepare_runtime
-from piper_runtime.driver import cluster
+from piper_runtime.driver import cluster, early_workers
 
 terms = []
 signal.signal(signal.SIGTERM, lambda signum, frame: terms.append(signum))  # as piper train does
+asked = []  # when the rank workers were asked for, in seconds since boot (as /proc counts)
+_start = early_workers.start
+def start(request):
+    asked.append(float(open("/proc/uptime").read().split()[0]))
+    return _start(request)
+early_workers.start = start
 options = RunOptions(cluster=ClusterOptions(runtime="ray"))
 prepare_runtime(options, {hinted})
 early = cluster._early
 cluster.ensure_ray(None, num_cpus={needed})
 
-@ray.remote(num_cpus=0)  # the early rank workers' bundles may hold every CPU
+# The early rank workers' bundles may hold every CPU; a runtime_env of its own leaves the
+# workers the raylet prestarted for the ranks to them.
+@ray.remote(num_cpus=0, runtime_env={{"env_vars": {{"PIPER_TEST_TASK": "1"}}}})
 def pid():
     return os.getpid()
 
@@ -71,6 +84,11 @@ l0, l1 = _layers()
 rt = Runtime(gpipe_program(), {{"s0": Stage0(l0), "s1": Stage1(l1), "loss": MSE()}}, OptimizerSpec("sgd", lr=0.1),
              runtime="ray")
 seen["used"] = [w._actor_id.hex() for w in rt._ranks.workers]
+def began(worker):  # when the worker's process started, in seconds since boot
+    pid = ray.get(worker.__ray_call__.remote(lambda self: os.getpid()))
+    ticks = int(open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()[19])
+    return ticks / os.sysconf("SC_CLK_TCK")
+seen["prestarted"] = [began(w) < asked[0] for w in handles]
 x, t = _batch(0)
 seen["loss"] = float(rt.step((x,), (t,)).loss)
 def answers(worker):
@@ -102,7 +120,11 @@ def test_a_cluster_started_early_is_the_one_the_runtime_uses_and_its_workers_run
     seen = _run(hinted=2, needed=2, train=True)
     assert seen["started_early"] and seen["answered"] and seen["cpus"] >= 2
     assert seen["sigterm_handled"]  # the program's own handler, not Ray's (ray_env.keep_signals)
-    assert seen["idle_workers"] == 0  # Ray's prestarted task workers: no rank could use one
+    # The raylet prestarts one worker per CPU where that is one per rank (here: 2 CPUs), and the
+    # ranks take them: their processes began before the ranks were asked for, none is left idle.
+    prestarted = prestart.prestart_fits(embedded_cpus(2, 1.0), 2) and prestart.supported(ray.__version__)
+    assert seen["prestarted"] == [prestarted, prestarted]
+    assert seen["idle_workers"] == 0
     assert seen["thread_ended"] and "piper-ray-start" not in seen["threads"]
     assert len(seen["started"]) == 2 and sorted(seen["used"]) == sorted(seen["started"])
     assert seen["loss"] > 0 and all(seen["alive"])
@@ -126,3 +148,25 @@ def test_workers_fit_only_what_the_runtime_would_start() -> None:
                   attrs.evolve(cluster, backend="cpu"), attrs.evolve(cluster, ranks_per_gpu=2)):
         assert not early.fits(2, other, env)
     assert not early.fits(2, cluster, {**env, "GLOO_SOCKET_IFNAME": "lo"})
+
+
+def test_ranks_ask_for_no_runtime_env_only_where_the_cluster_inherited_theirs(monkeypatch) -> None:
+    """A rank actor's environment comes from what the embedded cluster inherited where that is
+    the same (then it may take a prestarted worker), else from its ``runtime_env``: a user's
+    ``OMP_NUM_THREADS=4`` in the driver still gives the ranks 1, and a socket variable set
+    after the cluster started still reaches them."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    try:
+        assert prestart.runtime_env_for({"OMP_NUM_THREADS": "1"}) == {"env_vars": {"OMP_NUM_THREADS": "1"}}  # none
+        prestart.record(("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"))
+        assert prestart.runtime_env_for({"OMP_NUM_THREADS": "1"}) is None
+        assert prestart.runtime_env_for({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}) == {
+            "env_vars": {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}}
+        monkeypatch.setenv("OMP_NUM_THREADS", "4")
+        prestart.record(("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"))
+        assert prestart.runtime_env_for({"OMP_NUM_THREADS": "1"}) == {"env_vars": {"OMP_NUM_THREADS": "1"}}
+    finally:
+        prestart.forget()
+    assert prestart.prestart_fits(2, 2) and not prestart.prestart_fits(16, 2) and not prestart.prestart_fits(2, None)
+    assert prestart.supported("2.60.0") and prestart.supported("3.1.0") and not prestart.supported("2.9.3")

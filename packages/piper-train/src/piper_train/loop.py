@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -201,9 +202,12 @@ class TrainingRun:
         if memory_every < 1:
             raise ValueError(f"memory_every must be >= 1, got {memory_every}")
         # Model FLOPs of the example batch, for TFLOP/s and MFU (``--hardware``), counted on a
-        # thread of its own: the first count in a process takes a second or two (torch's FLOP
-        # counter warming up), which the first steps need not wait for; they report no rate.
-        self.throughput = _background(trainer.throughput, hardware)
+        # thread of its own once the first step is done: the first count in a process takes a
+        # second or two of CPU (torch's FLOP counter imports torch._dynamo), which the first
+        # steps need not wait for, nor share the CPUs with; they report no rate until then
+        # (``_backfill_rates`` gives them theirs at the end).
+        self._count_flops = functools.partial(trainer.throughput, hardware)
+        self.throughput: concurrent.futures.Future | None = None
         self.rate_inputs: list[tuple[int, float]] = []  # each step's size and seconds, for its rates
         self.call_size = _call_size(steps_per_call, undoable=trainer.runtime.on_nan == "skip-step")
         self.trainer = trainer
@@ -440,6 +444,8 @@ class TrainingRun:
         return {"tflops_per_device": tflops, "mfu": mfu}
 
     def _throughput(self, wait: float) -> Throughput | None:
+        if self.throughput is None:
+            self.throughput = _background(self._count_flops)
         try:
             return self.throughput.result(timeout=wait)
         except Exception:

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import ray
 
 from piper_ir import ClusterError
-from piper_runtime.driver import early_workers, ray_env, reaper
+from piper_runtime.driver import early_workers, prestart, ray_env, reaper
 from piper_runtime.rendezvous import LOOPBACK, SOCKET_ENV, is_loopback
 
 # Environment every Piper worker gets, and what it gets from the driver's where set there.
@@ -59,7 +59,7 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+def ensure_ray(address: str | None = None, num_cpus: int | None = None, *, prestart_world: int | None = None) -> None:
     """Make sure Ray is initialised in this process.
 
     An already initialised Ray is reused as is. With ``address`` (or ``RAY_ADDRESS``:
@@ -67,7 +67,9 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     connect to it; otherwise we start a local embedded cluster bound to 127.0.0.1 (no
     dashboard, quiet logs, ``num_cpus`` logical CPUs; never one ``ray start`` runs on this
     machine, whose ``num_cpus`` is not ours to set) and remember that we did, so ``shutdown``
-    stops only what we started.
+    stops only what we started. With ``prestart_world`` ranks to come, as many as its CPUs and
+    with the worker environment inherited, its raylet starts their workers along with itself
+    (``piper_runtime.driver.prestart``).
     """
     global _started_here
     _await_early_start(address, num_cpus)
@@ -93,7 +95,11 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     # The watcher first: a start cut short (a SIGTERM or Ctrl-C during ray.init) leaves Ray's
     # agents running for a minute otherwise.
     reaper.start()
-    with _keeping_sigterm_handler():
+    # The environment Ray's processes inherit: rank actors that would get the same need no runtime_env.
+    prestart.record((*WORKER_ENV, *FORWARDED_ENV))
+    prestarting = (prestart.prestart_fits(num_cpus or os.cpu_count() or 1, prestart_world)
+                   and prestart.inherits(worker_env()) and prestart.supported(ray.__version__))
+    with _keeping_sigterm_handler(), _forgetting_on_failure():
         ray.init(
             address="local",  # a cluster of our own, not one `ray start` left a record of
             num_cpus=num_cpus,
@@ -105,7 +111,8 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             # rank actor never takes one (its runtime_env, ``worker_env``, differs), so they
             # only cost start-up: 1.1-1.4 s of CPU for two, measured with the cluster's
             # process tree (the other Ray processes stay as they are).
-            _system_config={"prestart_worker_first_driver": False},
+            # Prestarted rank workers are another matter (``prestarting``): ranks take them.
+            _system_config={"prestart_worker_first_driver": False} | (prestart.SYSTEM_CONFIG if prestarting else {}),
         )
     _started_here = True
     node = ray.util.get_node_ip_address()
@@ -115,6 +122,16 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             f"the embedded Ray cluster started on {node}, not on {LOOPBACK}; stopped it (its ports "
             "would be reachable from the network)"
         )
+
+
+@contextlib.contextmanager
+def _forgetting_on_failure() -> Iterator[None]:
+    """A cluster that did not start leaves no record of its environment."""
+    try:
+        yield
+    except BaseException:
+        prestart.forget()
+        raise
 
 
 @contextlib.contextmanager
@@ -155,6 +172,8 @@ def shutdown() -> None:
     if _started_here and ray.is_initialized():
         ray.shutdown()
         reaper.stop()
+    if _started_here:
+        prestart.forget()
     _started_here = False
     if early is not None:
         early.done.set()
@@ -188,7 +207,7 @@ class _EarlyStart:
     def _run(self) -> None:
         try:
             ray_env.keep_signals()
-            ensure_ray(None, self.num_cpus)
+            ensure_ray(None, self.num_cpus, prestart_world=self.request.world if self.request is not None else None)
         except BaseException as exc:  # given to the caller of ensure_ray, in its thread
             self.error = exc
         finally:

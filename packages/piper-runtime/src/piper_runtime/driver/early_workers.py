@@ -73,6 +73,7 @@ def start(request: WorkerRequest) -> EarlyWorkers:
     from piper_runtime.driver.cluster import choose_backend, worker_env
     from piper_runtime.driver.placement import reserve
     from piper_runtime.driver.pool import worker_actor
+    from piper_runtime.driver.prestart import runtime_env_for
 
     cluster, world = request.cluster, request.world
     backend, reason = choose_backend(cluster.backend, world, 1.0 / cluster.ranks_per_gpu)
@@ -81,7 +82,7 @@ def start(request: WorkerRequest) -> EarlyWorkers:
                        policy=cluster.placement, backend=backend, timeout_s=30.0)
     env = worker_env()
     workers = tuple(
-        worker_actor(max_restarts=0, runtime_env={"env_vars": env}, **reserved.bundle_options(b)).remote()
+        worker_actor(max_restarts=0, runtime_env=runtime_env_for(env), **reserved.bundle_options(b)).remote()
         for b in range(world)
     )
     for w in workers:

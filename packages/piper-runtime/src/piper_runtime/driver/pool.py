@@ -36,6 +36,7 @@ from typing import Any
 import attrs
 import ray
 
+from piper_runtime.driver.prestart import runtime_env_for
 from piper_runtime.rank.worker import RankWorker
 
 REUSE_ENV = "PIPER_REUSE_WORKERS"  # "1": runtimes use the shared pool unless told otherwise
@@ -74,7 +75,7 @@ class WorkerSpec:
             num_cpus=0.01,  # ranks mostly wait on each other; never block on whole CPUs
             num_gpus=self.gpus,
             max_restarts=0,
-            runtime_env={"env_vars": dict(self.env)},
+            runtime_env=runtime_env_for(dict(self.env)),
         )
         return [actor.remote() for _ in range(count)]
 

@@ -32,6 +32,7 @@ from piper_runtime.driver.cluster import (
 )
 from piper_runtime.driver.placement import Placement, check_resources, place_ranks
 from piper_runtime.driver.pool import MONITOR, WRITER, WorkerSpec, kill_workers, pool_for, worker_actor
+from piper_runtime.driver.prestart import runtime_env_for
 from piper_runtime.driver.ranks import RankFailure
 from piper_runtime.driver.user_code import ship_by_value
 from piper_runtime.options import RunOptions
@@ -101,7 +102,7 @@ class RayRanks:
                 backend=self.backend_name,
                 timeout_s=min(options.faults.setup_timeout_s, 30.0),
             )
-            env = {"env_vars": worker_env()}
+            env = runtime_env_for(worker_env())
             self.workers = [
                 worker_actor(max_restarts=0, runtime_env=env, **self.placement.actor_options(rank)).remote()
                 for rank in range(world)
