@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import attrs
-
 import ray
 
 from piper_runtime import ClusterOptions
