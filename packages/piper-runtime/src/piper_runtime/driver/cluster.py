@@ -107,11 +107,10 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, *, prest
             _node_ip_address=LOOPBACK,
             logging_level=logging.ERROR,
             log_to_driver=False,
-            # Ray starts one idle Python worker per CPU for tasks when the driver connects; a
-            # rank actor never takes one (its runtime_env, ``worker_env``, differs), so they
-            # only cost start-up: 1.1-1.4 s of CPU for two, measured with the cluster's
-            # process tree (the other Ray processes stay as they are).
-            # Prestarted rank workers are another matter (``prestarting``): ranks take them.
+            # Ray starts one idle Python worker per CPU for tasks when the driver connects:
+            # 1.1-1.4 s of CPU for two, measured with the cluster's process tree, for tasks
+            # (Piper runs none but a GPU probe). Rank workers, where they are one per CPU, are prestarted
+            # with the raylet instead, their modules imported (``prestarting``).
             _system_config={"prestart_worker_first_driver": False} | (prestart.SYSTEM_CONFIG if prestarting else {}),
         )
     _started_here = True
