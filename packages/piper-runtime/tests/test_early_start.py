@@ -169,3 +169,21 @@ def test_ranks_ask_for_no_runtime_env_only_where_the_cluster_inherited_theirs(mo
         prestart.forget()
     assert prestart.prestart_fits(2, 2) and not prestart.prestart_fits(16, 2) and not prestart.prestart_fits(2, None)
     assert prestart.supported("2.60.0") and prestart.supported("3.1.0") and not prestart.supported("2.9.3")
+
+
+def test_the_early_start_asks_for_prestarted_rank_workers_unless_told_not_to(monkeypatch) -> None:
+    """The background start passes the ranks it will ask for to ``ensure_ray`` (which then
+    has the raylet prestart them where they are one per CPU); ``prestart_workers=False``
+    passes none. No cluster is started: ``ensure_ray`` and the workers' start are stand-ins."""
+    from piper_runtime.driver import cluster
+
+    asked: list[int | None] = []
+    monkeypatch.setattr(cluster, "ensure_ray", lambda address, num_cpus, *, prestart_world: asked.append(prestart_world))
+    monkeypatch.setattr(cluster.early_workers, "start", lambda request: None)
+    monkeypatch.setattr(cluster.ray_env, "keep_signals", lambda: None)  # this process's Ray is the session's
+    for prestart_workers in (True, False):
+        start = cluster._EarlyStart(2, WorkerRequest(2, ClusterOptions(runtime="ray", prestart_workers=prestart_workers)))
+        start.workers_started.wait(10)
+        start.done.set()
+        start.thread.join(10)
+    assert asked == [2, None]

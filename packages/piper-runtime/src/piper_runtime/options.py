@@ -105,7 +105,9 @@ class ClusterOptions:
     ``pack`` or ``spread``; ``ranks_per_gpu`` > 1 shares GPUs; ``cpus_per_rank``: what each
     rank reserves. ``reuse_workers``: take Ray workers from the process's pool (``True``) or
     from a given ``piper_runtime.WorkerPool``, and give them back (``None``: as
-    ``PIPER_REUSE_WORKERS`` says)."""
+    ``PIPER_REUSE_WORKERS`` says). ``prestart_workers``: an embedded cluster started for as many
+    ranks as it has CPUs starts their processes with its raylet, their heavy imports done
+    (``piper_runtime.driver.prestart``); ``False`` starts them when the ranks are asked for."""
 
     runtime: str = attrs.field(factory=default_runtime)
     address: str | None = None
@@ -114,6 +116,7 @@ class ClusterOptions:
     ranks_per_gpu: int = 1
     cpus_per_rank: float = attrs.field(default=1.0, validator=_positive)
     reuse_workers: Any = None  # bool | WorkerPool | None (a pool lives with Ray, not here)
+    prestart_workers: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.placement not in PLACEMENTS:

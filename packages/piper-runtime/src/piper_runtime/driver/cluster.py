@@ -206,7 +206,9 @@ class _EarlyStart:
     def _run(self) -> None:
         try:
             ray_env.keep_signals()
-            ensure_ray(None, self.num_cpus, prestart_world=self.request.world if self.request is not None else None)
+            request = self.request
+            prestart_world = request.world if request is not None and request.cluster.prestart_workers else None
+            ensure_ray(None, self.num_cpus, prestart_world=prestart_world)
         except BaseException as exc:  # given to the caller of ensure_ray, in its thread
             self.error = exc
         finally:
