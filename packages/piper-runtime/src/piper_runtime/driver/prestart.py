@@ -10,7 +10,8 @@ process still starting: measured, the workers' processes began 1.5 s after ``ray
 returned.
 
 So, where Piper starts the embedded cluster for as many ranks as the cluster has CPUs
-(``prestart_fits``; ``prepare_runtime`` knows the count before anything is captured):
+(``prestart_fits``; ``prepare_runtime`` knows the count before anything is captured), unless
+``ClusterOptions.prestart_workers`` is False:
 
 - the raylet starts one Python worker per CPU as it starts (Ray's ``enable_worker_prestart``),
   and each imports ``PRELOAD`` before it takes work (Ray's ``preload_python_modules``), while
