@@ -10,6 +10,7 @@ every test in the shared venv instead (one pytest run, quicker while developing)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import os
@@ -22,7 +23,7 @@ import threading
 import time
 import tomllib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import attrs
@@ -85,16 +86,21 @@ def tests(session: nox.Session) -> None:
     other, the two sessions left a core idle while each one's longest run ended alone: the
     clean-clone suite took 6 min 22 s that way and 6 min 5 s queued, one run each on 2 cores
     minutes apart (this machine's speed moves a run by a minute: the same code took 7 min 6 s
-    and 7 min 12 s later the same night). The in-process run prints as it runs, every other
-    one whole when it ends."""
+    and 7 min 12 s later the same night). The in-process run starts first, at once: it
+    needs only ``.venv``, so it runs while the standalone wheels and environments are made
+    (each package's install is the first command of its job; 40 s of the clean-clone run's
+    start). The in-process run prints as it runs, every other one whole when it ends."""
     started = time.monotonic()
+    integration = _integration_jobs([])
+    queue = _Queue(session, show=True, live="in process")
+    queue.add(*integration[0])  # needs only .venv: it runs while the standalone wheels and environments are made
     standalone_jobs, report = _standalone_jobs(session, PACKAGES)
     by_label = dict(standalone_jobs)
-    integration = _integration_jobs([])
-    order = [integration[0], ("piper-runtime", by_label.pop("piper-runtime")), integration[1], *by_label.items()]
-    ran = _run_all(session, order, show=True, live="in process")
+    for label, commands in [("piper-runtime", by_label.pop("piper-runtime")), integration[1], *by_label.items()]:
+        queue.add(label, commands)
+    ran = queue.wait()
     report({label: seconds for label, seconds in ran.items() if label.startswith("piper-")}, started)
-    session.log("integration: " + "; ".join(f"{label} {ran[label]:.0f} s" for label, _ in integration))
+    session.log("integration: " + "; ".join(f"{label} {sum(ran[label]):.0f} s" for label, _ in integration))
 
 
 @nox.session(venv_backend="none")
@@ -133,7 +139,7 @@ STANDALONE = ROOT / ".nox" / "standalone"
 # Heavy third-party distributions put once each, with their own dependencies, into a
 # layer of their own (``.nox/standalone/layers/<name>``) that every standalone environment
 # needing one of them sees through a ``.pth`` file (standalone's docstring says why).
-LAYERED = ("torch", "numpy", "ray", "matplotlib")
+LAYERED = ("torch", "numpy", "ray", "matplotlib", "transformers")
 JOBS = 2  # commands at once: pip and most tests use one core; CI machines have two or more
 # The order packages are tested in side by side: the runtime's first (its tests wait on Ray
 # workers and timeouts), then the others longest first (seconds in a clean-clone run: train
@@ -265,54 +271,77 @@ def _environment_key() -> str:
 
 @attrs.frozen
 class Command:
-    """One command of a job: its argv, environment additions and the exit codes that pass."""
+    """One command of a job: its argv, environment additions, the exit codes that pass, and
+    what to do once it passed (``then``: a standalone environment's stamp, written only once
+    its install succeeded)."""
 
     argv: list[str]
     env: dict[str, str] = attrs.field(factory=dict)
     ok: tuple[int, ...] = (0,)
+    then: Callable[[], None] | None = None
 
 
 def _run_all(
     session: nox.Session, jobs: list[tuple[str, list[Command]]], *, show: bool = False, live: str | None = None
 ) -> dict[str, float]:
-    """Run each job (a label and its commands, one after the other, the first failure ending
-    it) with ``JOBS`` jobs at a time, in the order given; their seconds by label. A job's
-    output is printed, whole, when it ends: always with ``show``, else only if it failed;
-    the job labelled ``live`` prints as it runs instead (progress on a long job).
-    Any failure fails the session once every job has ended."""
-    lock = threading.Lock()
+    """Run ``jobs`` through a ``_Queue`` (``JOBS`` at a time, in the order given); their
+    seconds by label."""
+    queue = _Queue(session, show=show, live=live)
+    for label, commands in jobs:
+        queue.add(label, commands)
+    return {label: sum(seconds) for label, seconds in queue.wait().items()}
 
-    def one(label: str, commands: list[Command]) -> tuple[float, bool]:
-        t0 = time.monotonic()
-        out, ok = [], True
+
+class _Queue:
+    """Jobs (a label and its commands, one after the other, the first failure ending it),
+    ``JOBS`` at a time, started in the order they are added: a job added while the queue
+    runs others starts as soon as one of them ends, so a caller can start the longest job
+    before it has made the others (``tests``). A job's output is printed, whole, when it
+    ends: always with ``show``, else only if it failed; the job labelled ``live`` prints as
+    it runs instead (progress on a long job). ``wait``: each job's commands' seconds, by
+    label; any failure fails the session once every job has ended."""
+
+    def __init__(self, session: nox.Session, *, show: bool = False, live: str | None = None) -> None:
+        self.session, self.show, self.live = session, show, live
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(max_workers=JOBS)
+        self.futures: dict[str, Future[tuple[list[float], bool]]] = {}
+
+    def add(self, label: str, commands: list[Command]) -> None:
+        if not self.show:
+            self.session.log(f"{label}: " + " && ".join(shlex.join(c.argv) for c in commands))
+        self.futures[label] = self.pool.submit(self._one, label, commands)
+
+    def wait(self) -> dict[str, list[float]]:
+        results = {label: f.result() for label, f in self.futures.items()}
+        self.pool.shutdown()
+        failed = [label for label, (_, ok) in results.items() if not ok]
+        if failed:
+            self.session.error(f"failed: {', '.join(failed)} (output above)")
+        return {label: seconds for label, (seconds, _) in results.items()}
+
+    def _one(self, label: str, commands: list[Command]) -> tuple[list[float], bool]:
+        out, ok, seconds = [], True, []
         for c in commands:
-            if label == live:
-                session.log(f"{label}: {shlex.join(c.argv)}")
+            t0 = time.monotonic()
+            if label == self.live:
+                self.session.log(f"{label}: {shlex.join(c.argv)}")
                 done = subprocess.run(c.argv, env={**os.environ, **c.env})
             else:
                 done = subprocess.run(c.argv, capture_output=True, text=True, env={**os.environ, **c.env})
                 out.append(f"nox > {shlex.join(c.argv)}\n{done.stdout}{done.stderr}")
+            seconds.append(time.monotonic() - t0)
             if done.returncode not in c.ok:
                 out.append(f"nox > {label}: exited {done.returncode}\n")
                 ok = False
                 break
-        seconds = time.monotonic() - t0
-        if show or not ok:
-            with lock:
-                session.log(f"{label}: {'done' if ok else 'FAILED'} in {seconds:.0f} s")
+            if c.then is not None:
+                c.then()
+        if self.show or not ok:
+            with self.lock:
+                self.session.log(f"{label}: {'done' if ok else 'FAILED'} in {sum(seconds):.0f} s")
                 print("".join(out), end="", flush=True)
         return seconds, ok
-
-    if not show:
-        for label, commands in jobs:
-            session.log(f"{label}: " + " && ".join(shlex.join(c.argv) for c in commands))
-    with ThreadPoolExecutor(max_workers=JOBS) as pool:
-        futures = {label: pool.submit(one, label, commands) for label, commands in jobs}
-        results = {label: f.result() for label, f in futures.items()}
-    failed = [label for label, (_, ok) in results.items() if not ok]
-    if failed:
-        session.error(f"failed: {', '.join(failed)} (output above)")
-    return {label: seconds for label, (seconds, _) in results.items()}
 
 
 @nox.session(venv_backend="none")
@@ -324,7 +353,8 @@ def standalone(session: nox.Session) -> None:
 
     Installing torch (with sympy and the rest of its dependencies), numpy, ray and matplotlib
     into every environment that needs them took most of this session (torch alone ~25 s,
-    five times). So each of those (``LAYERED``) is put once, with its own dependencies, into
+    five times), and transformers with its 32 dependencies 25 s of piper-train's environment
+    (6 s with the layer), before any test could start. So each of those (``LAYERED``) is put once, with its own dependencies, into
     a layer of its own: hard-linked from the environment running nox (``.venv``, which
     already holds them), the distribution and those it needs as installed there (markers and
     extras followed, each module's ``.pyc`` with it: the distributions ``pip install
@@ -355,7 +385,10 @@ def standalone(session: nox.Session) -> None:
         session.error(f"unknown packages {unknown}; known: {PACKAGES}")
     started = time.monotonic()
     jobs, report = _standalone_jobs(session, names)
-    report(_run_all(session, jobs, show=True, live="piper-runtime" if "runtime" in names else None), started)
+    queue = _Queue(session, show=True, live="piper-runtime" if "runtime" in names else None)
+    for label, commands in jobs:
+        queue.add(label, commands)
+    report(queue.wait(), started)
 
 
 def _standalone_jobs(
@@ -367,15 +400,20 @@ def _standalone_jobs(
     shutil.rmtree(wheels, ignore_errors=True)
     wheels.mkdir(parents=True)
     started = time.monotonic()  # for the wheels' time
-    sources = [ROOT / "packages" / d for d in sorted({d for n in names for d in _internal_closure(f"piper-{n}")})]
-    for source in sources:  # setuptools builds in the tree; stale files there would enter the wheel
-        shutil.rmtree(source / "build", ignore_errors=True)
+    # Built from fresh copies of the packages: setuptools writes its build directory and
+    # metadata where it builds (stale files there would enter the wheel), and the tree's own
+    # metadata belongs to the editable install the integration tests run from meanwhile.
+    copies = STANDALONE / "sources"
+    shutil.rmtree(copies, ignore_errors=True)
+    sources = []
+    for d in sorted({d for n in names for d in _internal_closure(f"piper-{n}")}):
+        sources.append(copies / d)
+        shutil.copytree(ROOT / "packages" / d, copies / d, ignore=shutil.ignore_patterns(
+            "build", "*.egg-info", "__pycache__", ".ruff_cache", ".pytest_cache", ".hypothesis"))
     session.run(
         sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),
         *map(str, sources), external=True,
     )
-    for source in sources:
-        shutil.rmtree(source / "build", ignore_errors=True)
     wheel_of = {w.name.split("-")[0].replace("_", "-"): w for w in wheels.glob("*.whl")}
     timings = [f"wheels {time.monotonic() - started:.0f} s"]
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
@@ -414,10 +452,11 @@ def _standalone_jobs(
         (layers / layer / ".piper-key").write_text(keys[layer])
         timings.append(f"{label} {seconds:.0f} s")
 
-    # The environments: new ones get their layers' .pth files, then their closure.
+    # The environments: new ones get their layers' .pth files here, their closure installed
+    # as the first command of the package's job (its stamp written once that succeeded).
     site = Path("lib") / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
-    jobs = []
-    built, built_key = {}, {}
+    installs: dict[str, Command] = {}
+    built = {}
     for name in names:
         dist = f"piper-{name}"
         venv = STANDALONE / name
@@ -427,24 +466,19 @@ def _standalone_jobs(
         closure = [str(wheel_of[d]) + ("[test]" if d == dist else "") for d in _internal_closure(dist)]
         into = [*pip, "--python", str(venv / "bin" / "python"), "install"]
         if stamp.exists() and stamp.read_text() == key:  # same dependencies: only the piper code may have changed
-            commands = [Command([*into, "--no-deps", "--force-reinstall", *(c.removesuffix("[test]") for c in closure)])]
+            installs[name] = Command([*into, "--no-deps", "--force-reinstall", *(c.removesuffix("[test]") for c in closure)])
             built[name] = "cached"
         else:
             shutil.rmtree(venv, ignore_errors=True)
             session.run(sys.executable, "-m", "venv", "--without-pip", str(venv), external=True)
             for layer in _layers_of(dist):
                 (venv / site / f"_piper_layer_{layer}.pth").write_text(f"{layers / layer}\n")
-            commands = [Command([*into, *closure])]
-            built[name], built_key[name] = "built", key
+            installs[name] = Command([*into, *closure], then=functools.partial(stamp.write_text, key))
+            built[name] = "built"
             if _layers_of(dist):
                 session.log(f"{dist}: layers {', '.join(_layers_of(dist))}")
-        jobs.append((dist, commands))
-    seconds = _run_all(session, jobs)
-    for name in names:
-        if built[name] == "built":
-            (STANDALONE / name / ".piper-key").write_text(built_key[name])
 
-    # Checks and tests, two packages at a time, in ``LONGEST_FIRST`` order: the runtime's
+    # Install, check and test, two packages at a time, in ``LONGEST_FIRST`` order: the runtime's
     # tests wait on Ray workers and timeouts more than they compute, the others compute.
     jobs = []
     env = {"PYTHONNOUSERSITE": "1", "PYTHONPATH": ""}
@@ -452,16 +486,18 @@ def _standalone_jobs(
         dist = f"piper-{name}"
         python = str(STANDALONE / name / "bin" / "python")
         jobs.append((dist, [
+            installs[name],
             Command([python, str(ROOT / "tools" / "standalone_check.py"), dist], env),
             # Exit code 5 means "no tests collected": not a failure for a package with none yet.
             Command([python, "-m", "pytest", "-p", "no:cacheprovider", "--import-mode=importlib", "-q",
                      f"packages/{dist}/tests"], env, (0, 5)),
         ]))
 
-    def report(tested: dict[str, float], since: float) -> None:
+    def report(ran: dict[str, list[float]], since: float) -> None:
+        """``ran``: each package job's commands' seconds (``_Queue.wait``)."""
         for name in names:
-            dist = f"piper-{name}"
-            timings.append(f"{dist} {built[name]} {seconds[dist]:.0f} s + check/tests {tested[dist]:.0f} s")
+            install, *rest = ran[f"piper-{name}"]
+            timings.append(f"piper-{name} {built[name]} {install:.0f} s + check/tests {sum(rest):.0f} s")
         session.log("standalone: " + "; ".join(timings) + f"; total {time.monotonic() - since:.0f} s")
 
     return jobs, report
