@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import datetime
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -168,6 +169,50 @@ class _LateStore:
             self._late = ""
             return False
         return self._store.check(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_a_rank_whose_failure_ended_the_run_is_named_by_its_own_process(
+        pair: list[SpmdRanks], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Process 1's rank raises; process 0 reads that and ends the run before process 1's call
+    has returned from publishing it. Process 1 still names its own rank's failure, not process
+    0's ending of the run (a race seen under torchrun on a loaded machine)."""
+    a, b = pair
+    published = threading.Event()
+    release = threading.Event()
+    monkeypatch.setattr(b, "_store", _HeldStore(b._store, "calls/0/1", published, release))
+    try:
+        own = b.call(1, "restore")  # raises: no backup
+        assert published.wait(10)  # the outcome is in the store; the call has not returned
+        peer_of_a = a.call(1, "restore")
+        a.wait([peer_of_a], 10)
+        with pytest.raises(RankFailure):
+            a.get(peer_of_a, 1)
+        a.kill()  # what process 0 does on a failure: it ends the run
+        waiting_on_0 = b.call(0, "ping")  # never made by process 0
+        ready = b.wait([own, waiting_on_0], 10)
+        assert ready[0] is own
+    finally:
+        release.set()
+    with pytest.raises(RankFailure) as failure:
+        b.get(own, 1)
+    assert failure.value.how == "raised" and "restore without a backup" in failure.value.text
+
+
+class _HeldStore:
+    """A store whose ``set`` of ``held`` returns only once ``release`` is set (``published`` tells
+    that the value is in): a thread that loses its core right after publishing."""
+
+    def __init__(self, store: Any, held: str, published: threading.Event, release: threading.Event) -> None:
+        self._store, self._held, self._published, self._release = store, held, published, release
+
+    def set(self, key: str, value: Any) -> None:
+        self._store.set(key, value)
+        if key == self._held:
+            self._published.set()
+            self._release.wait(10)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)

@@ -232,13 +232,19 @@ class SpmdRanks:
         args = copy.deepcopy(args, kept)
         bound = getattr(self.worker, method)
 
+        handle = _Own(None, method, published=True)
+
         def run() -> Outcome:
             outcome = Outcome(method, lambda: bound(*args))
+            # Ready before its peers can read it: a peer that reads a failure ends the run at
+            # once, and this process must then see its own rank's failure, not that ending.
+            handle.settled = True
             if self._readers:
                 self._store.set(key, outcome.pack())
             return outcome
 
-        return _Own(self._lanes[group].submit(run), method, published=True)
+        handle.future = self._lanes[group].submit(run)
+        return handle
 
     def share(self, value: Any) -> Any:
         return value
@@ -302,6 +308,7 @@ class SpmdRanks:
             return handle.value
         if isinstance(handle, _Own):
             try:
+                assert handle.future is not None  # ``call`` sets it before it returns the handle
                 result = handle.future.result(timeout=10)
             except cf.TimeoutError:
                 raise RankFailure("silent", "did not answer") from None
@@ -372,15 +379,17 @@ class _Answered:
 @attrs.define(eq=False)
 class _Own:
     """A call on this process's rank: the future of its ``Outcome`` (``published``: the call's
-    peers read it; else the future's value is the call's own)."""
+    peers read it; else the future's value is the call's own). ``settled``: the outcome is
+    made (the future is done a moment later, once it is published)."""
 
-    future: cf.Future
+    future: cf.Future | None
     method: str
     published: bool
+    settled: bool = False
 
     @property
     def ready(self) -> bool:
-        return self.future.done()
+        return self.settled or (self.future is not None and self.future.done())
 
 
 @attrs.define(eq=False)
