@@ -314,6 +314,11 @@ class TrainingRun:
             return []
         first = self.state.step + 1
         numbers = range(first, first + len(drawn))
+        if self.profile_step in numbers:
+            # The profiled step runs with no FLOP count beside it: the profiler records every
+            # thread of the process, so on the local runtime the count's operators would land
+            # in the step's trace, and anywhere the count would take CPU from the step.
+            self._throughput(wait=FLOPS_WAIT_S)
         pendings = self.trainer.submit_steps(
             [batch for batch, _, _ in drawn],
             profile=[n == self.profile_step for n in numbers],
