@@ -307,8 +307,8 @@ class SpmdRanks:
         if isinstance(handle, _Answered):
             return handle.value
         if isinstance(handle, _Own):
+            assert handle.future is not None  # ``call`` sets it before it returns the handle
             try:
-                assert handle.future is not None  # ``call`` sets it before it returns the handle
                 result = handle.future.result(timeout=10)
             except cf.TimeoutError:
                 raise RankFailure("silent", "did not answer") from None
