@@ -440,9 +440,12 @@ class TrainingRun:
         )
 
     def _flop_rates(self, flight: _Flight, seconds: float) -> dict[str, float | None]:
-        """The step's TFLOP/s per device and MFU (piper_train.flops), when its FLOPs are known."""
+        """The step's TFLOP/s per device and MFU (piper_train.flops), when its FLOPs are known.
+        The last step's record waits for the count, as the run's end does anyway
+        (``_backfill_rates``): a run shorter than the count still prints a rate."""
         self.rate_inputs.append((flight.tokens or flight.samples, seconds))
-        rate = self._throughput(wait=0)
+        last = self.total is not None and flight.step >= self.total
+        rate = self._throughput(wait=FLOPS_WAIT_S if last else 0)
         if rate is None:
             return {}
         tflops, mfu = rate.step(flight.tokens or flight.samples, seconds)
