@@ -355,8 +355,9 @@ def standalone(session: nox.Session) -> None:
     into every environment that needs them took most of this session (torch alone ~25 s,
     five times), and transformers with its 32 dependencies 25 s of piper-train's environment
     (6 s with the layer), before any test could start. So each of those (``LAYERED``) is put
-    once, with its own dependencies, into a layer of its own: hard-linked from the environment running nox (``.venv``, which
-    already holds them), the distribution and those it needs as installed there (markers and
+    once, with its own dependencies, into a layer of its own: hard-linked from the
+    environment running nox (``.venv``, which already holds them), the distribution and
+    those it needs as installed there (markers and
     extras followed, each module's ``.pyc`` with it: the distributions ``pip install
     --target`` would put there, about a second per layer), or, where a version there does
     not satisfy every package's requirement, by ``pip install --target``. An environment
