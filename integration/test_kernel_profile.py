@@ -18,13 +18,11 @@ def _profiled(piper, tmp_path) -> tuple[list[dict], dict]:
 
 def _within_instructions(events: list[dict]) -> tuple[set[str], int, int]:
     """The instruction labels, and how many matrix products ran inside one of them (same
-    process and thread, inside its span) out of how many the ranks' processes ran, on any of
-    their threads: the local runtime's is the driver's, whose count of the model's FLOPs
-    (meta-device products, ``fit``) must not run beside the profiled step."""
+    process and thread, inside its span) out of how many there are."""
     spans = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("piper ")]
-    processes = {s["pid"] for s in spans}
+    lanes = {(s["pid"], s["tid"]) for s in spans}  # the ranks' threads (the local runtime's process has others)
     products = [e for e in events if e.get("ph") == "X" and e.get("name") in ("aten::addmm", "aten::mm")
-                and e["pid"] in processes]
+                and (e["pid"], e["tid"]) in lanes]
     inside = sum(
         any(s["pid"] == p["pid"] and s["tid"] == p["tid"] and s["ts"] <= p["ts"] <= s["ts"] + s["dur"] for s in spans)
         for p in products

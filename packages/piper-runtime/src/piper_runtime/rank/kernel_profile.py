@@ -6,9 +6,10 @@ The executor wraps each instruction of a profiled step in ``record_function("pip
 operator under the instruction that ran it. The profiler records every thread of the process
 (the rank's stream threads too: ``profile_all_threads``), and a process has one profiler at
 a time: the ranks of the ``local`` runtime, threads of one process, share one session. The
-first rank to begin the step starts it and is the one to stop it (torch stops a profiler only
-on the thread that started it): it waits, boundedly, for the others to end theirs, then
-returns the trace, which holds every rank of the process; the others return None. The
+first rank to begin the step once every rank of the process has begun it starts it (a rank
+still finishing the step before would put that step's operators in the trace) and is the one
+to stop it (torch stops a profiler only on the thread that started it): it waits, boundedly,
+for the others to end theirs, then returns the trace, which holds every rank of the process; the others return None. The
 trace travels as Chrome trace JSON text (data).
 """
 
@@ -34,9 +35,19 @@ class _Session:
         self.profiler: torch.profiler.profile | None = None
         self.owner: int | None = None  # the thread that started it
         self.active = 0
+        self.begun = 0  # ranks that began the profiled step
 
-    def begin(self, cuda: bool) -> None:
+    def begin(self, cuda: bool, ranks: int, wait_s: float) -> None:
+        """``ranks``: how many ranks of this process profile the step. The profiler starts
+        once all of them have begun it (waiting at most ``wait_s``): a rank still finishing
+        the step before would put that step's operators, under no instruction of this one,
+        in the trace."""
         with self.changed:
+            self.begun += 1
+            self.changed.notify_all()
+            deadline = time.monotonic() + wait_s
+            while self.profiler is None and self.begun < ranks and time.monotonic() < deadline:
+                self.changed.wait(deadline - time.monotonic())
             if self.profiler is None:
                 from torch._C._profiler import _ExperimentalConfig
 
@@ -58,7 +69,7 @@ class _Session:
             deadline = time.monotonic() + wait_s
             while self.active > 0 and time.monotonic() < deadline:
                 self.changed.wait(deadline - time.monotonic())
-            profiler, self.profiler, self.owner = self.profiler, None, None
+            profiler, self.profiler, self.owner, self.begun = self.profiler, None, None, 0
         assert profiler is not None
         profiler.__exit__(None, None, None)
         fd, path = tempfile.mkstemp(prefix="piper-kernels-", suffix=".json")
@@ -75,14 +86,15 @@ _session = _Session()
 
 
 @contextlib.contextmanager
-def kernel_trace(active: bool, cuda: bool, wait_s: float) -> Iterator[list[str | None]]:
+def kernel_trace(active: bool, cuda: bool, wait_s: float, ranks: int = 1) -> Iterator[list[str | None]]:
     """Profile the block when ``active``; the list it yields holds the trace afterwards (or
-    None: not profiled, or another rank of this process returns it)."""
+    None: not profiled, or another rank of this process returns it). ``ranks``: the ranks of
+    this process (``_Session.begin``)."""
     out: list[str | None] = [None]
     if not active:
         yield out
         return
-    _session.begin(cuda)
+    _session.begin(cuda, ranks, wait_s)
     try:
         yield out
     finally:

@@ -64,6 +64,7 @@ class RankWorker:
         threads, the collector. A rank of the ``local`` runtime shares the user's process and
         leaves those alone."""
         self._fresh = ProcessSettings.read()
+        self._own_process = own_process  # else every rank of the program is a thread of this process
         if own_process:
             faulthandler.enable(all_threads=True)  # a crash in native code shows every thread
             if threading.current_thread() is threading.main_thread():
@@ -235,7 +236,8 @@ class RankWorker:
         kernels = profile and self._profile_kernels
         try:
             cuda = self.backend.device.type == "cuda"
-            with kernel_trace(kernels, cuda, self._timeout_s) as trace, cuda_history(snapshot and cuda) as history:
+            ranks_here = 1 if self._own_process else self.program.world_size
+            with kernel_trace(kernels, cuda, self._timeout_s, ranks_here) as trace, cuda_history(snapshot and cuda) as history:
                 timings = self._executor.run(st, self._step, started, profile, memory, labels=kernels)
         except BaseException:
             # Keep posted receives and unfinished sends referenced: destroying pending
