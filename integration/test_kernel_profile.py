@@ -40,6 +40,12 @@ def _check(events: list[dict]) -> None:
 def test_local_ranks_share_one_trace_with_every_instruction(piper, tmp_path):
     events, _ = _profiled(piper, tmp_path)
     _check(events)
+    # No forward of the model beside the step on another thread of the process: fit counts
+    # the model's FLOPs (its linear layers' addmm, on the meta device) before it sends the
+    # profiled step. (The driver drawing a batch meanwhile is the user's data: matmul, no addmm.)
+    lanes = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("piper ")}
+    assert not [e for e in events if e.get("ph") == "X" and e.get("name") == "aten::addmm"
+                and (e["pid"], e["tid"]) not in lanes]
     names = {e["args"]["name"] for e in events if e.get("name") == "process_name" and isinstance(e.get("pid"), int)}
     assert names == {"piper ranks 0-1 (one process)"}
 
