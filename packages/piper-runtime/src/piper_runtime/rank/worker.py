@@ -342,9 +342,9 @@ class RankWorker:
         of a failed one). Returns the process id."""
         self.shutdown()
         self._cores.release()
-        fresh = self._fresh
+        fresh, own_process = self._fresh, self._own_process
         self.__dict__.clear()
-        self._fresh = fresh
+        self._fresh, self._own_process = fresh, own_process
         self._forget()
         fresh.restore()
         # The run's tensors and autograd graphs go now, not at some later step; what survives
