@@ -19,6 +19,9 @@ searched per node; the whole compile runs with the cyclic garbage collector paus
    Group operations of data parallelism (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, MATERIALIZE,
    FREE; section 7) are listed on every member as soon as they are ready, so every member
    issues a group's collectives in the one global order.
+   ``_optimizer_steps_early`` then moves, on each rank, an OPTIMIZER that only the rank's
+   own work follows up to just after its segment's last backward: a rank holding several
+   segments (interleaved 1F1B, DualPipe) steps one while it waits for the others' gradients.
 2. ``_place_sends``: each SEND goes right after its last local predecessor (its producer).
    The sender's list fixes the message order of every channel.
 3. ``_place_recvs``: each RECV goes right before the first local instruction that needs it;
@@ -70,7 +73,7 @@ from piper_scheduler.communicators import (
     norm_communicator,
     tp_communicator,
 )
-from piper_scheduler.kinds import COMPUTE, GRAD_NORM, MARKER, RECV, SEND, TEMPORAL
+from piper_scheduler.kinds import COMPUTE, GRAD_NORM, MARKER, OPTIMIZER, RECV, SEND, TEMPORAL
 from piper_scheduler.verify import verify
 
 SCHEDULED_KINDS = COMPUTE_KINDS
@@ -121,8 +124,9 @@ def _compile(graph: Graph, execution: ExecutionOptions) -> Program:
     orders = _compute_orders(graph)
     tables = _Tables.of(graph)
     _check_supported(graph, tables)
-    sends = _place_sends(graph, orders)
     overlap = _overlapped_slots(graph)
+    orders = _optimizer_steps_early(graph, orders, overlap)
+    sends = _place_sends(graph, orders)
     groups = _compute_groups(graph)
     replica = _replicas(graph, tables, groups)
     program = _program(graph, _place_recvs(graph, orders, sends, overlap), overlap, replica, tables, groups, execution)
@@ -238,6 +242,69 @@ def _compute_orders(graph: Graph) -> list[list[int]]:
     if orders is None:  # the pass stalled: the graph has a cycle
         raise cycle_error(graph)
     return orders
+
+
+def _optimizer_steps_early(graph: Graph, orders: list[list[int]], overlap: dict[str, tuple]) -> list[list[int]]:
+    """Each rank's order with its optimizer steps moved up within the rank's *tail*: the
+    longest end of its list whose nodes are COMPUTE/OPTIMIZER nodes of this rank alone, every
+    successor one too. Nothing another rank waits for this step is in a tail (no send, no
+    collective: a reduction or the gradient norm ends it), so its nodes' release times are
+    fixed, and running a ready step of fixed length sooner never ends the rank later. An
+    OPTIMIZER of the tail whose predecessors are all compute nodes of this rank moves to just
+    after the last of them in the tail (its segment's last weight gradient), at the tail's
+    start if none is in it, past an overlapped slot (DualPipe's F&B) rather than into it; one
+    that would pass only other steps stays.
+
+    This is where the steady-state step gains: on interleaved 1F1B's first rank, the later
+    segment's step ran after the earlier segment's last backwards, which wait for the next
+    rank's gradients; it now runs while they do (pp=2, the ``stack`` model: 1.6-2.7 ms of a
+    116-118 ms step, alternated, ``benchmarks/bench_timeline.py``).
+
+    Not with tied parameters (``graph.ties``): the first holder's optimizer steps a shared
+    parameter that the other holder's later backward still reads. Linear in the tails and
+    their edges."""
+    if graph.ties:
+        return orders
+    nodes, succ, pred = graph.nodes, graph.successor_positions, graph.predecessor_positions
+    assert succ is not None and pred is not None  # a validated graph has positions
+    overlap_at = {graph.node_position[nid]: key for nid, key in overlap.items()}
+    out = []
+    for rank, order in enumerate(orders):
+        mine = (rank,)
+
+        def alone(j: int, mine: tuple[int, ...] = mine) -> bool:
+            n = nodes[j]
+            return n.devices == mine and n.kind in SCHEDULED_KINDS
+
+        start = len(order)
+        while start and alone(order[start - 1]) and all(alone(j) for j in succ[order[start - 1]]):
+            start -= 1
+        tail = order[start:]
+        where = {p: i for i, p in enumerate(tail)}
+        after: dict[int, list[int]] = {}
+        for p in tail:
+            if nodes[p].kind is not OPTIMIZER or not all(alone(j) for j in pred[p]):
+                continue
+            anchor = max((where[j] for j in pred[p] if j in where), default=-1)
+            # ``anchor`` counts from the tail's start; -1 is the node before it, if any
+            while anchor + 1 < len(tail) and start + anchor >= 0:
+                slot = overlap_at.get(order[start + anchor])
+                if slot is None or overlap_at.get(tail[anchor + 1]) != slot:
+                    break
+                anchor += 1
+            if any(nodes[q].kind is not OPTIMIZER for q in tail[anchor + 1:where[p]]):  # past compute
+                after.setdefault(anchor, []).append(p)
+        if not after:
+            out.append(order)
+            continue
+        moved = {p for ps in after.values() for p in ps}
+        new = order[:start] + after.get(-1, [])
+        for i, p in enumerate(tail):
+            if p not in moved:
+                new.append(p)
+            new.extend(after.get(i, ()))
+        out.append(new)
+    return out
 
 
 # The stages below name nodes by their position in ``graph.nodes`` and walk edges by
