@@ -260,9 +260,10 @@ def _optimizer_steps_early(graph: Graph, orders: list[list[int]], overlap: dict[
     rank's gradients; it now runs while they do (pp=2, the ``stack`` model: 1.6-2.7 ms of a
     116-118 ms step, alternated, ``benchmarks/bench_timeline.py``).
 
-    Not with tied parameters (``graph.ties``): the first holder's optimizer steps a shared
-    parameter that the other holder's later backward still reads. Linear in the tails and
-    their edges."""
+    A graph with tied parameters (``graph.ties``) keeps its order: temporal edges already
+    hold a shared tensor's step after every holder's passes, which this would respect, but
+    the runtime's aliasing of tied tensors was never run with steps moved. Linear in the
+    tails and their edges."""
     if graph.ties:
         return orders
     nodes, succ, pred = graph.nodes, graph.successor_positions, graph.predecessor_positions
