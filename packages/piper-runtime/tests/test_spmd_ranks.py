@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import datetime
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -156,6 +157,37 @@ def test_an_outcome_published_before_its_process_ended_the_run_is_read_not_a_dea
     with pytest.raises(RankFailure) as failure:
         b.get(handles[1], 0)
     assert failure.value.how == "raised" and "restore without a backup" in failure.value.text
+
+
+def test_ending_the_run_first_publishes_what_its_own_rank_raised(
+        pair: list[SpmdRanks], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Process 0's call is ready as soon as its rank raised, before the outcome is in the store;
+    ending the run then still lets process 1 read why rank 0 failed, not only that it died."""
+    a, b = pair
+    monkeypatch.setattr(a, "_store", _SlowStore(a._store, "calls/0/0", 0.5))
+    handles = _both(pair, 0, "restore")  # process 0's rank raises
+    assert a.wait([handles[0]], 10) == [handles[0]]
+    a.kill()
+    assert b.wait([handles[1]], 10) == [handles[1]]
+    with pytest.raises(RankFailure) as failure:
+        b.get(handles[1], 0)
+    assert failure.value.how == "raised" and "restore without a backup" in failure.value.text
+
+
+class _SlowStore:
+    """A store whose ``set`` of ``slow`` takes ``delay_s`` before the value is in: a publishing
+    thread that lost its core."""
+
+    def __init__(self, store: Any, slow: str, delay_s: float) -> None:
+        self._store, self._slow, self._delay_s = store, slow, delay_s
+
+    def set(self, key: str, value: Any) -> None:
+        if key == self._slow:
+            time.sleep(self._delay_s)
+        self._store.set(key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
 
 
 class _LateStore:

@@ -20,7 +20,8 @@ lane, as ``ThreadRanks``), on the ``cpu`` backend or, where this process has a u
   is a client there (``rendezvous.attach_store``), its keys under ``piper/<run id>/<restart
   count>/<runtime number in this process>``, as the store outlives both; nothing is opened here.
 - **Failure.** ``kill`` publishes that this process ended the run (its peers' waits for it fail
-  at once) and stops the own rank's threads (daemons: one blocked in a receive does not keep
+  at once), after the outcomes its rank has made are published (a peer then reads why the
+  rank failed, not only that the run ended; at most ``PUBLISH_WAIT_S``), and stops the own rank's threads (daemons: one blocked in a receive does not keep
   the process alive); the command exits 3, torchrun ends the other processes and, within its
   ``--max-restarts``, starts them again (``piper train`` then resumes: docs/torchrun.md).
 - **Shared files.** Only the coordinator (rank 0) writes what the job writes once (a
@@ -64,6 +65,7 @@ ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LAUNCH_HINT = "launch every rank with `torchrun --nproc-per-node N -m piper_train train --runtime torchrun ...`"
 _POLL_S = (0.0002, 0.005)  # the first and the longest pause between looks at the store
 _ABORT = "abort"  # set by a process that ended the run: its rank
+PUBLISH_WAIT_S = 5.0  # how long ending the run waits for the own rank's made outcomes to be published
 # Runtimes started here, by launch and rank (one of each per process; tests hold several): every
 # process of a job starts as many, in one order, so their numbers agree.
 _started: collections.Counter[Launch] = collections.Counter()
@@ -184,6 +186,7 @@ class SpmdRanks:
         self.writer = self._hello(namespace, options.faults.setup_timeout_s)
         self._sequence: dict[tuple[int, str | None], Iterator[int]] = collections.defaultdict(itertools.count)
         self._agreements = itertools.count()
+        self._publishing: list[_Own] = []  # own calls whose outcomes the peers read, until published
         self._lanes = {lane: Lane(f"piper-rank{launch.rank}-{lane or 'calls'}") for lane in LANES}
         # Made on its own thread: a worker made on the main thread would take its signals.
         self.worker: RankWorker = self._lanes[None].submit(RankWorker).result()
@@ -244,6 +247,8 @@ class SpmdRanks:
             return outcome
 
         handle.future = self._lanes[group].submit(run)
+        self._publishing = [h for h in self._publishing if not h.future.done()]  # type: ignore[union-attr]
+        self._publishing.append(handle)
         return handle
 
     def share(self, value: Any) -> Any:
@@ -344,6 +349,11 @@ class SpmdRanks:
             return
         self._closed = True
         if self._readers:
+            # An outcome made (``settled``: its call was ready here) is published first: the
+            # peers look for it once more when they see the run ended (``_poll``). A call
+            # still running is not waited for (its rank may be the one that hung).
+            made = [h.future for h in self._publishing if h.settled and h.future is not None]
+            cf.wait(made, timeout=PUBLISH_WAIT_S)
             with contextlib.suppress(Exception):  # the store may be gone with the job
                 self._store.set(_ABORT, str(self.rank))
         abort = getattr(self.worker.backend, "abort", None)
