@@ -22,8 +22,9 @@ lane, as ``ThreadRanks``), on the ``cpu`` backend or, where this process has a u
 - **Failure.** ``kill`` publishes that this process ended the run (its peers' waits for it fail
   at once), after the outcomes its rank has made are published (a peer then reads why the
   rank failed, not only that the run ended; at most ``PUBLISH_WAIT_S``), and stops the own
-  rank's threads (daemons: one blocked in a receive does not keep the process alive); the command exits 3, torchrun ends the other processes and, within its
-  ``--max-restarts``, starts them again (``piper train`` then resumes: docs/torchrun.md).
+  rank's threads (daemons: one blocked in a receive does not keep the process alive); the
+  command exits 3, torchrun ends the other processes and, within its ``--max-restarts``,
+  starts them again (``piper train`` then resumes: docs/torchrun.md).
 - **Shared files.** Only the coordinator (rank 0) writes what the job writes once (a
   checkpoint's index, manifest and rename, metrics, the ``--json`` document); ``writer`` names
   the temporary directory every process writes its rank's checkpoint files into.
