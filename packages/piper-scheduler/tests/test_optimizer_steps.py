@@ -17,6 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 directives = pytest.importorskip("piper_directives")
+piper_memory = pytest.importorskip("piper_memory")
 
 from piper_ir import NodeKind, Phase  # noqa: E402
 from piper_scheduler import CostModel, compile_program, simulate  # noqa: E402
@@ -46,11 +47,15 @@ def _graph(regions: int, *, tie: bool = False):
     ).graph
 
 
-def _program(schedule: str, pp: int, microbatches: int, regions: int, *, tie: bool = False, **parallel):
+def _program(schedule: str, pp: int, microbatches: int, regions: int, *, tie: bool = False, clip: bool = False,
+             **parallel):
     strategy = directives.build_schedule(schedule, pp, microbatches, stages=regions)
     if parallel:
         strategy = directives.parallelize(strategy, **parallel)
-    return compile_program(strategy.apply(_graph(regions, tie=tie)))
+    graph = strategy.apply(_graph(regions, tie=tie))
+    if clip:  # the gradient norm, as ``Trainer`` adds it for ``clip_grad_norm``
+        graph = piper_memory.add_grad_norm(graph, 1.0)
+    return compile_program(graph)
 
 
 def _compute(plan) -> list:
@@ -122,7 +127,8 @@ def test_interleaved_steps_are_shorter_at_the_measured_times(monkeypatch):
     assert sum(simulate(moved, c).makespan < simulate(kept, c).makespan - 1e-9 for c in COSTS[3:]) >= 5
 
 
-@pytest.mark.parametrize("parallel", [{"dp": 2}, {"dp": 2, "zero": 1}, {"tie": True}], ids=["dp2", "zero1", "tied"])
+@pytest.mark.parametrize("parallel", [{"dp": 2}, {"dp": 2, "zero": 1}, {"clip": True}, {"tie": True}],
+                         ids=["dp2", "zero1", "grad-norm", "tied"])
 def test_steps_stay_last_where_a_reduction_follows_or_segments_share_a_parameter(parallel):
     program = _program("interleaved_1f1b", 2, 4, 4, **parallel)
     assert all(_steps_after_every_compute(plan) for plan in program.ranks)
