@@ -174,6 +174,22 @@ def test_ending_the_run_first_publishes_what_its_own_rank_raised(
     assert failure.value.how == "raised" and "restore without a backup" in failure.value.text
 
 
+def test_a_rank_that_fails_after_a_peer_ended_the_run_names_the_peers_failure(pair: list[SpmdRanks]) -> None:
+    """Process 1's rank fails too (as a rank does whose peer's process exited), but process 0
+    ended the run first: process 1 names rank 0's failure, the run's cause, as process 0 does."""
+    a, b = pair
+    peer_of_b, own_of_b = _both([b], 0, "restore")[0], b.call(1, "restore")  # both ranks raise: no backup
+    assert b.wait([own_of_b], 10) == [own_of_b]  # process 1's rank failed; its driver has not acted yet
+    own_of_a, _ = a.call(0, "restore"), a.call(1, "restore")
+    assert a.wait([own_of_a], 10) == [own_of_a]
+    a.kill()  # process 0 ends the run first
+    ready = b.wait([peer_of_b, own_of_b], 10, every=True)
+    assert ready == [peer_of_b, own_of_b]
+    with pytest.raises(RankFailure) as failure:
+        b.get(peer_of_b, 0)
+    assert failure.value.how == "raised" and "restore without a backup" in failure.value.text
+
+
 class _SlowStore:
     """A store whose ``set`` of ``slow`` takes ``delay_s`` before the value is in: a publishing
     thread that lost its core."""

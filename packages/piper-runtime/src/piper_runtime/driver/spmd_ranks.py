@@ -24,7 +24,10 @@ lane, as ``ThreadRanks``), on the ``cpu`` backend or, where this process has a u
   rank failed, not only that the run ended; at most ``PUBLISH_WAIT_S``), and stops the own
   rank's threads (daemons: one blocked in a receive does not keep the process alive); the
   command exits 3, torchrun ends the other processes and, within its ``--max-restarts``,
-  starts them again (``piper train`` then resumes: docs/torchrun.md).
+  starts them again (``piper train`` then resumes: docs/torchrun.md). A process names its own
+  rank's failure, unless another process ended the run before: then that process's rank's
+  failure, the run's cause (this rank's is mostly its consequence: a message to or from a
+  process that exited), so every process names the same one.
 - **Shared files.** Only the coordinator (rank 0) writes what the job writes once (a
   checkpoint's index, manifest and rename, metrics, the ``--json`` document); ``writer`` names
   the temporary directory every process writes its rank's checkpoint files into.
@@ -242,6 +245,7 @@ class SpmdRanks:
             outcome = Outcome(method, lambda: bound(*args))
             # Ready before its peers can read it: a peer that reads a failure ends the run at
             # once, and this process must then see its own rank's failure, not that ending.
+            handle.failed = outcome.error is not None
             handle.settled = True
             if self._readers:
                 self._store.set(key, outcome.pack())
@@ -264,6 +268,8 @@ class SpmdRanks:
             self._poll(handles)
             # The own rank's first: where it failed, that is why, not a peer's process ending the run.
             ready = sorted((h for h in handles if h.ready), key=lambda h: not isinstance(h, _Own))
+            if any(isinstance(h, _Own) and h.failed for h in ready):
+                ready = self._cause_first(handles, ready)
             if len(ready) == len(handles) or (ready and not every):
                 return ready
             now = time.monotonic()
@@ -302,6 +308,27 @@ class SpmdRanks:
         except (RuntimeError, ValueError) as err:  # torch's store errors are RuntimeErrors
             for h in waiting:
                 h.failure = RankFailure("died", f"the job's store at {self.address}:{self.launch.port} failed: {err}")
+
+    def _cause_first(self, handles: Sequence[Any], ready: list[Any]) -> list[Any]:
+        """``ready`` (this rank's call failed), with the call of the rank whose process ended
+        the run first where that call failed too: that failure is the run's, this rank's mostly
+        its consequence (a message to or from a process that exited). Its outcome was published
+        before its process ended the run (``kill``); an ending without one (a process that read
+        this rank's failure and ended the run for it) leaves this rank's first."""
+        try:
+            if not self._store.check([_ABORT]) or (ended := int(self._store.get(_ABORT))) == self.rank:
+                return ready
+        except (RuntimeError, ValueError):  # the store is gone with the job: nothing to tell
+            return ready
+        self._poll(handles)
+        for h in handles:
+            if isinstance(h, _Peer) and h.rank == ended and h.blob is not None:
+                try:
+                    unpack(h.blob, h.method, h.rank)
+                except RankFailure:
+                    rest = (r for r in handles if r.ready and r is not h)
+                    return [h, *sorted(rest, key=lambda r: not isinstance(r, _Own))]
+        return ready
 
     def _read(self, key: str) -> None:
         """Count a read of ``key``; the last of its readers deletes it."""
@@ -397,6 +424,7 @@ class _Own:
     method: str
     published: bool
     settled: bool = False
+    failed: bool = False  # the outcome made is a failure (``settled`` then too)
 
     @property
     def ready(self) -> bool:
