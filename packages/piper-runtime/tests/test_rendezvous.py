@@ -9,6 +9,7 @@ import pytest
 
 from piper_runtime import rendezvous
 from piper_runtime.rendezvous import (
+    LOOPBACK,
     close_listeners,
     ephemeral_ports,
     free_port,
@@ -103,3 +104,27 @@ def test_socket_interfaces_follow_the_address_unless_the_user_set_them(monkeypat
 @pytest.mark.parametrize("address", ["127.0.0.1"])
 def test_local_address_towards_loopback_is_loopback(address: str) -> None:
     assert rendezvous.local_address_towards(address) == address
+
+
+def test_a_port_held_by_something_else_than_a_store_fails_in_bounded_time(monkeypatch) -> None:
+    """torch's store client, connected to a server that never answers, would wait forever."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    silent = socket.socket()
+    silent.bind((LOOPBACK, 0))
+    silent.listen(8)
+    port = silent.getsockname()[1]
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(silent.accept()[0]), daemon=True).start()
+    monkeypatch.setattr(rendezvous, "CLIENT_GRACE_S", 0.5)
+    started = time.monotonic()
+    try:
+        with pytest.raises(dist.DistStoreError, match=rf"store at {LOOPBACK}:{port} did not answer within 1.5 s"):
+            rendezvous.make_store(1, 2, LOOPBACK, port, 1.0)  # a rank other than 0: a client
+    finally:
+        for s in (silent, *accepted):
+            s.close()
+    assert accepted and time.monotonic() - started < 10

@@ -13,6 +13,11 @@
   Under a launcher that already serves a store (torchrun's agent: ``driver.spmd_ranks``), the
   runtime ``attach_store``s that address and port first: then every rank, rank 0 included, is
   a client there, in a namespace of the launch's own, and nothing is opened here.
+- **Clients.** torch's store client retries connecting for the timeout, but once connected it
+  waits for the server's first answer without any bound: a port held by something that is not
+  a store (a user's ``MASTER_PORT`` naming another service) hung a rank forever.
+  ``store_client`` makes it on a thread of its own and gives up after the timeout and
+  ``CLIENT_GRACE_S``, naming the address.
 - **Interfaces.** gloo and NCCL bind their own sockets to an interface named by
   ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``. ``set_socket_interfaces`` sets them, unless the
   user did, to the interface owning this rank's address: loopback (``lo``) on one node, else
@@ -36,6 +41,8 @@ from typing import Any
 LOOPBACK = "127.0.0.1"
 PORTS_FROM = 20000  # above Ray's worker ports (10002-19999), below the ephemeral range
 SOCKET_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+CLIENT_GRACE_S = 5.0  # past a store client's own timeout, before it is given up (module doc)
 
 _LISTENERS: dict[tuple[str, int], socket.socket] = {}  # opened here, not yet taken by a store
 _ATTACHED: dict[tuple[str, int], str] = {}  # served by a launcher: every rank a client, under this prefix
@@ -123,9 +130,9 @@ def make_store(rank: int, world_size: int, address: str, port: int, timeout_s: f
     with _LOCK:
         prefix = _ATTACHED.get((address, port))
     if prefix is not None:
-        return dist.PrefixStore(prefix, dist.TCPStore(address, port, world_size, False, timeout=timeout))
+        return dist.PrefixStore(prefix, store_client(address, port, world_size, timeout_s))
     if rank != 0:
-        return dist.TCPStore(address, port, world_size, False, timeout=timeout)
+        return store_client(address, port, world_size, timeout_s)
     with _LOCK:
         sock = _LISTENERS.pop((address, port), None)
     if sock is None:
@@ -145,6 +152,34 @@ def make_store(rank: int, world_size: int, address: str, port: int, timeout_s: f
         raise
     sock.detach()  # the store owns the descriptor now and closes it when it goes
     return store
+
+
+def store_client(address: str, port: int, world_size: int, timeout_s: float) -> Any:
+    """A client of the TCP store at ``address:port``, or ``DistStoreError`` within ``timeout_s``
+    and ``CLIENT_GRACE_S`` (module doc). The thread of a client given up stays blocked; it is a
+    daemon, and the run fails."""
+    import torch.distributed as dist
+
+    made: dict[str, Any] = {}
+
+    def make() -> None:
+        try:
+            made["store"] = dist.TCPStore(address, port, world_size, False,
+                                          timeout=datetime.timedelta(seconds=timeout_s))
+        except BaseException as exc:  # raised on the caller's thread below
+            made["error"] = exc
+
+    thread = threading.Thread(target=make, name=f"piper-store-client-{address}:{port}", daemon=True)
+    thread.start()
+    thread.join(timeout_s + CLIENT_GRACE_S)
+    if "error" in made:
+        raise made["error"]
+    if "store" not in made:
+        raise dist.DistStoreError(
+            f"the TCP store at {address}:{port} did not answer within {timeout_s + CLIENT_GRACE_S:g} s: the connection "
+            "was accepted, but by no store (is another service on that port?)"
+        )
+    return made["store"]
 
 
 # -- interfaces ---------------------------------------------------------------------------------

@@ -50,7 +50,6 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import timedelta
 from typing import Any
 
 import attrs
@@ -63,7 +62,7 @@ from piper_runtime.driver.outcomes import Outcome, unpack
 from piper_runtime.driver.ranks import LANES, Lane, RankFailure
 from piper_runtime.options import RunOptions
 from piper_runtime.rank.worker import RankWorker
-from piper_runtime.rendezvous import attach_store
+from piper_runtime.rendezvous import attach_store, store_client
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LAUNCH_HINT = "launch every rank with `torchrun --nproc-per-node N -m piper_train train --runtime torchrun ...`"
@@ -182,8 +181,7 @@ class SpmdRanks:
         namespace = f"piper/{launch.run_id}/{launch.restart}/{_started[launch]}"
         _started[launch] += 1
         attach_store(self.address, launch.port, f"{namespace}/world")  # the backend's world, beside the calls
-        timeout = timedelta(seconds=options.faults.worker_timeout())
-        client = dist.TCPStore(self.address, launch.port, launch.world_size, False, timeout=timeout)
+        client = store_client(self.address, launch.port, launch.world_size, options.faults.worker_timeout())
         self._store = dist.PrefixStore(f"{namespace}/calls", client)
         self._readers = launch.world_size - 1  # every outcome is read by each peer
         self._closed = False
