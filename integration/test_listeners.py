@@ -1,5 +1,5 @@
-"""``piper train`` as a user starts it: what its processes listen on, and what its stdout
-holds when SIGTERM ends it.
+"""``piper train`` as a user starts it: what its processes listen on, which processes its
+embedded cluster runs, and what its stdout holds when SIGTERM ends it.
 
 The command runs from a stripped environment (``PATH`` and ``HOME``, as ``env -i`` leaves
 them, and a Ray temp folder of its own to find its processes by): the test session's settings
@@ -40,6 +40,7 @@ TIMEOUT_S = 240
 @attrs.frozen
 class Run:
     listeners: dict[int, tuple[str, list[tuple[str, int]]]]  # pid -> (command line, its listening sockets)
+    commands: list[str]  # the command line of each process of the command's tree while it trained
     returncode: int
     stdout: str
     stderr: str
@@ -100,6 +101,7 @@ def sigterm_run() -> Run:
     try:
         head = _wait_for_line(proc.stderr, "step ", time.monotonic() + TIMEOUT_S)  # progress: stderr with --json
         listeners = _listeners(proc.pid)
+        commands = [_command_line(p) for p in descendants(proc.pid)]
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=TIMEOUT_S)
         leftover = subprocess.run(["pgrep", "-af", ray_tmp], capture_output=True, text=True).stdout
@@ -108,7 +110,7 @@ def sigterm_run() -> Run:
         proc.kill()
         proc.communicate()
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    return Run(listeners, proc.returncode, out, head + err)
+    return Run(listeners, commands, proc.returncode, out, head + err)
 
 
 def test_an_embedded_cluster_listens_on_loopback_only(sigterm_run: Run) -> None:
@@ -122,6 +124,16 @@ def test_an_embedded_cluster_listens_on_loopback_only(sigterm_run: Run) -> None:
               for pid, (command, sockets) in listeners.items()}
     beyond = {pid: found for pid, found in beyond.items() if found[1]}
     assert not beyond, f"listening beyond loopback: {beyond}"
+
+
+def test_an_embedded_cluster_starts_no_api_server_autoscaler_or_log_monitor(sigterm_run: Run) -> None:
+    """``piper_runtime.driver.lean_head``: Ray's head runs its GCS and raylet (and the raylet
+    its agents and the rank workers), not the three Python processes Piper has no use for."""
+    commands = "\n".join(sigterm_run.commands)
+    for expected in ("gcs_server", "raylet", "RankWorker"):
+        assert expected in commands, commands
+    for skipped in ("dashboard/dashboard.py", "autoscaler/_private/monitor.py", "_private/log_monitor.py"):
+        assert skipped not in commands, commands
 
 
 def test_sigterm_leaves_one_json_document_on_stdout(sigterm_run: Run) -> None:

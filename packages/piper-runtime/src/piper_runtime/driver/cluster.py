@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import ray
 
 from piper_ir import ClusterError
-from piper_runtime.driver import early_workers, prestart, ray_env, reaper
+from piper_runtime.driver import early_workers, lean_head, prestart, ray_env, reaper
 from piper_runtime.rendezvous import LOOPBACK, SOCKET_ENV, is_loopback
 
 # Environment every Piper worker gets, and what it gets from the driver's where set there.
@@ -65,8 +65,9 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, *, prest
     An already initialised Ray is reused as is. With ``address`` (or ``RAY_ADDRESS``:
     ``requested_address``) we check that a Ray cluster answers there (``check_address``) and
     connect to it; otherwise we start a local embedded cluster bound to 127.0.0.1 (no
-    dashboard, quiet logs, ``num_cpus`` logical CPUs; never one ``ray start`` runs on this
-    machine, whose ``num_cpus`` is not ours to set) and remember that we did, so ``shutdown``
+    dashboard, nor the head processes it has no use for: ``lean_head``; quiet logs; ``num_cpus``
+    logical CPUs; never one ``ray start`` runs on this machine, whose ``num_cpus`` is not ours
+    to set) and remember that we did, so ``shutdown``
     stops only what we started. With ``prestart_world`` ranks to come, as many as its CPUs and
     with the worker environment inherited, its raylet starts their workers along with itself
     (``piper_runtime.driver.prestart``).
@@ -99,7 +100,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, *, prest
     prestart.record((*WORKER_ENV, *FORWARDED_ENV))
     prestarting = (prestart.prestart_fits(num_cpus or os.cpu_count() or 1, prestart_world)
                    and prestart.inherits(worker_env()) and prestart.supported(ray.__version__))
-    with _keeping_sigterm_handler(), _forgetting_on_failure():
+    with _keeping_sigterm_handler(), _forgetting_on_failure(), lean_head.lean_start():
         ray.init(
             address="local",  # a cluster of our own, not one `ray start` left a record of
             num_cpus=num_cpus,
