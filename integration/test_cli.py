@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from piper_runtime.driver.pool import REUSE_ENV
+from piper_runtime.options import REUSE_ENV
 from piper_train.cli import main
 
 from .conftest import Done

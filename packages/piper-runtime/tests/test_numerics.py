@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from piper_runtime.numerics import StateBackup, check_on_nan, first_nonfinite, nonfinite_grad
+from piper_runtime.numerics import StateBackup, first_nonfinite, nonfinite_grad
+from piper_runtime.options import check_on_nan
 
 
 def test_the_first_nonfinite_gradient_is_named() -> None:

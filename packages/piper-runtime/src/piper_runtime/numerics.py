@@ -26,14 +26,6 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-ON_NAN = ("stop", "skip-step", "continue")
-
-
-def check_on_nan(policy: str) -> str:
-    if policy not in ON_NAN:
-        raise ValueError(f"on_nan must be one of {', '.join(ON_NAN)}; got {policy!r}")
-    return policy
-
 
 def nonfinite_grad(params: Iterable[nn.Parameter], names: Mapping[int, str]) -> str | None:
     """The name of the first parameter of ``params`` whose gradient holds a NaN or Inf. One

@@ -20,18 +20,25 @@ from typing import Any
 
 import attrs
 
-from piper_runtime.numerics import check_on_nan
-
 DEFAULT_TIMEOUT_S = 60.0  # no progress on a rank for this long: the step fails (HangError)
 MIN_WEIGHT_BYTES = 2**20  # the smallest ``nn.Linear`` weight whose gradient sums in its product
 PLACEMENTS = ("pack", "spread")
 COMPILE_BACKENDS = ("inductor", "aot_eager")  # ``ExecutionOptions.compile`` (piper_runtime.rank.compiled)
 RUNTIME_ENV = "PIPER_RUNTIME"  # the runtime a run starts unless told otherwise (default: ray)
+REUSE_ENV = "PIPER_REUSE_WORKERS"  # "1": runtimes use the shared pool unless told otherwise
+ON_NAN = ("stop", "skip-step", "continue")  # ``FaultOptions.on_nan`` (piper_runtime.numerics)
 
 
 def default_runtime() -> str:
     """``$PIPER_RUNTIME`` where set, else ``ray``."""
     return os.environ.get(RUNTIME_ENV) or "ray"
+
+
+def check_on_nan(policy: str) -> str:
+    """``policy`` if it is one of ``ON_NAN``, else ``ValueError`` naming them."""
+    if policy not in ON_NAN:
+        raise ValueError(f"on_nan must be one of {', '.join(ON_NAN)}; got {policy!r}")
+    return policy
 
 
 def _positive(_: object, attribute: attrs.Attribute, value: float | None) -> None:

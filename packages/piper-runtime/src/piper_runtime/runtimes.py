@@ -14,15 +14,17 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import entry_points
-from typing import Any, Protocol
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, Protocol
 
 from piper_ir import ClusterError, Program
-from piper_runtime.optim import OptimizerSpec
-from piper_runtime.options import RunOptions
-from piper_runtime.results import StepResult
+from piper_runtime.options import REUSE_ENV, RunOptions
+
+if TYPE_CHECKING:  # annotations only: ``prepare_runtime`` runs before the command imports torch
+    import torch
+    from torch import nn
+
+    from piper_runtime.optim import OptimizerSpec
+    from piper_runtime.results import StepResult
 
 ENTRY_POINTS = "piper.runtimes"
 
@@ -159,7 +161,6 @@ def prepare_runtime(options: RunOptions, world: int) -> None:
         return
     from piper_runtime.driver.cluster import embedded_cpus, start_early
     from piper_runtime.driver.early_workers import WorkerRequest
-    from piper_runtime.driver.pool import REUSE_ENV
 
     reuse = cluster.reuse_workers if cluster.reuse_workers is not None else os.environ.get(REUSE_ENV, "") == "1"
     request = None if reuse is not False else WorkerRequest(world, cluster)

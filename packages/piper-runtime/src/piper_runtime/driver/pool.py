@@ -37,9 +37,9 @@ import attrs
 import ray
 
 from piper_runtime.driver.prestart import runtime_env_for
+from piper_runtime.options import REUSE_ENV
 from piper_runtime.rank.worker import RankWorker
 
-REUSE_ENV = "PIPER_REUSE_WORKERS"  # "1": runtimes use the shared pool unless told otherwise
 _PING_TIMEOUT_S = 10.0
 # The concurrency group of ``RankWorker.progress``: the watchdog's reads run on a thread of
 # their own, beside a step (every other method runs one at a time, in call order).

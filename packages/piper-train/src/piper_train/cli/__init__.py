@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 from piper_ir import ExecutionError, PiperError
 from piper_train import stopping
-from piper_train.cli import document, jobs
+from piper_train.cli import document, early_start, jobs
 from piper_train.cli.options import build_parser, check_args
 from piper_train.cli.request import StrategyRequest
 from piper_train.cli.scheduling import plan_command, show_command, simulate_command
@@ -55,6 +55,7 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        early_start.start_cluster(args)
         return _command("print-config" if getattr(args, "print_config", None) else args.command)(args)
     except Exception:
         # An interrupt can come out as another error: one that cut an import short leaves a

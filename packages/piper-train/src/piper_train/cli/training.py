@@ -14,14 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from piper_ir import CheckpointError
-from piper_runtime import (
-    ClusterOptions,
-    ExecutionOptions,
-    FaultOptions,
-    OptimizerSpec,
-    RunOptions,
-    StepResult,
-)
+from piper_runtime import OptimizerSpec, StepResult
 from piper_train.batches import Prefetcher
 from piper_train.check import TOLERANCES, run_check
 from piper_train.checkpoints import (
@@ -37,6 +30,7 @@ from piper_train.cli.document import Document, emit, fail
 from piper_train.cli.options import say as _say
 from piper_train.cli.outputs import output_file, writable_folder, writing
 from piper_train.cli.request import StrategyRequest, model_regions
+from piper_train.cli.run_options import run_options
 from piper_train.hardware import load_hardware
 from piper_train.loop import Restart, fit
 from piper_train.metrics import (
@@ -100,20 +94,6 @@ def _optimizer(args: argparse.Namespace) -> OptimizerSpec:
     return OptimizerSpec(args.optimizer, lr, weight_decay=decay, implementation=args.optimizer_impl)
 
 
-def _run_options(args: argparse.Namespace) -> RunOptions:
-    """The run's options (``piper_runtime.RunOptions``), from the ``run`` group's flags."""
-    return RunOptions(
-        execution=ExecutionOptions(bind_cores=not getattr(args, "no_bind_cores", False),
-                                   profile_kernels=getattr(args, "profile_step", None) is not None,
-                                   memory_snapshot=getattr(args, "memory_snapshot", False),
-                                   compile=getattr(args, "compile", None)),
-        faults=FaultOptions(timeout_s=args.timeout, on_nan=getattr(args, "on_nan", "stop")),
-        cluster=ClusterOptions(runtime=args.runtime, address=args.address, backend=args.backend,
-                               placement=args.placement, ranks_per_gpu=args.ranks_per_gpu),
-        seed=args.seed,
-    )
-
-
 def _schedule(args: argparse.Namespace, total: int | None) -> LRSchedule:
     if args.lr_schedule in ("cosine", "linear") and total is None:
         raise ValueError(f"--lr-schedule {args.lr_schedule} decays over the run, whose length is unknown here "
@@ -124,7 +104,7 @@ def _schedule(args: argparse.Namespace, total: int | None) -> LRSchedule:
 def trainer_options(args: argparse.Namespace, total: int | None) -> dict[str, Any]:
     """``Trainer``'s keyword arguments of the command's options (a job file's too:
     ``jobs.load``): the objects ``piper train`` hands it, for a run of ``total`` steps."""
-    return dict(optimizer=_optimizer(args), options=_run_options(args), memory_budget_bytes=_budget(args),
+    return dict(optimizer=_optimizer(args), options=run_options(args), memory_budget_bytes=_budget(args),
                 lr_schedule=_schedule(args, total), clip_grad_norm=args.clip_grad_norm,
                 measure_grad_norm=args.log_grad_norm, precision=args.precision)
 
@@ -446,7 +426,7 @@ def check_command(args: argparse.Namespace) -> int:
     args.rtol = rtol if args.rtol is None else args.rtol
     args.atol = atol if args.atol is None else args.atol
     report = run_check(workload, request.for_trainer(), steps=args.steps,
-                       optimizer=_optimizer(args), rtol=args.rtol, atol=args.atol, options=_run_options(args),
+                       optimizer=_optimizer(args), rtol=args.rtol, atol=args.atol, options=run_options(args),
                        log=lambda s: say(args, s), memory_budget_bytes=_budget(args),
                        lr_schedule=_schedule(args, args.steps), clip_grad_norm=args.clip_grad_norm,
                        eval_batches=args.eval_batches, precision=args.precision)
