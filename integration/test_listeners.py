@@ -10,6 +10,7 @@ tests: starting Ray is most of its cost.
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import json
 import os
@@ -25,6 +26,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+from piper_runtime.driver import lean_head
 from piper_runtime.driver.reaper import descendants
 from piper_runtime.testing import listening
 
@@ -134,6 +136,15 @@ def test_an_embedded_cluster_starts_no_api_server_autoscaler_or_log_monitor(sigt
         assert expected in commands, commands
     for skipped in ("dashboard/dashboard.py", "autoscaler/_private/monitor.py", "_private/log_monitor.py"):
         assert skipped not in commands, commands
+
+
+def test_an_embedded_cluster_tries_its_sockets_every_50_ms(sigterm_run: Run) -> None:
+    """``lean_head.SYSTEM_CONFIG``, as the GCS was given it (``--config_list``: base64 JSON),
+    from which the raylet and the workers read it."""
+    gcs = next(command for command in sigterm_run.commands if "gcs_server" in command.split(" ", 1)[0])
+    encoded = next(arg.split("=", 1)[1] for arg in gcs.split() if arg.startswith("--config_list="))
+    config = json.loads(base64.b64decode(encoded))
+    assert {name: config.get(name) for name in lean_head.SYSTEM_CONFIG} == lean_head.SYSTEM_CONFIG
 
 
 def test_sigterm_leaves_one_json_document_on_stdout(sigterm_run: Run) -> None:

@@ -38,3 +38,9 @@ def test_another_ray_starts_its_cluster_as_it_always_did(monkeypatch: pytest.Mon
     with lean_head.lean_start() as lean:
         assert not lean
         assert _methods() == before
+
+
+def test_the_socket_settings_are_given_only_to_a_ray_that_knows_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert lean_head.system_config() == lean_head.SYSTEM_CONFIG
+    monkeypatch.setattr(ray, "__version__", "2.59.0")
+    assert lean_head.system_config() == {}

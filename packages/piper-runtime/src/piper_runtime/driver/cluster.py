@@ -112,7 +112,8 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, *, prest
             # 1.1-1.4 s of CPU for two, measured with the cluster's process tree, for tasks
             # (Piper runs none but a GPU probe). Rank workers, where they are one per CPU, are prestarted
             # with the raylet instead, their modules imported (``prestarting``).
-            _system_config={"prestart_worker_first_driver": False} | (prestart.SYSTEM_CONFIG if prestarting else {}),
+            _system_config=({"prestart_worker_first_driver": False} | lean_head.system_config()
+                            | (prestart.SYSTEM_CONFIG if prestarting else {})),
         )
     _started_here = True
     node = ray.util.get_node_ip_address()
