@@ -67,10 +67,9 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, *, prest
     connect to it; otherwise we start a local embedded cluster bound to 127.0.0.1 (no
     dashboard, nor the head processes it has no use for: ``lean_head``; quiet logs; ``num_cpus``
     logical CPUs; never one ``ray start`` runs on this machine, whose ``num_cpus`` is not ours
-    to set) and remember that we did, so ``shutdown``
-    stops only what we started. With ``prestart_world`` ranks to come, as many as its CPUs and
-    with the worker environment inherited, its raylet starts their workers along with itself
-    (``piper_runtime.driver.prestart``).
+    to set) and remember that we did, so ``shutdown`` stops only what we started. With
+    ``prestart_world`` ranks to come, as many as its CPUs and with the worker environment
+    inherited, its raylet starts their workers along with itself (``piper_runtime.driver.prestart``).
     """
     global _started_here
     _await_early_start(address, num_cpus)
