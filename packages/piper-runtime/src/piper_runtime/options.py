@@ -34,6 +34,11 @@ def default_runtime() -> str:
     return os.environ.get(RUNTIME_ENV) or "ray"
 
 
+def reuse_by_default() -> bool:
+    """What a ``reuse_workers`` of ``None`` means: the shared pool where ``REUSE_ENV`` is ``1``."""
+    return os.environ.get(REUSE_ENV, "") == "1"
+
+
 def check_on_nan(policy: str) -> str:
     """``policy`` if it is one of ``ON_NAN``, else ``ValueError`` naming them."""
     if policy not in ON_NAN:

@@ -10,14 +10,13 @@ one process, with ``register_runtime``. ``RunOptions.cluster.runtime`` names the
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol
 
 from piper_ir import ClusterError, Program
-from piper_runtime.options import REUSE_ENV, RunOptions
+from piper_runtime.options import RunOptions, reuse_by_default
 
 if TYPE_CHECKING:  # annotations only: ``prepare_runtime`` runs before the command imports torch
     import torch
@@ -162,6 +161,6 @@ def prepare_runtime(options: RunOptions, world: int) -> None:
     from piper_runtime.driver.cluster import embedded_cpus, start_early
     from piper_runtime.driver.early_workers import WorkerRequest
 
-    reuse = cluster.reuse_workers if cluster.reuse_workers is not None else os.environ.get(REUSE_ENV, "") == "1"
+    reuse = cluster.reuse_workers if cluster.reuse_workers is not None else reuse_by_default()
     request = None if reuse is not False else WorkerRequest(world, cluster)
     start_early(cluster.address, embedded_cpus(world, cluster.cpus_per_rank), request)

@@ -28,7 +28,6 @@ that started is pinged like any idle worker.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -37,7 +36,7 @@ import attrs
 import ray
 
 from piper_runtime.driver.prestart import runtime_env_for
-from piper_runtime.options import REUSE_ENV
+from piper_runtime.options import reuse_by_default
 from piper_runtime.rank.worker import RankWorker
 
 _PING_TIMEOUT_S = 10.0
@@ -234,5 +233,5 @@ def pool_for(reuse_workers: bool | WorkerPool | None) -> WorkerPool | None:
     if isinstance(reuse_workers, WorkerPool):
         return reuse_workers
     if reuse_workers is None:
-        reuse_workers = os.environ.get(REUSE_ENV, "") == "1"
+        reuse_workers = reuse_by_default()
     return shared_pool() if reuse_workers else None
