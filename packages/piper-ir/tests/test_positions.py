@@ -81,6 +81,38 @@ def test_rank_orders_by_position_agrees_with_the_keyed_form() -> None:
     assert rank_orders(cyclic) is None and not is_acyclic(cyclic) and is_acyclic(g)
 
 
+def test_rank_orders_of_microbatches_outside_the_graphs_count() -> None:
+    """An unvalidated graph (microbatches outside ``[0, graph.microbatches)``, one below zero,
+    an optimizer step of no microbatch) orders as the keyed form does: the position form
+    packs each heap key into one integer by the microbatches' span, and widens that span
+    to the microbatches it finds."""
+    g = _pipeline()
+    steps = [Node(f"opt.s{r}", NodeKind.OPTIMIZER, f"s{r}", devices=(r,)) for r in (0, 1)]
+    shifted = attrs.evolve(
+        g,
+        nodes=[*(attrs.evolve(n, microbatch=n.microbatch - 1) if n.microbatch is not None else n for n in g.nodes),
+               *steps],
+        edges=[*g.edges, *(Edge(f"B.s{r}.mb1", f"opt.s{r}") for r in (0, 1))],
+    )
+    for graph in (attrs.evolve(g, microbatches=1), shifted):
+        for listed in (frozenset(), frozenset({NodeKind.SEND, NodeKind.RECV})):
+            assert rank_orders(graph, listed) == _rank_orders_by_id(graph, listed, {})
+    # the optimizer step (no microbatch) sorts before the compute nodes in the heap, but
+    # waits for its last backward
+    assert rank_orders(shifted)[0][-1] == "opt.s0"
+
+
+def test_ready_compute_nodes_leave_by_phase_then_microbatch_whatever_the_count() -> None:
+    """All ready at once (no edges), so the heap alone decides: forwards before backwards,
+    each by microbatch, also where the graph's microbatch count is wrong or a microbatch is
+    negative."""
+    numbers = (3, -2, 0, 1)
+    nodes = [Node(f"{p.value}{mb}", NodeKind.COMPUTE, "s", p, mb, devices=(0,)) for mb in numbers for p in (Phase.B, Phase.F)]
+    g = Graph((), (), nodes, (), world_size=1, microbatches=1)
+    expected = [f"{p.value}{mb}" for p in (Phase.F, Phase.B) for mb in sorted(numbers)]
+    assert rank_orders(g) == [expected] == _rank_orders_by_id(g, frozenset(), {})
+
+
 def test_cycle_checks_without_positions() -> None:
     g = _pipeline()
     twice = attrs.evolve(g, nodes=(*g.nodes, g.nodes[0]))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import heapq
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from piper_ir.graph import Graph, Node, NodeKind
@@ -193,56 +193,73 @@ def rank_order_positions(graph: Graph, listed: Iterable[NodeKind] = ()) -> list[
     ``compile_program`` walks the graph by these positions, not by id."""
     listed = frozenset(listed)
     seg_pos = {s.id: i for i, s in enumerate(graph.segments)}
-    no_seg, no_phase = len(seg_pos), len(PHASE_ORDER)
     positions = graph.successor_positions
     if positions is None:
         raise ValueError("rank_order_positions needs a graph whose ids are unique and whose edges name its nodes")
     nodes = graph.nodes
-    # Per node (by position), what its release needs, made once: a compute node's heap key
-    # (graph positions are unique, so a comparison never reaches the node at the end), None
-    # for any other node, which is released as soon as it is ready.
-    keys: list[tuple[int, int, int, int, Node] | None] = [
-        (
-            PHASE_ORDER[n.phase] if n.phase else no_phase,
-            -1 if n.microbatch is None else n.microbatch,
-            seg_pos.get(n.segment or "", no_seg),
-            i,
-            n,
-        )
-        if n.kind in RANKED_KINDS
-        else None
-        for i, n in enumerate(nodes)
-    ]
+    # Per node (by position), what its release needs, made once in graph order, so the
+    # release loop below, which visits nodes in no such order, reads two lists and never a
+    # node (``_release_keys``).
+    shift = max(len(nodes), 1).bit_length()
+    low = (1 << shift) - 1
+    made = _release_keys(nodes, listed, seg_pos, shift, 0, graph.microbatches)
+    if made is None:  # a microbatch outside [0, graph.microbatches): an unvalidated graph
+        numbers = [n.microbatch for n in nodes if n.microbatch is not None] or [0]
+        made = _release_keys(nodes, listed, seg_pos, shift, min(numbers), max(numbers) + 1)
+    keys, emit = made  # type: ignore[misc]
     indeg = [len(starts) for starts in graph.predecessor_positions]  # type: ignore[union-attr]
-    free: deque[int] = deque(i for i, d in enumerate(indeg) if not d and keys[i] is None)
-    heap = [key for key, d in zip(keys, indeg, strict=True) if not d and key is not None]
+    free: deque[int] = deque(i for i, d in enumerate(indeg) if not d and keys[i] < 0)
+    heap = [key for key, d in zip(keys, indeg, strict=True) if not d and key >= 0]
     heapq.heapify(heap)  # the order pushes would give: keys are unique
     push, pop, to_free = heapq.heappush, heapq.heappop, free.append
     orders: list[list[int]] = [[] for _ in range(max(graph.world_size, 0))]
     done = 0
     while free or heap:
-        if free:
-            i = free.popleft()
-            n = nodes[i]
-            if n.kind in listed:
-                for d in n.devices:
-                    orders[d].append(i)
-        else:
-            key = pop(heap)
-            i, n = key[3], key[4]
-            for d in n.devices:
-                orders[d].append(i)
+        i = free.popleft() if free else pop(heap) & low
+        for d in emit[i]:
+            orders[d].append(i)
         done += 1
         for j in positions[i]:
             k = indeg[j] - 1
             indeg[j] = k
             if not k:
                 key = keys[j]
-                if key is None:
+                if key < 0:
                     to_free(j)
                 else:
                     push(heap, key)
     return orders if done == len(indeg) else None
+
+
+def _release_keys(
+    nodes: Sequence[Node], listed: frozenset[NodeKind], seg_pos: dict[str, int], shift: int, first_mb: int, end_mb: int
+) -> tuple[list[int], list[tuple[int, ...]]] | None:
+    """For ``rank_order_positions``, per node: a compute or optimizer node's heap key as one
+    integer (phase, microbatch, segment position, graph position, most significant first: an
+    integer compares in one step, a tuple element by element), -1 for any other node (it is
+    released as soon as it is ready); and the devices whose orders list the node (none for an
+    unlisted other node). ``None`` when a microbatch lies outside ``[first_mb, end_mb)``."""
+    no_seg, no_phase = len(seg_pos), len(PHASE_ORDER)
+    mb_span, seg_span = end_mb - first_mb + 1, no_seg + 1  # a microbatch of None sorts first
+    keys: list[int] = []
+    emit: list[tuple[int, ...]] = []
+    add_key, add_emit = keys.append, emit.append
+    for i, n in enumerate(nodes):
+        if n.kind in RANKED_KINDS:
+            mb = n.microbatch
+            if mb is None:
+                mb = 0
+            elif first_mb <= mb < end_mb:
+                mb += 1 - first_mb
+            else:
+                return None
+            phase = PHASE_ORDER[n.phase] if n.phase else no_phase
+            add_key((((phase * mb_span + mb) * seg_span + seg_pos.get(n.segment or "", no_seg)) << shift) | i)
+            add_emit(n.devices)
+        else:
+            add_key(-1)
+            add_emit(n.devices if n.kind in listed else ())
+    return keys, emit
 
 
 def _rank_orders_by_id(graph: Graph, listed: frozenset[NodeKind], seg_pos: dict[str, int]) -> list[list[str]] | None:
