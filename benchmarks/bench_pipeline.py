@@ -43,13 +43,22 @@ run (this machine is shared) falls on both. The load average is printed with eac
 pipelined Piper median over its torch median): the spread a single figure hides; "fit by
 round" the same for ``fit``'s steps.
 
+``--compile BACKEND`` runs both sides through ``torch.compile``: Piper's segments (``Trainer(
+compile=...)``: each segment's forward and backward, the split weight pass of a stage's last
+backward, large weight gradients added inside their product) and torch's stage modules
+(``torch.compile(module)`` handed to ``PipelineStage``, in processes that keep freed memory
+as Piper's compiled ranks do: ``torch_pipelining.py``). Each side's set-up then includes its
+compiling (inductor's on-disk cache makes later rounds and runs cheaper), and "bound/torch" is
+computed the same way from Piper's compiled segments run alone (torch's compiled stages are
+other graphs, so it is no longer the bound of torch's kernels).
+
 AdamW runs as each side's default unless told: Piper's "auto" is torch's fused kernel,
 torch's own default on the CPU is its for-loop. ``--torch-optimizer-impl fused`` (or
 ``--optimizer-impl for-loop``) compares like for like, so that only the runtimes differ.
 
     .venv/bin/python benchmarks/bench_pipeline.py [--models stack,mlp,transformer,lm]
         [--schedules gpipe,1f1b,interleaved_1f1b] [--pp 2 4] [--microbatches 8] [--steps 6] [--repeats 2]
-        [--steps-per-call 4] [--optimizer-impl auto] [--torch-optimizer-impl default]
+        [--steps-per-call 4] [--optimizer-impl auto] [--torch-optimizer-impl default] [--compile inductor]
 """
 
 from __future__ import annotations
@@ -87,7 +96,7 @@ def run_piper(
     schedule: str, model_name: str, pp: int, microbatches: int, steps: int, warmup: int = 1, sync_steps: int = 0,
     cpu: list[float] | None = None, grouped: list[float] | None = None, steps_per_call: int = 4,
     implementation: str = "auto", fitted: list[float] | None = None, programs: list[Program] | None = None,
-    setup: list[float] | None = None,
+    setup: list[float] | None = None, compile: str | None = None,
 ) -> tuple[list[float], list[float], list[float]]:
     """Pipelined step times (between results), in-worker times, and sync step times; ``cpu``
     receives the workers' CPU seconds per pipelined step, summed over ranks; ``grouped``
@@ -96,7 +105,8 @@ def run_piper(
     consecutive calls' results over their steps; ``fitted`` receives ``fit``'s step times
     (its default call sizes) after its first ``FIT_MEASURED`` steps; ``programs`` receives the
     compiled program; ``setup`` the seconds from the ``Trainer``'s construction to the end of
-    its first step (capture, compile, ranks set up on pooled workers, the first step)."""
+    its first step (capture, compile, ranks set up on pooled workers, the first step);
+    ``compile``: the ``torch.compile`` backend of the segments (``None``: eager)."""
     spec = build_model(model_name, stages=pp * CHUNKS[schedule])
     started = time.perf_counter()
     calls = max(3, steps // steps_per_call + 1) if grouped is not None else 0
@@ -105,7 +115,7 @@ def run_piper(
     with Trainer.with_schedule(
         spec.model, spec.example_inputs, spec.example_targets, spec.loss_fn,
         schedule=schedule, pp=pp, microbatches=microbatches, optimizer=OptimizerSpec("adamw", LR, implementation=implementation),
-        reuse_workers=True,
+        reuse_workers=True, compile=compile,
     ) as trainer:
         if programs is not None:
             programs.append(trainer.program)
@@ -161,12 +171,13 @@ COMPUTE = (NodeKind.COMPUTE, NodeKind.OPTIMIZER)
 
 def compute_bound(
     schedule: str, model_name: str, pp: int, microbatches: int, program: Program, steps: int = 4,
-    implementation: str = "auto",
+    implementation: str = "auto", compile: str | None = None,
 ) -> float:
     """The shortest step any runtime could take for ``program`` on this machine (module
     doc): costs alone from one rank running the same regions (each microbatch's forward,
     then its backward: the warmest order), simulated with free messages; at least the
-    step's compute over the host's cores."""
+    step's compute over the host's cores. ``compile``: the regions run compiled, as Piper's
+    ``compile=`` runs them."""
     spec = build_model(model_name, stages=pp * CHUNKS[schedule])
     durations: dict[tuple[str, str], list[float]] = {}
     with Trainer.with_schedule(
@@ -174,6 +185,7 @@ def compute_bound(
         schedule="1f1b", pp=1, microbatches=microbatches,
         optimizer=OptimizerSpec("adamw", LR, implementation=implementation), reuse_workers=True,
         grad_fusion_min_bytes=None,  # torch's kernels: autograd adds each weight gradient
+        compile=compile,
     ) as alone:
         by_id = {ins.id: ins for plan in alone.program.ranks for ins in plan.instructions}
         for step in range(steps + 1):
@@ -198,7 +210,7 @@ TORCH_KWARGS = {"default": {}, **TORCH_KEYWORDS}  # torch's side: its own defaul
 
 def compare(
     model: str, schedule: str, pp: int, microbatches: int, steps: int, repeats: int, steps_per_call: int,
-    implementation: str = "auto", torch_implementation: str = "default",
+    implementation: str = "auto", torch_implementation: str = "default", compile: str | None = None,
 ) -> dict[str, float]:
     torch_t: list[float] = []
     grouped: list[float] = []
@@ -216,14 +228,14 @@ def compare(
     def torch_side() -> None:
         started = time.perf_counter()
         timed = run_torch_pipeline(schedule, model, pp, microbatches, steps, warmup=1, lr=LR, optimizer="adamw",
-                                   optimizer_kwargs=TORCH_KWARGS[torch_implementation], cpu=torch_cpu)
+                                   optimizer_kwargs=TORCH_KWARGS[torch_implementation], cpu=torch_cpu, compile=compile)
         torch_setup.append(time.perf_counter() - started - sum(timed))
         torch_t.extend(timed)
 
     def piper_side() -> None:
         t, i, s = run_piper(schedule, model, pp, microbatches, steps, sync_steps=max(2, steps // 2), cpu=piper_cpu,
                             grouped=grouped, steps_per_call=steps_per_call, implementation=implementation,
-                            fitted=fitted, programs=programs, setup=piper_setup)
+                            fitted=fitted, programs=programs, setup=piper_setup, compile=compile)
         piper_t.extend(t)
         inside.extend(i)
         sync.extend(s)
@@ -239,7 +251,7 @@ def compare(
         rounds.append(statistics.median(piper_t[before[1]:]) / torch_round)
         fit_rounds.append(statistics.median(fitted[before[2]:]) / torch_round)
     t, p = statistics.median(torch_t), statistics.median(piper_t)
-    bound = compute_bound(schedule, model, pp, microbatches, programs[0], implementation=implementation)
+    bound = compute_bound(schedule, model, pp, microbatches, programs[0], implementation=implementation, compile=compile)
     return {"bound": bound, "torch": t, "piper": p, "inside": statistics.median(inside), "sync": statistics.median(sync),
             "grouped": statistics.median(grouped), "fit": statistics.median(fitted), "low": min(rounds), "high": max(rounds),
             "fit_low": min(fit_rounds), "fit_high": max(fit_rounds),
@@ -260,6 +272,8 @@ def main() -> None:
                         help="Piper's AdamW implementation (default: auto, Piper's own default: fused)")
     parser.add_argument("--torch-optimizer-impl", default="default", choices=sorted(TORCH_KWARGS),
                         help="torch's AdamW implementation (default: torch's own default, the for-loop on the CPU)")
+    parser.add_argument("--compile", metavar="BACKEND", choices=("inductor", "aot_eager"),
+                        help="both sides through torch.compile with this backend: Piper's segments, torch's stage modules")
     args = parser.parse_args()
     # One embedded cluster for every row: with as many logical CPUs as the widest row's ranks
     # (reused workers reserve no bundle, but the cluster must be large enough for them).
@@ -267,7 +281,8 @@ def main() -> None:
     transport = "shared memory" if shm_enabled() else "gloo"
     print(f"Piper vs torch.distributed.pipelining — CPU, Piper's messages through {transport}, torch's through gloo,"
           f" AdamW (Piper: {args.optimizer_impl}, torch: {args.torch_optimizer_impl}), {args.microbatches} microbatches, "
-          f"{args.steps} timed steps per round after 1 warm-up, {args.repeats} alternating rounds, medians")
+          f"{args.steps} timed steps per round after 1 warm-up, {args.repeats} alternating rounds, medians"
+          + (f"; both sides compiled (torch.compile, {args.compile})" if args.compile else "; eager"))
     k = args.steps_per_call
     header = (f"{'model':<12} {'schedule':<17} {'pp':>2} {'torch ms':>9} {'piper ms':>9} {'piper/torch':>12}"
               f" {'by round':>10}"
@@ -278,7 +293,7 @@ def main() -> None:
         for pp in args.pp:
             for schedule in args.schedules.split(","):
                 r = compare(model, schedule, pp, args.microbatches, args.steps, args.repeats, k,
-                            args.optimizer_impl, args.torch_optimizer_impl)
+                            args.optimizer_impl, args.torch_optimizer_impl, args.compile)
                 spread = f"{r['low']:.2f}-{r['high']:.2f}"
                 fit_spread = f"{r['fit_low']:.2f}-{r['fit_high']:.2f}"
                 print(f"{model:<12} {schedule:<17} {pp:>2} {r['torch'] * 1e3:>9.1f} {r['piper'] * 1e3:>9.1f}"

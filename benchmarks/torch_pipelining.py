@@ -4,7 +4,13 @@ Runs a ``piper_train.models`` model, cut into ``pp`` stages along its annotated 
 ``stage_modules(pp)``, through ``ScheduleGPipe`` or ``Schedule1F1B``: one process per stage
 on 127.0.0.1, one thread each, an SGD step every iteration. Each step is timed on rank 0
 between two barriers, so a time covers the slowest rank. Piper's half runs the same model
-and schedule as a directive program, so the two tables compare like for like.
+and schedule as a directive program, so the two tables compare like for like. With
+``compile`` (a ``torch.compile`` backend), each rank's stage modules run compiled
+(``torch.compile(module, backend=...)`` handed to ``PipelineStage``), as Piper's
+``--compile`` runs its segments, and the process keeps freed memory for the next allocation
+as Piper's compiled ranks do (``piper_runtime.rank.freed_memory``: compiled code frees and
+allocates its buffers at every call; without it torch's compiled 1F1B ``stack`` step took
+106.7-108.0 ms against 101.7-102.1 ms with it, and 102-103 ms eager).
 
     .venv/bin/python benchmarks/torch_pipelining.py
 """
@@ -21,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from piper_runtime.rank.freed_memory import keep_freed_memory
 from piper_train.models import build_model
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -41,6 +48,7 @@ def run_torch_pipeline(
     optimizer: str = "sgd",
     optimizer_kwargs: dict[str, bool] | None = None,
     cpu: list[float] | None = None,
+    compile: str | None = None,
 ) -> list[float]:
     """Time ``steps`` training steps (after ``warmup`` more) and return them in seconds.
 
@@ -48,7 +56,8 @@ def run_torch_pipeline(
     ``2 pp`` regions, rank r running regions r and r + pp, as Piper's schedule); the batch of
     ``build_model(model_name)`` is split into ``microbatches`` equal microbatches (the
     batch size must divide evenly). ``optimizer_kwargs`` go to the torch optimizer (e.g.
-    ``fused=True``; none: torch's default implementation).
+    ``fused=True``; none: torch's default implementation). ``compile``: a ``torch.compile``
+    backend for each stage module (``None``: eager).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose from {sorted(SCHEDULES)}")
@@ -64,7 +73,7 @@ def run_torch_pipeline(
     mp.start_processes(
         _worker,
         args=(pp, _free_port(), schedule, model_name, microbatches, steps, warmup, lr, seed, optimizer,
-              dict(optimizer_kwargs or {}), results),
+              dict(optimizer_kwargs or {}), compile, results),
         nprocs=pp,
         join=True,
         start_method="spawn",
@@ -100,10 +109,13 @@ def _worker(
     seed: int,
     optimizer: str,
     optimizer_kwargs: dict[str, bool],
+    compile: str | None,
     results: mp.SimpleQueue,
 ) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
+    if compile is not None:
+        keep_freed_memory()  # glibc keeps freed memory, as in Piper's compiled ranks (module doc)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=pp)
     try:
         # Every rank builds the whole model from the same seed (identical weights), keeps
@@ -119,7 +131,8 @@ def _worker(
                 for part in parts[:index]:
                     example = part(example)
             modules.append(parts[index])
-            stages.append(PipelineStage(parts[index], index, pp * chunks, torch.device("cpu"), input_args=(example,)))
+            run = parts[index] if compile is None else torch.compile(parts[index], backend=compile)
+            stages.append(PipelineStage(run, index, pp * chunks, torch.device("cpu"), input_args=(example,)))
         if chunks == 1:
             sched = SCHEDULES[schedule](stages[0], n_microbatches=microbatches, loss_fn=spec.loss_fn)
         else:
