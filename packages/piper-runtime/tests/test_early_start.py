@@ -42,24 +42,26 @@ prepare_runtime(options, {hinted})
 early = cluster._early
 cluster.ensure_ray(None, num_cpus={needed})
 
-# The early rank workers' bundles may hold every CPU; a runtime_env of its own leaves the
-# workers the raylet prestarted for the ranks to them.
-@ray.remote(num_cpus=0, runtime_env={{"env_vars": {{"PIPER_TEST_TASK": "1"}}}})
-def pid():
-    return os.getpid()
-
-answered = ray.get(pid.remote()) != os.getpid()
 seen = {{}}
 {train}
-os.kill(os.getpid(), signal.SIGTERM)
-time.sleep(0.2)
-cpus = ray.cluster_resources()["CPU"]
 children = open(f"/proc/{{os.getpid()}}/task/{{os.getpid()}}/children").read().split()
 raylet = [c for c in children if b"raylet" in open(f"/proc/{{c}}/cmdline", "rb").read()]
 idle = []
 for r in raylet:
     for c in open(f"/proc/{{r}}/task/{{r}}/children").read().split():
         idle += [c] if b"ray::IDLE" in open(f"/proc/{{c}}/cmdline", "rb").read() else []
+
+# Asked for once the idle workers are counted: its worker stays idle for a while after it
+# (``prestart.IDLE_GRACE_MS``). The rank workers' bundles may hold every CPU; a runtime_env
+# of its own keeps this task off the workers the raylet prestarted.
+@ray.remote(num_cpus=0, runtime_env={{"env_vars": {{"PIPER_TEST_TASK": "1"}}}})
+def pid():
+    return os.getpid()
+
+answered = ray.get(pid.remote()) != os.getpid()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+cpus = ray.cluster_resources()["CPU"]
 {train_end}
 cluster.shutdown()
 early.thread.join(timeout=30)

@@ -20,6 +20,17 @@ So, where Piper starts the embedded cluster for as many ranks as the cluster has
   environment from the driver (``runtime_env_for``). Ray hands idle workers only to actors of
   the same ``runtime_env``, so the prestarted workers become the rank workers.
 
+Ray keeps only as many idle workers as its node has CPUs *available*, and stops the others
+once they have been idle ``idle_worker_killing_time_threshold_ms`` (1 s by default). The
+ranks' bundles (``placement.reserve``) take every CPU, so from the moment they are reserved
+until the rank actors lease the prestarted workers, Ray wants no idle worker: the raylet's
+log showed both prestarted workers stopped 66 ms after the reservation, 91 ms before the
+actors were created, which then started two workers of their own (``tests/test_early_start.py``
+here: in 1 of 4 runs of the test alone, 2 of 3 runs of the package's tests, 4 of 4 with no
+task asked for before the ranks). ``SYSTEM_CONFIG`` gives an idle worker of the embedded
+cluster ``IDLE_GRACE_MS`` instead (then 6 of 6, and 2 of 2 runs of the package's tests,
+passed); a worker nobody takes still goes, later.
+
 The record of what the cluster inherited (``record``, ``forget``) is kept for every embedded
 cluster, so rank actors on one skip the runtime-env agent with or without prestarting.
 ``SYSTEM_CONFIG``'s keys are Ray's own settings, read when its processes start: a Ray that
@@ -35,7 +46,9 @@ from typing import Any
 # Imported by each prestarted worker before its first call: what a rank's setup and first
 # optimizer step would import (``RankWorker.warm`` then finds them loaded).
 PRELOAD = ("piper_runtime.rank.worker", "torch._dynamo")
-SYSTEM_CONFIG: dict[str, Any] = {"enable_worker_prestart": True, "preload_python_modules": list(PRELOAD)}
+IDLE_GRACE_MS = 10_000  # how long an idle worker of a prestarting cluster lives past the soft limit (module doc)
+SYSTEM_CONFIG: dict[str, Any] = {"enable_worker_prestart": True, "preload_python_modules": list(PRELOAD),
+                                 "idle_worker_killing_time_threshold_ms": IDLE_GRACE_MS}
 MIN_RAY = (2, 60)
 
 _inherited: dict[str, str | None] | None = None  # what the embedded cluster's processes inherited
